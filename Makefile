@@ -1,0 +1,16 @@
+# The two commands of the README. Both set everything up first (idempotent) and then run.
+.PHONY: demo test lint setup
+
+setup:
+	scripts/setup.sh
+
+demo: setup
+	.venv/bin/pddlink demo
+
+test: setup lint
+	.venv/bin/python -m pytest -q
+
+lint:
+	.venv/bin/ruff check .
+	.venv/bin/ruff format --check pddlink engines_adapter sidecar netlab tests
+	.venv/bin/mypy pddlink

@@ -1,0 +1,259 @@
+"""The engine contract: what pddlink needs from an inference engine, and when it asks for it.
+
+One request's lifecycle on each role (P = prefill, RLD = RelayDecode, MD = MainDecode)::
+
+    P    prefill(rid, prompt, sampling)          -> first token t0 (KV of the prompt is now held)
+         export_kv(rid, first_block, n)          -> KV blocks handed to the sidecar for shipping
+         release(rid)                            -> full prompt blocks stay in P's prefix cache
+
+    RLD  import_kv(rid, prompt, blocks, sampling) <- whole prompt KV over the fast path
+         extend(rid, [t0])                        -> t1 (one decode step of a single request)
+         decode([rid, ...])                       -> t2, t3, ... (batched, one token per request)
+         release(rid)                             after the handoff (one-shot) or when MD is level
+
+    MD   cached_prefix_tokens(prompt)             -> how much of the prompt its pool already holds
+         import_kv(rid, prompt, blocks, sampling, reuse_prefix_tokens=k)
+                                                  <- only the missing suffix crosses the WAN
+         extend(rid, [t0 .. tk-1])                -> tk: RLD's tokens recomputed in ONE forward pass
+         decode([rid, ...])                       -> the rest
+         release(rid)                             -> the finished sequence's full blocks are cached
+
+Sequence state. A request holds ``tokens`` (prompt + generated) and ``kv_tokens``, the number of
+leading tokens whose KV is computed. After ``prefill``/``extend``/``decode`` the newest sampled token
+is *pending*: it is in ``tokens`` but its KV is computed by the next ``decode`` step. After
+``import_kv`` nothing is pending (``kv_tokens == len(tokens)``), so the first call is ``extend``.
+
+Sampling is reproducible across instances: the token at absolute position ``pos`` (its index in
+``tokens``) is drawn with randomness that is a pure function of ``(sampling.seed, pos)``. An
+instance that takes a request over therefore continues exactly as the first would have.
+
+KV blocks. The pool is paged: block ``i`` of a request holds tokens ``[i*B, (i+1)*B)`` for the
+layout's ``block_size`` B. ``export_kv`` returns ``KVBlocks`` whose ``data`` is one contiguous
+little-endian buffer of shape ``[n_blocks, num_layers, 2 (k, v), num_kv_heads, block_size,
+head_dim]`` in the layout's dtype; a partial last block is zero-padded and ``num_tokens`` says how
+many tokens are real.
+
+Errors. Every method validates before it changes anything: bad input raises an ``EngineError``
+subclass and leaves the engine exactly as it was (unknown request, released request, token id out
+of vocabulary, KV layout that does not match the model, block range out of bounds, pool full).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from pddlink.errors import ErrorCode, InvalidInput, LocalError, NotFound
+
+DTYPE_BYTES: dict[str, int] = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "float8_e4m3fn": 1}
+
+
+class EngineError(LocalError):
+    """Root of engine errors."""
+
+
+class UnknownRequest(EngineError, NotFound):
+    """The request id is unknown or already released."""
+
+
+class InvalidTokens(EngineError, InvalidInput):
+    """Token ids out of vocabulary, an empty prompt, or a sequence longer than the model allows."""
+
+
+class LayoutMismatch(EngineError):
+    """Imported KV was produced by a model with another layout."""
+
+    code = ErrorCode.LAYOUT_MISMATCH
+
+
+class InvalidBlocks(EngineError, InvalidInput):
+    """A block range or block payload that does not fit the request."""
+
+
+class PoolExhausted(EngineError):
+    """The paged KV pool has no free block left."""
+
+    code = ErrorCode.CAPACITY
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How tokens are drawn. A plain value: it travels to another instance with the handoff.
+
+    ``temperature == 0`` means greedy. ``top_k == 0`` and ``top_p == 1.0`` disable those filters.
+    Generation stops after ``max_tokens`` generated tokens or at any of ``stop_token_ids``.
+    """
+
+    seed: int = 0
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.seed < 2**63:
+            raise InvalidInput(f"sampling.seed must be in [0, 2**63), got {self.seed}")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise InvalidInput(f"sampling.temperature must be in [0, 100], got {self.temperature}")
+        if self.top_k < 0:
+            raise InvalidInput(f"sampling.top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidInput(f"sampling.top_p must be in (0, 1], got {self.top_p}")
+        if not 1 <= self.max_tokens <= 1_000_000:
+            raise InvalidInput(f"sampling.max_tokens must be in [1, 1000000], got {self.max_tokens}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["stop_token_ids"] = list(self.stop_token_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = set(d) - known
+        if unknown:
+            raise InvalidInput(f"unknown sampling field(s): {', '.join(sorted(unknown))}")
+        kw = dict(d)
+        if "stop_token_ids" in kw:
+            kw["stop_token_ids"] = tuple(int(t) for t in kw["stop_token_ids"])
+        return cls(**kw)
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """Shape of one model's KV cache. Two sides exchange KV only when their layouts are equal."""
+
+    model_id: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    block_size: int
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_BYTES:
+            raise InvalidInput(f"layout.dtype {self.dtype!r} is not one of {sorted(DTYPE_BYTES)}")
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
+            if getattr(self, name) <= 0:
+                raise InvalidInput(f"layout.{name} must be positive")
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.itemsize
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.bytes_per_token * self.block_size
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> KVLayout:
+        return cls(**d)
+
+
+@dataclass(frozen=True, slots=True)
+class KVBlocks:
+    """A run of consecutive KV blocks of one request (see the module docstring for the byte layout)."""
+
+    layout: KVLayout
+    first_block: int
+    num_blocks: int
+    num_tokens: int  # real tokens covered, counted from token first_block * block_size
+    data: bytes | bytearray | memoryview = field(repr=False)
+
+    def __post_init__(self) -> None:
+        expect = self.num_blocks * self.layout.bytes_per_block
+        if len(memoryview(self.data).cast("B")) != expect:
+            raise InvalidBlocks(f"KV payload is {len(self.data)} bytes, {self.num_blocks} blocks need {expect}")
+        if not 0 <= self.num_tokens <= self.num_blocks * self.layout.block_size:
+            raise InvalidBlocks(f"num_tokens {self.num_tokens} does not fit {self.num_blocks} blocks")
+        if self.first_block < 0:
+            raise InvalidBlocks("first_block must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    """One sampled token of one request. ``position`` is its index in the request's token list."""
+
+    request_id: str
+    token_id: int
+    position: int
+    finished: bool  # max_tokens reached or a stop token drawn
+
+
+class EngineAdapter(ABC):
+    """The contract. Implementations: ``engines_adapter.torch_ref`` and ``engines_adapter.hf``.
+
+    Not thread-safe: one caller drives an engine (the sidecar's engine loop).
+    """
+
+    @property
+    @abstractmethod
+    def layout(self) -> KVLayout: ...
+
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int: ...
+
+    @abstractmethod
+    def prefill(self, request_id: str, prompt: Sequence[int], sampling: SamplingParams) -> StepOutput:
+        """Compute the prompt's KV, reusing cached prefix blocks, and sample the first token."""
+
+    @abstractmethod
+    def decode(self, request_ids: Sequence[str]) -> list[StepOutput]:
+        """One batched step: compute KV of each request's pending token and sample the next."""
+
+    @abstractmethod
+    def extend(self, request_id: str, token_ids: Sequence[int]) -> StepOutput:
+        """Recompute the KV of tokens generated elsewhere in ONE forward pass and sample the next.
+
+        ``token_ids`` continue the sequence right after its last KV-computed token. If the request
+        has a pending token, ``token_ids[0]`` must equal it (catch-up slices overlap by that one
+        token); a different id raises ``InvalidTokens`` and changes nothing. The handoff's step."""
+
+    @abstractmethod
+    def import_kv(
+        self,
+        request_id: str,
+        prompt: Sequence[int],
+        blocks: Sequence[KVBlocks],
+        sampling: SamplingParams,
+        *,
+        reuse_prefix_tokens: int = 0,
+    ) -> None:
+        """Create a request whose KV for ``prompt`` comes from ``blocks`` (covering tokens
+        ``[reuse_prefix_tokens, len(prompt))``) plus this engine's own cached prefix for the first
+        ``reuse_prefix_tokens`` tokens (a multiple of block_size)."""
+
+    @abstractmethod
+    def export_kv(self, request_id: str, first_block: int = 0, num_blocks: int | None = None) -> KVBlocks:
+        """Copy out KV blocks of a live request (default: from ``first_block`` to its last KV token)."""
+
+    @abstractmethod
+    def release(self, request_id: str, *, cache_prefix: bool = True) -> None:
+        """Forget a request; with ``cache_prefix`` its full blocks stay in the prefix cache."""
+
+    @abstractmethod
+    def cached_prefix_tokens(self, prompt: Sequence[int]) -> int:
+        """Tokens of ``prompt``'s longest prefix held in the prefix cache (a multiple of block_size)."""
+
+    @abstractmethod
+    def evict_prefix_blocks(self, block_hashes: Sequence[int]) -> int:
+        """Free cached blocks by chained block hash (the DRC decides what to evict); returns freed."""
+
+    @abstractmethod
+    def tokens(self, request_id: str) -> list[int]:
+        """The request's token list (prompt + generated, pending token included)."""

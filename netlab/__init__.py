@@ -1,0 +1,1 @@
+"""netlab: a real emulated WAN between two datacenters on one machine."""

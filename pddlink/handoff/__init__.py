@@ -1,0 +1,1 @@
+"""pddlink.handoff"""

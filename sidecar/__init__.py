@@ -1,0 +1,1 @@
+"""The pddlink sidecar daemon: engine-facing gRPC, peer data plane, router service, metrics."""
