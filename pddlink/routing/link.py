@@ -1,0 +1,163 @@
+"""The WAN link model: how long would ``n`` more bytes take to reach MainDecode right now?
+
+``LinkEstimate`` is a snapshot of the cross-datacenter line as one side sees it: the goodput the line
+delivers, its round-trip time, the transfers in flight with the bytes they still have to send, the
+connection pool's size, and the rate one connection can reach on its own (a TCP window over the RTT).
+``LinkEstimate.transfer_s`` turns it into a completion-time estimate for one new transfer under
+per-flow fair sharing, which is what the pipeline policy compares against RelayDecode.
+
+``LinkModel`` keeps such a snapshot up to date from what a sender observes (flows starting,
+progressing and finishing, RTT samples, goodput samples); it is sans-I/O: every call takes ``now``.
+The simulator builds ``LinkEstimate`` directly from its line; the router asks a ``LinkModel`` fed by
+the sidecars. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pddlink.errors import ConfigError, InvalidInput, NotFound
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+@dataclass(frozen=True, slots=True)
+class LinkEstimate:
+    """The line as seen now. Rates in bytes per second, times in seconds."""
+
+    line_bytes_per_s: float
+    rtt_s: float
+    flows_in_flight: int = 0
+    backlog_bytes: int = 0
+    pool_size: int = 64
+    flow_cap_bytes_per_s: float = float("inf")
+
+    def __post_init__(self) -> None:
+        _require(self.line_bytes_per_s > 0, f"line_bytes_per_s must be > 0, got {self.line_bytes_per_s}")
+        _require(self.rtt_s >= 0, f"rtt_s must be >= 0, got {self.rtt_s}")
+        _require(self.flows_in_flight >= 0, f"flows_in_flight must be >= 0, got {self.flows_in_flight}")
+        _require(self.backlog_bytes >= 0, f"backlog_bytes must be >= 0, got {self.backlog_bytes}")
+        _require(self.pool_size >= 1, f"pool_size must be >= 1, got {self.pool_size}")
+        _require(self.flow_cap_bytes_per_s > 0, "flow_cap_bytes_per_s must be > 0")
+
+    @property
+    def share_bytes_per_s(self) -> float:
+        """The fair share a new flow gets at once, capped by what one connection reaches."""
+        flows = min(self.flows_in_flight, self.pool_size - 1) + 1
+        return min(self.flow_cap_bytes_per_s, self.line_bytes_per_s / flows)
+
+    def pool_wait_s(self) -> float:
+        """Expected wait for a free connection: flows ahead of us times the mean time one takes."""
+        excess = self.flows_in_flight - self.pool_size + 1
+        if excess <= 0 or self.flows_in_flight == 0:
+            return 0.0
+        mean_flow_s = self.backlog_bytes / self.line_bytes_per_s / self.flows_in_flight
+        return excess * mean_flow_s
+
+    def transfer_s(self, nbytes: int) -> float:
+        """Estimated completion time of a new ``nbytes`` transfer started now.
+
+        Under processor sharing a new flow of size x finishes after the line has sent x plus, of
+        every other flow, at most x; with only the backlog known, that sum is bounded by
+        ``min(backlog, flows * x)``. One connection never beats its own cap. Zero bytes still cost
+        one round trip (the reservation and the completion notice).
+        """
+        if nbytes < 0:
+            raise InvalidInput(f"nbytes must be >= 0, got {nbytes}")
+        if nbytes == 0:
+            return self.rtt_s
+        others = min(self.backlog_bytes, min(self.flows_in_flight, self.pool_size) * nbytes)
+        shared_s = (nbytes + others) / self.line_bytes_per_s
+        capped_s = nbytes / self.flow_cap_bytes_per_s
+        return self.rtt_s + self.pool_wait_s() + max(shared_s, capped_s)
+
+
+@dataclass(slots=True)
+class _Flow:
+    total_bytes: int
+    delivered_bytes: int
+    started_s: float
+
+
+@dataclass(slots=True)
+class LinkModel:
+    """Running estimate of one WAN line from a sender's observations. Sans-I/O; ``now`` in seconds.
+
+    Lifecycle: ``start_flow`` when a transfer is admitted, ``on_progress`` as acknowledgements arrive,
+    ``finish_flow`` when it completes or aborts; ``observe_rtt`` whenever a probe or ack gives one.
+    Goodput is an exponentially weighted mean of finished flows' rates, never above ``line_bytes_per_s``
+    (the configured line rate) and never below ``min_fraction`` of it.
+    """
+
+    line_bytes_per_s: float
+    rtt_s: float
+    pool_size: int = 64
+    flow_cap_bytes_per_s: float = float("inf")
+    ewma_weight: float = 0.2
+    min_fraction: float = 0.05
+    _goodput: float = field(init=False)
+    _flows: dict[str, _Flow] = field(init=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        LinkEstimate(
+            self.line_bytes_per_s,
+            self.rtt_s,
+            pool_size=self.pool_size,
+            flow_cap_bytes_per_s=self.flow_cap_bytes_per_s,
+        )  # validates
+        _require(0 < self.ewma_weight <= 1, f"ewma_weight must be in (0, 1], got {self.ewma_weight}")
+        _require(0 < self.min_fraction <= 1, f"min_fraction must be in (0, 1], got {self.min_fraction}")
+        self._goodput = self.line_bytes_per_s
+
+    def start_flow(self, flow_id: str, nbytes: int, now: float) -> None:
+        if nbytes < 0:
+            raise InvalidInput(f"flow {flow_id}: nbytes must be >= 0, got {nbytes}")
+        if flow_id in self._flows:
+            raise InvalidInput(f"flow {flow_id} already started")
+        self._flows[flow_id] = _Flow(nbytes, 0, now)
+
+    def on_progress(self, flow_id: str, delivered_bytes: int, now: float) -> None:
+        flow = self._flow(flow_id)
+        if not 0 <= delivered_bytes <= flow.total_bytes:
+            raise InvalidInput(f"flow {flow_id}: delivered {delivered_bytes} outside [0, {flow.total_bytes}]")
+        flow.delivered_bytes = max(flow.delivered_bytes, delivered_bytes)
+
+    def finish_flow(self, flow_id: str, now: float, *, completed: bool = True) -> None:
+        flow = self._flow(flow_id)
+        del self._flows[flow_id]
+        elapsed = now - flow.started_s
+        # A flow that was alone or fair-shared tells us what the line delivers to everyone now.
+        if completed and elapsed > 0 and flow.total_bytes > 0:
+            in_flight = len(self._flows) + 1
+            sample = min(self.line_bytes_per_s, flow.total_bytes * in_flight / elapsed)
+            w = self.ewma_weight
+            floor = self.min_fraction * self.line_bytes_per_s
+            self._goodput = max(floor, (1 - w) * self._goodput + w * sample)
+
+    def observe_rtt(self, rtt_s: float, now: float) -> None:
+        if rtt_s < 0:
+            raise InvalidInput(f"rtt_s must be >= 0, got {rtt_s}")
+        self.rtt_s = (1 - self.ewma_weight) * self.rtt_s + self.ewma_weight * rtt_s
+
+    def estimate(self, now: float) -> LinkEstimate:
+        backlog = sum(f.total_bytes - f.delivered_bytes for f in self._flows.values())
+        return LinkEstimate(
+            line_bytes_per_s=self._goodput,
+            rtt_s=self.rtt_s,
+            flows_in_flight=len(self._flows),
+            backlog_bytes=backlog,
+            pool_size=self.pool_size,
+            flow_cap_bytes_per_s=self.flow_cap_bytes_per_s,
+        )
+
+    def transfer_s(self, nbytes: int, now: float) -> float:
+        return self.estimate(now).transfer_s(nbytes)
+
+    def _flow(self, flow_id: str) -> _Flow:
+        try:
+            return self._flows[flow_id]
+        except KeyError:
+            raise NotFound(f"unknown flow {flow_id}") from None

@@ -1,0 +1,69 @@
+"""The link model: fair-share completion estimates and the running model a sender keeps."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pddlink.errors import ConfigError, InvalidInput, NotFound
+from pddlink.routing import LinkEstimate, LinkModel
+
+RATE = 1e9  # bytes/s
+
+
+def test_idle_line_is_rtt_plus_serialisation() -> None:
+    assert LinkEstimate(RATE, 0.02).transfer_s(10**9) == pytest.approx(1.02)
+    assert LinkEstimate(RATE, 0.02).transfer_s(0) == pytest.approx(0.02)
+
+
+def test_fair_share_with_bigger_flows_in_flight() -> None:
+    # Three flows, each with more than 1 GB left: a 1 GB flow shares the line four ways.
+    est = LinkEstimate(RATE, 0.0, flows_in_flight=3, backlog_bytes=3 * 10**10)
+    assert est.transfer_s(10**9) == pytest.approx(4.0)
+
+
+def test_small_flows_ahead_only_cost_their_backlog() -> None:
+    est = LinkEstimate(RATE, 0.0, flows_in_flight=3, backlog_bytes=3 * 10**6)
+    assert est.transfer_s(10**9) == pytest.approx(1.003)
+
+
+def test_per_connection_cap_and_full_pool() -> None:
+    capped = LinkEstimate(RATE, 0.0, flow_cap_bytes_per_s=RATE / 10)
+    assert capped.transfer_s(10**8) == pytest.approx(1.0)
+    full = LinkEstimate(RATE, 0.0, flows_in_flight=4, backlog_bytes=4 * 10**9, pool_size=4)
+    assert full.pool_wait_s() == pytest.approx(1.0)
+    assert full.transfer_s(10**9) > LinkEstimate(RATE, 0.0, 3, 3 * 10**9, pool_size=4).transfer_s(10**9)
+
+
+@given(st.integers(0, 10**10), st.integers(0, 10**10), st.integers(0, 300), st.integers(0, 10**11))
+def test_estimate_is_monotone_in_size_and_load(a: int, b: int, flows: int, backlog: int) -> None:
+    est = LinkEstimate(RATE, 0.01, flows_in_flight=flows, backlog_bytes=backlog if flows else 0)
+    lo, hi = sorted((a, b))
+    assert est.transfer_s(lo) <= est.transfer_s(hi)
+    busier = LinkEstimate(RATE, 0.01, flows_in_flight=flows + 1, backlog_bytes=backlog + 10**6)
+    assert est.transfer_s(hi) <= busier.transfer_s(hi) + 1e-9
+
+
+def test_model_tracks_flows_and_goodput() -> None:
+    model = LinkModel(line_bytes_per_s=RATE, rtt_s=0.02)
+    model.start_flow("a", 10**9, now=0.0)
+    model.start_flow("b", 10**9, now=0.0)
+    model.on_progress("a", 4 * 10**8, now=1.0)
+    est = model.estimate(now=1.0)
+    assert est.flows_in_flight == 2 and est.backlog_bytes == 16 * 10**8
+    model.finish_flow("a", now=8.0)  # shared with one other flow: 2 GB/8 s -> 0.25 GB/s seen
+    assert model.estimate(now=8.0).line_bytes_per_s < RATE
+    with pytest.raises(NotFound):
+        model.finish_flow("a", now=9.0)
+    with pytest.raises(InvalidInput):
+        model.start_flow("b", 1, now=9.0)
+    with pytest.raises(InvalidInput):
+        model.on_progress("b", 2 * 10**9, now=9.0)
+
+
+def test_bad_link_config_names_the_field() -> None:
+    with pytest.raises(ConfigError, match="line_bytes_per_s"):
+        LinkEstimate(0.0, 0.01)
+    with pytest.raises(ConfigError, match="pool_size"):
+        LinkModel(line_bytes_per_s=RATE, rtt_s=0.01, pool_size=0)
