@@ -1,1 +1,100 @@
-"""pddlink.wire"""
+"""pddlink.wire: the versioned frame format and every message pddlink peers exchange.
+
+Sans-I/O: ``Encoder`` turns messages into ``(header + body, payload)`` byte pairs, ``Decoder`` turns
+a byte stream (split anywhere) into messages, ``Handshake`` is the hello state machine. Nothing here
+touches sockets, clocks or threads; errors are the typed ``WireError`` family.
+"""
+
+from pddlink.wire.codec import Decoder, Encoder, encode, encode_parts
+from pddlink.wire.errors import (
+    BadChecksum,
+    BadFlags,
+    BadMagic,
+    DecoderBroken,
+    FrameTooLarge,
+    HandshakeFailed,
+    HandshakeRefused,
+    MalformedMessage,
+    UnknownMessageType,
+    VersionMismatch,
+    WireError,
+)
+from pddlink.wire.frame import HEADER_BYTES, MAGIC, MESSAGE_TYPES, WIRE_VERSION, MessageType, WireMessage
+from pddlink.wire.handshake import Handshake, HandshakeConfig, HandshakeState
+from pddlink.wire.messages import (
+    Error,
+    Handoff,
+    HandoffMode,
+    Hello,
+    HelloAccept,
+    HelloRefuse,
+    IndexEvent,
+    IndexEventKind,
+    IndexEvents,
+    IndexSnapshot,
+    IndexSnapshotRequest,
+    Ping,
+    Pong,
+    Release,
+    Reserve,
+    ReserveAnswer,
+)
+from pddlink.wire.transfer_messages import (
+    Abort,
+    Ack,
+    Chunk,
+    KVLayoutSpec,
+    Resume,
+    TransferBegin,
+    TransferEnd,
+)
+
+__all__ = [
+    "HEADER_BYTES",
+    "MAGIC",
+    "MESSAGE_TYPES",
+    "WIRE_VERSION",
+    "Abort",
+    "Ack",
+    "BadChecksum",
+    "BadFlags",
+    "BadMagic",
+    "Chunk",
+    "Decoder",
+    "DecoderBroken",
+    "Encoder",
+    "Error",
+    "FrameTooLarge",
+    "Handoff",
+    "HandoffMode",
+    "Handshake",
+    "HandshakeConfig",
+    "HandshakeFailed",
+    "HandshakeRefused",
+    "HandshakeState",
+    "Hello",
+    "HelloAccept",
+    "HelloRefuse",
+    "IndexEvent",
+    "IndexEventKind",
+    "IndexEvents",
+    "IndexSnapshot",
+    "IndexSnapshotRequest",
+    "KVLayoutSpec",
+    "MalformedMessage",
+    "MessageType",
+    "Ping",
+    "Pong",
+    "Release",
+    "Reserve",
+    "ReserveAnswer",
+    "Resume",
+    "TransferBegin",
+    "TransferEnd",
+    "UnknownMessageType",
+    "VersionMismatch",
+    "WireError",
+    "WireMessage",
+    "encode",
+    "encode_parts",
+]
