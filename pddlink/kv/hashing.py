@@ -1,17 +1,29 @@
 """Chained block hashing: the identity of a KV block across processes, machines and datacenters.
 
-``h_i = H(scheme, namespace, h_{i-1}, tokens[i*B:(i+1)*B])`` with ``h_{-1} = 0``: a block's hash
-names its whole prefix, so two prompts share block ``i`` only when they share every token before it.
-The namespace folds in the model id and an optional tenant salt (tenants never share blocks unless
-they share the salt). The scheme id is versioned and travels in the wire handshake: two sides that
-hash differently refuse to talk instead of silently missing every block.
+Definition (scheme 1, ``XXH3_128_U32LE_V1``), fixed: every side must compute exactly this.
 
-Only full blocks are hashed; a trailing partial block has no identity. Hashes are 128-bit ints
-(xxh3-128), independent of ``PYTHONHASHSEED``. Pure: no I/O.
+- ``ns = "pddlink/{scheme}/{model_id}/{tenant_salt}/{block_size}"`` (UTF-8)
+- ``d_{-1} = xxh3_128_digest(ns)``: the chain's root (16 bytes, xxhash's canonical big-endian digest)
+- ``d_i = xxh3_128_digest(d_{i-1} || tokens[i*B:(i+1)*B] as uint32 little-endian)``
+- the hash value of block ``i`` is ``int.from_bytes(d_i, "big")`` (equal to ``xxh3_128_intdigest``
+  of the same input); a parent given as an int is fed back as its 16-byte big-endian form.
+
+A block's hash names its whole prefix, so two prompts share block ``i`` only when they share every
+token before it, and a set of hashes that is closed under "parent of" is a prefix tree (what
+``pddlink.drc`` relies on). The namespace folds in the model id, the block size and an optional tenant
+salt (tenants never share blocks unless they share the salt). The scheme id travels in the wire
+handshake: two sides that hash differently refuse to talk instead of silently missing every block.
+
+Only full blocks are hashed; a trailing partial block has no identity. Hashes are 128-bit ints,
+independent of ``PYTHONHASHSEED``. The chain is kept in digest (bytes) form inside the loop and each
+hash is turned into an int once, which is what makes a 64K-token prompt hash in a fraction of a ms.
+Pure: no I/O.
 """
 
 from __future__ import annotations
 
+import sys
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
@@ -22,12 +34,13 @@ import xxhash
 from pddlink.errors import ErrorCode, InvalidInput
 
 _U128 = 16
+_TOKEN_BYTES = 4
 
 
 class HashScheme(IntEnum):
     """Versioned hash schemes. A new scheme gets a new value; old values are never reused."""
 
-    XXH3_128_U32LE_V1 = 1  # xxh3-128 over parent(16 bytes LE) + token ids as uint32 LE
+    XXH3_128_U32LE_V1 = 1  # see the module docstring for the exact definition
 
 
 SUPPORTED_SCHEMES = frozenset(HashScheme)
@@ -35,6 +48,23 @@ SUPPORTED_SCHEMES = frozenset(HashScheme)
 
 class HashSchemeMismatch(InvalidInput):
     code = ErrorCode.HASH_SCHEME_MISMATCH
+
+
+def token_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
+    """Token ids as uint32 little-endian bytes; refuses ids outside ``[0, 2**32)``."""
+    if isinstance(token_ids, np.ndarray):
+        if token_ids.size and (token_ids.min() < 0 or token_ids.max() >= 2**32):
+            raise InvalidInput("token ids must be in [0, 2**32)")
+        return token_ids.astype("<u4", copy=False).tobytes()
+    try:
+        packed = array("I", token_ids)  # C-speed conversion with range checks
+    except (OverflowError, TypeError) as exc:
+        raise InvalidInput(f"token ids must be ints in [0, 2**32): {exc}") from None
+    if packed.itemsize != _TOKEN_BYTES:  # pragma: no cover - no mainstream platform
+        return np.asarray(token_ids, dtype="<u4").tobytes()
+    if sys.byteorder == "big":  # pragma: no cover
+        packed.byteswap()
+    return packed.tobytes()
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,27 +83,38 @@ class BlockHasher:
             raise HashSchemeMismatch(f"unknown hash scheme {int(self.scheme)}")
 
     @property
+    def namespace(self) -> bytes:
+        return f"pddlink/{int(self.scheme)}/{self.model_id}/{self.tenant_salt}/{self.block_size}".encode()
+
+    @property
     def root(self) -> int:
         """The chain's seed: the namespace digest, so different models/tenants never collide."""
-        ns = f"pddlink/{int(self.scheme)}/{self.model_id}/{self.tenant_salt}/{self.block_size}"
-        return xxhash.xxh3_128_intdigest(ns.encode())
+        return xxhash.xxh3_128_intdigest(self.namespace)
 
     def hash_blocks(self, token_ids: Sequence[int] | np.ndarray, parent: int | None = None) -> list[int]:
         """Hashes of every full block of ``token_ids``, chained from ``parent`` (default: the root)."""
-        arr = np.asarray(token_ids)
-        if arr.size and (arr.min() < 0 or arr.max() >= 2**32):
-            raise InvalidInput("token ids must be in [0, 2**32)")
-        data = arr.astype("<u4", copy=False).tobytes()
-        step = self.block_size * 4
-        n_full = len(data) // step
-        h = self.root if parent is None else parent
-        digest = xxhash.xxh3_128_intdigest
-        out: list[int] = []
-        append = out.append
-        for i in range(n_full):
-            h = digest(h.to_bytes(_U128, "little") + data[i * step : (i + 1) * step])
-            append(h)
-        return out
+        data = token_bytes(token_ids)
+        return self.hash_block_bytes(data, parent)
+
+    def hash_block_bytes(self, data: bytes, parent: int | None = None) -> list[int]:
+        """As :meth:`hash_blocks`, for tokens already packed as uint32 little-endian bytes."""
+        if len(data) % _TOKEN_BYTES:
+            raise InvalidInput(f"token bytes must be a multiple of {_TOKEN_BYTES}, got {len(data)}")
+        if parent is None:
+            d = xxhash.xxh3_128_digest(self.namespace)
+        elif 0 <= parent < 2 ** (8 * _U128):
+            d = parent.to_bytes(_U128, "big")
+        else:
+            raise InvalidInput("parent hash must be a 128-bit unsigned int")
+        step = self.block_size * _TOKEN_BYTES
+        end = len(data) - len(data) % step
+        digest = xxhash.xxh3_128_digest
+        chain: list[bytes] = []
+        append = chain.append
+        for off in range(0, end, step):
+            d = digest(d + data[off : off + step])
+            append(d)
+        return list(map(int.from_bytes, chain))  # big-endian is int.from_bytes' default
 
     def full_blocks(self, num_tokens: int) -> int:
         return num_tokens // self.block_size
