@@ -1,0 +1,171 @@
+"""The relay process of a lab: ``python -m netlab.relay --lab-dir DIR``.
+
+Started in the background by ``Lab.up`` (its own session, so a terminal's Ctrl-C does not reach
+it). Namespaced mode: it creates the two TUN devices, moves them into the datacenters' namespaces
+and addresses them, then prints ``ready`` on stdout and relays packets until it is told to stop
+(SIGTERM or the control socket's ``stop``). Loopback mode: it runs the UDP/TCP relays of
+``netlab.loopback``. If the lab has an owner process (a test holding a ``Lab``) and that process
+dies, the relay removes the whole lab itself, so a crashed test leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import select
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from netlab import state as labstate
+from netlab.control import ControlServer
+from netlab.model import LinkModel
+from netlab.profile import parse_profile
+from netlab.state import LabState, ip
+from netlab.tun import open_tun
+from netlab.tun_relay import TunRelay
+from pddlink.errors import PddlinkError
+
+
+class StopRelay(Exception):  # noqa: N818 - a control-flow signal, not an error
+    """Raised by the SIGTERM handler to leave the loop."""
+
+
+def _stop(_sig: int, _frame: object) -> None:
+    raise StopRelay
+
+
+def configure_tun(state: LabState) -> dict[str, int]:
+    """Create both TUN devices, move each into its namespace as ``wan0`` and address it."""
+    fds: dict[str, int] = {}
+    for dc, dev in state.tun.items():
+        fds[dc] = open_tun(dev)
+        ns = state.netns[dc]
+        ip("link", "set", "dev", dev, "netns", ns)
+        ip("-n", ns, "link", "set", "dev", dev, "name", "wan0")
+        ip("-n", ns, "addr", "add", f"{state.addr[dc]}/24", "dev", "wan0")
+        ip("-n", ns, "link", "set", "dev", "wan0", "up")
+    return fds
+
+
+def owner_fd(state: LabState) -> int | None:
+    """A pidfd that becomes readable when the lab's owner exits (None: no owner)."""
+    if not state.owner_pid:
+        return None
+    try:
+        return os.pidfd_open(state.owner_pid)
+    except ProcessLookupError:
+        raise PddlinkError(f"owner process {state.owner_pid} is already gone") from None
+
+
+class ControlHandler:
+    """Applies control requests to the model; ``stopping`` ends the loop."""
+
+    def __init__(self, model: LinkModel, relay: TunRelay | None, clock: Any) -> None:
+        self.model, self.relay, self.clock = model, relay, clock
+        self.stopping = False
+
+    def __call__(self, req: dict[str, Any]) -> dict[str, Any]:
+        op, now = req.get("op"), self.clock()
+        if op == "status":
+            cut = self.model.manual.active(now)
+            left = self.model.manual.until_s - now if cut else 0.0
+            return {
+                "ok": True,
+                "profile": self.model.profile.name,
+                "uptime_s": now - self.model.start_s,
+                "outage": cut,
+                "outage_left_s": left if math.isfinite(left) else None,
+                "stats": self.model.stats(),
+            }
+        if op == "outage":
+            seconds = req.get("seconds")
+            if seconds is not None and (not isinstance(seconds, int | float) or seconds < 0):
+                return {"ok": False, "error": f"outage seconds {seconds!r} must be a number >= 0 or null"}
+            self.model.set_outage(now, None if seconds is None else float(seconds))
+            if self.relay is not None:
+                self.relay.drop_in_flight()
+            return {"ok": True}
+        if op == "restore":
+            self.model.clear_outage()
+            return {"ok": True}
+        if op == "profile":
+            profile = parse_profile(str(req.get("toml", "")), name=str(req.get("name", "live")))
+            self.model.set_profile(profile)
+            return {"ok": True, "profile": profile.name}
+        if op == "stop":
+            self.stopping = True
+            return {"ok": True}
+        return {"ok": False, "error": f"unknown op {op!r}"}
+
+
+def run_netns(state: LabState, lab_dir: Path) -> bool:
+    """Relay until stopped; True when the owner died (the caller then removes the lab)."""
+    clock = time.monotonic
+    fds = configure_tun(state)
+    text = (lab_dir / "profile.toml").read_text()
+    model = LinkModel(parse_profile(text, name=_profile_name(lab_dir)), clock())
+    relay = TunRelay(model, fds["dc-a"], fds["dc-b"], clock)
+    control = ControlServer(state.control_path)
+    handler = ControlHandler(model, relay, clock)
+    owner = owner_fd(state)
+    watch = [*relay.fds, control.fileno(), *([owner] if owner is not None else [])]
+    print("ready", flush=True)
+    try:
+        while not handler.stopping:
+            readable, _, _ = select.select(watch, [], [], relay.timeout_s(clock()))
+            for fd in readable:
+                if fd == owner:
+                    return True
+                if fd == control.fileno():
+                    control.serve_one(handler)
+                else:
+                    relay.on_readable(fd)
+            relay.flush()
+    except StopRelay:
+        pass
+    finally:
+        control.close()
+        for fd in fds.values():
+            os.close(fd)
+    return False
+
+
+def _profile_name(lab_dir: Path) -> str:
+    name_file = lab_dir / "profile.name"
+    return name_file.read_text().strip() if name_file.exists() else "lab"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m netlab.relay", description=__doc__)
+    parser.add_argument("--lab-dir", required=True, type=Path)
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    state = labstate.read_state(args.lab_dir.name)
+    if state is None:
+        print(f"relay: no lab state in {args.lab_dir}", file=sys.stderr)
+        return 2
+    try:
+        if state.mode == "loopback":
+            from netlab.loopback import run_loopback
+
+            owner_died = run_loopback(state, args.lab_dir)
+        else:
+            owner_died = run_netns(state, args.lab_dir)
+    except StopRelay:
+        return 0
+    except (PddlinkError, OSError) as exc:
+        print(f"relay: {exc}", file=sys.stderr)
+        return 1
+    if owner_died:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        labstate.teardown(state.name)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
