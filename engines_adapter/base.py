@@ -47,7 +47,14 @@ from typing import Any
 
 from pddlink.errors import ErrorCode, InvalidInput, LocalError, NotFound
 
-DTYPE_BYTES: dict[str, int] = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "float8_e4m3fn": 1}
+DTYPE_BYTES: dict[str, int] = {
+    "float64": 8,
+    "float32": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "int8": 1,
+    "float8_e4m3fn": 1,
+}
 
 
 class EngineError(LocalError):
@@ -70,6 +77,11 @@ class LayoutMismatch(EngineError):
 
 class InvalidBlocks(EngineError, InvalidInput):
     """A block range or block payload that does not fit the request."""
+
+
+class InvalidRequest(EngineError, InvalidInput):
+    """A request id used in the wrong state: already live (prefill/import), listed twice in one
+    batch, finished (no more decoding), or without a pending token where ``decode`` needs one."""
 
 
 class PoolExhausted(EngineError):
@@ -177,7 +189,9 @@ class KVBlocks:
     def __post_init__(self) -> None:
         expect = self.num_blocks * self.layout.bytes_per_block
         if len(memoryview(self.data).cast("B")) != expect:
-            raise InvalidBlocks(f"KV payload is {len(self.data)} bytes, {self.num_blocks} blocks need {expect}")
+            raise InvalidBlocks(
+                f"KV payload is {len(self.data)} bytes, {self.num_blocks} blocks need {expect}"
+            )
         if not 0 <= self.num_tokens <= self.num_blocks * self.layout.block_size:
             raise InvalidBlocks(f"num_tokens {self.num_tokens} does not fit {self.num_blocks} blocks")
         if self.first_block < 0:

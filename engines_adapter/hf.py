@@ -1,0 +1,156 @@
+"""The engine contract over any ``transformers`` causal LM.
+
+The adapter keeps every request's KV in its own paged pool (the same ``KVPool`` and lifecycle as
+the reference engine, so prefix reuse, export/import and the byte layout are identical) and
+converts to and from a ``transformers`` ``DynamicCache`` around each forward pass: the request's
+blocks are gathered into a cache holding its past, the model runs on the new tokens, and the new
+tokens' K/V are copied from the cache back into the pool.
+
+Requests of a decode batch run one after another (no padding); this adapter is for exactness and
+for models the reference engine does not implement, not for speed. Works with any decoder whose
+cache layers expose ``keys``/``values`` of shape ``[batch, kv_heads, seq, head_dim]`` (Llama,
+Mistral, Qwen2 and their relatives). Nothing is downloaded: pass a model object, or a local path.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from engines_adapter.base import KVLayout
+from engines_adapter.torch_ref.kv_pool import TORCH_DTYPES
+from engines_adapter.torch_ref.paged_engine import PagedEngine, SequenceState
+from engines_adapter.torch_ref.presets import ModelConfig
+from engines_adapter.torch_ref.weights import StateDict
+from pddlink.errors import ConfigError, Unavailable
+
+if TYPE_CHECKING:
+    from transformers import LlamaConfig, PreTrainedModel
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError as exc:  # the optional extra is missing
+        raise Unavailable("the hf engine needs transformers: pip install 'pddlink[hf]'") from exc
+    return transformers
+
+
+class HFEngine(PagedEngine):
+    """``EngineAdapter`` over a ``transformers`` causal LM, with a paged KV store of its own."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel | None = None,
+        *,
+        model_path: str | Path | None = None,
+        model_id: str | None = None,
+        block_size: int = 16,
+        num_blocks: int = 4096,
+        device: str = "cpu",
+    ) -> None:
+        tf = _transformers()
+        if (model is None) == (model_path is None):
+            raise ConfigError("give exactly one of model and model_path")
+        if model is None:
+            model = tf.AutoModelForCausalLM.from_pretrained(str(model_path), local_files_only=True)
+        model = model.to(device).eval()
+        cfg = model.config.get_text_config(decoder=True)
+        dtype = str(model.dtype).removeprefix("torch.")
+        if dtype not in TORCH_DTYPES:
+            raise ConfigError(f"model dtype {dtype} is not supported")
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        if model_id is None:
+            model_id = f"hf/{getattr(cfg, 'name_or_path', '') or type(model).__name__}"
+        layout = KVLayout(model_id, cfg.num_hidden_layers, kv_heads, head_dim, dtype, block_size)
+        super().__init__(
+            layout=layout,
+            vocab_size=cfg.vocab_size,
+            max_positions=cfg.max_position_embeddings,
+            num_blocks=num_blocks,
+            device=torch.device(device),
+        )
+        self.model = model
+        self._cache_config = model.config
+        # transformers 5 renamed the forward argument ``past_key_values`` to ``cache``.
+        params = inspect.signature(model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+
+    @torch.inference_mode()
+    def _run(self, seqs: Sequence[SequenceState], new_tokens: Sequence[Sequence[int]]) -> torch.Tensor:
+        return torch.cat([self._run_one(s, t) for s, t in zip(seqs, new_tokens, strict=True)])
+
+    def _run_one(self, seq: SequenceState, new: Sequence[int]) -> torch.Tensor:
+        tf = _transformers()
+        past, n, bs = seq.kv_tokens, len(new), self.layout.block_size
+        cache = tf.DynamicCache(
+            ddp_cache_data=self._past_kv(seq) if past else None, config=self._cache_config
+        )
+        positions = torch.arange(past, past + n, device=self.device)
+        out = self.model(
+            input_ids=torch.tensor([list(new)], device=self.device),
+            position_ids=positions.unsqueeze(0),
+            use_cache=True,
+            logits_to_keep=1,
+            **{self._cache_kwarg: cache},
+        )
+        table = torch.tensor(seq.blocks, dtype=torch.long, device=self.device)
+        slot_blocks, slot_offsets = table[positions // bs], positions % bs
+        for li, (keys, values) in enumerate(_cache_tensors(cache)):
+            k_pool, v_pool = self.pool.layer_kv(li)
+            k_pool[slot_blocks, :, slot_offsets] = keys[0, :, past:].transpose(0, 1).to(k_pool.dtype)
+            v_pool[slot_blocks, :, slot_offsets] = values[0, :, past:].transpose(0, 1).to(v_pool.dtype)
+        logits: torch.Tensor = out.logits[:, -1]
+        return logits
+
+    def _past_kv(self, seq: SequenceState) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The request's KV as ``[1, kv_heads, kv_tokens, head_dim]`` per layer, gathered from its blocks."""
+        lay = self.layout
+        nb = -(-seq.kv_tokens // lay.block_size)
+        idx = torch.tensor(seq.blocks[:nb], dtype=torch.long, device=self.device)
+        blocks = self.pool.data.index_select(0, idx)  # [nb, layers, 2, kv_heads, bs, hd]
+        flat = blocks.permute(1, 2, 3, 0, 4, 5).reshape(lay.num_layers, 2, lay.num_kv_heads, -1, lay.head_dim)
+        flat = flat[:, :, :, : seq.kv_tokens]
+        return [(flat[li, 0].unsqueeze(0), flat[li, 1].unsqueeze(0)) for li in range(lay.num_layers)]
+
+
+def _cache_tensors(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per-layer (keys, values) of a ``DynamicCache``, across transformers versions."""
+    if hasattr(cache, "layers"):
+        return [(layer.keys, layer.values) for layer in cache.layers]
+    return list(zip(cache.key_cache, cache.value_cache, strict=True))
+
+
+def llama_config(config: ModelConfig) -> LlamaConfig:
+    """The ``transformers`` LlamaConfig with the same shapes and numerics as a reference preset."""
+    tf = _transformers()
+    return tf.LlamaConfig(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_kv_heads,
+        max_position_embeddings=config.max_positions,
+        rope_theta=config.rope_theta,
+        rms_norm_eps=config.rms_norm_eps,
+        tie_word_embeddings=config.tie_word_embeddings,
+        attention_bias=False,
+        mlp_bias=False,
+    )
+
+
+def llama_from_state_dict(config: ModelConfig, state: StateDict, dtype: str = "float32") -> PreTrainedModel:
+    """A ``LlamaForCausalLM`` holding the given Llama-named weights (the independent cross-check)."""
+    tf = _transformers()
+    model = tf.LlamaForCausalLM(llama_config(config))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or [m for m in missing if not (m == "lm_head.weight" and config.tie_word_embeddings)]:
+        raise ConfigError(f"weights do not fit LlamaForCausalLM: missing {missing}, unexpected {unexpected}")
+    model = model.to(TORCH_DTYPES[dtype]).eval()
+    return model

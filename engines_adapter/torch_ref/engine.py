@@ -1,0 +1,126 @@
+"""The torch reference engine: ``PagedLlama`` driven by the shared paged request lifecycle.
+
+Construction picks a preset (``tiny`` .. ``llama-1b``), a dtype (float32, bfloat16, float64), a
+device (cpu, cuda) and a pool (``block_size`` tokens per block, ``num_blocks`` blocks), and takes
+weights either from ``seed`` (deterministic) or from a Llama-format safetensors checkpoint.
+
+Threads. torch uses every core by default. When several engines share a machine (the demo runs
+three on two cores), call ``torch.set_num_threads(1)`` once at the process entry point (the
+sidecar does; this class never changes global torch state): the tiny preset's steps are too small
+to gain from intra-op threads, and oversubscribed threads spin and slow every engine down. A
+single engine alone on a machine (``pddlink bench engine``) keeps torch's default.
+
+Exactness. float32 results depend slightly on batch composition (matmul blocking); use float64
+when comparing token streams across instances (see DESIGN.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engines_adapter.base import KVLayout, SamplingParams
+from engines_adapter.torch_ref.kv_pool import TORCH_DTYPES
+from engines_adapter.torch_ref.model import PagedBatch, PagedLlama
+from engines_adapter.torch_ref.paged_engine import PagedEngine, SequenceState
+from engines_adapter.torch_ref.presets import ModelConfig, resolve_preset
+from engines_adapter.torch_ref.weights import StateDict, load_safetensors, random_state_dict
+from pddlink.errors import ConfigError, Unavailable
+
+
+class TorchRefEngine(PagedEngine):
+    """The reference ``EngineAdapter``: a Llama-style decoder over a paged KV pool."""
+
+    def __init__(
+        self,
+        preset: str | ModelConfig = "tiny",
+        *,
+        dtype: str = "float32",
+        device: str = "cpu",
+        block_size: int = 16,
+        num_blocks: int = 4096,
+        seed: int = 0,
+        weights_path: str | Path | None = None,
+        state_dict: StateDict | None = None,
+        model_id: str | None = None,
+        **model_overrides: Any,
+    ) -> None:
+        config = resolve_preset(preset, **model_overrides)
+        if dtype not in TORCH_DTYPES:
+            raise ConfigError(f"dtype {dtype!r} is not one of {sorted(TORCH_DTYPES)}")
+        dev = _device(device)
+        if state_dict is None:
+            state_dict = (
+                load_safetensors(weights_path, config) if weights_path else random_state_dict(config, seed)
+            )
+        if model_id is None:
+            source = f"file:{Path(weights_path).name}" if weights_path else f"seed{seed}"
+            model_id = f"torch_ref/{config.name}/{source}"
+        layout = KVLayout(
+            model_id, config.num_layers, config.num_kv_heads, config.head_dim, dtype, block_size
+        )
+        super().__init__(
+            layout=layout,
+            vocab_size=config.vocab_size,
+            max_positions=config.max_positions,
+            num_blocks=num_blocks,
+            device=dev,
+        )
+        self.config = config
+        self.model = PagedLlama(config, state_dict, TORCH_DTYPES[dtype], dev)
+
+    def _run(self, seqs: Sequence[SequenceState], new_tokens: Sequence[Sequence[int]]) -> torch.Tensor:
+        return self.model.forward(self.pool, self._batch(seqs, new_tokens))
+
+    def _batch(self, seqs: Sequence[SequenceState], new_tokens: Sequence[Sequence[int]]) -> PagedBatch:
+        """Index tensors for one forward pass; every sequence adds the same number of tokens."""
+        n = len(new_tokens[0])
+        if any(len(t) != n for t in new_tokens):
+            raise ValueError("a batched forward needs the same number of new tokens per sequence")
+        bs = self.layout.block_size
+        dev = self.device
+        starts = torch.tensor([s.kv_tokens for s in seqs], dtype=torch.long)
+        positions = starts.unsqueeze(1) + torch.arange(n).unsqueeze(0)
+        width = max(len(s.blocks) for s in seqs)
+        tables = torch.tensor(
+            [s.blocks + [s.blocks[0]] * (width - len(s.blocks)) for s in seqs], dtype=torch.long
+        )
+        slot_blocks = torch.gather(tables, 1, positions // bs).reshape(-1)
+        return PagedBatch(
+            token_ids=torch.tensor(new_tokens, dtype=torch.long).to(dev),
+            positions=positions.to(dev),
+            slot_blocks=slot_blocks.to(dev),
+            slot_offsets=(positions % bs).reshape(-1).to(dev),
+            block_tables=tables.to(dev),
+        )
+
+    def prompt_logits(self, prompt: Sequence[int]) -> torch.Tensor:
+        """Logits ``[len(prompt), vocab]`` at every prompt position, on scratch blocks freed afterwards.
+
+        For cross-checks against other implementations; no request is created, no cache is touched.
+        """
+        ids = self._check_tokens(prompt, "prompt", extra_positions=0)
+        n_blocks = -(-len(ids) // self.layout.block_size)
+        self._reserve(n_blocks)
+        blocks = self.pool.allocator.allocate(n_blocks)
+        try:
+            scratch = SequenceState("", ids, len(ids), _GREEDY, blocks, 0, [])
+            batch = self._batch([scratch], [ids])
+            return self.model.forward(self.pool, batch, all_logits=True)[0]
+        finally:
+            self.pool.allocator.decref(blocks)
+
+
+def _device(name: str) -> torch.device:
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise Unavailable("device cuda was asked for but torch sees no CUDA device here")
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device {name!r}: only cpu and cuda are supported")
+    return dev
+
+
+_GREEDY = SamplingParams()

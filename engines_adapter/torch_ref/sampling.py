@@ -1,0 +1,57 @@
+"""Token sampling whose randomness is a pure function of (seed, position).
+
+The draw for the token at absolute position ``pos`` is one uniform number ``u`` derived from
+``xxh3_64(seed, pos)``; the token is found by inverse CDF over the filtered distribution
+(temperature, then top-k, then top-p), sorted by probability with a stable order. No generator
+state is carried between steps, so any instance holding the same logits draws the same token:
+that is what lets MainDecode continue exactly where RelayDecode stopped.
+
+Probabilities are computed in float64 whatever the model dtype. Shared by every adapter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import xxhash
+
+from engines_adapter.base import SamplingParams
+
+_U53 = float(2**53)
+
+
+def uniform_draw(seed: int, position: int) -> float:
+    """A uniform number in [0, 1) that depends only on (seed, position)."""
+    digest = xxhash.xxh3_64_intdigest(seed.to_bytes(8, "little") + position.to_bytes(8, "little"))
+    return (digest >> 11) / _U53
+
+
+def sample_tokens(
+    logits: torch.Tensor, params: Sequence[SamplingParams], positions: Sequence[int]
+) -> list[int]:
+    """One token per row of ``logits`` ``[B, vocab]``; row ``b`` is drawn for ``positions[b]``."""
+    greedy = torch.argmax(logits, dim=-1).tolist()
+    out: list[int] = []
+    for row, (sp, pos) in enumerate(zip(params, positions, strict=True)):
+        out.append(int(greedy[row]) if sp.greedy else _draw(logits[row], sp, pos))
+    return out
+
+
+def _draw(row: torch.Tensor, sp: SamplingParams, position: int) -> int:
+    scaled = row.detach().to(device="cpu", dtype=torch.float64) / sp.temperature
+    order = torch.sort(scaled, descending=True, stable=True)
+    values, index = order.values, order.indices
+    if 0 < sp.top_k < values.numel():
+        values, index = values[: sp.top_k], index[: sp.top_k]
+    probs = torch.softmax(values, dim=0)
+    if sp.top_p < 1.0:
+        before = torch.cumsum(probs, dim=0) - probs  # mass of strictly more likely tokens
+        keep = int((before < sp.top_p).sum())  # the token that crosses top_p is kept
+        probs, index = probs[:keep], index[:keep]
+    cdf = torch.cumsum(probs, dim=0)
+    target = uniform_draw(sp.seed, position) * float(cdf[-1])
+    pick = min(
+        int(torch.searchsorted(cdf, torch.tensor([target], dtype=torch.float64), right=True)), len(cdf) - 1
+    )
+    return int(index[pick])
