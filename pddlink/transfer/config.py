@@ -1,0 +1,74 @@
+"""Configuration, the transfer manifest, and the integrity functions both sides share.
+
+``chunk_checksum`` is xxh3-64 of one chunk's bytes; ``transfer_digest`` is xxh3-128 over the chunk
+checksums (8 bytes little-endian each) in index order, so the receiver can check the whole transfer
+without re-reading its data and whatever order the chunks arrived in.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import xxhash
+
+from pddlink.errors import ConfigError, InvalidInput
+from pddlink.wire.transfer_messages import KVLayoutSpec
+
+MIB = 2**20
+
+
+def chunk_checksum(data: bytes | bytearray | memoryview) -> int:
+    return xxhash.xxh3_64_intdigest(data)
+
+
+def transfer_digest(checksums: Iterable[int]) -> int:
+    return xxhash.xxh3_128_intdigest(b"".join(c.to_bytes(8, "little") for c in checksums))
+
+
+@dataclass(frozen=True, slots=True)
+class TransferConfig:
+    """Knobs of one side. ``window_bytes`` bounds sent-but-unacknowledged bytes (at least one chunk
+    is always allowed); ``begin_timeout_s`` bounds how long a receiver keeps chunks that arrived
+    (over another striped connection) before their ``TransferBegin``."""
+
+    chunk_bytes: int = 1 * MIB
+    window_bytes: int = 32 * MIB
+    max_selective_acks: int = 64
+    max_chunk_retries: int = 8
+    begin_timeout_s: float = 5.0
+    max_early_bytes: int = 64 * MIB
+    max_transfer_bytes: int = 2**40
+    assemble: bool = True  # receiver copies chunks into one buffer (else the consumer keeps payloads)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.chunk_bytes < 2**32:
+            raise ConfigError(f"TransferConfig.chunk_bytes must be in [1, 2**32), got {self.chunk_bytes}")
+        if self.window_bytes < self.chunk_bytes:
+            raise ConfigError("TransferConfig.window_bytes must be at least chunk_bytes")
+        for name in ("max_selective_acks", "max_chunk_retries", "max_early_bytes", "max_transfer_bytes"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"TransferConfig.{name} must be >= 0")
+        if not (math.isfinite(self.begin_timeout_s) and self.begin_timeout_s > 0):
+            raise ConfigError("TransferConfig.begin_timeout_s must be positive")
+
+
+@dataclass(frozen=True, slots=True)
+class TransferManifest:
+    """What a transfer carries, besides its bytes: the request, its KV layout and block identities."""
+
+    request_id: str
+    layout: KVLayoutSpec
+    block_hashes: tuple[int, ...]
+    num_tokens: int
+    first_block: int = 0
+    codec: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_hashes, tuple):
+            if not isinstance(self.block_hashes, Sequence):
+                raise InvalidInput("TransferManifest.block_hashes must be a sequence of ints")
+            object.__setattr__(self, "block_hashes", tuple(self.block_hashes))
+        if self.num_tokens < 0 or self.first_block < 0 or self.codec < 0:
+            raise InvalidInput("TransferManifest counts must be >= 0")
