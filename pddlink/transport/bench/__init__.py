@@ -1,0 +1,1 @@
+"""The two processes of ``pddlink bench link`` (``peer``) and the coordinator that runs them (``run``)."""

@@ -1,0 +1,213 @@
+"""The receiver and sender processes of ``pddlink bench link``.
+
+Each prints JSON lines on stdout for the coordinator: the receiver ``{"event": "listening",
+"port": N}`` once it accepts connections, then ``{"event": "done", ...}``; the sender only
+``{"event": "done", ...}`` with its timing and counters. CPU time is this process's user+system
+time over the transfers (set-up excluded), from ``resource.getrusage``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import resource
+import sys
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pddlink.errors import ErrorCode, PddlinkError
+from pddlink.transport.api import KVClient, KVServer
+from pddlink.transport.base import LinkOptions, ReceivedTransfer
+from pddlink.transport.tls import PeerIdentity, TlsConfig, load_or_create_peer
+from pddlink.wire.transfer_messages import KVLayoutSpec, TransferBegin
+
+log = logging.getLogger("pddlink.bench.link")
+RECEIVER = PeerIdentity("bench", "receiver")
+SENDER = PeerIdentity("bench", "sender")
+CODEC_NONE, CODEC_KV = 0, 1
+_LAYOUT = KVLayoutSpec("bench/random", 1, 1, 128, "bf16", 16)
+
+
+@dataclass(frozen=True, slots=True)
+class BenchSpec:
+    transport: str
+    streams: int
+    total_bytes: int
+    chunk_bytes: int
+    transfer_bytes: int
+    codec: str
+    congestion_control: str
+    tls: bool
+    quic_impl: str
+    deadline_s: float
+    certs: Path | None
+
+    def options(self) -> LinkOptions:
+        return LinkOptions(
+            streams=self.streams,
+            congestion_control=self.congestion_control,
+            chunk_bytes=self.chunk_bytes,
+            window_bytes=max(256 << 20, 2 * self.chunk_bytes),
+            max_datagram_bytes=8952 if self.quic_impl.endswith("jumbo") else 1452,
+        )
+
+    def tls_for(self, identity: PeerIdentity) -> TlsConfig | None:
+        if not self.tls:
+            return None
+        if self.certs is None:
+            raise PddlinkError("--tls needs --certs DIR (the coordinator passes one)")
+        return load_or_create_peer(self.certs, identity)
+
+    def transfer_sizes(self) -> list[int]:
+        full, rest = divmod(self.total_bytes, self.transfer_bytes)
+        return [self.transfer_bytes] * full + ([rest] if rest else [])
+
+
+def emit(event: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(event) + "\n")
+    sys.stdout.flush()
+
+
+def cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def run_role(role: Callable[[BenchSpec, str], Coroutine[Any, Any, None]], spec: BenchSpec, addr: str) -> None:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s: %(message)s")
+    try:
+        import uvloop
+
+        uvloop.run(role(spec, addr))
+    except ImportError:
+        asyncio.run(role(spec, addr))
+
+
+def _split(addr: str) -> tuple[str, int]:
+    host, _, port = addr.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+async def receive(spec: BenchSpec, addr: str) -> None:
+    sizes = spec.transfer_sizes()
+    done = asyncio.Event()
+    state = {"bytes": 0, "transfers": 0, "cpu0": 0.0, "t0": 0.0}
+
+    def on_transfer(received: ReceivedTransfer) -> None:
+        if state["transfers"] == 0:
+            state["cpu0"], state["t0"] = cpu_seconds() - 0.0, time.perf_counter() - received.seconds
+        state["bytes"] += received.bytes
+        state["transfers"] += 1
+        if state["transfers"] == len(sizes):
+            done.set()
+
+    def on_failed(peer: PeerIdentity, begin: object, error: PddlinkError) -> None:
+        log.error("transfer failed: %s (%s)", error.message, error.code.name)
+        done.set()
+
+    host, port = _split(addr)
+    server = await KVServer.start(
+        host,
+        port,
+        identity=RECEIVER,
+        tls=spec.tls_for(RECEIVER),
+        on_transfer=on_transfer,
+        on_transfer_failed=on_failed,
+        transport=spec.transport,
+        options=spec.options(),
+    )
+    cpu_start = cpu_seconds()
+    emit({"event": "listening", "port": server.port})
+    try:
+        await asyncio.wait_for(done.wait(), spec.deadline_s + 30)
+    finally:
+        await server.close()
+    emit({"event": "done", "bytes": state["bytes"], "cpu_s": cpu_seconds() - cpu_start})
+
+
+def make_payload(nbytes: int, codec: str) -> np.ndarray:
+    rng = np.random.default_rng(1)
+    if codec == "none":
+        return rng.integers(0, 256, size=nbytes, dtype=np.uint8)
+    # bf16 with Gaussian-like values: the top half of float32 normals
+    values = rng.standard_normal(nbytes // 2, dtype=np.float32)
+    return (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+
+
+def begin_for(index: int, nbytes: int, spec: BenchSpec, deadline_s: float) -> TransferBegin:
+    return TransferBegin(
+        transfer_id=index + 1,
+        generation=0,
+        request_id=f"bench-{index}",
+        layout=_LAYOUT,
+        first_block=0,
+        num_tokens=1,
+        block_hashes=(),
+        codec=CODEC_KV if spec.codec == "kv" else CODEC_NONE,
+        total_bytes=nbytes,
+        chunk_bytes=spec.chunk_bytes,
+        deadline_ms=int(deadline_s * 1000),
+    )
+
+
+async def send(spec: BenchSpec, addr: str) -> None:
+    sizes = spec.transfer_sizes()
+    payload = memoryview(make_payload(max(sizes), spec.codec).data).cast("B")
+    host, port = _split(addr)
+    t_connect = time.perf_counter()
+    client = await KVClient.connect(
+        host,
+        port,
+        identity=SENDER,
+        tls=spec.tls_for(SENDER),
+        expected_peer=RECEIVER if spec.tls else None,
+        transport=spec.transport,
+        options=spec.options(),
+    )
+    connect_s = time.perf_counter() - t_connect
+    progress = _progress(spec.total_bytes)
+    cpu0, t0 = cpu_seconds(), time.perf_counter()
+    resent = reconnects = 0
+    error: PddlinkError | None = None
+    try:
+        for i, size in enumerate(sizes):
+            left = spec.deadline_s - (time.perf_counter() - t0)
+            result = await client.send_transfer(
+                begin_for(i, size, spec, left), payload[:size], deadline_s=left
+            )
+            resent += result.resent_chunks
+            reconnects += result.reconnects
+            progress.update(size)
+    except PddlinkError as exc:
+        error = exc
+    seconds = time.perf_counter() - t0
+    cpu = cpu_seconds() - cpu0
+    stats = client.stats()
+    await client.close()
+    progress.close()
+    out: dict[str, Any] = {
+        "event": "done",
+        "seconds": seconds,
+        "connect_s": connect_s,
+        "cpu_s": cpu,
+        "retransmits": stats.retransmits,
+        "rtt_ms": None if stats.rtt_s is None else stats.rtt_s * 1e3,
+        "resent_chunks": resent,
+        "reconnects": reconnects,
+        "congestion_control": stats.extra.get("congestion_control_is_requested"),
+    }
+    if error is not None:
+        out["error"] = {"code": ErrorCode(error.code).name, "reason": error.message}
+    emit(out)
+
+
+def _progress(total: int) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, file=sys.stderr, disable=not sys.stderr.isatty())

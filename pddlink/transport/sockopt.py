@@ -1,0 +1,91 @@
+"""TCP socket tuning and TCP_INFO counters.
+
+Congestion control is set per socket (``TCP_CONGESTION`` works inside network namespaces where the
+sysctl does not). Socket buffers are deliberately left alone: setting SO_SNDBUF/SO_RCVBUF turns the
+kernel's autotuning off, and autotuning up to ``net.ipv4.tcp_{w,r}mem`` maxima is what fills a long
+line (raise the maxima with ``raise_buffer_maxima`` where root allows). ``tcp_info`` reads the
+kernel's per-connection counters for retransmits and RTT.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+# struct tcp_info (linux/tcp.h): 8 single bytes, then u32 fields; we read up to tcpi_total_retrans.
+_TCP_INFO = struct.Struct("8B24I")
+_RTT_INDEX, _TOTAL_RETRANS_INDEX = 8 + 15, 8 + 23
+_warned: set[str] = set()
+
+
+@dataclass(frozen=True, slots=True)
+class TcpInfo:
+    rtt_s: float
+    total_retransmits: int
+
+
+def available_congestion_controls() -> tuple[str, ...]:
+    try:
+        text = Path("/proc/sys/net/ipv4/tcp_available_congestion_control").read_text()
+    except OSError:
+        return ()
+    return tuple(text.split())
+
+
+def set_congestion_control(sock: socket.socket, name: str) -> str:
+    """Set ``name`` on ``sock``; on failure keep the kernel default, log once, and return what runs."""
+    option = getattr(socket, "TCP_CONGESTION", None)
+    if option is not None:
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, option, name.encode())
+        except OSError as exc:
+            if name not in _warned:
+                _warned.add(name)
+                log.warning("TCP congestion control %s unavailable (%s); using the default", name, exc)
+        else:
+            return name
+        raw = sock.getsockopt(socket.IPPROTO_TCP, option, 16)
+        return raw.split(b"\0", 1)[0].decode()
+    return "unknown"
+
+
+def tune_tcp_socket(sock: socket.socket, congestion_control: str) -> str:
+    """No Nagle (control frames must not wait), the chosen congestion control, keepalive on."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    return set_congestion_control(sock, congestion_control)
+
+
+def tcp_info(sock: socket.socket) -> TcpInfo | None:
+    """Retransmits and smoothed RTT of a connected socket, or None where TCP_INFO is missing."""
+    option = getattr(socket, "TCP_INFO", None)
+    if option is None or sock.fileno() < 0:
+        return None
+    try:
+        raw = sock.getsockopt(socket.IPPROTO_TCP, option, _TCP_INFO.size)
+    except OSError:
+        return None
+    if len(raw) < _TCP_INFO.size:
+        return None
+    fields = _TCP_INFO.unpack(raw)
+    return TcpInfo(rtt_s=fields[_RTT_INDEX] / 1e6, total_retransmits=fields[_TOTAL_RETRANS_INDEX])
+
+
+def raise_buffer_maxima(max_bytes: int = 128 << 20) -> bool:
+    """Raise the autotuning maxima of tcp_wmem/tcp_rmem (per network namespace; needs root)."""
+    ok = True
+    for name in ("tcp_wmem", "tcp_rmem"):
+        path = Path("/proc/sys/net/ipv4") / name
+        try:
+            low, default, high = (int(v) for v in path.read_text().split())
+            if high < max_bytes:
+                path.write_text(f"{low} {default} {max_bytes}\n")
+        except (OSError, ValueError) as exc:
+            log.info("cannot raise %s maximum: %s", name, exc)
+            ok = False
+    return ok
