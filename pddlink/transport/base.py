@@ -84,6 +84,8 @@ class ReceivedTransfer:
     begin: Message  # the wire TransferBegin: request id, block hashes, layout, codec, ...
     chunks: Sequence[memoryview]  # payload chunks in order; join or import them in place
     seconds: float
+    duplicate_chunks: int = 0  # chunks that arrived again although held (0 after a clean resume)
+    stale_chunks: int = 0  # chunks of an older generation, ignored (in flight when a lane was lost)
 
     @property
     def bytes(self) -> int:

@@ -88,7 +88,7 @@ class ReceivingSession(PeerSession):
         driver = ReceiveDriver(
             receiver,
             self.lanes,
-            lambda begin, chunks, seconds: self._complete(begin, chunks, seconds),
+            lambda receiver, chunks, seconds: self._complete(receiver, chunks, seconds),
             lambda begin, error: self._failed(begin, error),
         )
         self._receivers[transfer_id] = driver
@@ -102,9 +102,13 @@ class ReceivingSession(PeerSession):
             if now - at > _KEEP_FINISHED_S or len(finished) - i > _MAX_FINISHED:
                 self._receivers.pop(transfer_id).close()
 
-    def _complete(self, begin: TransferBegin, chunks: list[memoryview], seconds: float) -> None:
+    def _complete(self, receiver: TransferReceiver, chunks: list[memoryview], seconds: float) -> None:
         if self.handlers.on_transfer is not None:
-            self._call(self.handlers.on_transfer(ReceivedTransfer(self.peer, begin, chunks, seconds)))
+            stats = receiver.stats
+            received = ReceivedTransfer(
+                self.peer, receiver.begin, chunks, seconds, stats.duplicate_chunks, stats.stale_chunks
+            )
+            self._call(self.handlers.on_transfer(received))
 
     def _failed(self, begin: TransferBegin | None, error: PddlinkError) -> None:
         log.warning("transfer from %s failed: %s (%s)", self.peer, error.message, error.code.name)

@@ -199,7 +199,7 @@ class ReceiveDriver:
         self,
         receiver: TransferReceiver,
         lanes: Lanes,
-        on_complete: Callable[[TransferBegin, list[memoryview], float], None],
+        on_complete: Callable[[TransferReceiver, list[memoryview], float], None],
         on_failed: Callable[[TransferBegin | None, PddlinkError], None],
     ) -> None:
         self.receiver = receiver
@@ -232,8 +232,7 @@ class ReceiveDriver:
                 chunks = [self._chunks[i] for i in range(len(self._chunks))]
                 self._chunks = {}
                 self._done()
-                assert sm.begin is not None
-                self._on_complete(sm.begin, chunks, time.monotonic() - self._started)
+                self._on_complete(sm, chunks, time.monotonic() - self._started)
             elif isinstance(event, TransferAborted):
                 self._chunks = {}
                 self._done()
