@@ -9,6 +9,7 @@ restored), ``{"op": "restore"}``, ``{"op": "profile", "toml": TEXT}`` (replace t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -51,17 +52,13 @@ class ControlServer:
                 reply = handler(request)
             except (OSError, ValueError, InvalidInput) as exc:
                 reply = {"ok": False, "error": str(exc)}
-            try:
+            with contextlib.suppress(OSError):
                 conn.sendall(json.dumps(reply).encode() + b"\n")
-            except OSError:
-                pass
 
     def close(self) -> None:
         self.sock.close()
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
-        except FileNotFoundError:
-            pass
 
 
 def _read_line(conn: socket.socket) -> bytes:

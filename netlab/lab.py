@@ -179,7 +179,9 @@ class Lab:
         """Start ``argv`` inside ``dc``; ``down`` ends it if it is still running."""
         return subprocess.Popen(self.exec_argv(dc, argv), **kwargs)
 
-    def run(self, dc: str, argv: Sequence[str], *, timeout_s: float, **kwargs: Any) -> subprocess.CompletedProcess[Any]:
+    def run(
+        self, dc: str, argv: Sequence[str], *, timeout_s: float, **kwargs: Any
+    ) -> subprocess.CompletedProcess[Any]:
         """Run ``argv`` inside ``dc`` to completion (``subprocess.run`` keywords accepted)."""
         return subprocess.run(self.exec_argv(dc, argv), timeout=timeout_s, check=False, **kwargs)
 

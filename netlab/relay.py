@@ -11,6 +11,7 @@ dies, the relay removes the whole lab itself, so a crashed test leaves nothing b
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import select
@@ -29,8 +30,10 @@ from netlab.tun import open_tun
 from netlab.tun_relay import TunRelay
 from pddlink.errors import PddlinkError
 
+RELAY_RT_PRIORITY = 10
 
-class StopRelay(Exception):  # noqa: N818 - a control-flow signal, not an error
+
+class StopRelay(Exception):
     """Raised by the SIGTERM handler to leave the loop."""
 
 
@@ -49,6 +52,20 @@ def configure_tun(state: LabState) -> dict[str, int]:
         ip("-n", ns, "addr", "add", f"{state.addr[dc]}/24", "dev", "wan0")
         ip("-n", ns, "link", "set", "dev", "wan0", "up")
     return fds
+
+
+def sharpen_timing() -> None:
+    """Let the relay wake on time although the CPU is busy: real-time priority where allowed.
+
+    A delayed packet is released when the relay wakes from ``select``; on a loaded machine an
+    ordinary process can wake a millisecond late, which would add to every RTT. SCHED_FIFO (root)
+    wakes it at once; the kernel's RT throttling still leaves other processes their share.
+    """
+    try:
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(RELAY_RT_PRIORITY))
+    except (PermissionError, OSError):
+        with contextlib.suppress(PermissionError, OSError):
+            os.nice(-10)
 
 
 def owner_fd(state: LabState) -> int | None:
@@ -80,6 +97,7 @@ class ControlHandler:
                 "outage": cut,
                 "outage_left_s": left if math.isfinite(left) else None,
                 "stats": self.model.stats(),
+                **(self.relay.timing() if self.relay is not None else {}),
             }
         if op == "outage":
             seconds = req.get("seconds")
@@ -106,6 +124,7 @@ def run_netns(state: LabState, lab_dir: Path) -> bool:
     """Relay until stopped; True when the owner died (the caller then removes the lab)."""
     clock = time.monotonic
     fds = configure_tun(state)
+    sharpen_timing()
     text = (lab_dir / "profile.toml").read_text()
     model = LinkModel(parse_profile(text, name=_profile_name(lab_dir)), clock())
     relay = TunRelay(model, fds["dc-a"], fds["dc-b"], clock)

@@ -46,9 +46,9 @@ def _pseudo_header_sum(ip: bytes | bytearray, proto: int, l4_len: int) -> int:
     return ones_complement_sum(bytes(ip[12:20]) + struct.pack("!BBH", 0, proto, l4_len))
 
 
-def _ipv4_checksum(hdr: bytearray) -> None:
+def _ipv4_checksum(hdr: bytearray, ip_hl: int) -> None:
     hdr[10:12] = b"\0\0"
-    hdr[10:12] = struct.pack("!H", 0xFFFF ^ ones_complement_sum(hdr))
+    hdr[10:12] = struct.pack("!H", 0xFFFF ^ ones_complement_sum(hdr[:ip_hl]))
 
 
 def split(pkt: bytes) -> list[bytes]:
@@ -73,7 +73,7 @@ def split(pkt: bytes) -> list[bytes]:
         chunk = payload[off : off + vh.gso_size]
         hdr = bytearray(ip[:headers])
         struct.pack_into("!HH", hdr, 2, headers + len(chunk), (ip_id + i) & 0xFFFF)
-        _ipv4_checksum(hdr)
+        _ipv4_checksum(hdr, ip_hl)
         l4_len = l4_hl + len(chunk)
         if gso == GSO_TCPV4:
             struct.pack_into("!I", hdr, ip_hl + 4, (seq + off) & 0xFFFFFFFF)
@@ -89,7 +89,7 @@ def split(pkt: bytes) -> list[bytes]:
 
 
 def corrupt(pkt: bytes, rng: random.Random) -> bytes:
-    """``pkt`` (one wire packet with its virtio-net header) with one bit flipped after its checksum is final."""
+    """``pkt`` (a wire packet with its virtio-net header), checksum completed, then one bit flipped."""
     vh = VnetHeader.parse(pkt)
     body = bytearray(pkt[VNET_HDR_LEN:])
     if vh.flags & F_NEEDS_CSUM:

@@ -41,7 +41,9 @@ def run_root() -> Path:
 
 def check_name(name: str) -> str:
     if not _NAME_RE.match(name):
-        raise InvalidInput(f"lab name {name!r}: use 1-24 of a-z, 0-9 and '-', starting with a letter or digit")
+        raise InvalidInput(
+            f"lab name {name!r}: use 1-24 of a-z, 0-9 and '-', starting with a letter or digit"
+        )
     return name
 
 

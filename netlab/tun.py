@@ -66,7 +66,9 @@ def open_tun(name: str, offload: bool = True) -> int:
     try:
         fd = os.open("/dev/net/tun", os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
-        raise Unavailable(f"cannot open /dev/net/tun ({exc.strerror}): the namespaced lab needs root") from exc
+        raise Unavailable(
+            f"cannot open /dev/net/tun ({exc.strerror}): the namespaced lab needs root"
+        ) from exc
     try:
         flags = IFF_TUN | IFF_NO_PI | (IFF_VNET_HDR if offload else 0)
         fcntl.ioctl(fd, TUNSETIFF, struct.pack("16sH22x", name.encode(), flags))

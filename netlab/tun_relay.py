@@ -32,6 +32,8 @@ class TunRelay:
         self._seq = 0
         self._rng = random.Random(model.profile.seed)
         self.write_errors = 0
+        self.released = 0  # packets released from the delay heap, and their total lateness
+        self.lag_s_total = 0.0
 
     @property
     def fds(self) -> list[int]:
@@ -74,7 +76,9 @@ class TunRelay:
         heap = self._heap
         now = self.clock()
         while heap and heap[0][0] <= now:
-            _, _, out_fd, pkt = heapq.heappop(heap)
+            at_s, _, out_fd, pkt = heapq.heappop(heap)
+            self.lag_s_total += now - at_s
+            self.released += 1
             self._write(out_fd, pkt)
 
     def _write(self, fd: int, pkt: bytes) -> None:
@@ -82,6 +86,11 @@ class TunRelay:
             os.write(fd, pkt)
         except OSError:  # receiving device down or its queue full: the packet is lost, as on a wire
             self.write_errors += 1
+
+    def timing(self) -> dict[str, float | int]:
+        """How late delayed packets left the relay, on average (scheduling noise added to the RTT)."""
+        lag_ms = 1000.0 * self.lag_s_total / self.released if self.released else 0.0
+        return {"release_lag_ms_mean": round(lag_ms, 4), "write_errors": self.write_errors}
 
     def drop_in_flight(self) -> int:
         """Lose every packet still on the line (a cut fibre loses what it carries)."""
