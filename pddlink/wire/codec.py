@@ -7,10 +7,11 @@ Encoding: ``Encoder.encode_parts(msg)`` returns ``(header + body, payload)`` so 
 Decoding (h11 style): ``Decoder.receive_data(bytes)`` as bytes arrive, then ``next_message()``
 until it returns None (more bytes needed). Any split of the stream gives the same messages. The
 decoder buffers at most one header + body (bounded by ``max_body_bytes``); a payload goes straight
-into its own buffer of exactly ``payload_len`` bytes (bounded by ``max_payload_bytes``) and the
-message gets a read-only memoryview of it. On the first bad frame the messages decoded before it are
-still delivered, then ``next_message`` raises the ``WireError`` (typed, see ``wire.errors``) and
-keeps raising it: the stream has lost its framing and the connection must close.
+into its own buffer, grown as bytes arrive up to ``payload_len`` (bounded by ``max_payload_bytes``;
+a header alone reserves nothing), and the message gets a read-only memoryview of it. On the first
+bad frame the messages decoded before it are still delivered, then ``next_message`` raises the
+``WireError`` (typed, see ``wire.errors``) and keeps raising it: the stream has lost its framing
+and the connection must close.
 """
 
 from __future__ import annotations
@@ -109,15 +110,15 @@ class Decoder:
         self._buf = bytearray()
         self._header: FrameHeader | None = None
         self._pending: tuple[type[WireMessage], dict[str, Any]] | None = None  # waits for its payload
-        self._payload: bytearray | None = None
-        self._filled = 0
+        self._payload: bytearray | None = None  # grows as bytes arrive: a header alone reserves nothing
+        self._payload_len = 0
         self._ready: deque[WireMessage] = deque()
         self._error: WireError | None = None
 
     @property
     def buffered_bytes(self) -> int:
         """Bytes held for the frame being assembled (header, body and payload so far)."""
-        return len(self._buf) + self._filled
+        return len(self._buf) + (len(self._payload) if self._payload is not None else 0)
 
     @property
     def failed(self) -> bool:
@@ -209,24 +210,23 @@ class Decoder:
             self._emit(cls, kwargs)
         else:
             self._pending = (cls, kwargs)
-            self._payload = bytearray(h.payload_len)
-            self._filled = 0
+            self._payload = bytearray()
+            self._payload_len = h.payload_len
             if h.payload_len == 0:
                 self._complete_payload()
 
     def _fill_payload(self, view: memoryview) -> memoryview:
         assert self._payload is not None
-        n = min(len(self._payload) - self._filled, len(view))
-        self._payload[self._filled : self._filled + n] = view[:n]
-        self._filled += n
-        if self._filled == len(self._payload):
+        n = min(self._payload_len - len(self._payload), len(view))
+        self._payload += view[:n]
+        if len(self._payload) == self._payload_len:
             self._complete_payload()
         return view[n:]
 
     def _complete_payload(self) -> None:
         assert self._payload is not None and self._pending is not None
         (cls, kwargs), payload = self._pending, self._payload
-        self._pending, self._payload, self._filled = None, None, 0
+        self._pending, self._payload = None, None
         kwargs[cls.PAYLOAD_FIELD or ""] = memoryview(payload).toreadonly()
         self._emit(cls, kwargs)
 
