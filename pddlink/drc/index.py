@@ -223,7 +223,7 @@ class PrefixIndex:
         self.handle_timer(now)
         k = longest_cached_prefix(self._nodes, hashes)
         new = list(hashes[k:])
-        if len(set(new)) != len(new) or not self._nodes.keys().isdisjoint(new):
+        if not self._is_chain(hashes, k, new):
             raise InvalidInput("hashes are not one block-hash chain from the root")
         tick = self._next_tick()
         parent = hashes[k - 1] if k else None
@@ -403,6 +403,16 @@ class PrefixIndex:
             return []
         self._seq += 1
         return [BlocksRemoved(self._epoch, self._seq, tuple(removed))]
+
+    def _is_chain(self, hashes: Sequence[int], k: int, new: list[int]) -> bool:
+        """The cached part links up parent by parent and the rest is new and distinct."""
+        nodes = self._nodes
+        parent = None
+        for h in hashes[:k]:
+            if nodes[h].parent != parent:
+                return False
+            parent = h
+        return len(set(new)) == len(new) and nodes.keys().isdisjoint(new)
 
     def _link_chain(self, parent: int | None, new: list[int], tick: int) -> None:
         nodes = self._nodes
