@@ -243,14 +243,18 @@ def run_loopback(state: LabState, lab_dir: Path) -> bool:
 
     def serve() -> None:
         control.serve_one(handler)
-        if base.stopping and not done.done():
-            done.set_result(False)
+        if base.stopping:
+            finish(False)
+
+    def finish(owner_died: bool) -> None:
+        if not done.done():
+            done.set_result(owner_died)
 
     loop.add_reader(control.fileno(), serve)
     owner = owner_fd(state)
     if owner is not None:
-        loop.add_reader(owner, lambda: done.done() or done.set_result(True))
-    loop.add_signal_handler(signal.SIGTERM, lambda: done.done() or done.set_result(False))
+        loop.add_reader(owner, finish, True)
+    loop.add_signal_handler(signal.SIGTERM, finish, False)
     print("ready", flush=True)
     try:
         return loop.run_until_complete(done)
