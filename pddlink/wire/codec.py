@@ -231,8 +231,4 @@ class Decoder:
         self._emit(cls, kwargs)
 
     def _emit(self, cls: type[WireMessage], kwargs: dict[str, Any]) -> None:
-        try:
-            msg: WireMessage = cls(**kwargs)
-        except InvalidInput as exc:
-            raise MalformedMessage(f"invalid {cls.__name__}: {exc.message}") from exc
-        self._ready.append(msg)
+        self._ready.append(cls.from_wire(kwargs))

@@ -21,6 +21,7 @@ from pddlink.wire.errors import MalformedMessage
 
 T = TypeVar("T")
 E = TypeVar("E", bound=IntEnum)
+S = TypeVar("S", bound="WireStruct")
 
 _F64 = struct.Struct("<d")
 _MAX_VARINT_BYTES = 10
@@ -47,6 +48,13 @@ class BodyReader:
         return view
 
     def uvarint(self) -> int:
+        mv, pos = self._mv, self.pos
+        if pos < self._end and mv[pos] < 0x80:  # the common one-byte case
+            self.pos = pos + 1
+            return mv[pos]
+        return self._long_uvarint()
+
+    def _long_uvarint(self) -> int:
         mv, pos, end = self._mv, self.pos, self._end
         result = shift = 0
         for i in range(_MAX_VARINT_BYTES):
@@ -63,6 +71,11 @@ class BodyReader:
                 return result
             shift += 7
         raise MalformedMessage(f"varint longer than {_MAX_VARINT_BYTES} bytes at offset {pos}")
+
+    def uvarints(self, count: int) -> list[int]:
+        """``count`` varints in a row (token ids, chunk indices)."""
+        read = self.uvarint
+        return [read() for _ in range(count)]
 
     def at_end(self) -> bool:
         return self.pos == self._end
@@ -234,7 +247,10 @@ class ListOf(Generic[T]):
 
     def check(self, name: str, value: Any) -> tuple[T, ...]:
         items = _as_tuple(name, value, self.max_items)
-        return tuple(self.item.check(f"{name}[{i}]", v) for i, v in enumerate(items))
+        item = self.item
+        if isinstance(item, UVarint) and all(type(v) is int and 0 <= v <= item.max for v in items):
+            return items  # the common case, checked in one pass
+        return tuple(item.check(f"{name}[{i}]", v) for i, v in enumerate(items))
 
     def write(self, out: bytearray, value: tuple[T, ...]) -> None:
         write_uvarint(out, len(value))
@@ -245,7 +261,13 @@ class ListOf(Generic[T]):
         n = r.uvarint()
         if n > self.max_items:
             raise MalformedMessage(f"{n} items above limit {self.max_items}")
-        return tuple(self.item.read(r) for _ in range(n))
+        item = self.item
+        if isinstance(item, UVarint):
+            values = r.uvarints(n)
+            if values and max(values) > item.max:
+                raise MalformedMessage(f"value {max(values)} above {item.max}")
+            return tuple(values)
+        return tuple(item.read(r) for _ in range(n))
 
 
 class EnumOf(Generic[E]):
@@ -302,17 +324,28 @@ class WireStruct:
     WIRE_FIELDS: ClassVar[tuple[tuple[str, FieldCodec[Any]], ...]] = ()
 
     def __post_init__(self) -> None:
-        self._check_fields()
-
-    def _check_fields(self) -> None:
         for name, codec in self.WIRE_FIELDS:
             value = getattr(self, name)
             normalised = codec.check(f"{type(self).__name__}.{name}", value)
             if normalised is not value:
                 object.__setattr__(self, name, normalised)
+        self._check_invariants()
 
+    def _check_invariants(self) -> None:
+        """Rules across fields (each field's own range is its codec's); raise ``InvalidInput``."""
 
-S = TypeVar("S", bound=WireStruct)
+    @classmethod
+    def from_wire(cls: type[S], values: dict[str, Any]) -> S:
+        """Build from values a codec has just read (each already in range): only the cross-field
+        rules run again. Raises ``MalformedMessage``."""
+        obj = object.__new__(cls)
+        for name, value in values.items():
+            object.__setattr__(obj, name, value)
+        try:
+            obj._check_invariants()
+        except InvalidInput as exc:
+            raise MalformedMessage(f"invalid {cls.__name__}: {exc.message}") from exc
+        return obj
 
 
 class StructOf(Generic[S]):
@@ -331,11 +364,7 @@ class StructOf(Generic[S]):
             codec.write(out, getattr(value, name))
 
     def read(self, r: BodyReader) -> S:
-        kwargs = {name: codec.read(r) for name, codec in self.cls.WIRE_FIELDS}
-        try:
-            return self.cls(**kwargs)
-        except InvalidInput as exc:
-            raise MalformedMessage(f"invalid {self.cls.__name__}: {exc.message}") from exc
+        return self.cls.from_wire({name: codec.read(r) for name, codec in self.cls.WIRE_FIELDS})
 
 
 class Payload:

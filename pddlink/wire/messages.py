@@ -209,8 +209,7 @@ class IndexEvents(WireMessage):
     events: tuple[IndexEvent, ...]
     WIRE_FIELDS = (("epoch", U64), ("events", ListOf(StructOf(IndexEvent), MAX_EVENTS)))
 
-    def __post_init__(self) -> None:
-        self._check_fields()
+    def _check_invariants(self) -> None:
         seqs = [e.seq for e in self.events]
         if any(b <= a for a, b in itertools.pairwise(seqs)):
             raise InvalidInput("IndexEvents.events must have strictly increasing seq")
@@ -281,8 +280,7 @@ class ReserveAnswer(WireMessage):
         ("reason", REASON),
     )
 
-    def __post_init__(self) -> None:
-        self._check_fields()
+    def _check_invariants(self) -> None:
         if self.code is not None and (self.reservation_id or self.cached_blocks or self.lease_ms):
             raise InvalidInput("a refused ReserveAnswer carries no reservation, blocks or lease")
 

@@ -43,8 +43,7 @@ class KVLayoutSpec(WireStruct):
         ("block_size", U32),
     )
 
-    def __post_init__(self) -> None:
-        self._check_fields()
+    def _check_invariants(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
             if getattr(self, name) <= 0:
                 raise InvalidInput(f"KVLayoutSpec.{name} must be positive")
@@ -87,8 +86,7 @@ class TransferBegin(WireMessage):
         ("deadline_ms", U32),
     )
 
-    def __post_init__(self) -> None:
-        self._check_fields()
+    def _check_invariants(self) -> None:
         if self.chunk_bytes <= 0:
             raise InvalidInput("TransferBegin.chunk_bytes must be positive")
         if self.num_chunks > MAX_CHUNKS:
@@ -145,8 +143,7 @@ class Ack(WireMessage):
         ("resend", INDEX_LIST),
     )
 
-    def __post_init__(self) -> None:
-        self._check_fields()
+    def _check_invariants(self) -> None:
         if any(i < self.next_index for i in self.received):
             raise InvalidInput("Ack.received lists a chunk below next_index")
 
@@ -169,8 +166,7 @@ class Resume(WireMessage):
         ("received", INDEX_LIST),
     )
 
-    def __post_init__(self) -> None:
-        self._check_fields()
+    def _check_invariants(self) -> None:
         if any(i < self.next_index for i in self.received):
             raise InvalidInput("Resume.received lists a chunk below next_index")
 
