@@ -50,6 +50,7 @@ BENCH_COMMANDS: dict[str, tuple[str, str]] = {
     "codec": ("pddlink.cli.bench_codec:command", "Lossless KV codec ratio and speed against plain zstd."),
     "link": ("pddlink.cli.bench_link:command", "Goodput of a transport between two processes (loopback or netlab)."),
     "drc": ("pddlink.cli.bench_drc:command", "Prefix match, insert rate and memory of the DRC index."),
+    "wire": ("pddlink.cli.bench_wire:command", "Fuzz the frame decoder: frames/s, error types, memory."),
 }
 
 TOP_COMMANDS: dict[str, tuple[str, str]] = {
