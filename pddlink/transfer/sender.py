@@ -169,6 +169,10 @@ class TransferSender:
     def acked_chunks(self) -> int:
         return self._num_acked
 
+    def is_acked(self, index: int) -> bool:
+        """Whether the receiver has acknowledged chunk ``index`` (it is never sent again)."""
+        return 0 <= index < self.num_chunks and bool(self._acked[index])
+
     # --- internals ----------------------------------------------------------------------------
 
     def _chunk_range(self, index: int) -> tuple[int, int]:
