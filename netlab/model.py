@@ -132,6 +132,9 @@ class DirectionModel:
         self._last_at_s = 0.0
         self._delay_s = spec.delay_ms / 1000.0
         self._jitter_s = spec.jitter_ms / 1000.0
+        self._tau_s = spec.jitter_correlation_ms / 1000.0
+        self._ou = rng.gauss(0.0, self._jitter_s) if self._jitter_s > 0 else 0.0
+        self._ou_at_s = 0.0
         advance = spec.delay_ms if spec.reorder_advance_ms is None else spec.reorder_advance_ms
         self._advance_s = advance / 1000.0
         self.transparent = spec.is_transparent
@@ -158,12 +161,18 @@ class DirectionModel:
         self._queued += fit
         return fit, leave_s
 
-    def _delay(self) -> float:
+    def _delay(self, now_s: float) -> float:
         j = self._jitter_s
         if j <= 0.0:
             return self._delay_s
         dist = self.spec.distribution
-        if dist == "normal":
+        if dist == "normal" and self._tau_s > 0.0:
+            # Ornstein-Uhlenbeck: stationary N(0, j^2), correlated over tau, exact for any time step
+            keep = math.exp(-max(0.0, now_s - self._ou_at_s) / self._tau_s)
+            self._ou = self._ou * keep + self._rng.gauss(0.0, j * math.sqrt(1.0 - keep * keep))
+            self._ou_at_s = now_s
+            offset = self._ou
+        elif dist == "normal":
             offset = self._rng.gauss(0.0, j)
         elif dist == "uniform":
             offset = self._rng.uniform(-j, j)
@@ -186,7 +195,7 @@ class DirectionModel:
         st.dropped_queue += segments - fit
         if fit == 0:
             return []
-        at_s = leave_s + self._delay()
+        at_s = leave_s + self._delay(now_s)
         if not self.spec.jitter_reorders:
             at_s = max(at_s, self._last_at_s)
             self._last_at_s = at_s

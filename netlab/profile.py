@@ -14,7 +14,11 @@ Keys of a direction (all optional):
 ``jitter_ms``          spread of the delay (std-dev for ``normal``, half-width for ``uniform``,
                        scale for ``pareto``)
 ``distribution``       ``normal`` | ``uniform`` | ``pareto``
+``jitter_correlation_ms``  time constant of a ``normal`` jitter (an Ornstein-Uhlenbeck process, as
+                       queueing delay drifts); default 10; 0: an independent draw per packet
 ``jitter_reorders``    false (default): a packet never overtakes an earlier one because of jitter
+                       (with uncorrelated jitter this raises the mean delay: a packet waits for
+                       the one before it)
 ``loss``               independent (Bernoulli) loss probability per packet
 ``gilbert_elliott``    table ``{p, r, loss_good, loss_bad}``: bursty loss; ``p`` good->bad and
                        ``r`` bad->good transition probability per packet
@@ -87,6 +91,7 @@ class DirectionSpec:
     delay_ms: float = 0.0
     jitter_ms: float = 0.0
     distribution: str = "normal"
+    jitter_correlation_ms: float = 10.0
     jitter_reorders: bool = False
     loss: float = 0.0
     gilbert_elliott: GilbertElliott | None = None
@@ -101,6 +106,7 @@ class DirectionSpec:
     def validate(self, where: str) -> None:
         _check_nonneg(f"{where}.delay_ms", self.delay_ms, 60_000.0)
         _check_nonneg(f"{where}.jitter_ms", self.jitter_ms, 60_000.0)
+        _check_nonneg(f"{where}.jitter_correlation_ms", self.jitter_correlation_ms, 3_600_000.0)
         if self.distribution not in DISTRIBUTIONS:
             raise _fail(f"{where}.distribution", f"{self.distribution!r} is not one of {DISTRIBUTIONS}")
         for name in ("loss", "reorder", "duplicate", "corrupt"):
@@ -122,7 +128,11 @@ class DirectionSpec:
     @property
     def is_transparent(self) -> bool:
         """True when the direction changes nothing: the relay may take its fast path."""
-        return self == DirectionSpec(distribution=self.distribution, jitter_reorders=self.jitter_reorders)
+        return self == DirectionSpec(
+            distribution=self.distribution,
+            jitter_reorders=self.jitter_reorders,
+            jitter_correlation_ms=self.jitter_correlation_ms,
+        )
 
 
 @dataclass(frozen=True, slots=True)
