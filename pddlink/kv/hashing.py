@@ -50,21 +50,22 @@ class HashSchemeMismatch(InvalidInput):
     code = ErrorCode.HASH_SCHEME_MISMATCH
 
 
-def token_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
-    """Token ids as uint32 little-endian bytes; refuses ids outside ``[0, 2**32)``."""
+def token_buffer(token_ids: Sequence[int] | np.ndarray) -> memoryview:
+    """Token ids as uint32 little-endian bytes (no copy when already so); refuses ids outside
+    ``[0, 2**32)``."""
     if isinstance(token_ids, np.ndarray):
         if token_ids.size and (token_ids.min() < 0 or token_ids.max() >= 2**32):
             raise InvalidInput("token ids must be in [0, 2**32)")
-        return token_ids.astype("<u4", copy=False).tobytes()
+        return np.ascontiguousarray(token_ids, dtype="<u4").data.cast("B")
     try:
         packed = array("I", token_ids)  # C-speed conversion with range checks
     except (OverflowError, TypeError) as exc:
         raise InvalidInput(f"token ids must be ints in [0, 2**32): {exc}") from None
     if packed.itemsize != _TOKEN_BYTES:  # pragma: no cover - no mainstream platform
-        return np.asarray(token_ids, dtype="<u4").tobytes()
+        return memoryview(np.asarray(token_ids, dtype="<u4").tobytes())
     if sys.byteorder == "big":  # pragma: no cover
         packed.byteswap()
-    return packed.tobytes()
+    return memoryview(packed).cast("B")
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,11 +94,12 @@ class BlockHasher:
 
     def hash_blocks(self, token_ids: Sequence[int] | np.ndarray, parent: int | None = None) -> list[int]:
         """Hashes of every full block of ``token_ids``, chained from ``parent`` (default: the root)."""
-        data = token_bytes(token_ids)
-        return self.hash_block_bytes(data, parent)
+        return self.hash_block_bytes(token_buffer(token_ids), parent)
 
-    def hash_block_bytes(self, data: bytes, parent: int | None = None) -> list[int]:
+    def hash_block_bytes(self, data: bytes | memoryview, parent: int | None = None) -> list[int]:
         """As :meth:`hash_blocks`, for tokens already packed as uint32 little-endian bytes."""
+        if isinstance(data, memoryview) and data.format != "B":
+            data = data.cast("B")
         if len(data) % _TOKEN_BYTES:
             raise InvalidInput(f"token bytes must be a multiple of {_TOKEN_BYTES}, got {len(data)}")
         if parent is None:
