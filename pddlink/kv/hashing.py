@@ -54,6 +54,8 @@ def token_buffer(token_ids: Sequence[int] | np.ndarray) -> memoryview:
     """Token ids as uint32 little-endian bytes (no copy when already so); refuses ids outside
     ``[0, 2**32)``."""
     if isinstance(token_ids, np.ndarray):
+        if token_ids.dtype.kind not in "iu":
+            raise InvalidInput(f"token ids must be integers, got dtype {token_ids.dtype}")
         if token_ids.size and (token_ids.min() < 0 or token_ids.max() >= 2**32):
             raise InvalidInput("token ids must be in [0, 2**32)")
         return np.ascontiguousarray(token_ids, dtype="<u4").data.cast("B")

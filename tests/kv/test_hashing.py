@@ -64,7 +64,7 @@ def test_shared_blocks_only_with_a_shared_prefix_and_namespace() -> None:
 
 def test_refuses_bad_input() -> None:
     hasher = BlockHasher("m", 2)
-    for bad in ([-1, 0], [2**32, 0], np.array([-1, 3]), ["a", "b"]):
+    for bad in ([-1, 0], [2**32, 0], np.array([-1, 3]), ["a", "b"], np.array([1.5, 2.0])):
         with pytest.raises(InvalidInput):
             hasher.hash_blocks(bad)  # type: ignore[arg-type]
     with pytest.raises(InvalidInput):
