@@ -46,6 +46,7 @@ from pddlink.transport.bench.run import run_loopback, run_netlab
 @click.option("--peer", "peer_addr", default=None, hidden=True)
 @click.option("--listen", "listen_addr", default=None, hidden=True)
 @click.option("--certs", type=click.Path(path_type=Path), default=None, hidden=True)
+@click.option("--datagram-bytes", type=click.IntRange(1200, 65527), default=8952, hidden=True)
 def command(
     transport: str,
     streams: int | None,
@@ -63,6 +64,7 @@ def command(
     peer_addr: str | None,
     listen_addr: str | None,
     certs: Path | None,
+    datagram_bytes: int,
 ) -> None:
     """Goodput of a transport between two processes (loopback or across netlab)."""
     spec = BenchSpec(
@@ -77,6 +79,7 @@ def command(
         quic_impl=quic_impl,
         deadline_s=deadline_s,
         certs=certs,
+        max_datagram_bytes=datagram_bytes,
     )
     if role == "receiver":
         peer.run_role(peer.receive, spec, listen_addr or "127.0.0.1:0")

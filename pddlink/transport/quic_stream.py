@@ -28,6 +28,7 @@ from pddlink.wire import Decoder, Handshake, Hello, HelloRefuse, encode_parts
 from pddlink.wire.frame import WIRE_VERSION
 
 log = logging.getLogger(__name__)
+AUTH_REASON = "auth: "  # close reasons starting so are identity refusals
 
 
 class StreamLane:
@@ -108,6 +109,7 @@ def make_protocol_class(mod: SimpleNamespace) -> type:
             self.control: StreamLane | None = None
             self.greeting: Greeting | None = None
             self.terminated = False
+            self.close_reason = ""
             self.on_new_lane: Callable[[StreamLane], None] | None = None
             self.on_terminated: Callable[[str], None] | None = None
             self._soon = False
@@ -122,6 +124,7 @@ def make_protocol_class(mod: SimpleNamespace) -> type:
                     lane.mark_lost(None)
                 return  # not the base class: it would wrap the stream in a StreamWriter that FINs on GC
             if isinstance(event, events.ConnectionTerminated):
+                self.close_reason = event.reason_phrase or ""
                 self._terminate(f"{event.reason_phrase or 'closed'} (code {event.error_code})")
             super().quic_event_received(event)
 
@@ -184,6 +187,14 @@ def make_protocol_class(mod: SimpleNamespace) -> type:
 
         async def client_handshake(self, tls: TlsConfig, hs: Handshake) -> PeerIdentity:
             """Client: prove our identity on stream 0, then the hello; returns the server's claim."""
+            try:
+                return await self._client_handshake(tls, hs)
+            except (ConnectionLost, TimeoutError) as exc:
+                if self.close_reason.startswith(AUTH_REASON):
+                    raise AuthError(f"server refused us: {self.close_reason}") from exc
+                raise
+
+        async def _client_handshake(self, tls: TlsConfig, hs: Handshake) -> PeerIdentity:
             lane = self.control = self.open_lane()
             challenge = quic_auth.PrefixReader(len(quic_auth.SERVER_CHALLENGE) + quic_auth.NONCE_BYTES)
             got: asyncio.Future[tuple[bytes, bytes]] = asyncio.get_running_loop().create_future()
@@ -256,7 +267,7 @@ class _ServerAuth:
             certified = quic_auth.verify_proof(cert, signature, self.nonce, server_der, self.listener.tls)
         except PddlinkError as exc:
             log.warning("refused a QUIC client: %s", exc.message)
-            self.protocol.close_with(f"auth: {exc.message}")
+            self.protocol.close_with(f"{AUTH_REASON}{exc.message}")
             return
         self.lane.raw = None
         self.greeting_task = asyncio.ensure_future(self.greet(certified))
@@ -274,7 +285,8 @@ class _ServerAuth:
                 check_peer(certified, claimed=claimed)
             except AuthError as exc:
                 lane.send(HelloRefuse(ErrorCode.AUTH, exc.message[:1024], WIRE_VERSION))
-                raise
+                self.protocol.close_with(f"{AUTH_REASON}{exc.message}")
+                return
             hs = Handshake(self.config, initiator=False, now=time.monotonic())
             hs.receive(hello, time.monotonic())
             for out in hs.messages_to_send():

@@ -128,7 +128,9 @@ def test_certificate_from_another_ca_is_refused(pki: Any, foreign_pki: Any, run_
     assert error.code in (ErrorCode.PEER_UNREACHABLE, ErrorCode.AUTH) and links == 0
 
 
-def test_server_with_certificate_from_another_ca_is_refused(pki: Any, foreign_pki: Any, run_async: Any) -> None:
+def test_server_with_certificate_from_another_ca_is_refused(
+    pki: Any, foreign_pki: Any, run_async: Any
+) -> None:
     error, links = _refused(pki[CLIENT], CLIENT, foreign_pki[SERVER], SERVER, run_async)
     assert error.code in (ErrorCode.PEER_UNREACHABLE, ErrorCode.AUTH) and links == 0
     assert "certificate" in error.message.lower()

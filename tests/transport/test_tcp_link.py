@@ -23,8 +23,12 @@ def begin(transfer_id: int, size: int, chunk_bytes: int = 1 << 20) -> TransferBe
                          chunk_bytes, 10_000)  # fmt: skip
 
 
-async def start_pair(pki: dict[PeerIdentity, Any], streams: int, **server_kw: Any) -> tuple[KVServer, KVClient]:
-    server = await KVServer.start("127.0.0.1", 0, identity=SERVER, tls=pki[SERVER], options=OPTIONS, **server_kw)
+async def start_pair(
+    pki: dict[PeerIdentity, Any], streams: int, **server_kw: Any
+) -> tuple[KVServer, KVClient]:
+    server = await KVServer.start(
+        "127.0.0.1", 0, identity=SERVER, tls=pki[SERVER], options=OPTIONS, **server_kw
+    )
     client = await KVClient.connect(
         "127.0.0.1", server.port, identity=CLIENT, tls=pki[CLIENT], expected_peer=SERVER,
         streams=streams, options=OPTIONS,

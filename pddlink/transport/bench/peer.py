@@ -47,6 +47,7 @@ class BenchSpec:
     quic_impl: str
     deadline_s: float
     certs: Path | None
+    max_datagram_bytes: int = 8952  # QUIC: loopback's MTU allows jumbo datagrams; WAN paths 1452
 
     def options(self) -> LinkOptions:
         return LinkOptions(
@@ -54,7 +55,7 @@ class BenchSpec:
             congestion_control=self.congestion_control,
             chunk_bytes=self.chunk_bytes,
             window_bytes=max(256 << 20, 2 * self.chunk_bytes),
-            max_datagram_bytes=8952 if self.quic_impl.endswith("jumbo") else 1452,
+            max_datagram_bytes=self.max_datagram_bytes,
         )
 
     def tls_for(self, identity: PeerIdentity) -> TlsConfig | None:
@@ -80,7 +81,11 @@ def cpu_seconds() -> float:
 
 
 def run_role(role: Callable[[BenchSpec, str], Coroutine[Any, Any, None]], spec: BenchSpec, addr: str) -> None:
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s: %(message)s")
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(name)s: %(message)s")
+    if spec.transport == "quic":
+        from pddlink.transport.quic import QuicTransport
+
+        QuicTransport.impl = spec.quic_impl
     try:
         import uvloop
 
@@ -97,14 +102,11 @@ def _split(addr: str) -> tuple[str, int]:
 async def receive(spec: BenchSpec, addr: str) -> None:
     sizes = spec.transfer_sizes()
     done = asyncio.Event()
-    state = {"bytes": 0, "transfers": 0, "cpu0": 0.0, "t0": 0.0}
+    received_bytes: list[int] = []
 
     def on_transfer(received: ReceivedTransfer) -> None:
-        if state["transfers"] == 0:
-            state["cpu0"], state["t0"] = cpu_seconds() - 0.0, time.perf_counter() - received.seconds
-        state["bytes"] += received.bytes
-        state["transfers"] += 1
-        if state["transfers"] == len(sizes):
+        received_bytes.append(received.bytes)
+        if len(received_bytes) == len(sizes):
             done.set()
 
     def on_failed(peer: PeerIdentity, begin: object, error: PddlinkError) -> None:
@@ -128,7 +130,7 @@ async def receive(spec: BenchSpec, addr: str) -> None:
         await asyncio.wait_for(done.wait(), spec.deadline_s + 30)
     finally:
         await server.close()
-    emit({"event": "done", "bytes": state["bytes"], "cpu_s": cpu_seconds() - cpu_start})
+    emit({"event": "done", "bytes": sum(received_bytes), "cpu_s": cpu_seconds() - cpu_start})
 
 
 def make_payload(nbytes: int, codec: str) -> np.ndarray:

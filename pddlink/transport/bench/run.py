@@ -8,6 +8,7 @@ the spec's deadline; a peer that fails or stalls is killed and the run fails wit
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -57,6 +58,8 @@ def peer_argv(spec: BenchSpec, role: str, addr: str) -> list[str]:
         "--deadline-s",
         str(spec.deadline_s),
         "--tls" if spec.tls else "--no-tls",
+        "--datagram-bytes",
+        str(spec.max_datagram_bytes),
     ]
     if spec.certs is not None:
         argv += ["--certs", str(spec.certs)]
@@ -151,8 +154,6 @@ def merge(spec: BenchSpec, sent: dict[str, Any], received: dict[str, Any]) -> di
 
 
 def _with_certs(spec: BenchSpec, certs: Path) -> BenchSpec:
-    import dataclasses
-
     return dataclasses.replace(spec, certs=certs)
 
 
@@ -164,6 +165,7 @@ def run_netlab(spec: BenchSpec, profile: str) -> dict[str, Any]:
     """Receiver in dc-b, sender in dc-a of a lab brought up for this run and torn down after."""
     from netlab.lab import Lab
 
+    spec = dataclasses.replace(spec, max_datagram_bytes=1452)  # the emulated WAN has a 1500-byte MTU
     with Lab.up(profile, name=LAB_NAME) as lab:
         proto = "udp" if spec.transport == "quic" else "tcp"
         return run_pair(
