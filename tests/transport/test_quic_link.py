@@ -32,10 +32,24 @@ def test_transfers_and_control_over_quic(pki: Any, run_async: Any, impl: str) ->
 
     async def scenario() -> tuple[list[ReceivedTransfer], Any]:
         got: list[ReceivedTransfer] = []
-        server = await KVServer.start("127.0.0.1", 0, identity=SERVER, tls=pki[SERVER], transport="quic",
-                                      on_transfer=got.append, options=OPTIONS)  # fmt: skip
-        client = await KVClient.connect("127.0.0.1", server.port, identity=CLIENT, tls=pki[CLIENT],
-                                        transport="quic", expected_peer=SERVER, options=OPTIONS)  # fmt: skip
+        server = await KVServer.start(
+            "127.0.0.1",
+            0,
+            identity=SERVER,
+            tls=pki[SERVER],
+            transport="quic",
+            on_transfer=got.append,
+            options=OPTIONS,
+        )
+        client = await KVClient.connect(
+            "127.0.0.1",
+            server.port,
+            identity=CLIENT,
+            tls=pki[CLIENT],
+            transport="quic",
+            expected_peer=SERVER,
+            options=OPTIONS,
+        )
         try:
             assert client.peer == SERVER and client.transport == "quic"
             for i, data in enumerate(payloads, start=1):
@@ -54,16 +68,31 @@ def test_transfers_and_control_over_quic(pki: Any, run_async: Any, impl: str) ->
     assert isinstance(pong, Pong) and pong.nonce == 5
 
 
-def _connect_refused(server_tls: Any, client_tls: Any, identity: PeerIdentity, expected: PeerIdentity | None,
-                     run_async: Any) -> tuple[PddlinkError, int]:  # fmt: skip
+def _connect_refused(
+    server_tls: Any, client_tls: Any, identity: PeerIdentity, expected: PeerIdentity | None, run_async: Any
+) -> tuple[PddlinkError, int]:
     async def scenario() -> tuple[PddlinkError, int]:
         got: list[ReceivedTransfer] = []
-        server = await KVServer.start("127.0.0.1", 0, identity=SERVER, tls=server_tls, transport="quic",
-                                      on_transfer=got.append, options=OPTIONS)  # fmt: skip
+        server = await KVServer.start(
+            "127.0.0.1",
+            0,
+            identity=SERVER,
+            tls=server_tls,
+            transport="quic",
+            on_transfer=got.append,
+            options=OPTIONS,
+        )
         try:
             with pytest.raises(PddlinkError) as info:
-                client = await KVClient.connect("127.0.0.1", server.port, identity=identity, tls=client_tls,
-                                                transport="quic", expected_peer=expected, options=OPTIONS)  # fmt: skip
+                client = await KVClient.connect(
+                    "127.0.0.1",
+                    server.port,
+                    identity=identity,
+                    tls=client_tls,
+                    transport="quic",
+                    expected_peer=expected,
+                    options=OPTIONS,
+                )
                 await client.close()
             return info.value, len(got) + len(server.links())
         finally:

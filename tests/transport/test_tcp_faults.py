@@ -72,9 +72,13 @@ def test_path_stalled_past_the_deadline_aborts_with_reason_on_both_sides(
     async def scenario() -> tuple[PddlinkError, list[tuple[Any, PddlinkError]], float]:
         failed: list[tuple[Any, PddlinkError]] = []
         server = await KVServer.start(
-            "127.0.0.1", 0, identity=SERVER, tls=pki[SERVER], options=OPTIONS,
+            "127.0.0.1",
+            0,
+            identity=SERVER,
+            tls=pki[SERVER],
+            options=OPTIONS,
             on_transfer_failed=lambda peer, b, err: failed.append((b, err)),
-        )  # fmt: skip
+        )
         relay = relay_factory(server.port)
         port = await relay.start()
         client = await KVClient.connect("127.0.0.1", port, identity=CLIENT, tls=pki[CLIENT], options=OPTIONS)
@@ -102,17 +106,26 @@ def test_path_stalled_past_the_deadline_aborts_with_reason_on_both_sides(
     assert failed and failed[0][1].code in (ErrorCode.DEADLINE_EXCEEDED, ErrorCode.CANCELLED)
 
 
-def _refused(pki_client: Any, client_identity: PeerIdentity, server_tls: Any, expected: PeerIdentity | None,
-             run_async: Any) -> tuple[PddlinkError, int]:  # fmt: skip
+def _refused(
+    pki_client: Any,
+    client_identity: PeerIdentity,
+    server_tls: Any,
+    expected: PeerIdentity | None,
+    run_async: Any,
+) -> tuple[PddlinkError, int]:
     async def scenario() -> tuple[PddlinkError, int]:
         got: list[ReceivedTransfer] = []
         server = await KVServer.start("127.0.0.1", 0, identity=SERVER, tls=server_tls, on_transfer=got.append)
         try:
             with pytest.raises(PddlinkError) as info:
                 client = await KVClient.connect(
-                    "127.0.0.1", server.port, identity=client_identity, tls=pki_client,
-                    expected_peer=expected, options=LinkOptions(connect_timeout_s=5.0),
-                )  # fmt: skip
+                    "127.0.0.1",
+                    server.port,
+                    identity=client_identity,
+                    tls=pki_client,
+                    expected_peer=expected,
+                    options=LinkOptions(connect_timeout_s=5.0),
+                )
                 await client.close()
             await asyncio.sleep(0.05)
             return info.value, len(got) + len(server.links())

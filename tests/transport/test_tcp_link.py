@@ -19,8 +19,9 @@ OPTIONS = LinkOptions(chunk_bytes=1 << 20, window_bytes=8 << 20)
 
 
 def begin(transfer_id: int, size: int, chunk_bytes: int = 1 << 20) -> TransferBegin:
-    return TransferBegin(transfer_id, 0, f"req-{transfer_id}", LAYOUT, 0, 16, (transfer_id,), 0, size,
-                         chunk_bytes, 10_000)  # fmt: skip
+    return TransferBegin(
+        transfer_id, 0, f"req-{transfer_id}", LAYOUT, 0, 16, (transfer_id,), 0, size, chunk_bytes, 10_000
+    )
 
 
 async def start_pair(
@@ -30,9 +31,14 @@ async def start_pair(
         "127.0.0.1", 0, identity=SERVER, tls=pki[SERVER], options=OPTIONS, **server_kw
     )
     client = await KVClient.connect(
-        "127.0.0.1", server.port, identity=CLIENT, tls=pki[CLIENT], expected_peer=SERVER,
-        streams=streams, options=OPTIONS,
-    )  # fmt: skip
+        "127.0.0.1",
+        server.port,
+        identity=CLIENT,
+        tls=pki[CLIENT],
+        expected_peer=SERVER,
+        streams=streams,
+        options=OPTIONS,
+    )
     return server, client
 
 
@@ -98,9 +104,13 @@ def test_server_pushes_control_message_to_client(pki: Any, run_async: Any) -> No
 
         server = await KVServer.start("127.0.0.1", 0, identity=SERVER, tls=pki[SERVER], options=OPTIONS)
         client = await KVClient.connect(
-            "127.0.0.1", server.port, identity=CLIENT, tls=pki[CLIENT], on_message=on_client_message,
+            "127.0.0.1",
+            server.port,
+            identity=CLIENT,
+            tls=pki[CLIENT],
+            on_message=on_client_message,
             options=OPTIONS,
-        )  # fmt: skip
+        )
         try:
             (link,) = server.links()
             await link.send_message(Reserve("pushed", (9,), 100))
