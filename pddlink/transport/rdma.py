@@ -65,13 +65,16 @@ class RdmaError(LocalError):
 
 
 def list_devices_pyverbs() -> list[str]:
-    """RDMA device names as libibverbs sees them. Raises ImportError without pyverbs."""
+    """RDMA device names as libibverbs sees them. ImportError without pyverbs; ``RdmaError`` when
+    libibverbs cannot list devices (it fails that way on a host with no RDMA stack at all)."""
     import pyverbs.device
+    from pyverbs.pyverbs_error import PyverbsError
 
-    return sorted(
-        d.name.decode() if isinstance(d.name, bytes) else str(d.name)
-        for d in pyverbs.device.get_device_list()
-    )
+    try:
+        devices = pyverbs.device.get_device_list()
+    except PyverbsError as exc:
+        raise RdmaError(f"libibverbs cannot list devices ({exc})") from exc
+    return sorted(d.name.decode() if isinstance(d.name, bytes) else str(d.name) for d in devices)
 
 
 def rdma_available(
@@ -84,8 +87,8 @@ def rdma_available(
         kernel = sorted(p.name for p in sysfs.iterdir()) if sysfs.is_dir() else []
         seen = f"kernel devices {', '.join(kernel)}" if kernel else f"no devices under {sysfs} either"
         return False, f"pyverbs is not importable ({exc}); {seen}; {INSTALL_HINT}"
-    except Exception as exc:  # pyverbs raises its own PyverbsError when libibverbs cannot start
-        return False, f"libibverbs failed to list devices ({type(exc).__name__}: {exc}); {NO_DEVICE_HINT}"
+    except RdmaError as exc:
+        return False, f"{exc.message}; {NO_DEVICE_HINT}"
     if not devices:
         return False, NO_DEVICE_HINT
     return True, f"RDMA device(s): {', '.join(devices)}"
@@ -303,10 +306,13 @@ class RdmaChannel:
 
     def post_receives(self, count: int) -> None:
         """Receiver: one posted receive per chunk the sender may write (each write-with-imm uses one)."""
-        from pyverbs.wr import RecvWR
+        from pyverbs.wr import SGE, RecvWR
 
+        # pyverbs wants one SGE per WR; a write-with-imm lands at the remote address, so the
+        # receive's own buffer is empty (length 0), as in C.
         for _ in range(count):
-            self._call("post_recv", self._qp.post_recv, RecvWR(wr_id=0, num_sge=0))
+            empty = SGE(int(self._mr.buf), 0, int(self._mr.lkey))
+            self._call("post_recv", self._qp.post_recv, RecvWR(wr_id=0, num_sge=1, sg=[empty]))
 
     def write_chunk(self, slot: int, data: memoryview | bytes, imm: int) -> None:
         """Sender: copy ``data`` into staging slot ``slot`` and RDMA-write it to the peer's slot."""
@@ -374,9 +380,11 @@ class RdmaChannel:
 
     @staticmethod
     def _call(what: str, fn: Callable[..., Any], *args: Any) -> Any:
+        from pyverbs.pyverbs_error import PyverbsError
+
         try:
             return fn(*args)
-        except Exception as exc:  # PyverbsRDMAError / PyverbsError carry errno and the verbs message
+        except PyverbsError as exc:  # carries errno and the verbs message
             raise RdmaError(f"{what} failed: {exc}") from exc
 
 

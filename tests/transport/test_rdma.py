@@ -16,6 +16,7 @@ from pddlink.transport.rdma import (
     RdmaChannel,
     RdmaConfig,
     RdmaEndpoint,
+    RdmaError,
     RdmaTransport,
     gid_bytes,
     rdma_available,
@@ -89,6 +90,12 @@ def test_availability_reasons(tmp_path: Path) -> None:
     (tmp_path / "rxe0").mkdir()
     ok, reason = rdma_available(no_pyverbs, sysfs=tmp_path)
     assert not ok and "kernel devices rxe0" in reason
+
+    def verbs_without_stack() -> list[str]:
+        raise RdmaError("libibverbs cannot list devices (Failed to get devices list)")
+
+    ok, reason = rdma_available(verbs_without_stack)
+    assert not ok and "cannot list devices" in reason and "rdma_rxe" in reason
     assert rdma_available(lambda: [])[0] is False
     assert "rdma_rxe" in rdma_available(lambda: [])[1]
     assert rdma_available(lambda: ["mlx5_0"]) == (True, "RDMA device(s): mlx5_0")
