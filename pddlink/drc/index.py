@@ -172,6 +172,10 @@ class PrefixIndex:
     def pin_count(self, block_hash: int) -> int:
         return self._node(block_hash).pins
 
+    def hashes_and_parents(self) -> tuple[list[int], list[int | None]]:
+        """Every cached hash and its parent, parents before children (see :meth:`blocks`)."""
+        return list(self._nodes), [node.parent for node in self._nodes.values()]
+
     def blocks(self) -> Iterator[tuple[int, int | None]]:
         """Every cached ``(hash, parent)``, parents before children."""
         # Dict order is insertion order; a parent is always inserted before its children and
@@ -387,14 +391,22 @@ class PrefixIndex:
             node = nodes.get(h)
             if node is None or node.children or node.pins or node.tick != tick:
                 continue  # stale entry
-            del nodes[h]
-            removed.append(h)
-            if node.parent is not None:
-                up = nodes[node.parent]
-                up.tick = max(up.tick, tick)
+            while True:  # unwind a chain: a parent left childless is often the next victim
+                del nodes[h]
+                removed.append(h)
+                parent = node.parent
+                if parent is None:
+                    break
+                up = nodes[parent]
+                up.tick = max(up.tick, node.tick)
                 up.children -= 1
-                if up.children == 0 and up.pins == 0:
-                    self._push(node.parent, up.tick)
+                if up.children or up.pins:
+                    break
+                if len(removed) < count and (not heap or up.tick < heap[0][0]):
+                    h, node = parent, up  # what a push and a pop would pick next, without them
+                    continue
+                self._push(parent, up.tick)
+                break
         self._evicted += len(removed)
         return removed
 

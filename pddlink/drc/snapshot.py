@@ -15,7 +15,6 @@ events with larger ``seq``. Recency and pins are not included. Pure: bytes in, b
 from __future__ import annotations
 
 import struct
-from array import array
 from dataclasses import dataclass
 
 import numpy as np
@@ -61,16 +60,11 @@ class Snapshot:
 
 def encode_snapshot(index: PrefixIndex, *, block_size: int = 0, root: int = 0) -> bytes:
     """The index's blocks at its current ``(epoch, seq)``."""
-    position: dict[int, int] = {}
-    deltas = array("I")
-    hashes: list[bytes] = []
-    for i, (h, parent) in enumerate(index.blocks()):
-        position[h] = i
-        deltas.append(0 if parent is None else i - position[parent])
-        hashes.append(h.to_bytes(_HASH, "big"))
-    packed = zstandard.ZstdCompressor(level=_ZSTD_LEVEL).compress(
-        np.frombuffer(deltas.tobytes(), dtype=np.uint32).astype("<u4").tobytes()
-    )
+    hashes, parents = index.hashes_and_parents()
+    position = {h: i for i, h in enumerate(hashes)}
+    deltas = np.array([0 if p is None else i - position[p] for i, p in enumerate(parents)], dtype="<u4")
+    packed = zstandard.ZstdCompressor(level=_ZSTD_LEVEL).compress(deltas.tobytes())
+    hash_bytes = b"".join([h.to_bytes(_HASH, "big") for h in hashes])
     head = _HEADER.pack(
         MAGIC,
         VERSION,
@@ -82,7 +76,7 @@ def encode_snapshot(index: PrefixIndex, *, block_size: int = 0, root: int = 0) -
         root.to_bytes(_HASH, "big"),
         len(packed),
     )
-    return b"".join([head, packed, *hashes])
+    return b"".join([head, packed, hash_bytes])
 
 
 def decode_snapshot(data: bytes) -> Snapshot:
