@@ -30,7 +30,8 @@ def transfer_digest(checksums: Iterable[int]) -> int:
 @dataclass(frozen=True, slots=True)
 class TransferConfig:
     """Knobs of one side. ``window_bytes`` bounds sent-but-unacknowledged bytes (at least one chunk
-    is always allowed); ``begin_timeout_s`` bounds how long a receiver keeps chunks that arrived
+    is always allowed); ``resume_retry_s`` is how long a resuming sender waits for the receiver's
+    ``Resume`` before asking again; ``begin_timeout_s`` bounds how long a receiver keeps chunks that arrived
     (over another striped connection) before their ``TransferBegin``."""
 
     chunk_bytes: int = 1 * MIB
@@ -38,6 +39,7 @@ class TransferConfig:
     max_selective_acks: int = 64
     max_chunk_retries: int = 8
     begin_timeout_s: float = 5.0
+    resume_retry_s: float = 2.0
     max_early_bytes: int = 64 * MIB
     max_transfer_bytes: int = 2**40
     assemble: bool = True  # receiver copies chunks into one buffer (else the consumer keeps payloads)
@@ -50,8 +52,10 @@ class TransferConfig:
         for name in ("max_selective_acks", "max_chunk_retries", "max_early_bytes", "max_transfer_bytes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"TransferConfig.{name} must be >= 0")
-        if not (math.isfinite(self.begin_timeout_s) and self.begin_timeout_s > 0):
-            raise ConfigError("TransferConfig.begin_timeout_s must be positive")
+        for name in ("begin_timeout_s", "resume_retry_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"TransferConfig.{name} must be positive, got {value}")
 
 
 @dataclass(frozen=True, slots=True)

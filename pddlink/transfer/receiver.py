@@ -9,7 +9,8 @@ for again (``Ack.resend``), at most ``max_chunk_retries`` times. Chunks of an ol
 stale (sent before a reconnect) and ignored, as are duplicates. When every chunk is held and the
 sender's ``TransferEnd`` arrived, the digest is checked and echoed back: the transfer is complete.
 
-Resume: a ``TransferBegin`` of a newer generation is answered with ``Resume`` listing what is held
+Resume: a ``TransferBegin`` of a newer (or the same, repeated) generation is answered with
+``Resume`` listing what is held
 (also after completion, followed by the ``TransferEnd`` echo, in case the first echo was lost).
 Deadline: ``TransferBegin.deadline_ms`` from arrival, by this side's clock; past it the receiver
 aborts (event + ``Abort``), whether or not the sender is still there.
@@ -162,8 +163,10 @@ class TransferReceiver:
                 self._out.append(Outgoing(conn_id, Resume(self.transfer_id, begin.generation, 0, ())))
             self._replay_early(conn_id, now)
             return
-        if begin.generation <= self.generation or self.state is ReceiverState.ABORTED:
+        if begin.generation < self.generation or self.state is ReceiverState.ABORTED:
             return
+        if begin.generation == self.generation and begin.generation == 0:
+            return  # a duplicate first begin needs no answer
         if (begin.total_bytes, begin.chunk_bytes) != (self.begin.total_bytes, self.begin.chunk_bytes):
             self.abort(ErrorCode.PROTOCOL, "resumed transfer changed its size or chunking", now)
             return

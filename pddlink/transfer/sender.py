@@ -10,7 +10,8 @@ receiver echoes ``TransferEnd`` with the same digest.
 
 Resume. When a connection is lost, chunks in flight are in doubt: the sender bumps its generation,
 sends ``TransferBegin`` of the new generation on a live connection (or waits for
-``connection_made``) and stops sending until the receiver's ``Resume`` says what it holds. It then
+``connection_made``) and stops sending until the receiver's ``Resume`` says what it holds (asking
+again every ``resume_retry_s`` if no answer comes, e.g. a stream reset without a loss). It then
 sends only the chunks the receiver lacks: acknowledged data is never sent twice, and anything still
 on the wire from the old generation is ignored by the receiver. Deadline: ``handle_timer`` past
 ``deadline`` aborts (event + ``Abort`` to the peer).
@@ -91,6 +92,7 @@ class TransferSender:
         self._in_flight: dict[int, int] = {}  # chunk index -> connection id
         self._conn_bytes: dict[int, int] = dict.fromkeys(connections, 0)
         self._end_sent = False
+        self._resume_retry_at = float("inf")
         self._out: list[Outgoing] = []
         self._events: deque[TransferEvent] = deque()
         self._begin(now)
@@ -135,6 +137,9 @@ class TransferSender:
             self._finish_aborted(code, reason, remote=False)
 
     def handle_timer(self, now: float) -> None:
+        if self.state is SenderState.RESUMING and now >= self._resume_retry_at and now < self.deadline:
+            self._begin(now)  # the begin or its answer went missing without a connection loss
+            return
         if not self.done and now >= self.deadline:
             reason = (
                 f"transfer {self.transfer_id} ({len(self._data)} bytes) missed its deadline: "
@@ -155,6 +160,8 @@ class TransferSender:
         return self._events.popleft() if self._events else None
 
     def get_timer(self) -> float | None:
+        if self.state is SenderState.RESUMING:
+            return min(self.deadline, self._resume_retry_at)
         return None if self.done else self.deadline
 
     @property
@@ -199,6 +206,7 @@ class TransferSender:
         )  # fmt: skip
         self._out.append(Outgoing(min(self._conn_bytes), begin))
         self.state = SenderState.SENDING if self.generation == 0 else SenderState.RESUMING
+        self._resume_retry_at = now + self.config.resume_retry_s
 
     def _new_generation(self, now: float) -> None:
         self.generation += 1

@@ -210,6 +210,22 @@ def test_resume_skips_chunks_the_receiver_holds_but_never_acked() -> None:
     assert link.receiver.stats.duplicate_chunks == 0
 
 
+def test_a_lost_resume_begin_is_sent_again_after_resume_retry() -> None:
+    data = make_data(5000)
+    link = Link(data, conns=(1, 2))
+    link.pump_sender()
+    link.lose(1)
+    assert link.sender.state is SenderState.RESUMING
+    link.pump_sender()
+    link.to_rx[2].clear()  # the new-generation begin vanishes without any connection loss
+    retry_at = link.sender.get_timer()
+    assert retry_at is not None and retry_at < 60.0
+    link.now = retry_at
+    link.sender.handle_timer(link.now)
+    link.run()
+    assert link.receiver.state is ReceiverState.COMPLETED and bytes(link.receiver.data) == data
+
+
 def test_corrupt_chunk_is_detected_and_requested_again() -> None:
     data = make_data(12_000)
     link = Link(data)
