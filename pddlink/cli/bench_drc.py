@@ -23,7 +23,7 @@ import click
 import numpy as np
 from tqdm import tqdm
 
-from pddlink.drc import Mirror, PrefixIndex, decode_snapshot, encode_snapshot
+from pddlink.drc import Mirror, PrefixIndex, decode_event, decode_snapshot, encode_event, encode_snapshot
 from pddlink.drc.baseline import TokenRadixTree
 from pddlink.errors import ConfigError
 from pddlink.kv.hashing import BlockHasher
@@ -123,8 +123,8 @@ def traced_bytes_per_block(blocks: int, chain_blocks: int, seed: int) -> dict[st
         events.extend(index.insert(random_chain(rng, chain_blocks), now=0.0))
     index_bytes = tracemalloc.get_traced_memory()[0]
     mirror = Mirror()
-    for ev in events:
-        mirror.apply(ev, now=0.0)
+    for ev in events:  # through the byte form: a mirror in another process holds its own ints
+        mirror.apply(decode_event(encode_event(ev)), now=0.0)
     del events
     mirror_bytes = tracemalloc.get_traced_memory()[0] - index_bytes
     tracemalloc.stop()

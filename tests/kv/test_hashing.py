@@ -30,6 +30,7 @@ def test_matches_the_documented_definition(ids: list[int], block: int, salt: str
     hasher = BlockHasher("m", block, tenant_salt=salt)
     assert hasher.hash_blocks(ids) == reference("m", salt, block, ids)
     assert hasher.hash_blocks(np.array(ids, dtype=np.uint32)) == reference("m", salt, block, ids)
+    assert hasher.hash_blocks(tuple(ids)) == reference("m", salt, block, ids)
 
 
 def test_golden_value_pins_the_scheme() -> None:
