@@ -262,7 +262,9 @@ class TransferSender:
 
     def _apply_acks(self, next_index: int, received: Iterable[int]) -> None:
         if next_index > self.num_chunks:
-            self.abort(ErrorCode.PROTOCOL, f"ack of chunk {next_index - 1} beyond {self.num_chunks}", 0.0)
+            reason = f"ack of chunk {next_index - 1} beyond {self.num_chunks}"
+            self._send_abort(ErrorCode.PROTOCOL, reason)
+            self._finish_aborted(ErrorCode.PROTOCOL, reason, remote=False)
             return
         for i in range(self._cum_acked, next_index):
             self._mark_acked(i)
@@ -276,6 +278,8 @@ class TransferSender:
             self.stats.stale_messages += 1
             return
         self._apply_acks(ack.next_index, ack.received)
+        if self.done:
+            return
         for index in ack.resend:
             if index < self.num_chunks and not self._acked[index]:
                 self._requeue(index)

@@ -128,7 +128,11 @@ class Decoder:
         """Take more bytes of the stream. Never raises for bad frames (see ``next_message``)."""
         if self._error is not None:
             raise DecoderBroken(f"decoder already failed: {self._error.message}")
-        view = memoryview(data).cast("B") if not isinstance(data, bytes) else memoryview(data)
+        view = memoryview(data)
+        if not view.contiguous:
+            raise InvalidInput("Decoder.receive_data needs a contiguous buffer")
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
         try:
             while view:
                 view = self._fill_payload(view) if self._payload is not None else self._fill_frame(view)

@@ -89,7 +89,7 @@ def write_uvarint(out: bytearray, value: int) -> None:
 
 
 def _need_int(name: str, value: object, lo: int, hi: int) -> int:
-    if type(value) is not int and not (isinstance(value, int) and not isinstance(value, bool)):
+    if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidInput(f"{name} must be an int, got {type(value).__name__}")
     if not lo <= value <= hi:
         raise InvalidInput(f"{name} must be in [{lo}, {hi}], got {value}")
@@ -178,12 +178,12 @@ class Str:
     def check(self, name: str, value: Any) -> str:
         if not isinstance(value, str):
             raise InvalidInput(f"{name} must be a str, got {type(value).__name__}")
-        if len(value.encode("utf-8", "surrogatepass")) > self.max_bytes:
-            raise InvalidInput(f"{name} is longer than {self.max_bytes} bytes")
         try:
-            value.encode("utf-8")
+            size = len(value.encode("utf-8"))
         except UnicodeEncodeError as exc:
             raise InvalidInput(f"{name} is not valid unicode text") from exc
+        if size > self.max_bytes:
+            raise InvalidInput(f"{name} is longer than {self.max_bytes} bytes")
         return value
 
     def write(self, out: bytearray, value: str) -> None:

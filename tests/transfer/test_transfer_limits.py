@@ -135,3 +135,16 @@ def test_sender_without_connections_waits_paused_until_one_is_made() -> None:
     outs = tx.messages_to_send(0.1)
     assert [type(o.message).__name__ for o in outs] == ["TransferBegin", "Chunk", "TransferEnd"]
     assert {o.conn_id for o in outs} == {4}
+
+
+def test_ack_beyond_the_last_chunk_aborts_the_sender() -> None:
+    tx = TransferSender(
+        1, TransferManifest("r", LAYOUT, (), 4), b"x" * 250, config=TransferConfig(chunk_bytes=100),
+        deadline=5.0, connections=[1], now=0.0,
+    )  # fmt: skip
+    tx.messages_to_send(0.0)
+    tx.receive(Ack(1, 0, 9, (), (1,)), 0.0)
+    (ev,) = events(tx)
+    assert isinstance(ev, TransferAborted) and ev.code is ErrorCode.PROTOCOL
+    (out,) = tx.messages_to_send(0.0)
+    assert type(out.message).__name__ == "Abort"
