@@ -95,6 +95,12 @@ class HandoffPlan:
     def in_flight(self) -> bool:
         return self.sent_upto > max(self.acked_upto, self.base_position)
 
+    def final_due(self, generated_count: int) -> bool:
+        """Whether the next slice, cut now, would be the final one (then RLD must stop first)."""
+        gap = self.base_position + generated_count - self.sent_upto
+        last_allowed = self.slices_sent + 1 >= self.max_slices
+        return self.mode is HandoffMode.ONE_SHOT or gap <= self.slice_tokens or last_allowed
+
     def next_slice(self, generated: Sequence[int]) -> HandoffSlice | None:
         """The next slice to send, given every token RLD generated so far (``generated[i]`` is at
         ``base_position + i``); ``None`` when nothing should be sent now (one slice in flight at a
@@ -104,9 +110,7 @@ class HandoffPlan:
         upto = self.base_position + len(generated)
         if upto <= self.sent_upto:
             return None
-        gap = upto - self.sent_upto
-        last_allowed = self.slices_sent + 1 >= self.max_slices
-        final = self.mode is HandoffMode.ONE_SHOT or gap <= self.slice_tokens or last_allowed
+        final = self.final_due(len(generated))
         end = upto if final else self.sent_upto + self.slice_tokens
         ids = tuple(generated[self.sent_upto - self.base_position : end - self.base_position])
         out = HandoffSlice(self.request_id, self.sent_upto, ids, final, self.mode)

@@ -1,0 +1,58 @@
+"""``pddlink sidecar``: run the sidecar daemon for one role (see ``sidecar.config`` for the file)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+
+@click.command(name="sidecar")
+@click.option("--role", type=click.Choice(["p", "rld", "md"]), help="Role (overrides the file's).")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="TOML configuration file.")
+@click.option("--peer-id", help="This sidecar's identity (default: <role>0).")
+@click.option("--host", help="Address to bind.")
+@click.option("--grpc-port", type=int, help="gRPC port (0: any free port).")
+@click.option("--kv-port", type=int, help="KV transport port (RLD, MD).")
+@click.option("--admin-port", type=int, help="Admin HTTP port (0: off).")
+@click.option("--admin-unix", help="Also serve admin HTTP on this unix socket.")
+@click.option("--tls-dir", help="Dev PKI directory for TLS on the data plane ('' = plaintext).")
+@click.option("--md-grpc", help="MD's gRPC address host:port (P, RLD).")
+@click.option("--md-kv", help="MD's KV address host:port (P).")
+@click.option("--rld-grpc", help="RLD's gRPC address host:port (P).")
+@click.option("--rld-kv", help="RLD's KV address host:port (P).")
+@click.option("--dtype", help="Engine dtype (float64 for exact token comparisons).")
+@click.option("--preset", help="Reference engine preset (tiny, small, ...).")
+@click.option("--num-blocks", type=int, help="Engine KV pool size in blocks.")
+@click.option("--capacity", type=int, help="Decode capacity in requests (load 1.0).")
+@click.option("--slice-tokens", type=int, help="Catch-up handoff slice size in tokens.")
+def command(config_path: str | None, **flags: Any) -> None:
+    """Run the sidecar daemon for one role (p, rld or md) beside a reference engine.
+
+    Prints one line `READY {json}` with the bound ports when every listener is up; stops on
+    SIGTERM or Ctrl-C.
+    """
+    from sidecar.config import load_config
+    from sidecar.daemon import run
+
+    keys = {
+        "role": "role",
+        "peer_id": "peer_id",
+        "host": "host",
+        "grpc_port": "grpc_port",
+        "kv_port": "kv_port",
+        "admin_port": "admin_port",
+        "admin_unix": "admin_unix",
+        "tls_dir": "tls_dir",
+        "md_grpc": "peers.md_grpc",
+        "md_kv": "peers.md_kv",
+        "rld_grpc": "peers.rld_grpc",
+        "rld_kv": "peers.rld_kv",
+        "dtype": "engine.dtype",
+        "preset": "engine.preset",
+        "num_blocks": "engine.num_blocks",
+        "capacity": "decode.capacity",
+        "slice_tokens": "decode.slice_tokens",
+    }
+    overrides = {keys[k]: v for k, v in flags.items() if v is not None}
+    run(load_config(config_path, overrides))

@@ -1,0 +1,193 @@
+"""Sidecar configuration: a TOML file validated into frozen dataclasses; flags override fields.
+
+role = "md"              # p | rld | md
+peer_id = "md0"
+host = "127.0.0.1"       # address the sidecar binds
+grpc_port = 7440         # router- and peer-facing gRPC (Sidecar service)
+kv_port = 7450           # KV transport server (RLD and MD)
+admin_port = 7460        # admin HTTP (0: off); admin_unix = "/run/x.sock" also serves it on a socket
+tls_dir = ""             # dev PKI directory (pddlink.transport.load_or_create_peer); "" = plaintext
+
+[engine]                 # the engine beside this sidecar (runs in a worker thread of this process)
+name = "torch_ref"; preset = "tiny"; dtype = "float64"; block_size = 16; num_blocks = 8192; seed = 0
+
+[peers]                  # "host:port" as this sidecar reaches them (across the WAN for MD)
+md_grpc = "198.18.0.2:7440"; md_kv = "198.18.0.2:7450"
+    rld_grpc = "198.18.0.1:7441"; rld_kv = "198.18.0.1:7451"
+
+[data_plane]
+wan_transport = "tcp"; fast_transport = "auto"; wan_streams = 4; chunk_bytes = 1048576
+reserve_lease_s = 10.0
+
+[decode]
+max_batch = 32; capacity = 8; catch_up_below_load = 0.5; slice_tokens = 64
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from pddlink.errors import ConfigError
+
+ROLES = ("p", "rld", "md")
+
+
+def _hostport(value: str, name: str) -> str:
+    if value:
+        host, sep, port = value.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(f"{name} must be 'host:port', got {value!r}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    name: str = "torch_ref"
+    preset: str = "tiny"
+    dtype: str = "float64"
+    block_size: int = 16
+    num_blocks: int = 8192
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.num_blocks < 1:
+            raise ConfigError("engine.block_size and engine.num_blocks must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class PeersConfig:
+    md_grpc: str = ""
+    md_kv: str = ""
+    rld_grpc: str = ""
+    rld_kv: str = ""
+
+    def __post_init__(self) -> None:
+        for f in ("md_grpc", "md_kv", "rld_grpc", "rld_kv"):
+            _hostport(getattr(self, f), f"peers.{f}")
+
+
+@dataclass(frozen=True, slots=True)
+class DataPlaneConfig:
+    wan_transport: str = "tcp"
+    fast_transport: str = "auto"
+    wan_streams: int = 4
+    chunk_bytes: int = 1 << 20
+    reserve_lease_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.wan_transport not in ("tcp", "quic"):
+            raise ConfigError(f"data_plane.wan_transport must be tcp or quic, got {self.wan_transport!r}")
+        if self.fast_transport not in ("tcp", "quic", "rdma", "auto"):
+            raise ConfigError(
+                f"data_plane.fast_transport must be tcp|quic|rdma|auto, got {self.fast_transport!r}"
+            )
+        if self.wan_streams < 1 or self.chunk_bytes < 4096 or self.reserve_lease_s <= 0:
+            raise ConfigError("data_plane: wan_streams >= 1, chunk_bytes >= 4096, reserve_lease_s > 0")
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeConfig:
+    max_batch: int = 32
+    capacity: int = 8  # requests at which the load counts as 1.0 (routing and handoff mode)
+    catch_up_below_load: float = 0.5
+    slice_tokens: int = 64
+
+    def __post_init__(self) -> None:
+        if self.max_batch < 1 or self.capacity < 1 or self.slice_tokens < 1:
+            raise ConfigError("decode: max_batch, capacity and slice_tokens must be >= 1")
+        if self.catch_up_below_load < 0:
+            raise ConfigError("decode.catch_up_below_load must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class SidecarConfig:
+    role: str
+    peer_id: str = ""
+    host: str = "127.0.0.1"
+    grpc_port: int = 0
+    kv_port: int = 0
+    admin_port: int = 0
+    admin_unix: str = ""
+    tls_dir: str = ""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    peers: PeersConfig = field(default_factory=PeersConfig)
+    data_plane: DataPlaneConfig = field(default_factory=DataPlaneConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ConfigError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        for f in ("grpc_port", "kv_port", "admin_port"):
+            if not 0 <= getattr(self, f) < 65536:
+                raise ConfigError(f"{f} must be in [0, 65535]")
+        if self.role == "p" and not (self.peers.md_kv and self.peers.md_grpc):
+            raise ConfigError("role p needs peers.md_kv and peers.md_grpc")
+        if self.role == "rld" and not self.peers.md_grpc:
+            raise ConfigError("role rld needs peers.md_grpc (the handoff goes there)")
+
+    @property
+    def name(self) -> str:
+        return self.peer_id or f"{self.role}0"
+
+
+_SECTIONS: dict[str, type[Any]] = {
+    "engine": EngineConfig,
+    "peers": PeersConfig,
+    "data_plane": DataPlaneConfig,
+    "decode": DecodeConfig,
+}
+
+
+def _build(cls: type[Any], table: dict[str, Any], where: str) -> Any:
+    known = {f.name: f for f in fields(cls)}
+    unknown = set(table) - set(known)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}")
+    kwargs: dict[str, Any] = {}
+    for key, value in table.items():
+        if key in _SECTIONS and cls is SidecarConfig:
+            if not isinstance(value, dict):
+                raise ConfigError(f"{where}: [{key}] must be a table")
+            kwargs[key] = _build(_SECTIONS[key], value, f"{where} [{key}]")
+            continue
+        expected = known[key].type
+        kwargs[key] = _coerce(value, str(expected), f"{where}: {key}")
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+
+
+def _coerce(value: Any, type_name: str, where: str) -> Any:
+    kinds: dict[str, type | tuple[type, ...]] = {"int": int, "float": (int, float), "str": str, "bool": bool}
+    kind = kinds.get(type_name)
+    if kind is not None and (not isinstance(value, kind) or (type_name == "int" and isinstance(value, bool))):
+        raise ConfigError(f"{where} must be {type_name}, got {value!r}")
+    return float(value) if type_name == "float" else value
+
+
+def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> SidecarConfig:
+    """The file's configuration (or defaults) with ``overrides`` ("engine.dtype" style keys) applied."""
+    table: dict[str, Any] = {}
+    where = "flags"
+    if path is not None:
+        where = str(path)
+        try:
+            table = tomllib.loads(Path(path).read_text())
+        except OSError as exc:
+            raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    for key, value in (overrides or {}).items():
+        if value is None:
+            continue
+        section, _, name = key.rpartition(".")
+        target = table.setdefault(section, {}) if section else table
+        target[name] = value
+    if "role" not in table:
+        raise ConfigError(f"{where}: role is required (p, rld or md)")
+    cfg: SidecarConfig = _build(SidecarConfig, table, where)
+    return cfg

@@ -1,0 +1,302 @@
+"""The sidecar daemon: one role (p, rld, md) beside one engine.
+
+Lifecycle: ``run(cfg)`` builds the engine (worker thread), the role's parts, the KV transport
+server (RLD, MD), the gRPC Sidecar service and the admin HTTP server; prints one ``READY {json}``
+line on stdout (ports, identity) once every listener is up; serves until SIGTERM/SIGINT; then
+closes listeners, peers and the engine in that order.
+
+Admin HTTP: GET /metrics (Prometheus), /healthz (the process serves), /readyz (engine loaded and
+peers configured), /status (JSON), /drc/stats (JSON), /drc/snapshot (bytes), POST /drc/match.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from engines_adapter import EngineAdapter, load_engine
+from pddlink import metrics
+from pddlink.drc.inspect import match_json, stats_json
+from pddlink.errors import InvalidInput, PddlinkError
+from pddlink.routing import RoutingPolicy
+from pddlink.transport import (
+    KVServer,
+    LinkOptions,
+    PeerIdentity,
+    ReceivedTransfer,
+    TlsConfig,
+    choose_fast_path,
+    load_or_create_peer,
+)
+from pddlink.wire import Release, Reserve, ReserveAnswer
+from sidecar.config import SidecarConfig
+from sidecar.decoder import Decoder
+from sidecar.drc_host import DrcHost
+from sidecar.engine_loop import EngineLoop
+from sidecar.http import Request, Response, error_response, json_response, serve_http
+from sidecar.peers import DecoderPeer, KVPeer
+from sidecar.prefill import Prefiller
+from sidecar.rpc import stubs
+from sidecar.service import SidecarService
+
+
+def build_engine(cfg: SidecarConfig) -> EngineAdapter:
+    import torch
+
+    torch.set_num_threads(1)  # three engines share two cores in the demo; see engines_adapter docs
+    e = cfg.engine
+    return load_engine(
+        e.name, preset=e.preset, dtype=e.dtype, block_size=e.block_size, num_blocks=e.num_blocks, seed=e.seed
+    )
+
+
+class Sidecar:
+    def __init__(self, cfg: SidecarConfig) -> None:
+        self.cfg = cfg
+        self.started = time.time()
+        self.identity = PeerIdentity(cfg.role, cfg.name)
+        self.tls: TlsConfig | None = (
+            load_or_create_peer(Path(cfg.tls_dir), self.identity) if cfg.tls_dir else None
+        )
+        self.engine = build_engine(cfg)
+        self.loop = EngineLoop(self.engine, cfg.decode.max_batch)
+        self.drc: DrcHost | None = None
+        self.decoder: Decoder | None = None
+        self.prefiller: Prefiller | None = None
+        self.kv_server: KVServer | None = None
+        self.peers: list[Any] = []
+        self.fast_path = choose_fast_path() if cfg.data_plane.fast_transport == "auto" else None
+
+    def _options(self, wan: bool) -> LinkOptions:
+        dp = self.cfg.data_plane
+        return LinkOptions(streams=dp.wan_streams if wan else 1, chunk_bytes=dp.chunk_bytes)
+
+    def _fast_transport(self) -> str:
+        if self.fast_path is not None:
+            metrics.set_fast_path(self.fast_path.name, self.fast_path.reason)
+            return self.fast_path.name
+        metrics.set_fast_path(self.cfg.data_plane.fast_transport, "configured")
+        return self.cfg.data_plane.fast_transport
+
+    def _build_role(self) -> None:
+        cfg, peers = self.cfg, self.cfg.peers
+        policy = RoutingPolicy(
+            catch_up_below_load=cfg.decode.catch_up_below_load, catch_up_slice_tokens=cfg.decode.slice_tokens
+        )
+        if cfg.role == "md":
+            self.drc = DrcHost(self.engine, capacity_blocks=max(1, cfg.engine.num_blocks * 3 // 4))
+        if cfg.role in ("rld", "md"):
+            send = None
+            if cfg.role == "rld":
+                md = DecoderPeer(peers.md_grpc)
+                self.peers.append(md)
+
+                async def send(frame: bytes, timeout_s: float) -> int:
+                    return await md.handoff(frame, timeout_s=timeout_s)
+
+            self.decoder = Decoder(
+                cfg.role,
+                self.loop,
+                drc=self.drc,
+                capacity=cfg.decode.capacity,
+                policy=policy,
+                send_handoff=send,
+            )
+        if cfg.role == "p":
+            md_kv = KVPeer(
+                peers.md_kv,
+                identity=self.identity,
+                tls=self.tls,
+                transport=cfg.data_plane.wan_transport,
+                options=self._options(wan=True),
+                expected_peer=PeerIdentity("md", "md0") if self.tls else None,
+            )
+            rld_kv = rld = None
+            if peers.rld_kv and peers.rld_grpc:
+                rld_kv = KVPeer(
+                    peers.rld_kv,
+                    identity=self.identity,
+                    tls=self.tls,
+                    transport=self._fast_transport(),
+                    options=self._options(wan=False),
+                )
+                rld = DecoderPeer(peers.rld_grpc)
+            md = DecoderPeer(peers.md_grpc)
+            self.peers += [p for p in (md_kv, rld_kv, md, rld) if p is not None]
+            self.prefiller = Prefiller(
+                self.loop,
+                md_kv=md_kv,
+                md=md,
+                rld_kv=rld_kv,
+                rld=rld,
+                chunk_bytes=cfg.data_plane.chunk_bytes,
+                lease_s=cfg.data_plane.reserve_lease_s,
+            )
+
+    # -- the KV server's callbacks (RLD, MD) -----------------------------------------------------
+
+    async def _on_transfer(self, received: ReceivedTransfer) -> None:
+        if self.decoder is not None:
+            await self.decoder.on_transfer(received)
+
+    async def _on_message(self, peer: PeerIdentity, msg: Any) -> Any:
+        if isinstance(msg, Reserve) and self.drc is not None:
+            drc = self.drc
+            try:
+                held = await self.loop.call(
+                    "drc", drc.reserve, msg.request_id, list(msg.block_hashes), msg.lease_ms / 1e3
+                )
+            except PddlinkError as exc:
+                return ReserveAnswer(request_id=msg.request_id, code=exc.code, reason=exc.message)
+            return ReserveAnswer(
+                request_id=msg.request_id,
+                reservation_id=1,
+                cached_blocks=held.cached_blocks,
+                lease_ms=msg.lease_ms,
+            )
+        if isinstance(msg, Release):
+            return None
+        return None
+
+    async def _on_transfer_failed(self, peer: PeerIdentity, begin: Any, exc: PddlinkError) -> None:
+        metrics.TRANSFER_ABORTS.labels(reason=exc.code.name.lower()).inc()
+
+    # -- admin ---------------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "role": self.cfg.role,
+            "peer_id": self.cfg.name,
+            "model_id": self.engine.layout.model_id,
+            "uptime_s": time.time() - self.started,
+            "engine_active": self.loop.active,
+            "kv_bytes_per_token": self.engine.layout.bytes_per_token,
+        }
+        if self.fast_path is not None:
+            out["fast_path"] = {"kind": self.fast_path.name, "reason": self.fast_path.reason}
+        if self.decoder is not None:
+            out["pipelines"] = self.decoder.status()
+        if self.prefiller is not None:
+            out["transfers"] = {"in_flight": self.prefiller.in_flight}
+            out["links"] = [p.stats() for p in self.peers if isinstance(p, KVPeer)]
+        if self.drc is not None:
+            out["drc"] = stats_json(self.drc.index, top=3, block_size=self.engine.layout.block_size)
+        return out
+
+    async def admin(self, req: Request) -> Response:
+        if req.method == "GET" and req.path == "/metrics":
+            body, ctype = metrics.render()
+            return Response(200, body, ctype)
+        if req.method == "GET" and req.path == "/healthz":
+            return json_response(200, {"ok": True})
+        if req.method == "GET" and req.path == "/readyz":
+            return json_response(200, {"ready": True, "role": self.cfg.role})
+        if req.method == "GET" and req.path == "/status":
+            return json_response(200, self.status())
+        if req.path.startswith("/drc/"):
+            return await self._drc_admin(req)
+        return error_response(404, f"no such endpoint: {req.method} {req.path}")
+
+    async def _drc_admin(self, req: Request) -> Response:
+        drc = self.drc
+        if drc is None:
+            return error_response(404, f"role {self.cfg.role} holds no DRC (ask MD)")
+        if req.method == "GET" and req.path == "/drc/stats":
+            return json_response(
+                200, await self.loop.call("drc", stats_json, drc.index, block_size=drc.hasher.block_size)
+            )
+        if req.method == "GET" and req.path == "/drc/snapshot":
+            return Response(200, await self.loop.call("drc", drc.snapshot), "application/octet-stream")
+        if req.method == "POST" and req.path == "/drc/match":
+            try:
+                body = json.loads(req.body or b"null")
+                return json_response(
+                    200, await self.loop.call("drc", match_json, drc.index, drc.hasher, body)
+                )
+            except (ValueError, InvalidInput) as exc:
+                return error_response(400, str(exc))
+        return error_response(404, f"no such endpoint: {req.method} {req.path}")
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def serve(self, stop: asyncio.Event) -> None:
+        cfg = self.cfg
+        self.loop.start()
+        self._build_role()
+        ports: dict[str, Any] = {
+            "role": cfg.role,
+            "peer_id": cfg.name,
+            "model_id": self.engine.layout.model_id,
+        }
+        if cfg.role in ("rld", "md"):
+            transport = cfg.data_plane.wan_transport if cfg.role == "md" else self._fast_transport()
+            self.kv_server = await KVServer.start(
+                cfg.host,
+                cfg.kv_port,
+                identity=self.identity,
+                tls=self.tls,
+                transport=transport,
+                on_transfer=self._on_transfer,
+                on_message=self._on_message,
+                on_transfer_failed=self._on_transfer_failed,
+                options=self._options(wan=cfg.role == "md"),
+            )
+            ports["kv_port"] = self.kv_server.port
+        _, pb2_grpc = stubs()
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+        service = SidecarService(
+            role=cfg.role,
+            peer_id=cfg.name,
+            model_id=self.engine.layout.model_id,
+            tls_identity=str(self.identity) if self.tls else "",
+            status=self.status,
+            prefiller=self.prefiller,
+            decoder=self.decoder,
+            drc=self.drc,
+            run_in_engine=self.loop.call,
+        )
+        pb2_grpc.add_SidecarServicer_to_server(service, server)
+        ports["grpc_port"] = server.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
+        await server.start()
+        admin = await serve_http(self.admin, host=cfg.host, port=cfg.admin_port, unix=cfg.admin_unix)
+        ports["admin_port"] = cfg.admin_port
+        sys.stdout.write("READY " + json.dumps(ports) + "\n")
+        sys.stdout.flush()
+        try:
+            await stop.wait()
+        finally:
+            for s in admin:
+                s.close()
+            await server.stop(grace=0.5)
+            if self.kv_server is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self.kv_server.close(), 2.0)
+            for p in self.peers:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(p.drop() if isinstance(p, KVPeer) else p.close(), 2.0)
+            await self.loop.close()
+
+
+async def _main(cfg: SidecarConfig) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await Sidecar(cfg).serve(stop)
+
+
+def run(cfg: SidecarConfig) -> None:
+    try:
+        import uvloop
+
+        uvloop.run(_main(cfg))
+    except ImportError:
+        asyncio.run(_main(cfg))

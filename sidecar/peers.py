@@ -1,0 +1,122 @@
+"""Connections from one sidecar to its peers, opened lazily and reopened after a failure.
+
+``KVPeer``: a ``pddlink.transport.KVClient`` to a peer's KV server (the WAN link to MD, the fast
+path to RLD). ``DecoderPeer``: the peer's gRPC Sidecar service, for the token-id handoff.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any
+
+import grpc
+
+from pddlink.errors import DeadlineExceeded, ErrorCode, PddlinkError, RemoteError, Unavailable
+from pddlink.transport import KVClient, LinkOptions, PeerIdentity, TlsConfig
+from sidecar.rpc import stubs
+
+
+def split_hostport(addr: str) -> tuple[str, int]:
+    host, _, port = addr.rpartition(":")
+    return host, int(port)
+
+
+class KVPeer:
+    def __init__(
+        self,
+        addr: str,
+        *,
+        identity: PeerIdentity,
+        tls: TlsConfig | None,
+        transport: str,
+        options: LinkOptions,
+        expected_peer: PeerIdentity | None = None,
+    ) -> None:
+        self.addr = addr
+        self.identity, self.tls, self.transport, self.options = identity, tls, transport, options
+        self.expected_peer = expected_peer
+        self._client: KVClient | None = None
+        self._lock = asyncio.Lock()
+        self.transport_name = transport
+
+    async def client(self, deadline: float) -> KVClient:
+        async with self._lock:
+            if self._client is None:
+                host, port = split_hostport(self.addr)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise DeadlineExceeded(f"no time left to connect to {self.addr}")
+                try:
+                    self._client = await asyncio.wait_for(
+                        KVClient.connect(
+                            host,
+                            port,
+                            identity=self.identity,
+                            tls=self.tls,
+                            transport=self.transport,
+                            expected_peer=self.expected_peer,
+                            options=self.options,
+                        ),
+                        timeout=left,
+                    )
+                except TimeoutError:
+                    raise DeadlineExceeded(f"connecting to {self.addr} outlived the deadline") from None
+                except OSError as exc:
+                    raise Unavailable(f"{self.addr}: {exc}", code=ErrorCode.PEER_UNREACHABLE) from None
+                self.transport_name = self._client.transport
+            return self._client
+
+    async def drop(self) -> None:
+        async with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            with contextlib.suppress(TimeoutError, PddlinkError, OSError):
+                await asyncio.wait_for(client.close(), 1.0)
+
+    def stats(self) -> dict[str, Any]:
+        if self._client is None:
+            return {"addr": self.addr, "connected": False}
+        s = self._client.stats()
+        return {
+            "addr": self.addr,
+            "connected": True,
+            "transport": s.transport,
+            "streams": s.streams,
+            "bytes_sent": s.bytes_sent,
+            "retransmits": s.retransmits,
+            "rtt_s": s.rtt_s,
+            "reconnects": s.reconnects,
+        }
+
+
+class DecoderPeer:
+    def __init__(self, addr: str) -> None:
+        self.addr = addr
+        pb2, pb2_grpc = stubs()
+        self._pb2 = pb2
+        self._channel = grpc.aio.insecure_channel(addr)
+        self._stub = pb2_grpc.SidecarStub(self._channel)
+
+    async def handoff(self, frame: bytes, *, emit_given: bool = False, timeout_s: float) -> int:
+        try:
+            reply = await self._stub.Handoff(
+                self._pb2.HandoffRequest(handoff=frame, emit_given=emit_given), timeout=timeout_s
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise grpc_error(exc, self.addr) from None
+        return int(reply.level_position)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+
+def grpc_error(exc: grpc.aio.AioRpcError, addr: str) -> PddlinkError:
+    code = exc.code()
+    text = f"{addr}: {code.name}: {exc.details()}"
+    if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+        return DeadlineExceeded(text)
+    if code is grpc.StatusCode.UNAVAILABLE:
+        return Unavailable(text, code=ErrorCode.PEER_UNREACHABLE)
+    return RemoteError(text, code=ErrorCode.INTERNAL)

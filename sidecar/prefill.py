@@ -1,0 +1,215 @@
+"""P: prefill, then ship KV -- the missing suffix to MD over the WAN, the whole KV to RLD on the
+fast path -- and hand the first token to whichever decoder starts the stream.
+
+One ``Prefill`` call (router -> P)::
+
+    reserve at MD (its DRC pins the cached prefix; the answer decides what travels)  } concurrently
+    prefill on the engine (reusing P's own prefix cache)                              }
+    export KV, release the request on P (its full blocks stay in P's prefix cache)
+    ship: fast path -> RLD, then P's first token to RLD          } concurrently
+          WAN -> MD (blocks from MD's cached length on)           }
+          then P's first token to MD when the pipeline is P->MD   }
+    reply: first token, bytes, seconds, RTT, retransmits, what failed and why
+
+A WAN transfer that fails or outlives its deadline ends in ``md_ok = False`` with the reason; the
+router then falls back (RLD finishes the request).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from engines_adapter import KVBlocks, SamplingParams
+from pddlink import metrics
+from pddlink.errors import ErrorCode, PddlinkError, Unavailable
+from pddlink.handoff import HandoffMode, HandoffSlice
+from pddlink.kv.hashing import BlockHasher
+from pddlink.transport import KVClient
+from pddlink.wire import KVLayoutSpec, Reserve, ReserveAnswer, TransferBegin
+from sidecar.engine_loop import EngineLoop
+from sidecar.handoff_wire import slice_to_wire
+from sidecar.peers import DecoderPeer, KVPeer
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillJob:
+    request_id: str
+    prompt: tuple[int, ...]
+    sampling: SamplingParams
+    ship_to_md: bool
+    ship_to_rld: bool
+    first_token_to_md: bool
+    deadline_s: float
+
+
+class Prefiller:
+    def __init__(
+        self,
+        loop: EngineLoop,
+        *,
+        md_kv: KVPeer,
+        md: DecoderPeer,
+        rld_kv: KVPeer | None,
+        rld: DecoderPeer | None,
+        chunk_bytes: int,
+        lease_s: float,
+    ) -> None:
+        self.loop = loop
+        self.md_kv, self.md, self.rld_kv, self.rld = md_kv, md, rld_kv, rld
+        self.chunk_bytes = chunk_bytes
+        self.lease_s = lease_s
+        layout = loop.engine.layout
+        self.hasher = BlockHasher(layout.model_id, layout.block_size)
+        self.in_flight = 0
+
+    async def prefill(self, job: PrefillJob) -> dict[str, Any]:
+        self.in_flight += 1
+        try:
+            return await self._prefill(job)
+        finally:
+            self.in_flight -= 1
+
+    async def _prefill(self, job: PrefillJob) -> dict[str, Any]:
+        deadline = time.monotonic() + job.deadline_s
+        hashes = self.hasher.hash_blocks(list(job.prompt))
+        engine = self.loop.engine
+        reply: dict[str, Any] = {"prompt_tokens": len(job.prompt), "wan_retransmits": -1}
+        reservation = asyncio.ensure_future(self._reserve(job, hashes, deadline)) if job.ship_to_md else None
+        reply["p_cached_tokens"] = await self.loop.call(
+            "cached", engine.cached_prefix_tokens, list(job.prompt)
+        )
+        t0 = time.perf_counter()
+        first = await self.loop.call(
+            "prefill", engine.prefill, job.request_id, list(job.prompt), job.sampling
+        )
+        kv = await self.loop.call("export", engine.export_kv, job.request_id)
+        await self.loop.call("release", engine.release, job.request_id, cache_prefix=True)
+        reply["prefill_seconds"] = time.perf_counter() - t0
+        reply["first_token"] = first.token_id
+        handoff = HandoffSlice(job.request_id, len(job.prompt), (first.token_id,), True, HandoffMode.ONE_SHOT)
+        frame = slice_to_wire(handoff, job.sampling)
+        tasks = []
+        if job.ship_to_rld:
+            tasks.append(self._ship_rld(job, kv, hashes, frame, deadline, reply))
+        if reservation is not None:
+            tasks.append(self._ship_md(job, kv, hashes, frame, reservation, deadline, reply))
+        await asyncio.gather(*tasks)
+        return reply
+
+    async def _reserve(self, job: PrefillJob, hashes: list[int], deadline: float) -> int:
+        client = await self.md_kv.client(deadline)
+        msg = Reserve(
+            request_id=job.request_id, block_hashes=tuple(hashes), lease_ms=int(self.lease_s * 1000)
+        )
+        answer = await client.request(msg, timeout_s=max(deadline - time.monotonic(), 0.01))
+        if not isinstance(answer, ReserveAnswer) or answer.code is not None:
+            reason = getattr(answer, "reason", type(answer).__name__)
+            raise Unavailable(f"MD refused the reservation: {reason}", code=ErrorCode.PEER_UNREACHABLE)
+        return int(answer.cached_blocks)
+
+    def _begin(
+        self, job: PrefillJob, kv: KVBlocks, first_block: int, hashes: list[int], deadline: float
+    ) -> tuple[TransferBegin, memoryview]:
+        layout = kv.layout
+        per_block = layout.bytes_per_block
+        payload = memoryview(kv.data).cast("B")[first_block * per_block :]
+        begin = TransferBegin(
+            transfer_id=random.getrandbits(63),
+            generation=0,
+            request_id=job.request_id,
+            layout=KVLayoutSpec(**layout.to_dict()),
+            first_block=first_block,
+            num_tokens=len(job.prompt) - first_block * layout.block_size,
+            block_hashes=tuple(hashes[first_block:]),
+            codec=0,
+            total_bytes=len(payload),
+            chunk_bytes=self.chunk_bytes,
+            deadline_ms=max(1, int((deadline - time.monotonic()) * 1000)),
+        )
+        return begin, payload
+
+    async def _send(self, peer: KVPeer, begin: TransferBegin, payload: memoryview, deadline: float) -> Any:
+        client: KVClient = await peer.client(deadline)
+        try:
+            return await client.send_transfer(
+                begin, payload, deadline_s=max(deadline - time.monotonic(), 0.01)
+            )
+        except PddlinkError:
+            await peer.drop()
+            raise
+
+    async def _ship_rld(
+        self,
+        job: PrefillJob,
+        kv: KVBlocks,
+        hashes: list[int],
+        frame: bytes,
+        deadline: float,
+        reply: dict[str, Any],
+    ) -> None:
+        assert self.rld_kv is not None and self.rld is not None
+        try:
+            begin, payload = self._begin(job, kv, 0, hashes, deadline)
+            result = await self._send(self.rld_kv, begin, payload, deadline)
+            await self.rld.handoff(frame, emit_given=True, timeout_s=max(deadline - time.monotonic(), 0.01))
+            reply.update(fast_bytes=result.bytes, fast_seconds=result.seconds, rld_ok=True)
+            reply["fast_path"] = self.rld_kv.transport_name
+            metrics.KV_BYTES.labels(path="fast").inc(result.bytes)
+            metrics.TRANSFER_SECONDS.labels(path="fast").observe(result.seconds)
+        except (PddlinkError, TimeoutError, ConnectionError) as exc:
+            reply["rld_error"] = _reason(exc)
+            metrics.TRANSFER_ABORTS.labels(reason=_reason_code(exc)).inc()
+
+    async def _ship_md(
+        self,
+        job: PrefillJob,
+        kv: KVBlocks,
+        hashes: list[int],
+        frame: bytes,
+        reservation: asyncio.Future[int],
+        deadline: float,
+        reply: dict[str, Any],
+    ) -> None:
+        try:
+            cached_blocks = await reservation
+            reply["md_cached_tokens"] = cached_blocks * kv.layout.block_size
+            begin, payload = self._begin(job, kv, cached_blocks, hashes, deadline)
+            client = await self.md_kv.client(deadline)
+            before = client.stats().retransmits
+            result = await self._send(self.md_kv, begin, payload, deadline)
+            stats = client.stats()
+            if job.first_token_to_md:
+                await self.md.handoff(
+                    frame, emit_given=True, timeout_s=max(deadline - time.monotonic(), 0.01)
+                )
+            reply.update(wan_bytes=result.bytes, wan_seconds=result.seconds, md_ok=True)
+            if stats.retransmits is not None and before is not None:
+                reply["wan_retransmits"] = stats.retransmits - before
+            reply["wan_rtt_s"] = stats.rtt_s or 0.0
+            reply["compression_ratio"] = (
+                1.0  # codec 0: float64 KV is not what the bf16 byte-plane codec helps
+            )
+            metrics.KV_BYTES.labels(path="wan").inc(result.bytes)
+            metrics.TRANSFER_SECONDS.labels(path="wan").observe(result.seconds)
+        except (PddlinkError, TimeoutError, ConnectionError) as exc:
+            if not reservation.done():
+                reservation.cancel()
+            reply["md_error"] = _reason(exc)
+            metrics.TRANSFER_ABORTS.labels(reason=_reason_code(exc)).inc()
+
+
+def _reason_code(exc: BaseException) -> str:
+    if isinstance(exc, PddlinkError):
+        return exc.code.name.lower()
+    if isinstance(exc, TimeoutError):
+        return "deadline_exceeded"
+    return "peer_unreachable"
+
+
+def _reason(exc: BaseException) -> str:
+    text = exc.message if isinstance(exc, PddlinkError) else str(exc) or type(exc).__name__
+    return f"{_reason_code(exc)}: {text}"

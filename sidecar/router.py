@@ -1,0 +1,250 @@
+"""The router: client API (gRPC ``Router`` service and an OpenAI-style HTTP endpoint with SSE),
+the pipeline policy (``pddlink.routing``), a DRC mirror fed by MD's events, and one
+``RequestRun`` per request.
+
+Lifecycle: ``Router(cfg)``; ``await start()`` connects to the sidecars (gRPC channels are lazy) and
+starts following MD's DRC; ``generate(request)`` yields merged tokens and ends with the trace;
+``close()``. Per-request choices use only local state: the mirror (never blocks on MD), the link
+model (fed by what P reports after each transfer) and the count of requests RLD is streaming.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from engines_adapter import SamplingParams
+from pddlink import metrics
+from pddlink.drc import Mirror, decode_event, decode_snapshot
+from pddlink.errors import InvalidInput
+from pddlink.kv.hashing import BlockHasher
+from pddlink.routing import (
+    LinkModel,
+    Pipeline,
+    PipelineDecision,
+    RoutingInputs,
+    RoutingPolicy,
+    choose_pipeline,
+)
+from sidecar.router_run import RequestRun, RunInput
+from sidecar.rpc import stubs
+
+pb2, pb2_grpc = stubs()
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    p: str
+    rld: str
+    md: str
+    relay_enabled: bool = True
+    relay_min_wan_s: float = 0.15
+    rld_capacity: int = 8
+    rld_max_load: float = 1.0
+    rld_tpot_s: float = 0.02
+    line_mbit: float = 100.0
+    rtt_ms: float = 30.0
+    deadline_s: float = 30.0
+    max_tokens_limit: int = 4096
+    max_prompt_tokens: int = 8000
+    vocab_size: int = 2048
+    kv_bytes_per_token: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.rld_capacity < 1 or self.line_mbit <= 0 or self.rtt_ms < 0 or self.deadline_s <= 0:
+            raise InvalidInput("router: rld_capacity >= 1, line_mbit > 0, rtt_ms >= 0, deadline_s > 0")
+
+
+class Router:
+    def __init__(self, cfg: RouterConfig) -> None:
+        self.cfg = cfg
+        opts = [("grpc.max_receive_message_length", 64 << 20)]
+        self.channels = {
+            n: grpc.aio.insecure_channel(a, options=opts)
+            for n, a in (("p", cfg.p), ("rld", cfg.rld), ("md", cfg.md))
+        }
+        self.p = pb2_grpc.SidecarStub(self.channels["p"])
+        self.rld = pb2_grpc.SidecarStub(self.channels["rld"])
+        self.md = pb2_grpc.SidecarStub(self.channels["md"])
+        self.rld_active = 0
+        self.rld_down_until = 0.0
+        self.mirror = Mirror(gap_timeout_s=2.0)
+        self.hasher: BlockHasher | None = None
+        self.root = 0
+        self.link = LinkModel(cfg.line_mbit * 1e6 / 8, cfg.rtt_ms / 1e3)
+        self.policy = RoutingPolicy(
+            relay_enabled=cfg.relay_enabled,
+            relay_min_wan_s=cfg.relay_min_wan_s,
+            rld_max_load=cfg.rld_max_load,
+        )
+        self.ids = itertools.count(1)
+        self.in_flight: dict[str, RequestRun] = {}
+        self._mirror_task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self._mirror_task = asyncio.get_running_loop().create_task(self._follow_drc())
+
+    async def close(self) -> None:
+        if self._mirror_task is not None:
+            self._mirror_task.cancel()
+            await asyncio.gather(self._mirror_task, return_exceptions=True)
+        for ch in self.channels.values():
+            await ch.close(None)
+
+    def rld_usable(self) -> bool:
+        return self.cfg.relay_enabled and time.monotonic() >= self.rld_down_until
+
+    # -- DRC mirror ------------------------------------------------------------------------------
+
+    async def _follow_drc(self) -> None:
+        while True:
+            try:
+                async for batch in self.md.DrcEvents(pb2.DrcEventsRequest()):
+                    now = time.monotonic()
+                    if batch.snapshot:
+                        snap = decode_snapshot(batch.snapshot)
+                        if self.hasher is None or snap.root != self.root:
+                            self.root = snap.root
+                            self.hasher = BlockHasher("router", max(1, snap.block_size))
+                        self.mirror.load_snapshot(snap, now)
+                    for data in batch.events:
+                        self.mirror.apply(decode_event(data), now)
+                    if self.mirror.needs_resync:
+                        break  # reconnect: the first message of a new stream is a snapshot
+            except grpc.aio.AioRpcError:
+                pass
+            await asyncio.sleep(0.5)
+
+    def matched_tokens(self, prompt: tuple[int, ...]) -> int:
+        if self.hasher is None:
+            return 0
+        hashes = self.hasher.hash_blocks(list(prompt), parent=self.root)
+        return self.mirror.match(hashes).matched_blocks * self.hasher.block_size
+
+    # -- policy -------------------------------------------------------------------------------------
+
+    def decide(self, prompt: tuple[int, ...], max_tokens: int, forced: str) -> tuple[PipelineDecision, int]:
+        matched = self.matched_tokens(prompt)
+        now = time.monotonic()
+        inputs = RoutingInputs(
+            prompt_tokens=len(prompt),
+            matched_tokens=min(matched, len(prompt)),
+            kv_bytes_per_token=self.cfg.kv_bytes_per_token,
+            max_output_tokens=max_tokens,
+            link=self.link.estimate(now),
+            rld_available=self.rld_usable(),
+            rld_active=self.rld_active,
+            rld_capacity=self.cfg.rld_capacity,
+            rld_tpot_s=self.cfg.rld_tpot_s,
+        )
+        decision = choose_pipeline(inputs, self.policy)
+        if forced:
+            decision = PipelineDecision(
+                Pipeline(forced), decision.reason, decision.wan_bytes, decision.wan_estimate_s
+            )
+        return decision, matched
+
+    # -- requests -----------------------------------------------------------------------------------
+
+    def validate(self, prompt: list[int], sampling: SamplingParams, deadline_s: float, pipeline: str) -> None:
+        cfg = self.cfg
+        if not prompt:
+            raise InvalidInput("prompt must not be empty")
+        if len(prompt) > cfg.max_prompt_tokens:
+            raise InvalidInput(f"prompt has {len(prompt)} tokens; the limit is {cfg.max_prompt_tokens}")
+        if any(not 0 <= t < cfg.vocab_size for t in prompt):
+            raise InvalidInput(f"prompt token ids must be in [0, {cfg.vocab_size})")
+        if sampling.max_tokens > cfg.max_tokens_limit:
+            raise InvalidInput(f"max_tokens {sampling.max_tokens} exceeds the limit {cfg.max_tokens_limit}")
+        if not 0 < deadline_s <= 600:
+            raise InvalidInput(f"deadline_s must be in (0, 600], got {deadline_s}")
+        if pipeline and pipeline not in {p.value for p in Pipeline}:
+            raise InvalidInput(
+                f"pipeline must be one of {', '.join(p.value for p in Pipeline)}, got {pipeline!r}"
+            )
+
+    async def generate(
+        self,
+        prompt: list[int],
+        sampling: SamplingParams,
+        *,
+        deadline_s: float = 0.0,
+        pipeline: str = "",
+        request_id: str = "",
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Validates (``InvalidInput``, nothing changed), then yields token dicts and a final trace."""
+        deadline_s = deadline_s or self.cfg.deadline_s
+        self.validate(prompt, sampling, deadline_s, pipeline)
+        rid = request_id or f"req-{next(self.ids)}-{time.time_ns() % 10**9}"
+        if rid in self.in_flight:
+            raise InvalidInput(f"request id {rid!r} is already in flight")
+        decision, matched = self.decide(tuple(prompt), sampling.max_tokens, pipeline)
+        inp = RunInput(
+            rid,
+            tuple(prompt),
+            sampling,
+            deadline_s,
+            decision.pipeline,
+            decision.reason.value,
+            decision.wan_estimate_s,
+        )
+        run = RequestRun(self, inp)
+        run.trace["mirror_matched_tokens"] = matched
+        self.in_flight[rid] = run
+        flow = f"{rid}:wan"
+        now = time.monotonic()
+        if decision.pipeline is not Pipeline.SINGULAR:
+            self.link.start_flow(flow, decision.wan_bytes, now)
+        try:
+            async for tok in run.run():
+                yield {"position": tok.position, "token_id": tok.token_id, "source": tok.source}
+        finally:
+            self.in_flight.pop(rid, None)
+            if decision.pipeline is not Pipeline.SINGULAR:
+                with contextlib.suppress(Exception):
+                    self.link.finish_flow(flow, time.monotonic(), completed=bool(run.trace.get("wan_bytes")))
+            if run.trace.get("rld_error") or "rld_lost_md_takes_over" in run.trace["fallbacks"]:
+                self.rld_down_until = time.monotonic() + 2.0
+        yield {
+            "done": True,
+            "request_id": rid,
+            "outcome": run.trace["outcome"],
+            "reason": run.trace["reason"],
+            "trace": run.trace,
+        }
+
+    def status(self) -> dict[str, Any]:
+        now = time.monotonic()
+        st = self.mirror.staleness(now)
+        by_pipeline: dict[str, int] = {}
+        for run in self.in_flight.values():
+            by_pipeline[run.inp.pipeline.value] = by_pipeline.get(run.inp.pipeline.value, 0) + 1
+        est = self.link.estimate(now)
+        return {
+            "role": "router",
+            "in_flight": by_pipeline,
+            "rld_active": self.rld_active,
+            "drc_mirror": {
+                "blocks": len(self.mirror),
+                "epoch": st.epoch,
+                "applied_seq": st.applied_seq,
+                "seq_lag": st.seq_lag,
+                "needs_resync": st.needs_resync,
+            },
+            "link": {
+                "goodput_mbit": est.line_bytes_per_s * 8 / 1e6,
+                "rtt_ms": est.rtt_s * 1e3,
+                "flows_in_flight": est.flows_in_flight,
+                "backlog_bytes": est.backlog_bytes,
+            },
+        }
+
+
+_ = metrics  # the router's metrics are updated by RequestRun

@@ -1,0 +1,172 @@
+"""The gRPC ``Sidecar`` service: maps RPCs onto the role's parts (Prefiller on P, Decoder on RLD
+and MD, DrcHost on MD). Errors become gRPC status codes with the reason as details."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+
+from engines_adapter import SamplingParams
+from pddlink.errors import DeadlineExceeded, InvalidInput, NotFound, PddlinkError
+from pddlink.kv.hashing import HashScheme
+from pddlink.wire import WIRE_VERSION
+from sidecar.decoder import Decoder
+from sidecar.drc_host import DrcHost
+from sidecar.prefill import Prefiller, PrefillJob
+from sidecar.rpc import stubs
+
+pb2, pb2_grpc = stubs()
+
+
+def sampling_from_pb(s: Any) -> SamplingParams:
+    return SamplingParams(
+        seed=int(s.seed),
+        temperature=float(s.temperature),
+        top_k=int(s.top_k),
+        top_p=float(s.top_p) if s.top_p else 1.0,
+        max_tokens=int(s.max_tokens) or 16,
+        stop_token_ids=tuple(int(t) for t in s.stop_token_ids),
+    )
+
+
+def sampling_to_pb(s: SamplingParams) -> Any:
+    return pb2.Sampling(
+        seed=s.seed,
+        temperature=s.temperature,
+        top_k=s.top_k,
+        top_p=s.top_p,
+        max_tokens=s.max_tokens,
+        stop_token_ids=list(s.stop_token_ids),
+    )
+
+
+_STATUS = {
+    InvalidInput: grpc.StatusCode.INVALID_ARGUMENT,
+    NotFound: grpc.StatusCode.NOT_FOUND,
+    DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
+}
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+    code = grpc.StatusCode.UNAVAILABLE
+    for kind, status in _STATUS.items():
+        if isinstance(exc, kind):
+            code = status
+    if isinstance(exc, TimeoutError):
+        code = grpc.StatusCode.DEADLINE_EXCEEDED
+    text = exc.message if isinstance(exc, PddlinkError) else str(exc) or type(exc).__name__
+    await context.abort(code, text)
+
+
+class SidecarService(pb2_grpc.SidecarServicer):  # type: ignore[misc,name-defined]
+    def __init__(
+        self,
+        *,
+        role: str,
+        peer_id: str,
+        model_id: str,
+        tls_identity: str,
+        status: Callable[[], dict[str, Any]],
+        prefiller: Prefiller | None = None,
+        decoder: Decoder | None = None,
+        drc: DrcHost | None = None,
+        run_in_engine: Callable[..., Any] | None = None,
+    ) -> None:
+        self.role, self.peer_id, self.model_id, self.tls_identity = role, peer_id, model_id, tls_identity
+        self.status = status
+        self.prefiller, self.decoder, self.drc = prefiller, decoder, drc
+        self.run_in_engine = run_in_engine
+
+    async def Prefill(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if self.prefiller is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"role {self.role} does not prefill")
+        assert self.prefiller is not None
+        try:
+            job = PrefillJob(
+                request.request_id,
+                tuple(request.prompt),
+                sampling_from_pb(request.sampling),
+                request.ship_to_md,
+                request.ship_to_rld,
+                request.first_token_to_md,
+                request.deadline_s or 30.0,
+            )
+            reply = await self.prefiller.prefill(job)
+        except (PddlinkError, TimeoutError) as exc:
+            await _abort(context, exc)
+        return pb2.PrefillReply(**reply)
+
+    async def Attach(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        if self.decoder is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"role {self.role} does not decode")
+        assert self.decoder is not None
+        try:
+            sampling = sampling_from_pb(request.sampling)
+        except PddlinkError as exc:
+            await _abort(context, exc)
+        stream = self.decoder.attach(
+            request.request_id, tuple(request.prompt), sampling, request.deadline_s or 30.0
+        )
+        async for ev in stream:
+            yield pb2.TokenEvent(**ev)
+
+    async def StartHandoff(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if self.decoder is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"role {self.role} does not decode")
+        assert self.decoder is not None
+        out = await self.decoder.start_handoff(request.request_id, request.deadline_s or 10.0)
+        return pb2.HandoffStartReply(**out)
+
+    async def Handoff(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if self.decoder is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"role {self.role} does not decode")
+        assert self.decoder is not None
+        try:
+            level = await self.decoder.handoff(
+                request.handoff, emit_given=request.emit_given, sender_finished=request.sender_finished
+            )
+        except (PddlinkError, TimeoutError) as exc:
+            await _abort(context, exc)
+        return pb2.HandoffReply(level_position=level)
+
+    async def Release(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        released = False
+        if self.decoder is not None:
+            released = await self.decoder.release(request.request_id, request.reason)
+        return pb2.ReleaseReply(released=released)
+
+    async def DrcEvents(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        if self.drc is None or self.run_in_engine is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "only MD holds a DRC")
+        assert self.drc is not None and self.run_in_engine is not None
+        snapshot = await self.run_in_engine("drc", self.drc.snapshot)
+        queue = self.drc.subscribe()
+        try:
+            yield pb2.DrcEventBatch(snapshot=snapshot)
+            while True:
+                first = await queue.get()
+                batch = [first]
+                while not queue.empty() and len(batch) < 256:
+                    batch.append(queue.get_nowait())
+                yield pb2.DrcEventBatch(events=batch)
+        finally:
+            self.drc.unsubscribe(queue)
+
+    async def Ping(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return pb2.PingReply(
+            nonce=request.nonce,
+            role=self.role,
+            peer_id=self.peer_id,
+            wire_version=WIRE_VERSION,
+            hash_scheme=int(HashScheme.XXH3_128_U32LE_V1),
+            tls_identity=self.tls_identity,
+            model_id=self.model_id,
+            payload=os.urandom(min(int(request.payload_bytes), 64 << 20)) if request.payload_bytes else b"",
+        )
+
+    async def Status(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return pb2.StatusReply(json=json.dumps(self.status()))
