@@ -297,6 +297,15 @@ class TransferSender:
         if resume.generation != self.generation or self.state is not SenderState.RESUMING:
             self.stats.stale_messages += 1
             return
+        held = set(resume.received)
+        lost = [i for i in range(resume.next_index, self.num_chunks) if self._acked[i] and i not in held]
+        if lost:
+            # The receiver lost state (restarted): acknowledged data is never sent again, so this
+            # transfer cannot finish; the caller may start a fresh one.
+            reason = f"receiver no longer holds acknowledged chunk {lost[0]} (lost its state?)"
+            self._send_abort(ErrorCode.PROTOCOL, reason)
+            self._finish_aborted(ErrorCode.PROTOCOL, reason, remote=False)
+            return
         self._apply_acks(resume.next_index, resume.received)
         if self.done:
             return

@@ -418,3 +418,16 @@ def test_any_fault_schedule_ends_complete_and_intact(
     assert link.receiver.state is ReceiverState.COMPLETED, link.rx_events
     assert bytes(link.receiver.data) == data
     assert link.sender.stats.bytes_resent <= link.sender.stats.bytes_sent - size
+
+
+def test_receiver_that_lost_acknowledged_chunks_makes_the_sender_abort_at_once() -> None:
+    link = Link(make_data(6000), conns=(1,), window=6000)
+    link.pump_sender()
+    link.deliver(limit=4)  # the begin and three chunks arrive and are acknowledged
+    assert link.sender.acked_chunks == 3
+    link.lose(1)
+    link.receiver = TransferReceiver(TID, config=link.config, now=link.now)  # a restarted receiver
+    link.connect(2)
+    link.run()
+    aborts = [e for e in link.tx_events if isinstance(e, TransferAborted)]
+    assert aborts and aborts[0].code is ErrorCode.PROTOCOL and "no longer holds" in aborts[0].reason
