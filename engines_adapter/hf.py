@@ -102,21 +102,20 @@ class HFEngine(PagedEngine):
         table = torch.tensor(seq.blocks, dtype=torch.long, device=self.device)
         slot_blocks, slot_offsets = table[positions // bs], positions % bs
         for li, (keys, values) in enumerate(_cache_tensors(cache)):
-            k_pool, v_pool = self.pool.layer_kv(li)
-            k_pool[slot_blocks, :, slot_offsets] = keys[0, :, past:].transpose(0, 1).to(k_pool.dtype)
-            v_pool[slot_blocks, :, slot_offsets] = values[0, :, past:].transpose(0, 1).to(v_pool.dtype)
+            self.pool.write_tokens(
+                li,
+                slot_blocks,
+                slot_offsets,
+                keys[0, :, past:].transpose(0, 1),
+                values[0, :, past:].transpose(0, 1),
+            )
         logits: torch.Tensor = out.logits[:, -1]
         return logits
 
     def _past_kv(self, seq: SequenceState) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The request's KV as ``[1, kv_heads, kv_tokens, head_dim]`` per layer, gathered from its blocks."""
-        lay = self.layout
-        nb = -(-seq.kv_tokens // lay.block_size)
-        idx = torch.tensor(seq.blocks[:nb], dtype=torch.long, device=self.device)
-        blocks = self.pool.data.index_select(0, idx)  # [nb, layers, 2, kv_heads, bs, hd]
-        flat = blocks.permute(1, 2, 3, 0, 4, 5).reshape(lay.num_layers, 2, lay.num_kv_heads, -1, lay.head_dim)
-        flat = flat[:, :, :, : seq.kv_tokens]
-        return [(flat[li, 0].unsqueeze(0), flat[li, 1].unsqueeze(0)) for li in range(lay.num_layers)]
+        nb = -(-seq.kv_tokens // self.layout.block_size)
+        return self.pool.sequence_kv(seq.blocks[:nb], seq.kv_tokens)
 
 
 def _cache_tensors(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:

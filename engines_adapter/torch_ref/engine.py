@@ -80,19 +80,24 @@ class TorchRefEngine(PagedEngine):
         n = len(new_tokens[0])
         if any(len(t) != n for t in new_tokens):
             raise ValueError("a batched forward needs the same number of new tokens per sequence")
-        bs = self.layout.block_size
-        dev = self.device
-        starts = torch.tensor([s.kv_tokens for s in seqs], dtype=torch.long)
-        positions = starts.unsqueeze(1) + torch.arange(n).unsqueeze(0)
+        bs, dev = self.layout.block_size, self.device
         width = max(len(s.blocks) for s in seqs)
         tables = torch.tensor(
             [s.blocks + [s.blocks[0]] * (width - len(s.blocks)) for s in seqs], dtype=torch.long
         )
-        slot_blocks = torch.gather(tables, 1, positions // bs).reshape(-1)
+        if n == 1:  # decode: a single small tensor carries token, position, slot block and slot offset
+            rows = [
+                (t[0], s.kv_tokens, s.blocks[s.kv_tokens // bs], s.kv_tokens % bs)
+                for s, t in zip(seqs, new_tokens, strict=True)
+            ]
+            meta = torch.tensor(rows, dtype=torch.long).to(dev)
+            return PagedBatch(meta[:, :1], meta[:, 1:2], meta[:, 2], meta[:, 3], tables.to(dev))
+        starts = torch.tensor([s.kv_tokens for s in seqs], dtype=torch.long)
+        positions = starts.unsqueeze(1) + torch.arange(n).unsqueeze(0)
         return PagedBatch(
             token_ids=torch.tensor(new_tokens, dtype=torch.long).to(dev),
             positions=positions.to(dev),
-            slot_blocks=slot_blocks.to(dev),
+            slot_blocks=torch.gather(tables, 1, positions // bs).reshape(-1).to(dev),
             slot_offsets=(positions % bs).reshape(-1).to(dev),
             block_tables=tables.to(dev),
         )

@@ -1,8 +1,7 @@
 """The paged KV pool: one preallocated tensor of blocks, a block allocator and a prefix cache.
 
-Storage is a single tensor of shape ``[num_blocks, num_layers, 2 (k, v), num_kv_heads, block_size,
-head_dim]``: one block's bytes are exactly the contract's export layout, so export is one
-``index_select`` and import one ``index_copy_``.
+Storage is a single preallocated tensor, laid out for attention (kv-head-major, see ``KVPool``);
+export and import convert to the contract's block-major byte layout.
 
 Block lifecycle::
 
@@ -20,6 +19,7 @@ owner can tell the decode-side prefix index. Pure bookkeeping plus tensor copies
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
@@ -159,7 +159,13 @@ class BlockAllocator:
 
 
 class KVPool:
-    """The pool tensor plus its allocator, for one ``KVLayout`` on one device."""
+    """The pool tensor plus its allocator, for one ``KVLayout`` on one device.
+
+    Internally the tensor is ``[num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim]``: a
+    layer's keys for one kv head are then one contiguous run per block, so gathering a batch's blocks
+    yields ``[kv_heads, B, tokens, head_dim]`` that attention reads without another copy. Export and
+    import permute to and from the contract's byte layout (block-major), off the hot path.
+    """
 
     def __init__(self, layout: KVLayout, num_blocks: int, device: torch.device | str = "cpu") -> None:
         if layout.dtype not in TORCH_DTYPES:
@@ -169,41 +175,82 @@ class KVPool:
         self.layout = layout
         self.allocator = BlockAllocator(num_blocks)
         self.data = torch.zeros(
-            (num_blocks, layout.num_layers, 2, layout.num_kv_heads, layout.block_size, layout.head_dim),
+            (layout.num_layers, 2, layout.num_kv_heads, num_blocks, layout.block_size, layout.head_dim),
             dtype=TORCH_DTYPES[layout.dtype],
             device=device,
         )
+        self._gather_buf = self.data.new_empty((2, 0))
 
     @property
     def num_blocks(self) -> int:
         return self.allocator.num_blocks
 
-    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views ``[num_blocks, kv_heads, block_size, head_dim]`` of one layer's keys and values."""
-        return self.data[:, layer, 0], self.data[:, layer, 1]
+    def write_tokens(
+        self,
+        layer: int,
+        slot_blocks: torch.Tensor,
+        slot_offsets: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+    ) -> None:
+        """Store ``keys``/``values`` ``[N, kv_heads, head_dim]`` of N tokens at their slots."""
+        self.data[layer, 0][:, slot_blocks, slot_offsets] = keys.transpose(0, 1).to(self.data.dtype)
+        self.data[layer, 1][:, slot_blocks, slot_offsets] = values.transpose(0, 1).to(self.data.dtype)
+
+    def gather(self, layer: int, block_table: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[kv_heads, batch, blocks * block_size, head_dim]`` (contiguous) of a flat
+        ``block_table`` listing ``batch`` equally long rows of block ids.
+
+        The results are views of scratch buffers reused by the next call: use them before gathering again.
+        """
+        lay = self.layout
+        shape = (lay.num_kv_heads, block_table.numel(), lay.block_size, lay.head_dim)
+        k_out, v_out = self._scratch(shape)
+        torch.index_select(self.data[layer, 0], 1, block_table, out=k_out)
+        torch.index_select(self.data[layer, 1], 1, block_table, out=v_out)
+        return k_out.view(lay.num_kv_heads, batch, -1, lay.head_dim), v_out.view(
+            lay.num_kv_heads, batch, -1, lay.head_dim
+        )
+
+    def _scratch(self, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two preallocated buffers of ``shape`` (grown geometrically): no allocation per decode step."""
+        numel = math.prod(shape)
+        if self._gather_buf.shape[1] < numel:
+            self._gather_buf = self.data.new_empty((2, max(numel, 2 * self._gather_buf.shape[1])))
+        return self._gather_buf[0, :numel].view(shape), self._gather_buf[1, :numel].view(shape)
 
     def read_blocks(self, blocks: Sequence[int], num_tokens: int) -> bytes:
         """Bytes of ``blocks`` in the export layout; slots past ``num_tokens`` are zeroed."""
         if not blocks:
             return b""
         idx = torch.tensor(blocks, dtype=torch.long, device=self.data.device)
-        out = self.data.index_select(0, idx)
+        out = self.data.index_select(3, idx).permute(3, 0, 1, 2, 4, 5).contiguous()
         tail = num_tokens - (len(blocks) - 1) * self.layout.block_size
         if tail < self.layout.block_size:
             out[-1, :, :, :, tail:] = 0
         return _tensor_bytes(out)
 
     def write_blocks(self, blocks: Sequence[int], payload: bytes | bytearray | memoryview) -> None:
+        """Store blocks given in the export layout ``[n, layers, 2, kv_heads, block_size, head_dim]``."""
         if not blocks:
             return
-        shape = (len(blocks), *self.data.shape[1:])
-        bits = torch.frombuffer(bytearray(payload), dtype=_BITS_VIEW[self.layout.itemsize])
-        src = bits.view(self.data.dtype).view(shape).to(self.data.device)
+        lay = self.layout
+        shape = (len(blocks), lay.num_layers, 2, lay.num_kv_heads, lay.block_size, lay.head_dim)
+        bits = torch.frombuffer(bytearray(payload), dtype=_BITS_VIEW[lay.itemsize])
+        src = bits.view(self.data.dtype).view(shape).permute(1, 2, 3, 0, 4, 5).to(self.data.device)
         idx = torch.tensor(blocks, dtype=torch.long, device=self.data.device)
-        self.data.index_copy_(0, idx, src)
+        self.data.index_copy_(3, idx, src)
+
+    def sequence_kv(self, blocks: Sequence[int], num_tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """One sequence's KV per layer as ``[1, kv_heads, num_tokens, head_dim]`` (for HF caches)."""
+        idx = torch.tensor(blocks, dtype=torch.long, device=self.data.device)
+        lay = self.layout
+        flat = self.data.index_select(3, idx).view(lay.num_layers, 2, lay.num_kv_heads, -1, lay.head_dim)
+        flat = flat[:, :, :, :num_tokens]
+        return [(flat[li, 0].unsqueeze(0), flat[li, 1].unsqueeze(0)) for li in range(lay.num_layers)]
 
 
 def _tensor_bytes(t: torch.Tensor) -> bytes:
     """Little-endian bytes of a tensor, bit-exact for every dtype (via a same-size int view)."""
-    flat = t.detach().contiguous().view(_BITS_VIEW[t.element_size()]).cpu()
-    return flat.numpy().astype(flat.numpy().dtype.newbyteorder("<"), copy=False).tobytes()
+    flat = t.detach().contiguous().view(_BITS_VIEW[t.element_size()]).cpu().numpy()
+    return flat.astype(flat.dtype.newbyteorder("<"), copy=False).tobytes()

@@ -89,6 +89,8 @@ class PagedLlama:
         self.norm = w("model.norm.weight")
         self.lm_head = self.embed if config.tie_word_embeddings else w("lm_head.weight")
         self.cos, self.sin = _rope_tables(config, dtype, device)
+        kv_width = config.num_kv_heads * config.head_dim
+        self._qkv_split = (config.num_heads * config.head_dim, kv_width, kv_width)
 
     @torch.inference_mode()
     def forward(self, pool: KVPool, batch: PagedBatch, *, all_logits: bool = False) -> torch.Tensor:
@@ -96,29 +98,28 @@ class PagedLlama:
         cfg = self.config
         bsz, n = batch.token_ids.shape
         hq, hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        bs = pool.layout.block_size
-        max_blocks = batch.block_tables.shape[1]
-        ctx = max_blocks * bs
         table = batch.block_tables.reshape(-1)
+        ctx = batch.block_tables.shape[1] * pool.layout.block_size
         cos = self.cos[batch.positions].unsqueeze(2)  # [B, n, 1, hd]
         sin = self.sin[batch.positions].unsqueeze(2)
         key_pos = torch.arange(ctx, device=table.device)
-        mask = key_pos.view(1, 1, 1, ctx) <= batch.positions.view(bsz, 1, n, 1)
+        visible = key_pos.view(1, 1, ctx) <= batch.positions.view(bsz, n, 1)  # [B, n, ctx]
+        attend = _Attention(cfg, bsz, n, visible, self.dtype)
         x = F.embedding(batch.token_ids, self.embed)
         for li, layer in enumerate(self.layers):
             h = _rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
-            q, k, v = F.linear(h, layer.w_qkv).split((hq * hd, hkv * hd, hkv * hd), dim=-1)
+            q, k, v = F.linear(h, layer.w_qkv).split(self._qkv_split, dim=-1)
             q = _rope(q.view(bsz, n, hq, hd), cos, sin)
             k = _rope(k.view(bsz, n, hkv, hd), cos, sin)
-            k_pool, v_pool = pool.layer_kv(li)
-            k_pool[batch.slot_blocks, :, batch.slot_offsets] = k.reshape(bsz * n, hkv, hd)
-            v_pool[batch.slot_blocks, :, batch.slot_offsets] = v.reshape(bsz * n, hkv, hd)
-            keys = _gather(k_pool, table, bsz, max_blocks, ctx)
-            values = _gather(v_pool, table, bsz, max_blocks, ctx)
-            attn = F.scaled_dot_product_attention(
-                q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=True
+            pool.write_tokens(
+                li,
+                batch.slot_blocks,
+                batch.slot_offsets,
+                k.reshape(bsz * n, hkv, hd),
+                v.reshape(bsz * n, hkv, hd),
             )
-            x = x + F.linear(attn.transpose(1, 2).reshape(bsz, n, hq * hd), layer.w_o)
+            keys, values = pool.gather(li, table, bsz)
+            x = x + F.linear(attend(q, keys, values), layer.w_o)
             gate, up = F.linear(_rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps), layer.w_gate_up).chunk(
                 2, dim=-1
             )
@@ -128,20 +129,53 @@ class PagedLlama:
         return F.linear(_rms_norm(x, self.norm, cfg.rms_norm_eps), self.lm_head)
 
 
-def _gather(
-    layer_pool: torch.Tensor, table: torch.Tensor, bsz: int, max_blocks: int, ctx: int
-) -> torch.Tensor:
-    """``[B, kv_heads, max_blocks * block_size, head_dim]`` from a layer's ``[blocks, kv_heads, bs, hd]``."""
-    _, hkv, bs, hd = layer_pool.shape
-    blocks = layer_pool.index_select(0, table).view(bsz, max_blocks, hkv, bs, hd)
-    return blocks.transpose(1, 2).reshape(bsz, hkv, ctx, hd)
+class _Attention:
+    """Grouped-query attention of ``n`` new tokens per sequence over gathered ``[kv_heads, B, ctx, hd]``.
+
+    Few new tokens (decode, short extends): batched matmuls with the kv head as the outer batch
+    dimension, so the gathered keys are read in place and never repeated per query head. Many new
+    tokens (prefill, long extends): torch's fused attention, which tiles and never forms the full
+    score matrix.
+    """
+
+    FUSED_FROM_TOKENS = 64
+
+    def __init__(self, cfg: ModelConfig, bsz: int, n: int, visible: torch.Tensor, dtype: torch.dtype) -> None:
+        self.bsz, self.n = bsz, n
+        self.hkv, self.group, self.hd = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
+        self.scale = self.hd**-0.5
+        self.fused = n >= self.FUSED_FROM_TOKENS
+        if self.fused:
+            self.mask = visible.unsqueeze(1)  # [B, 1, n, ctx]
+        else:  # additive, [1, B, group * n, ctx]
+            bias = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(
+                ~visible, -torch.inf
+            )
+            self.mask = bias.unsqueeze(1).expand(bsz, self.group, n, -1).reshape(1, bsz, self.group * n, -1)
+
+    def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """``q`` ``[B, n, heads, hd]`` (rotated) -> ``[B, n, heads * hd]``."""
+        bsz, n, hkv, g, hd = self.bsz, self.n, self.hkv, self.group, self.hd
+        if self.fused:
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2),
+                keys.transpose(0, 1),
+                values.transpose(0, 1),
+                attn_mask=self.mask,
+                enable_gqa=True,
+            )
+            return out.transpose(1, 2).reshape(bsz, n, hkv * g * hd)
+        qh = (q * self.scale).view(bsz, n, hkv, g, hd).permute(2, 0, 3, 1, 4).reshape(hkv, bsz, g * n, hd)
+        scores = torch.matmul(qh, keys.transpose(-1, -2)).add_(self.mask)
+        out = torch.matmul(torch.softmax(scores, dim=-1), values)  # [hkv, B, g * n, hd]
+        return out.view(hkv, bsz, g, n, hd).permute(1, 3, 0, 2, 4).reshape(bsz, n, hkv * g * hd)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dtype in _LOW_PRECISION:  # normalise in float32, as Llama does, then scale in the model dtype
         xf = x.float()
         return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+    return F.rms_norm(x, weight.shape, weight, eps)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
