@@ -10,6 +10,8 @@ import random
 import tracemalloc
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pddlink.wire import HEADER_BYTES, Decoder, WireError, encode
 from pddlink.wire.fuzz import FrameFuzzer, corpus, fix_crcs
@@ -70,3 +72,15 @@ def test_truncated_stream_waits_instead_of_failing() -> None:
     assert not dec.failed
     with pytest.raises(WireError):
         dec.feed(b"\x00" * 64 + frame)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200), st.integers(1, 50))
+def test_arbitrary_bytes_give_messages_or_a_typed_error(data: bytes, step: int) -> None:
+    dec = Decoder(max_body_bytes=LIMIT, max_payload_bytes=LIMIT)
+    try:
+        for pos in range(0, len(data), step):
+            dec.feed(b"PDLK" + data[pos : pos + step] if pos == 0 else data[pos : pos + step])
+    except WireError:
+        assert dec.failed
+    assert dec.buffered_bytes <= HEADER_BYTES + 2 * LIMIT
