@@ -93,6 +93,8 @@ class TransferReceiver:
 
     def receive(self, msg: WireMessage, conn_id: int, now: float) -> None:
         """A message of this transfer arrived on connection ``conn_id``."""
+        if getattr(msg, "transfer_id", None) != self.transfer_id:
+            raise InvalidInput(f"{type(msg).__name__} is not for transfer {self.transfer_id}")
         self._last_conn = conn_id
         if isinstance(msg, Chunk):
             self._on_chunk(msg, conn_id, now)

@@ -22,6 +22,7 @@ States: SENDING -> (RESUMING | PAUSED)* -> SENDING ... -> COMPLETED | ABORTED.
 from __future__ import annotations
 
 import heapq
+import math
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -95,14 +96,17 @@ class TransferSender:
         self._resume_retry_at = float("inf")
         self._out: list[Outgoing] = []
         self._events: deque[TransferEvent] = deque()
+        if not math.isfinite(deadline):
+            raise InvalidInput(f"transfer deadline must be finite, got {deadline}")
+        self._begin_message(now)  # validates ids, sizes and manifest before anything is queued
         self._begin(now)
-        if not self._conn_bytes:
-            self.state = SenderState.PAUSED
 
     # --- inputs -------------------------------------------------------------------------------
 
     def receive(self, msg: WireMessage, now: float) -> None:
         """A message of this transfer arrived (on any connection)."""
+        if getattr(msg, "transfer_id", None) != self.transfer_id:
+            raise InvalidInput(f"{type(msg).__name__} is not for transfer {self.transfer_id}")
         if self.done:
             return
         if isinstance(msg, Ack):
@@ -198,15 +202,17 @@ class TransferSender:
         if not self._conn_bytes:
             self.state = SenderState.PAUSED
             return
+        self._out.append(Outgoing(min(self._conn_bytes), self._begin_message(now)))
+        self.state = SenderState.SENDING if self.generation == 0 else SenderState.RESUMING
+        self._resume_retry_at = now + self.config.resume_retry_s
+
+    def _begin_message(self, now: float) -> TransferBegin:
         m = self.manifest
         remaining_ms = max(0, min(int((self.deadline - now) * 1000), 2**32 - 1))
-        begin = TransferBegin(
+        return TransferBegin(
             self.transfer_id, self.generation, m.request_id, m.layout, m.first_block, m.num_tokens,
             m.block_hashes, m.codec, len(self._data), self.config.chunk_bytes, remaining_ms,
         )  # fmt: skip
-        self._out.append(Outgoing(min(self._conn_bytes), begin))
-        self.state = SenderState.SENDING if self.generation == 0 else SenderState.RESUMING
-        self._resume_retry_at = now + self.config.resume_retry_s
 
     def _new_generation(self, now: float) -> None:
         self.generation += 1

@@ -148,3 +148,28 @@ def test_ack_beyond_the_last_chunk_aborts_the_sender() -> None:
     assert isinstance(ev, TransferAborted) and ev.code is ErrorCode.PROTOCOL
     (out,) = tx.messages_to_send(0.0)
     assert type(out.message).__name__ == "Abort"
+
+
+def test_messages_of_another_transfer_are_refused_without_state_change() -> None:
+    rx = TransferReceiver(1, config=TransferConfig(chunk_bytes=100), now=0.0)
+    rx.receive(begin(300), 1, 0.0)
+    with pytest.raises(InvalidInput):
+        rx.receive(Chunk(2, 0, 0, 0, chunk_checksum(b"a" * 100), b"a" * 100), 1, 0.0)
+    assert rx.next_index == 0 and rx.stats.chunks_received == 0
+    tx = TransferSender(
+        1, TransferManifest("r", LAYOUT, (), 4), b"x" * 300, config=TransferConfig(chunk_bytes=100),
+        deadline=5.0, connections=[1], now=0.0,
+    )  # fmt: skip
+    tx.messages_to_send(0.0)
+    with pytest.raises(InvalidInput):
+        tx.receive(Ack(2, 0, 3), 0.0)
+    assert tx.acked_chunks == 0
+
+
+@pytest.mark.parametrize("transfer_id", [-1, 2**64])
+def test_sender_refuses_bad_ids_up_front(transfer_id: int) -> None:
+    with pytest.raises(InvalidInput):
+        TransferSender(
+            transfer_id, TransferManifest("r", LAYOUT, (), 4), b"x", config=TransferConfig(),
+            deadline=5.0, connections=[], now=0.0,
+        )  # fmt: skip
