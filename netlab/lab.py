@@ -65,6 +65,7 @@ class Lab:
     def __init__(self, state: LabState) -> None:
         self._state = state
         self._forward_cache: dict[tuple[str, int, str], int] = {}
+        self._children: list[subprocess.Popen[Any]] = []
 
     # ---- lifecycle -------------------------------------------------------------------------
     @classmethod
@@ -126,7 +127,17 @@ class Lab:
         return cls(state)
 
     def down(self) -> None:
-        """Remove the lab and everything in it. Idempotent."""
+        """Remove the lab and everything in it (also processes ``popen`` started). Idempotent."""
+        for child in self._children:  # in loopback mode there is no namespace to find them by
+            if child.poll() is None:
+                child.terminate()
+        for child in self._children:
+            try:
+                child.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait(timeout=2)
+        self._children.clear()
         labstate.teardown(self._state.name)
 
     def __enter__(self) -> Lab:
@@ -177,7 +188,9 @@ class Lab:
 
     def popen(self, dc: str, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[Any]:
         """Start ``argv`` inside ``dc``; ``down`` ends it if it is still running."""
-        return subprocess.Popen(self.exec_argv(dc, argv), **kwargs)
+        child = subprocess.Popen(self.exec_argv(dc, argv), **kwargs)
+        self._children.append(child)
+        return child
 
     def run(
         self, dc: str, argv: Sequence[str], *, timeout_s: float, **kwargs: Any

@@ -227,8 +227,11 @@ def test_down_leaves_nothing_and_ends_processes_inside() -> None:
         Lab.attach("t-leak")
 
 
-@pytest.mark.parametrize("after_s", [0.05, 0.25, 0.5])
-def test_interrupted_up_leaves_nothing(after_s: float) -> None:
+@pytest.mark.parametrize(
+    ("sig", "after_s"),
+    [(signal.SIGINT, 0.05), (signal.SIGINT, 0.25), (signal.SIGINT, 0.5), (signal.SIGTERM, 0.35)],
+)
+def test_interrupted_up_leaves_nothing(sig: signal.Signals, after_s: float) -> None:
     name = "t-intr"
     proc = subprocess.Popen(
         ["pddlink", "lab", "net", "up", "--name", name, "--json"],
@@ -236,7 +239,7 @@ def test_interrupted_up_leaves_nothing(after_s: float) -> None:
         stderr=subprocess.PIPE,
     )
     time.sleep(after_s)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     _, err = proc.communicate(timeout=30)
     if proc.returncode == 0:  # it finished before the signal: then `down` must clean it
         subprocess.run(["pddlink", "lab", "net", "down", "--name", name], check=True, timeout=30)
