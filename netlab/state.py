@@ -140,6 +140,8 @@ def ip(*args: str, check: bool = True, timeout_s: float = 10.0) -> subprocess.Co
 
 
 def existing_netns() -> set[str]:
+    if shutil.which("ip") is None:  # loopback mode on a machine without iproute2
+        return set()
     out = ip("netns", "list", check=False).stdout
     return {line.split()[0] for line in out.splitlines() if line.strip()}
 

@@ -227,23 +227,39 @@ def test_down_leaves_nothing_and_ends_processes_inside() -> None:
         Lab.attach("t-leak")
 
 
+def _reached(stage: str, name: str) -> bool:
+    if stage == "recorded":
+        return (run_root() / name / "state.json").exists()
+    if stage == "netns":
+        return netns_names(name)["dc-b"] in existing_netns()
+    return bool(relay_pids(name))
+
+
 @pytest.mark.parametrize(
-    ("sig", "after_s"),
-    [(signal.SIGINT, 0.05), (signal.SIGINT, 0.25), (signal.SIGINT, 0.5), (signal.SIGTERM, 0.35)],
+    ("sig", "stage"),
+    [
+        (signal.SIGINT, "recorded"),
+        (signal.SIGINT, "netns"),
+        (signal.SIGINT, "relay"),
+        (signal.SIGTERM, "netns"),
+    ],
 )
-def test_interrupted_up_leaves_nothing(sig: signal.Signals, after_s: float) -> None:
+def test_interrupted_up_leaves_nothing(sig: signal.Signals, stage: str) -> None:
     name = "t-intr"
     proc = subprocess.Popen(
         ["pddlink", "lab", "net", "up", "--name", name, "--json"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )
-    time.sleep(after_s)
-    proc.send_signal(sig)
-    _, err = proc.communicate(timeout=30)
-    if proc.returncode == 0:  # it finished before the signal: then `down` must clean it
+    deadline = time.monotonic() + 20
+    while not _reached(stage, name) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.001)
+    proc.send_signal(sig)  # half-way: the stage is there, `up` has not returned
+    out, err = proc.communicate(timeout=30)
+    if proc.returncode == 0:  # it finished before the signal landed: then `down` must clean it
         subprocess.run(["pddlink", "lab", "net", "down", "--name", name], check=True, timeout=30)
     assert not leftovers(name), err
+    assert proc.returncode != 0 or out  # either interrupted, or it had finished and printed the lab
 
 
 def test_killed_up_is_cleaned_by_down_and_a_crashed_owner_by_the_relay() -> None:
