@@ -26,10 +26,13 @@ Usage::
     if mirror.needs_resync:
         mirror.load_snapshot(decode_snapshot(encode_snapshot(index)), now)
 
-Modules: ``index`` (tree, LRU, pins, reservations), ``leases`` (reservation book and refusals),
-``events`` (event types and binary codec), ``mirror``, ``snapshot`` (compact binary snapshot),
-``inspect`` (the JSON answers of the sidecar's /drc/stats and /drc/match), ``baseline`` (a token-list
-radix tree, for the benchmark).
+Modules: ``index`` (tree, LRU, pins, reservations), ``prefix`` (match answer, stats, search),
+``leases`` (reservation book and refusals), ``events`` (event types and binary codec), ``mirror``,
+``snapshot`` (compact binary snapshot), ``inspect`` (the JSON answers of the sidecar's /drc/stats
+and /drc/match), ``baseline`` (a token-list radix tree, for the benchmark).
+
+Measured (``pddlink bench drc``): about 150-170 bytes of Python memory per cached block in the
+index, about 80 in a mirror, 16 in a snapshot.
 """
 
 from pddlink.drc.events import (
@@ -41,9 +44,10 @@ from pddlink.drc.events import (
     decode_event,
     encode_event,
 )
-from pddlink.drc.index import DrcStats, PrefixIndex, PrefixMatch
+from pddlink.drc.index import PrefixIndex
 from pddlink.drc.leases import RefusalReason, Reservation, ReservationRefused
 from pddlink.drc.mirror import Mirror, MirrorStaleness
+from pddlink.drc.prefix import DrcStats, PrefixMatch
 from pddlink.drc.snapshot import Snapshot, SnapshotError, decode_snapshot, encode_snapshot
 
 __all__ = [

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any, Protocol
 
-from pddlink.drc.index import PrefixIndex, PrefixMatch
+from pddlink.drc.index import PrefixIndex
+from pddlink.drc.prefix import PrefixMatch
 from pddlink.errors import InvalidInput
 from pddlink.kv.hashing import BlockHasher
 

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pddlink.drc.events import BlocksRemoved, BlocksStored, Event
-from pddlink.drc.index import PrefixMatch, longest_cached_prefix
+from pddlink.drc.prefix import PrefixMatch, longest_cached_prefix
 from pddlink.drc.snapshot import Snapshot
 from pddlink.errors import InvalidInput
 
