@@ -40,7 +40,10 @@ class LinkOptions:
     streams: int = 4  # striped data connections (TCP); QUIC uses one stream per transfer
     congestion_control: str = "bbr"  # falls back to the kernel default when unavailable
     chunk_bytes: int = 4 * MiB
-    window_bytes: int = 256 * MiB  # bytes in flight per transfer, unacked
+    # Unacked bytes per transfer. Chunks are bound to a stripe when sent, so a window much larger
+    # than the path needs parks chunks behind a stripe that stalls; 32 MiB is 8 BDPs at 1 Gbit/s x
+    # 30 ms and keeps loopback at full speed.
+    window_bytes: int = 32 * MiB
     write_high_water_bytes: int = 16 * MiB  # per connection, before the writer waits for drain
     connect_timeout_s: float = 10.0
     reconnect_attempts: int = 3  # per lost data connection, while a deadline leaves time

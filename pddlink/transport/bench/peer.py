@@ -23,7 +23,7 @@ import numpy as np
 
 from pddlink.errors import ErrorCode, PddlinkError
 from pddlink.transport.api import KVClient, KVServer
-from pddlink.transport.base import LinkOptions, ReceivedTransfer
+from pddlink.transport.base import LinkOptions, ReceivedTransfer, TransferResult
 from pddlink.transport.tls import PeerIdentity, TlsConfig, load_or_create_peer
 from pddlink.wire.transfer_messages import KVLayoutSpec, TransferBegin
 
@@ -31,6 +31,7 @@ log = logging.getLogger("pddlink.bench.link")
 RECEIVER = PeerIdentity("bench", "receiver")
 SENDER = PeerIdentity("bench", "sender")
 CODEC_NONE, CODEC_KV = 0, 1
+IN_FLIGHT_TRANSFERS = 2  # the next transfer starts while the last one's tail drains, as in a sidecar
 _LAYOUT = KVLayoutSpec("bench/random", 1, 1, 128, "bf16", 16)
 
 
@@ -54,7 +55,7 @@ class BenchSpec:
             streams=self.streams,
             congestion_control=self.congestion_control,
             chunk_bytes=self.chunk_bytes,
-            window_bytes=max(256 << 20, 2 * self.chunk_bytes),
+            window_bytes=max(32 << 20, 2 * self.chunk_bytes),
             max_datagram_bytes=self.max_datagram_bytes,
         )
 
@@ -128,6 +129,10 @@ async def receive(spec: BenchSpec, addr: str) -> None:
     emit({"event": "listening", "port": server.port})
     try:
         await asyncio.wait_for(done.wait(), spec.deadline_s + 30)
+        for _ in range(500):  # let the sender read its figures and close first (quiet shutdown)
+            if not server.links():
+                break
+            await asyncio.sleep(0.01)
     finally:
         await server.close()
     emit({"event": "done", "bytes": sum(received_bytes), "cpu_s": cpu_seconds() - cpu_start})
@@ -175,17 +180,21 @@ async def send(spec: BenchSpec, addr: str) -> None:
     connect_s = time.perf_counter() - t_connect
     progress = _progress(spec.total_bytes)
     cpu0, t0 = cpu_seconds(), time.perf_counter()
-    resent = reconnects = 0
+    results: list[TransferResult] = []
     error: PddlinkError | None = None
-    try:
-        for i, size in enumerate(sizes):
+    slots = asyncio.Semaphore(IN_FLIGHT_TRANSFERS)
+
+    async def one(i: int, size: int) -> None:
+        async with slots:
             left = spec.deadline_s - (time.perf_counter() - t0)
             result = await client.send_transfer(
                 begin_for(i, size, spec, left), payload[:size], deadline_s=left
             )
-            resent += result.resent_chunks
-            reconnects += result.reconnects
+            results.append(result)
             progress.update(size)
+
+    try:
+        await asyncio.gather(*(one(i, size) for i, size in enumerate(sizes)))
     except PddlinkError as exc:
         error = exc
     seconds = time.perf_counter() - t0
@@ -200,8 +209,8 @@ async def send(spec: BenchSpec, addr: str) -> None:
         "cpu_s": cpu,
         "retransmits": stats.retransmits,
         "rtt_ms": None if stats.rtt_s is None else stats.rtt_s * 1e3,
-        "resent_chunks": resent,
-        "reconnects": reconnects,
+        "resent_chunks": sum(r.resent_chunks for r in results),
+        "reconnects": sum(r.reconnects for r in results),
         "congestion_control": stats.extra.get("congestion_control_is_requested"),
     }
     if error is not None:
