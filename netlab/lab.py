@@ -199,15 +199,18 @@ class Lab:
         return subprocess.run(self.exec_argv(dc, argv), timeout=timeout_s, check=False, **kwargs)
 
     # ---- the WAN at run time -----------------------------------------------------------------
-    def set_outage(self, on: bool) -> None:
-        """Cut the WAN (both directions, packets in flight lost) until ``set_outage(False)``."""
-        self._control({"op": "outage", "seconds": None} if on else {"op": "restore"})
+    def set_outage(self, on: bool, direction: str = "both") -> None:
+        """Cut the WAN (packets in flight are lost) until ``set_outage(False)``.
 
-    def outage(self, seconds: float) -> None:
+        ``direction``: ``both`` (a partition), ``a_to_b`` or ``b_to_a`` (a one-way cut)."""
+        op = {"op": "outage", "seconds": None} if on else {"op": "restore"}
+        self._control({**op, "direction": direction})
+
+    def outage(self, seconds: float, direction: str = "both") -> None:
         """Cut the WAN for ``seconds`` from now; it comes back by itself."""
         if not seconds >= 0:
             raise InvalidInput(f"outage seconds {seconds!r} must be >= 0")
-        self._control({"op": "outage", "seconds": float(seconds)})
+        self._control({"op": "outage", "seconds": float(seconds), "direction": direction})
 
     def set_profile(self, profile: Profile | str | os.PathLike[str]) -> None:
         """Replace the link model live (queues and loss state start afresh)."""

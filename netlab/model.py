@@ -23,6 +23,7 @@ from collections import deque
 from dataclasses import asdict, dataclass
 
 from netlab.profile import DIRECTIONS, DirectionSpec, Outage, Profile
+from pddlink.errors import InvalidInput
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,22 +238,12 @@ class DirectionModel:
         return out
 
 
-@dataclass(slots=True)
-class ManualOutage:
-    """An outage requested at run time: until ``until_s`` (inf: until cleared)."""
-
-    until_s: float = -math.inf
-
-    def active(self, now_s: float) -> bool:
-        return now_s < self.until_s
-
-
 class LinkModel:
     """Both directions, the scheduled outages (relative to ``start_s``) and a manual outage switch."""
 
     def __init__(self, profile: Profile, start_s: float) -> None:
         self.start_s = start_s
-        self.manual = ManualOutage()
+        self.cut_until_s = dict.fromkeys(DIRECTIONS, -math.inf)  # manual outages, per direction
         self.set_profile(profile)
 
     def set_profile(self, profile: Profile) -> None:
@@ -261,7 +252,7 @@ class LinkModel:
         self._outages: tuple[Outage, ...] = profile.outages
 
     def is_cut(self, direction: str, now_s: float) -> bool:
-        if self.manual.active(now_s):
+        if now_s < self.cut_until_s[direction]:
             return True
         t = now_s - self.start_s
         return any(o.covers(direction, t) for o in self._outages)
@@ -270,15 +261,30 @@ class LinkModel:
         cut = self.is_cut(direction, now_s)
         return self.directions[direction].admit(now_s, segments, wire_bytes, cut)
 
-    def set_outage(self, now_s: float, seconds: float | None) -> None:
-        """Cut the link for ``seconds`` from now (None: until ``clear_outage``)."""
-        self.manual.until_s = math.inf if seconds is None else now_s + seconds
+    def set_outage(self, now_s: float, seconds: float | None, direction: str = "both") -> None:
+        """Cut ``direction`` (or both) for ``seconds`` from now (None: until ``clear_outage``)."""
+        until = math.inf if seconds is None else now_s + seconds
+        for d in _directions(direction):
+            self.cut_until_s[d] = until
 
-    def clear_outage(self) -> None:
-        self.manual.until_s = -math.inf
+    def clear_outage(self, direction: str = "both") -> None:
+        for d in _directions(direction):
+            self.cut_until_s[d] = -math.inf
+
+    def manual_left_s(self, now_s: float) -> float:
+        """How long the longest manual outage still lasts (0: none; inf: until cleared)."""
+        return max(0.0, *(until - now_s for until in self.cut_until_s.values()))
 
     def stats(self) -> dict[str, dict[str, int]]:
         return {d: m.stats.as_dict() for d, m in self.directions.items()}
+
+
+def _directions(direction: str) -> tuple[str, ...]:
+    if direction == "both":
+        return DIRECTIONS
+    if direction not in DIRECTIONS:
+        raise InvalidInput(f"direction {direction!r}: use 'both', 'a_to_b' or 'b_to_a'")
+    return (direction,)
 
 
 __all__ = ["Delivery", "DirectionModel", "DirectionStats", "EventGaps", "LinkModel"]

@@ -24,7 +24,7 @@ from typing import Any
 from netlab import state as labstate
 from netlab.control import ControlServer
 from netlab.model import LinkModel
-from netlab.profile import parse_profile
+from netlab.profile import DIRECTIONS, parse_profile
 from netlab.state import LabState, ip
 from netlab.tun import open_tun
 from netlab.tun_relay import TunRelay
@@ -88,27 +88,29 @@ class ControlHandler:
     def __call__(self, req: dict[str, Any]) -> dict[str, Any]:
         op, now = req.get("op"), self.clock()
         if op == "status":
-            cut = self.model.manual.active(now)
-            left = self.model.manual.until_s - now if cut else 0.0
+            cut = {d: self.model.is_cut(d, now) for d in DIRECTIONS}
+            left = self.model.manual_left_s(now)
             return {
                 "ok": True,
                 "profile": self.model.profile.name,
                 "uptime_s": now - self.model.start_s,
-                "outage": cut,
+                "outage": any(cut.values()),
+                "cut": cut,
                 "outage_left_s": left if math.isfinite(left) else None,
                 "stats": self.model.stats(),
                 **(self.relay.timing() if self.relay is not None else {}),
             }
+        direction = str(req.get("direction", "both"))
         if op == "outage":
             seconds = req.get("seconds")
             if seconds is not None and (not isinstance(seconds, int | float) or seconds < 0):
                 return {"ok": False, "error": f"outage seconds {seconds!r} must be a number >= 0 or null"}
-            self.model.set_outage(now, None if seconds is None else float(seconds))
+            self.model.set_outage(now, None if seconds is None else float(seconds), direction)
             if self.relay is not None:
-                self.relay.drop_in_flight()
+                self.relay.drop_in_flight(direction)
             return {"ok": True}
         if op == "restore":
-            self.model.clear_outage()
+            self.model.clear_outage(direction)
             return {"ok": True}
         if op == "profile":
             profile = parse_profile(str(req.get("toml", "")), name=str(req.get("name", "live")))

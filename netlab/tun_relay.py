@@ -92,8 +92,11 @@ class TunRelay:
         lag_ms = 1000.0 * self.lag_s_total / self.released if self.released else 0.0
         return {"release_lag_ms_mean": round(lag_ms, 4), "write_errors": self.write_errors}
 
-    def drop_in_flight(self) -> int:
-        """Lose every packet still on the line (a cut fibre loses what it carries)."""
-        n = len(self._heap)
-        self._heap.clear()
+    def drop_in_flight(self, direction: str = "both") -> int:
+        """Lose the packets still on the line in ``direction`` (a cut fibre loses what it carries)."""
+        dropped_fds = {out for d, out in self._route.values() if direction in ("both", d)}
+        kept = [item for item in self._heap if item[2] not in dropped_fds]
+        n = len(self._heap) - len(kept)
+        heapq.heapify(kept)
+        self._heap = kept
         return n

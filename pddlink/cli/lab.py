@@ -160,13 +160,16 @@ def exec_(name: str, dc: str, argv: tuple[str, ...]) -> None:
 @NAME_OPTION
 @click.option("--seconds", type=float, default=None, help="Cut the WAN for this long.")
 @click.option("--on/--off", "switch", default=None, help="Cut until --off / restore now.")
-def outage(name: str, seconds: float | None, switch: bool | None) -> None:
-    """Cut the WAN (both directions) for --seconds, or --on until --off."""
+@click.option(
+    "--direction", type=click.Choice(["both", "a_to_b", "b_to_a"]), default="both", show_default=True
+)
+def outage(name: str, seconds: float | None, switch: bool | None, direction: str) -> None:
+    """Cut the WAN for --seconds, or --on until --off (both directions unless --direction)."""
     lab = Lab.attach(name)
     if seconds is not None and switch is None:
-        lab.outage(seconds)
+        lab.outage(seconds, direction)
     elif seconds is None and switch is not None:
-        lab.set_outage(switch)
+        lab.set_outage(switch, direction)
     else:
         raise InvalidInput("give exactly one of --seconds S, --on, --off")
 

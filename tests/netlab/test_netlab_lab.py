@@ -56,6 +56,7 @@ PROBE = textwrap.dedent(
             rtts.append((time.monotonic() - sent) * 1e3)
     except TimeoutError:
         pass
+    rtts = rtts or [-1.0]
     print(json.dumps({"sent": n, "received": len(got), "lost": sorted(set(range(n)) - got),
                       "rtt_ms_mean": statistics.mean(rtts), "rtt_ms_p50": statistics.median(rtts)}))
     """
@@ -198,8 +199,19 @@ def test_manual_outage_in_the_middle_and_on_off(probe_script: str) -> None:
         assert lab.status()["outage"] is True and lab.status()["outage_left_s"] is None
         lab.set_outage(False)
         assert lab.status()["outage"] is False
+        lab.set_outage(True, "b_to_a")  # replies cut, requests pass
+        assert lab.status()["cut"] == {"a_to_b": False, "b_to_a": True}
+        before = lab.status()["stats"]
+        p = probe(lab, probe_script, 50, 0.002)
+        after = lab.status()["stats"]
+        assert p["received"] == 0
+        assert after["a_to_b"]["dropped_outage"] == before["a_to_b"]["dropped_outage"]
+        assert after["b_to_a"]["dropped_outage"] >= before["b_to_a"]["dropped_outage"] + 50
+        lab.set_outage(False, "b_to_a")
         with pytest.raises(InvalidInput):
             lab.outage(-1)
+        with pytest.raises(InvalidInput):
+            lab.outage(1, "up")
 
 
 def test_bad_profile_creates_nothing(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from netlab.model import DirectionModel, EventGaps, LinkModel
 from netlab.profile import DirectionSpec, GilbertElliott, Outage, Profile
+from pddlink.errors import InvalidInput
 
 
 def one_way(**kw: object) -> DirectionModel:
@@ -154,3 +155,8 @@ def test_scheduled_and_manual_outages() -> None:
     m.clear_outage()
     assert m.admit("a_to_b", 1e6, 1, 100)
     assert m.stats()["a_to_b"]["dropped_outage"] == 2
+    m.set_outage(2e6, 1.0, "b_to_a")  # a one-way cut
+    assert m.admit("a_to_b", 2e6, 1, 100) and not m.admit("b_to_a", 2e6, 1, 100)
+    assert m.manual_left_s(2e6) == 1.0
+    with pytest.raises(InvalidInput):
+        m.set_outage(0.0, 1.0, "sideways")
