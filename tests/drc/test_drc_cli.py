@@ -136,3 +136,14 @@ def test_unreachable_sidecar_is_a_clear_error() -> None:
         CliRunner().invoke(
             cli, ["drc", "stats", "--url", "http://127.0.0.1:9", "--timeout-s", "2"], catch_exceptions=False
         )
+
+
+@pytest.mark.parametrize(
+    "body",
+    [{}, [], {"tokens": "1,2"}, {"tokens": [-1]}, {"tokens": [2**32]}, {"tokens": [True]}, {"tokens": [1.0]}],
+)
+def test_match_request_refuses_bad_bodies(body: object) -> None:
+    from pddlink.drc.inspect import parse_match_request
+
+    with pytest.raises(InvalidInput):
+        parse_match_request(body)
