@@ -16,7 +16,7 @@ md_grpc = "198.18.0.2:7440"; md_kv = "198.18.0.2:7450"
     rld_grpc = "198.18.0.1:7441"; rld_kv = "198.18.0.1:7451"
 
 [data_plane]
-wan_transport = "tcp"; fast_transport = "auto"; wan_streams = 4; chunk_bytes = 1048576
+wan_transport = "tcp"; fast_transport = "auto"; wan_streams = 2; chunk_bytes = 1048576
 reserve_lease_s = 10.0
 
 [decode]
@@ -73,7 +73,7 @@ class PeersConfig:
 class DataPlaneConfig:
     wan_transport: str = "tcp"
     fast_transport: str = "auto"
-    wan_streams: int = 4
+    wan_streams: int = 2
     chunk_bytes: int = 1 << 20
     reserve_lease_s: float = 10.0
 

@@ -1,0 +1,61 @@
+"""``pddlink demo``: the end-to-end demonstration (see ``sidecar.demo``)."""
+
+from __future__ import annotations
+
+import click
+
+
+@click.command(name="demo")
+@click.option(
+    "--requests", default=200, show_default=True, help="Requests per run (each run replays them all)."
+)
+@click.option("--rate", "rate_rps", default=4.0, show_default=True, help="Mean arrival rate, requests/s.")
+@click.option(
+    "--trace", type=click.Path(exists=True, dir_okay=False), help="Replay a Mooncake/pddlink trace."
+)
+@click.option(
+    "--workload", type=click.Path(exists=True, dir_okay=False), help="Workload file (agentic-v1 format)."
+)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the figures as JSON here.")
+@click.option(
+    "--plot", "plot_path", default="pddlink-demo-ttft.png", show_default=True, help="TTFT plot (PNG)."
+)
+@click.option("--seed", default=1, show_default=True, help="Workload seed.")
+@click.option("--line-mbit", default=16.0, show_default=True, help="WAN line rate.")
+@click.option("--rtt-ms", default=20.0, show_default=True, help="WAN round-trip time.")
+@click.option("--warmup", default=16, show_default=True, help="Requests replayed first to warm the caches.")
+def command(
+    requests: int,
+    rate_rps: float,
+    trace: str | None,
+    workload: str | None,
+    json_path: str | None,
+    plot_path: str,
+    seed: int,
+    line_mbit: float,
+    rtt_ms: float,
+    warmup: int,
+) -> None:
+    """Run P, RLD, MD and the router across an emulated WAN; compare PDD with the P->MD baseline.
+
+    Starts every role as its own process (P and RLD in datacenter A, MD in datacenter B of a
+    netlab WAN: network namespaces as root, loopback relays otherwise), replays the workload once
+    as cross-datacenter PD (P->MD only) and once with PDD, checks every token against one engine
+    generating alone, and prints the table. Progress and logs go to stderr.
+    """
+    from sidecar.demo import main
+
+    if requests < 1:
+        raise click.BadParameter("must be >= 1", param_hint="--requests")
+    main(
+        requests=requests,
+        rate_rps=rate_rps,
+        trace=trace,
+        workload=workload,
+        json_path=json_path,
+        plot_path=plot_path,
+        seed=seed,
+        line_mbit=line_mbit,
+        rtt_ms=rtt_ms,
+        warmup=warmup,
+    )

@@ -1,0 +1,75 @@
+"""The demo's requests: a trace (agentic-v1 generated, or a Mooncake/pddlink trace file) scaled to
+this machine and turned into token-id prompts with sampling settings.
+
+Scaling keeps the shape: the same block-sharing structure (so prefix hits arise on MD's DRC from
+real shared prefixes), relative prompt lengths, arrival pattern and output-length distribution,
+with 16-token blocks, ~768-token contexts and outputs divided by ``output_divisor``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from engines_adapter import SamplingParams
+from pddlink.sim.generate import GeneratorConfig, generate_trace
+from pddlink.sim.trace import Trace, read_trace, scale_trace
+from pddlink.sim.workload import load_workload
+
+DEFAULT_WORKLOAD = Path("/work/shared/workload/agentic-v1.json")
+BLOCK_TOKENS = 16
+CONTEXT_TOKENS = 768
+
+
+@dataclass(frozen=True, slots=True)
+class DemoRequest:
+    index: int
+    arrival_s: float
+    prompt: tuple[int, ...]
+    sampling: SamplingParams
+
+
+def _workload_path(workload: str | None) -> str | Path:
+    if workload:
+        return workload
+    if DEFAULT_WORKLOAD.exists():
+        return DEFAULT_WORKLOAD
+    return Path(__file__).resolve().parents[1] / "pddlink" / "sim" / "data" / "agentic-v1.json"
+
+
+def build_trace(
+    *, requests: int, rate_rps: float, seed: int, workload: str | None, trace_file: str | None
+) -> Trace:
+    if trace_file:
+        raw = read_trace(trace_file)
+        first = raw.requests[0].arrival_s if raw.requests else 0.0
+        span = max((raw.requests[min(requests, len(raw.requests)) - 1].arrival_s - first), 1e-9)
+        time_scale = (requests / rate_rps) / span
+        return scale_trace(raw, context_tokens=CONTEXT_TOKENS, time_scale=time_scale, limit=requests)
+    cfg = GeneratorConfig(
+        rate_rps=rate_rps,
+        requests=requests,
+        seed=seed,
+        block_tokens=BLOCK_TOKENS,
+        context_tokens=CONTEXT_TOKENS,
+        turn_gap_s=(2.0, 8.0),
+    )
+    return generate_trace(load_workload(_workload_path(workload)), cfg)
+
+
+def demo_requests(
+    trace: Trace, *, vocab_size: int, output_divisor: int = 8, max_output: int = 128, max_prompt: int = 1500
+) -> list[DemoRequest]:
+    out = []
+    t0 = trace.requests[0].arrival_s if trace.requests else 0.0
+    for i, r in enumerate(trace.requests):
+        prompt = r.prompt_token_ids(trace.meta.block_tokens, vocab_size)[:max_prompt]
+        bound = r.max_tokens if r.max_tokens <= 16 else r.output_tokens
+        n = (
+            max(1, round(bound / output_divisor))
+            if r.max_tokens <= 16
+            else max(8, round(bound / output_divisor))
+        )
+        sampling = SamplingParams(seed=1000 + i, temperature=0.8, top_k=64, max_tokens=min(n, max_output))
+        out.append(DemoRequest(i, r.arrival_s - t0, tuple(prompt), sampling))
+    return out
