@@ -25,16 +25,31 @@ def small_config() -> ModelConfig:
     return resolve_preset("tiny", max_positions=1024)
 
 
-def torch_engine(dtype: str = "float64", *, num_blocks: int = 2048, block_size: int = BLOCK) -> TorchRefEngine:
-    return TorchRefEngine(small_config(), dtype=dtype, seed=SEED, block_size=block_size, num_blocks=num_blocks)
+def torch_engine(
+    dtype: str = "float64", *, num_blocks: int = 2048, block_size: int = BLOCK
+) -> TorchRefEngine:
+    return TorchRefEngine(
+        small_config(), dtype=dtype, seed=SEED, block_size=block_size, num_blocks=num_blocks
+    )
 
 
-def hf_engine(dtype: str = "float64", *, num_blocks: int = 2048, block_size: int = BLOCK) -> EngineAdapter:
-    from engines_adapter.hf import HFEngine, llama_from_state_dict
+def hf_model(dtype: str = "float64"):  # type: ignore[no-untyped-def]
+    """A transformers LlamaForCausalLM with the same weights as ``torch_engine`` (stateless: shareable)."""
+    from engines_adapter.hf import llama_from_state_dict
 
     cfg = small_config()
-    model = llama_from_state_dict(cfg, random_state_dict(cfg, SEED), dtype)
-    return HFEngine(model, model_id="hf-test-llama", block_size=block_size, num_blocks=num_blocks)
+    return llama_from_state_dict(cfg, random_state_dict(cfg, SEED), dtype)
+
+
+def hf_engine(model=None, *, num_blocks: int = 2048, block_size: int = BLOCK) -> EngineAdapter:  # type: ignore[no-untyped-def]
+    from engines_adapter.hf import HFEngine
+
+    return HFEngine(
+        model if model is not None else hf_model(),
+        model_id="hf-test-llama",
+        block_size=block_size,
+        num_blocks=num_blocks,
+    )
 
 
 @dataclass
@@ -57,7 +72,8 @@ def kv_array(kb: KVBlocks) -> np.ndarray:
     lay = kb.layout
     dt = {"float64": "<f8", "float32": "<f4"}[lay.dtype]
     arr = np.frombuffer(bytes(kb.data), dtype=dt).reshape(
-        kb.num_blocks, lay.num_layers, 2, lay.num_kv_heads, lay.block_size, lay.head_dim)
+        kb.num_blocks, lay.num_layers, 2, lay.num_kv_heads, lay.block_size, lay.head_dim
+    )
     arr = arr.transpose(1, 2, 3, 0, 4, 5).reshape(lay.num_layers, 2, lay.num_kv_heads, -1, lay.head_dim)
     return arr[:, :, :, : kb.num_tokens].astype(np.float64)
 
@@ -69,8 +85,15 @@ class PddResult:
     rld_tokens: list[int]
 
 
-def pdd_generate(roles: Roles, rid: str, prompt: Sequence[int], sp: SamplingParams, handoff_tokens: int,
-                 *, catch_up_at: int | None = None) -> PddResult:
+def pdd_generate(
+    roles: Roles,
+    rid: str,
+    prompt: Sequence[int],
+    sp: SamplingParams,
+    handoff_tokens: int,
+    *,
+    catch_up_at: int | None = None,
+) -> PddResult:
     """P -> RLD (decodes until it holds ``handoff_tokens`` generated tokens) -> MD (extend, decode rest)."""
     p, rld, md = roles.p, roles.rld, roles.md
     t0 = p.prefill(rid, prompt, sp)
@@ -101,8 +124,11 @@ def pdd_generate(roles: Roles, rid: str, prompt: Sequence[int], sp: SamplingPara
         out = md.extend(rid, held)
     kv = kv_array(md.export_kv(rid))
     companion = f"{rid}-companion"
-    md.prefill(companion, [(t * 7 + 3) % md.vocab_size for t in prompt[:5]] + [1, 2, 3],
-               SamplingParams(max_tokens=1000))
+    md.prefill(
+        companion,
+        [(t * 7 + 3) % md.vocab_size for t in prompt[:5]] + [1, 2, 3],
+        SamplingParams(max_tokens=1000),
+    )
     while not out.finished:
         out = next(o for o in md.decode([companion, rid]) if o.request_id == rid)
     tokens = md.tokens(rid)

@@ -14,7 +14,16 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
-from _engine_testkit import BLOCK, Roles, generate_alone, hf_engine, kv_array, pdd_generate, torch_engine
+from _engine_testkit import (
+    BLOCK,
+    Roles,
+    generate_alone,
+    hf_engine,
+    hf_model,
+    kv_array,
+    pdd_generate,
+    torch_engine,
+)
 
 from engines_adapter.base import SamplingParams
 
@@ -40,8 +49,13 @@ def make_cases(n: int, seed: int, vocab: int) -> list[Case]:
         max_tokens = rng.randint(3, 14)
         k = rng.randint(1, max_tokens - 1)
         if i % 2:
-            sp = SamplingParams(seed=rng.randrange(2**63), temperature=rng.choice([0.6, 1.0, 1.4]),
-                                top_k=rng.choice([0, 5, 50]), top_p=rng.choice([1.0, 0.9, 0.5]), max_tokens=max_tokens)
+            sp = SamplingParams(
+                seed=rng.randrange(2**63),
+                temperature=rng.choice([0.6, 1.0, 1.4]),
+                top_k=rng.choice([0, 5, 50]),
+                top_p=rng.choice([1.0, 0.9, 0.5]),
+                max_tokens=max_tokens,
+            )
         else:
             sp = SamplingParams(max_tokens=max_tokens)
         shared = rng.randint(1, length // BLOCK) if length >= BLOCK and rng.random() < 0.5 else 0
@@ -67,7 +81,8 @@ def torch_roles() -> Roles:
 @pytest.fixture(scope="module")
 def hf_roles() -> Roles:
     pytest.importorskip("transformers")
-    return _roles(hf_engine)
+    model = hf_model()  # the model holds no request state: the four roles share it
+    return _roles(lambda: hf_engine(model))
 
 
 _ids: Iterator[int] = iter(range(10**9))
@@ -85,7 +100,9 @@ def check_case(roles: Roles, case: Case) -> None:
     expected_kv = kv_array(roles.alone.export_kv(rid))
     roles.alone.release(rid)
 
-    got = pdd_generate(roles, rid, case.prompt, case.sampling, case.handoff_tokens, catch_up_at=case.catch_up_at)
+    got = pdd_generate(
+        roles, rid, case.prompt, case.sampling, case.handoff_tokens, catch_up_at=case.catch_up_at
+    )
     assert got.tokens == expected
     assert got.rld_tokens == expected[: len(got.rld_tokens)]
     recomputed = got.md_kv_after_extend
