@@ -51,41 +51,57 @@ def _ipv4_checksum(hdr: bytearray, ip_hl: int) -> None:
     hdr[10:12] = struct.pack("!H", 0xFFFF ^ ones_complement_sum(hdr[:ip_hl]))
 
 
+def cut(pkt: bytes, first: int, count: int) -> bytes:
+    """Segments ``[first, first+count)`` of a burst as one packet: a smaller super-packet, or a wire packet.
+
+    Runs are what the link model decides on (the segments before a loss, those after it), so a loss
+    in a 44-segment burst costs two writes, not 43."""
+    vh = VnetHeader.parse(pkt)
+    gso = vh.gso_type & ~GSO_ECN
+    if gso not in (GSO_TCPV4, GSO_UDP_L4) or vh.gso_size == 0:
+        return pkt
+    ip = pkt[VNET_HDR_LEN:]
+    ip_hl = (ip[0] & 0x0F) * 4
+    l4_hl = (ip[ip_hl + 12] >> 4) * 4 if gso == GSO_TCPV4 else 8
+    headers = ip_hl + l4_hl
+    payload_len = len(ip) - headers
+    segments = -(-payload_len // vh.gso_size)
+    start = first * vh.gso_size
+    chunk = ip[headers + start : headers + min(payload_len, (first + count) * vh.gso_size)]
+    hdr = bytearray(ip[:headers])
+    ip_id = struct.unpack_from("!H", hdr, 4)[0]
+    struct.pack_into("!HH", hdr, 2, headers + len(chunk), (ip_id + first) & 0xFFFF)
+    _ipv4_checksum(hdr, ip_hl)
+    l4_len = l4_hl + len(chunk)
+    if gso == GSO_TCPV4:
+        seq = struct.unpack_from("!I", hdr, ip_hl + 4)[0]
+        struct.pack_into("!I", hdr, ip_hl + 4, (seq + start) & 0xFFFFFFFF)
+        if first + count < segments:
+            hdr[ip_hl + 13] &= ~_TCP_FIN_PSH & 0xFF
+        if first > 0:
+            hdr[ip_hl + 13] &= ~_TCP_CWR & 0xFF
+        csum_offset = 16
+    else:
+        struct.pack_into("!H", hdr, ip_hl + 4, min(l4_len, 0xFFFF))
+        csum_offset = 6
+    struct.pack_into("!H", hdr, ip_hl + csum_offset, _pseudo_header_sum(hdr, ip[9], l4_len))
+    if count > 1:
+        out_vh = VnetHeader(F_NEEDS_CSUM, vh.gso_type, headers, vh.gso_size, ip_hl, csum_offset)
+    else:
+        out_vh = VnetHeader(F_NEEDS_CSUM, GSO_NONE, 0, 0, ip_hl, csum_offset)
+    return out_vh.pack() + bytes(hdr) + chunk
+
+
 def split(pkt: bytes) -> list[bytes]:
     """The wire packets of a burst, each with its own virtio-net header; a plain packet is returned as is."""
     vh = VnetHeader.parse(pkt)
     gso = vh.gso_type & ~GSO_ECN
     if gso not in (GSO_TCPV4, GSO_UDP_L4) or vh.gso_size == 0:
         return [pkt]
-    ip = pkt[VNET_HDR_LEN:]
-    ip_hl = (ip[0] & 0x0F) * 4
-    proto = ip[9]
-    l4_hl = (ip[ip_hl + 12] >> 4) * 4 if gso == GSO_TCPV4 else 8
-    headers = ip_hl + l4_hl
-    payload = ip[headers:]
-    ip_id = struct.unpack_from("!H", ip, 4)[0]
-    seq = struct.unpack_from("!I", ip, ip_hl + 4)[0] if gso == GSO_TCPV4 else 0
-    csum_offset = 16 if gso == GSO_TCPV4 else 6
-    out_vh = VnetHeader(F_NEEDS_CSUM, GSO_NONE, 0, 0, ip_hl, csum_offset).pack()
-    chunks = range(0, len(payload), vh.gso_size)
-    out = []
-    for i, off in enumerate(chunks):
-        chunk = payload[off : off + vh.gso_size]
-        hdr = bytearray(ip[:headers])
-        struct.pack_into("!HH", hdr, 2, headers + len(chunk), (ip_id + i) & 0xFFFF)
-        _ipv4_checksum(hdr, ip_hl)
-        l4_len = l4_hl + len(chunk)
-        if gso == GSO_TCPV4:
-            struct.pack_into("!I", hdr, ip_hl + 4, (seq + off) & 0xFFFFFFFF)
-            if i < len(chunks) - 1:
-                hdr[ip_hl + 13] &= ~_TCP_FIN_PSH & 0xFF
-            if i > 0:
-                hdr[ip_hl + 13] &= ~_TCP_CWR & 0xFF
-        else:
-            struct.pack_into("!H", hdr, ip_hl + 4, l4_len)
-        struct.pack_into("!H", hdr, ip_hl + csum_offset, _pseudo_header_sum(hdr, proto, l4_len))
-        out.append(out_vh + bytes(hdr) + chunk)
-    return out
+    ip_hl = (pkt[VNET_HDR_LEN] & 0x0F) * 4
+    l4_hl = (pkt[VNET_HDR_LEN + ip_hl + 12] >> 4) * 4 if gso == GSO_TCPV4 else 8
+    payload_len = len(pkt) - VNET_HDR_LEN - ip_hl - l4_hl
+    return [cut(pkt, i, 1) for i in range(-(-payload_len // vh.gso_size))]
 
 
 def corrupt(pkt: bytes, rng: random.Random) -> bytes:

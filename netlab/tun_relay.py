@@ -4,7 +4,8 @@
 for their fate and writes them to the other device when they are due. Due times sit in one heap;
 the loop sleeps in ``select`` (microsecond timeouts, unlike epoll's milliseconds) until the next
 packet is due or a device is readable. A burst whose segments share one fate is written whole; one
-that a loss, queue overflow, reorder, duplicate or corruption hits is split into wire packets first.
+that a loss, queue overflow, reorder, duplicate or corruption hits is cut into runs of segments
+sharing a fate, each written as a smaller super-packet (or a single wire packet).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import random
 from collections.abc import Callable
 
 from netlab.model import Delivery, LinkModel
-from netlab.segment import corrupt, split
+from netlab.segment import corrupt, cut
 from netlab.tun import READ_BYTES, burst_shape
 
 READ_BATCH = 64
@@ -59,10 +60,9 @@ class TunRelay:
                 self._send_split(pkt, segments, fates, now, out_fd)
 
     def _send_split(self, pkt: bytes, segments: int, fates: list[Delivery], now: float, out_fd: int) -> None:
-        parts = split(pkt) if segments > 1 else [pkt]
         for fate in fates:
-            for part in parts[fate.first : fate.first + fate.count]:
-                self._send_at(fate.at_s, now, out_fd, corrupt(part, self._rng) if fate.corrupt else part)
+            part = cut(pkt, fate.first, fate.count) if segments > 1 else pkt
+            self._send_at(fate.at_s, now, out_fd, corrupt(part, self._rng) if fate.corrupt else part)
 
     def _send_at(self, at_s: float, now: float, out_fd: int, pkt: bytes) -> None:
         if at_s <= now and not self._heap:

@@ -7,7 +7,7 @@ import struct
 
 import pytest
 
-from netlab.segment import corrupt, ones_complement_sum, split
+from netlab.segment import corrupt, cut, ones_complement_sum, split
 from netlab.tun import F_NEEDS_CSUM, GSO_TCPV4, GSO_UDP_L4, VNET_HDR_LEN, VnetHeader, burst_shape
 
 SRC, DST = bytes([198, 18, 0, 1]), bytes([198, 18, 0, 2])
@@ -79,6 +79,18 @@ def test_udp_uso_super_packet_splits_into_datagrams() -> None:
         body = part[VNET_HDR_LEN:]
         assert struct.unpack_from("!H", body, 24)[0] == len(body) - 20  # UDP length
         assert full_checksum_ok(complete(part))
+
+
+@pytest.mark.parametrize(("first", "count"), [(0, 1), (0, 3), (1, 2), (2, 2), (3, 1), (0, 4)])
+def test_a_run_cut_from_a_burst_segments_like_the_burst(first: int, count: int) -> None:
+    pkt = tcp_super(bytes(range(256)) * 20, 1448)
+    run = cut(pkt, first, count)
+    vh = VnetHeader.parse(run)
+    assert (vh.gso_type != 0) == (count > 1)
+    assert split(run) == split(pkt)[first : first + count]
+    body = run[VNET_HDR_LEN:]
+    assert struct.unpack_from("!H", body, 2)[0] == len(body)
+    assert full_checksum_ok(complete(run))  # the partial checksum carries the run's length
 
 
 def test_plain_packet_is_not_split() -> None:
