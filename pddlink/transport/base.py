@@ -94,6 +94,14 @@ class ReceivedTransfer:
     def bytes(self) -> int:
         return sum(c.nbytes for c in self.chunks)
 
+    def release(self) -> None:
+        """Give the chunk buffers back for reuse. Call it only when no view of them is kept."""
+        from pddlink.transport.buffers import RECEIVE_POOL
+
+        for chunk in self.chunks:
+            if isinstance(chunk.obj, bytearray):
+                RECEIVE_POOL.release(chunk.obj)
+
 
 @dataclass(frozen=True, slots=True)
 class LinkStats:

@@ -25,6 +25,7 @@ from typing import Any, cast
 
 from pddlink.errors import ErrorCode, LocalError, PddlinkError
 from pddlink.transport import sockopt
+from pddlink.transport.buffers import RECEIVE_POOL
 from pddlink.wire.codec import Decoder, encode_parts
 from pddlink.wire.frame import HEADER_BYTES, MAGIC, FrameHeader, WireMessage, header_crc_ok, unpack_header
 
@@ -185,7 +186,7 @@ class FrameConnection(asyncio.BufferedProtocol):
         return messages[0]
 
     def _start_payload(self, message: WireMessage, size: int, have: memoryview) -> None:
-        buffer = bytearray(size)
+        buffer = RECEIVE_POOL.acquire(size)
         take = min(size, len(have))
         buffer[:take] = have[:take]
         self._pending, self._payload, self._payload_got = message, buffer, take

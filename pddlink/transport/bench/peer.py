@@ -107,6 +107,7 @@ async def receive(spec: BenchSpec, addr: str) -> None:
 
     def on_transfer(received: ReceivedTransfer) -> None:
         received_bytes.append(received.bytes)
+        received.release()
         if len(received_bytes) == len(sizes):
             done.set()
 
