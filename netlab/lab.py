@@ -89,7 +89,7 @@ class Lab:
             raise Unavailable("the namespaced lab needs root; use mode 'loopback' (--loopback) instead")
         with labstate.registry_lock():
             old = labstate.read_state(name)
-            if old is not None and labstate.relay_alive(old):
+            if old is not None and labstate.in_use(old):
                 raise InvalidInput(f"lab {name!r} is already up (pddlink lab net down --name {name})")
             labstate.teardown(name)  # leftovers of a killed run
             state = labstate.allocate(name, mode)

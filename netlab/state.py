@@ -65,6 +65,7 @@ class LabState:
     tun: dict[str, str] = field(default_factory=dict)
     relay_pid: int = 0
     owner_pid: int = 0
+    creator_pid: int = 0
     forwards: list[dict[str, object]] = field(default_factory=list)
 
     @property
@@ -113,7 +114,7 @@ def allocate(name: str, mode: str) -> LabState:
     slot = next((i for i in range(MAX_SLOTS) if i not in used), None)
     if slot is None:
         raise LocalError(f"all {MAX_SLOTS} lab slots are in use")
-    state = LabState(name=name, mode=mode, slot=slot)
+    state = LabState(name=name, mode=mode, slot=slot, creator_pid=os.getpid())
     state.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     state.save()
     return state
@@ -121,6 +122,13 @@ def allocate(name: str, mode: str) -> LabState:
 
 def relay_alive(state: LabState) -> bool:
     return state.relay_pid > 0 and _is_our_relay(state.relay_pid, state.name)
+
+
+def in_use(state: LabState) -> bool:
+    """The lab runs, or another live process is still creating it."""
+    creator = state.creator_pid
+    creating = creator not in (0, os.getpid()) and _exists(creator) and not state.relay_pid
+    return relay_alive(state) or creating
 
 
 def _is_our_relay(pid: int, name: str) -> bool:
