@@ -116,11 +116,15 @@ def up(
 
 @net.command(name="down")
 @NAME_OPTION
-@click.option("--all", "all_labs", is_flag=True, help="Remove every lab.")
+@click.option("--stale", is_flag=True, help="Remove every lab whose relay is gone (leftovers of crashes).")
+@click.option("--all", "all_labs", is_flag=True, help="Remove every lab, also those others are using.")
 @click.option("--json", "as_json", is_flag=True)
-def down(name: str, all_labs: bool, as_json: bool) -> None:
+def down(name: str, stale: bool, all_labs: bool, as_json: bool) -> None:
     """Remove a lab: relay, namespaces, TUN devices, processes. Idempotent."""
-    names = [s.name for s in labstate.list_labs()] if all_labs else [labstate.check_name(name)]
+    if all_labs or stale:
+        names = [s.name for s in labstate.list_labs() if all_labs or not labstate.in_use(s)]
+    else:
+        names = [labstate.check_name(name)]
     removed = [n for n in names if labstate.teardown(n)]
     if as_json:
         click.echo(json.dumps({"removed": removed}))
