@@ -111,8 +111,11 @@ async def receive(spec: BenchSpec, addr: str) -> None:
         if len(received_bytes) == len(sizes):
             done.set()
 
+    failures: list[dict[str, str]] = []
+
     def on_failed(peer: PeerIdentity, begin: object, error: PddlinkError) -> None:
         log.error("transfer failed: %s (%s)", error.message, error.code.name)
+        failures.append({"code": ErrorCode(error.code).name, "reason": error.message})
         done.set()
 
     host, port = _split(addr)
@@ -136,7 +139,14 @@ async def receive(spec: BenchSpec, addr: str) -> None:
             await asyncio.sleep(0.01)
     finally:
         await server.close()
-    emit({"event": "done", "bytes": sum(received_bytes), "cpu_s": cpu_seconds() - cpu_start})
+    emit(
+        {
+            "event": "done",
+            "bytes": sum(received_bytes),
+            "cpu_s": cpu_seconds() - cpu_start,
+            "failures": failures,
+        }
+    )
 
 
 def make_payload(nbytes: int, codec: str) -> np.ndarray:

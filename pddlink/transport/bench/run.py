@@ -66,7 +66,7 @@ def peer_argv(spec: BenchSpec, role: str, addr: str) -> list[str]:
     return argv
 
 
-def _read_event(proc: subprocess.Popen[str], timeout_s: float) -> dict[str, Any]:
+def read_event(proc: subprocess.Popen[str], timeout_s: float) -> dict[str, Any]:
     """The next JSON line a peer prints, within ``timeout_s``."""
     import selectors
 
@@ -119,15 +119,15 @@ def run_pair(
             spec = _with_certs(spec, certs)
         receiver = spawn_receiver(peer_argv(spec, "receiver", listen_addr))
         stack.callback(_stop, receiver)
-        listening = _read_event(receiver, _START_TIMEOUT_S)
+        listening = read_event(receiver, _START_TIMEOUT_S)
         host, port = connect_to(int(listening["port"]))
         sender = spawn_sender(peer_argv(spec, "sender", f"{host}:{port}"))
         stack.callback(_stop, sender)
-        sent = _read_event(sender, spec.deadline_s + _START_TIMEOUT_S)
+        sent = read_event(sender, spec.deadline_s + _START_TIMEOUT_S)
         if "error" in sent:
             err = sent["error"]
             raise LocalError(f"transfer failed: {err['reason']}", code=ErrorCode[err["code"]])
-        received = _read_event(receiver, _START_TIMEOUT_S)
+        received = read_event(receiver, _START_TIMEOUT_S)
         return merge(spec, sent, received)
 
 
