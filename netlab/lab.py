@@ -12,6 +12,10 @@ Modes. ``netns`` (root): ``dc-a`` and ``dc-b`` are network namespaces with addre
 services on 127.0.0.1 (UDP with every impairment, TCP with delay, rate and outages only);
 ``endpoint`` returns the relay's port. ``auto`` picks ``netns`` as root, ``loopback`` otherwise.
 
+The host (the root namespace) reaches ``lab.addr(dc)`` of both datacenters directly, over a veth
+that carries no impairment (for control and measurement); dc-a <-> dc-b traffic always crosses the
+WAN.
+
 Lifecycle. ``up`` records the lab under ``/run/pddlink-netlab/<name>/`` before creating anything
 and removes everything it made if it is interrupted. The relay runs in the background; when the
 lab has an owner (the default for ``Lab.up``; the CLI's ``up`` has none) and the owner process dies,
@@ -108,12 +112,14 @@ class Lab:
             state.netns = labstate.netns_names(state.name)
             state.addr = {"dc-a": f"198.18.{state.slot}.1", "dc-b": f"198.18.{state.slot}.2"}
             state.tun = {dc: f"pdl{state.slot}{dc[-1]}" for dc in DATACENTERS}
+            state.host_links = [f"pdl{state.slot}h{dc[-1]}" for dc in DATACENTERS]
         else:
             state.addr = dict.fromkeys(DATACENTERS, "127.0.0.1")
         state.save()  # recorded before created
         if state.mode == "netns":
-            for ns in state.netns.values():
-                _make_netns(ns)
+            for i, dc in enumerate(DATACENTERS):
+                _make_netns(state.netns[dc])
+                _host_link(state, dc, state.host_links[i], 4 * i)
         (state.directory / "profile.toml").write_text(source.text)
         (state.directory / "profile.name").write_text(source.profile.name)
         _start_relay(state, deadline)
@@ -234,6 +240,20 @@ def _make_netns(ns: str) -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=10, check=False)
     if proc.returncode != 0:
         raise LocalError(f"sysctl in {ns}: {proc.stderr.strip()}")
+
+
+def _host_link(state: LabState, dc: str, host_if: str, base: int) -> None:
+    """A direct veth from the host into ``dc`` (198.19.<slot>.<base>/30) and a host route to its address.
+
+    For control and measurement from the host (HTTP APIs, metrics): it carries no impairment, and
+    neither datacenter routes to the other through it, so dc-a <-> dc-b traffic always crosses the WAN."""
+    ns, net = state.netns[dc], f"198.19.{state.slot}"
+    ip("link", "add", host_if, "type", "veth", "peer", "name", "host0", "netns", ns)
+    ip("addr", "add", f"{net}.{base + 1}/30", "dev", host_if)
+    ip("link", "set", host_if, "up")
+    ip("-n", ns, "addr", "add", f"{net}.{base + 2}/30", "dev", "host0")
+    ip("-n", ns, "link", "set", "host0", "up")
+    ip("route", "replace", f"{state.addr[dc]}/32", "via", f"{net}.{base + 2}")
 
 
 def _start_relay(state: LabState, deadline: float) -> None:

@@ -63,6 +63,7 @@ class LabState:
     netns: dict[str, str] = field(default_factory=dict)
     addr: dict[str, str] = field(default_factory=dict)
     tun: dict[str, str] = field(default_factory=dict)
+    host_links: list[str] = field(default_factory=list)
     relay_pid: int = 0
     owner_pid: int = 0
     creator_pid: int = 0
@@ -199,7 +200,7 @@ def teardown(name: str) -> bool:
     for ns in sorted(present):
         _signal_and_wait(_netns_pids(ns))
         ip("netns", "del", ns, check=False)
-    for dev in state.tun.values() if state else ():
+    for dev in [*state.tun.values(), *state.host_links] if state else ():
         if Path(f"/sys/class/net/{dev}").exists():
             ip("link", "del", dev, check=False)
     directory = run_root() / name

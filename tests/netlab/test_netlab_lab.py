@@ -13,6 +13,7 @@ import math
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -23,7 +24,7 @@ import pytest
 
 from netlab.lab import Lab
 from netlab.profile import parse_profile
-from netlab.state import existing_netns, netns_names, relay_pids, run_root
+from netlab.state import existing_netns, netns_names, read_state, relay_pids, run_root
 from pddlink.errors import ConfigError, InvalidInput
 
 pytestmark = [pytest.mark.root, pytest.mark.netlab, pytest.mark.timeout(120)]
@@ -226,14 +227,30 @@ def test_bad_profile_creates_nothing(tmp_path: Path) -> None:
     assert not leftovers("t-bad")
 
 
+def root_links() -> set[str]:
+    return {d.name for d in Path("/sys/class/net").iterdir()}
+
+
 def test_down_leaves_nothing_and_ends_processes_inside() -> None:
     lab = Lab.up("clean", name="t-leak")
+    state = read_state("t-leak")
+    assert state is not None
     sleeper = lab.popen("dc-a", ["sleep", "60"])
-    devices = {d.name for d in Path("/sys/class/net").iterdir()}
-    assert not any(d.startswith("pdl") for d in devices)  # the TUN devices live in the namespaces
+    server = lab.popen("dc-b", [sys.executable, "-m", "http.server", "8089", "--bind", lab.addr("dc-b")])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # the host reaches a datacenter directly (control, metrics)
+        try:
+            socket.create_connection((lab.addr("dc-b"), 8089), timeout=1).close()
+            break
+        except OSError:
+            time.sleep(0.05)
+    else:
+        pytest.fail("the host cannot reach dc-b")
+    links = root_links()
+    assert set(state.host_links) <= links and not set(state.tun.values()) & links  # TUN devices live inside
     lab.down()
-    assert sleeper.wait(5) is not None
-    assert not leftovers("t-leak")
+    assert sleeper.wait(5) is not None and server.wait(5) is not None
+    assert not leftovers("t-leak") and not set(state.host_links) & root_links()
     lab.down()  # idempotent
     with pytest.raises(Exception, match="no lab"):
         Lab.attach("t-leak")
