@@ -17,7 +17,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -58,7 +58,7 @@ class HFEngine(PagedEngine):
             raise ConfigError("give exactly one of model and model_path")
         if model is None:
             model = tf.AutoModelForCausalLM.from_pretrained(str(model_path), local_files_only=True)
-        model = model.to(device).eval()
+        cast(torch.nn.Module, model).to(torch.device(device)).eval()  # moves in place
         cfg = model.config.get_text_config(decoder=True)
         dtype = str(model.dtype).removeprefix("torch.")
         if dtype not in TORCH_DTYPES:
@@ -128,7 +128,8 @@ def _cache_tensors(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def llama_config(config: ModelConfig) -> LlamaConfig:
     """The ``transformers`` LlamaConfig with the same shapes and numerics as a reference preset."""
     tf = _transformers()
-    return tf.LlamaConfig(
+    config_cls: type[LlamaConfig] = tf.LlamaConfig
+    return config_cls(
         vocab_size=config.vocab_size,
         hidden_size=config.hidden_size,
         intermediate_size=config.intermediate_size,
@@ -136,7 +137,7 @@ def llama_config(config: ModelConfig) -> LlamaConfig:
         num_attention_heads=config.num_heads,
         num_key_value_heads=config.num_kv_heads,
         max_position_embeddings=config.max_positions,
-        rope_theta=config.rope_theta,
+        rope_theta=config.rope_theta,  # type: ignore[call-arg]  # v5 folds it into rope_parameters
         rms_norm_eps=config.rms_norm_eps,
         tie_word_embeddings=config.tie_word_embeddings,
         attention_bias=False,
@@ -147,9 +148,9 @@ def llama_config(config: ModelConfig) -> LlamaConfig:
 def llama_from_state_dict(config: ModelConfig, state: StateDict, dtype: str = "float32") -> PreTrainedModel:
     """A ``LlamaForCausalLM`` holding the given Llama-named weights (the independent cross-check)."""
     tf = _transformers()
-    model = tf.LlamaForCausalLM(llama_config(config))
+    model: PreTrainedModel = tf.LlamaForCausalLM(llama_config(config))
     missing, unexpected = model.load_state_dict(state, strict=False)
     if unexpected or [m for m in missing if not (m == "lm_head.weight" and config.tie_word_embeddings)]:
         raise ConfigError(f"weights do not fit LlamaForCausalLM: missing {missing}, unexpected {unexpected}")
-    model = model.to(TORCH_DTYPES[dtype]).eval()
+    cast(torch.nn.Module, model).to(TORCH_DTYPES[dtype]).eval()
     return model

@@ -112,7 +112,7 @@ class BlockAllocator:
         return True
 
     def lookup_chain(self, block_hashes: Sequence[int]) -> list[int]:
-        """Blocks of the longest cached prefix of a hash chain (touches them in the LRU)."""
+        """Blocks of the longest cached prefix of a hash chain."""
         out: list[int] = []
         for h in block_hashes:
             b = self._block_of.get(h)

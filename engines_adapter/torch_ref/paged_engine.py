@@ -191,7 +191,7 @@ class PagedEngine(EngineAdapter):
         n = kv_blocks - first_block if num_blocks is None else num_blocks
         if first_block < 0 or n < 0 or first_block + n > kv_blocks:
             raise InvalidBlocks(
-                f"blocks [{first_block}, {first_block + n}) are outside {request_id!r}'s {kv_blocks} KV blocks"
+                f"blocks [{first_block}, {first_block + n}) outside {request_id!r}'s {kv_blocks} KV blocks"
             )
         num_tokens = max(0, min(seq.kv_tokens, (first_block + n) * bs) - first_block * bs)
         data = self.pool.read_blocks(seq.blocks[first_block : first_block + n], num_tokens)
@@ -202,7 +202,8 @@ class PagedEngine(EngineAdapter):
         del self._seqs[request_id]
         self._released.append(request_id)
         uncache = frozenset() if cache_prefix else frozenset(seq.own_cached)
-        self.pool.allocator.decref(seq.blocks, uncache=uncache)
+        # Tail first: under pressure the LRU then evicts a chain's deepest blocks before its root.
+        self.pool.allocator.decref(reversed(seq.blocks), uncache=uncache)
 
     def cached_prefix_tokens(self, prompt: Sequence[int]) -> int:
         ids = self._check_tokens(prompt, "prompt", extra_positions=0, allow_empty=True)

@@ -16,6 +16,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import click
@@ -30,6 +31,10 @@ def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     start = time.perf_counter()
     out = fn()
     return time.perf_counter() - start, out
+
+
+def _decode_steps(engine: Any, rid: str, steps: int) -> list[Any]:
+    return [engine.decode([rid])[0] for _ in range(steps)]
 
 
 def run_bench(
@@ -83,7 +88,7 @@ def run_bench(
     for batch in (1, 8):
         rids = [prefill(fresh_prompt()) for _ in range(batch)]
         engine.decode(rids)  # warm-up step
-        per_step = [_timed(lambda r=rids: engine.decode(r))[0] for _ in range(decode_steps)]  # type: ignore[misc]
+        per_step = [_timed(partial(engine.decode, rids))[0] for _ in range(decode_steps)]
         decode_ms[str(batch)] = statistics.median(per_step) * 1e3
         for r in rids:
             engine.release(r, cache_prefix=False)
@@ -93,7 +98,7 @@ def run_bench(
     for _ in range(repeats):
         prompt = fresh_prompt()
         rid = prefill(prompt)
-        dt, outs = _timed(lambda r=rid: [engine.decode([r])[0] for _ in range(HANDOFF_TOKENS)])  # type: ignore[misc]
+        dt, outs = _timed(partial(_decode_steps, engine, rid, HANDOFF_TOKENS))
         decode100_s.append(dt)
         generated = engine.tokens(rid)[
             prompt_tokens:
@@ -101,7 +106,7 @@ def run_bench(
         engine.release(rid, cache_prefix=False)
         bar.update()
         other = prefill(prompt)
-        dt, out = _timed(lambda o=other: engine.extend(o, generated[:HANDOFF_TOKENS]))  # type: ignore[misc]
+        dt, out = _timed(partial(engine.extend, other, generated[:HANDOFF_TOKENS]))
         extend_s.append(dt)
         agree = agree and out.token_id == outs[-1].token_id
         engine.release(other, cache_prefix=False)
