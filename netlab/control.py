@@ -44,7 +44,7 @@ class ControlServer:
         except BlockingIOError:
             return
         with conn:
-            conn.settimeout(1.0)
+            conn.settimeout(0.25)  # the packet loop waits meanwhile: keep it short
             try:
                 request = json.loads(_read_line(conn))
                 if not isinstance(request, dict):
