@@ -36,7 +36,7 @@ from cryptography.hazmat.primitives import serialization
 from pddlink.errors import ConfigError, ErrorCode, LocalError, Unavailable
 from pddlink.transfer.config import TransferManifest
 from pddlink.transfer.sender import TransferSender
-from pddlink.transport import quic_auth
+from pddlink.transport import quic_auth, quic_server, sockopt
 from pddlink.transport.base import Buffer, Handlers, LinkOptions, LinkStats, Message, TransferResult
 from pddlink.transport.quic_stream import StreamLane, make_protocol_class
 from pddlink.transport.receiving import ReceivingSession
@@ -259,7 +259,7 @@ class QuicTransport:
             return mod.protocol(*args, server=(listener, hello), **kwargs)
 
         config = configuration(mod, client=False, tls=tls, options=options)
-        listener.server = await mod.aio.serve(host, port, configuration=config, create_protocol=create)
+        listener.server = await quic_server.serve(mod, host, port, config, create)
         # the libraries keep the bound socket private; port 0 needs it to say where we listen
         listener.bound_port = listener.server._transport.get_extra_info("sockname")[1]
         return listener
@@ -297,6 +297,7 @@ async def _dial(mod: SimpleNamespace, host: str, port: int, config: Any, options
     infos = await loop.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
     family, _, _, _, addr = infos[0]
     sock = socket.socket(family, socket.SOCK_DGRAM)
+    sockopt.size_udp_buffers(sock)
     sock.bind(("0.0.0.0", 0) if family == socket.AF_INET else ("::", 0))
     connection = mod.connection.QuicConnection(configuration=config)
 
