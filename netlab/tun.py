@@ -84,10 +84,12 @@ def open_tun(name: str, offload: bool = True) -> int:
 def burst_shape(pkt: bytes) -> tuple[int, int]:
     """(segments, wire bytes) of a packet read with a virtio-net header in front."""
     gso_type = pkt[1] & ~GSO_ECN
-    if gso_type == GSO_NONE:
+    if gso_type == GSO_NONE or len(pkt) < VNET_HDR_LEN + 40:  # plain, or too short to be a burst
         return 1, len(pkt) - VNET_HDR_LEN
     gso_size = pkt[4] | (pkt[5] << 8)
     ip_hl = (pkt[VNET_HDR_LEN] & 0x0F) * 4
+    if len(pkt) < VNET_HDR_LEN + ip_hl + 20:
+        return 1, len(pkt) - VNET_HDR_LEN
     if gso_type == GSO_TCPV4:
         l4_hl = (pkt[VNET_HDR_LEN + ip_hl + 12] >> 4) * 4
     elif gso_type == GSO_UDP_L4:
