@@ -57,12 +57,29 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+class NoWan:
+    """Stands in for a netlab ``Lab`` where a test needs processes but no WAN between them: every
+    role on 127.0.0.1, peers reached directly. (Tests of the sidecar itself; the demo and the e2e
+    tests use a real lab.)"""
+
+    mode = "direct"
+
+    def addr(self, dc: str) -> str:
+        return "127.0.0.1"
+
+    def endpoint(self, dc: str, port: int, proto: str = "tcp") -> tuple[str, int]:
+        return "127.0.0.1", port
+
+    def popen(self, dc: str, argv: list[str], **kwargs: Any) -> subprocess.Popen[str]:
+        return subprocess.Popen(argv, **kwargs)
+
+
 class ClusterError(LocalError):
     """A process of the deployment failed to start or died."""
 
 
 class Cluster:
-    def __init__(self, lab: Lab, spec: ClusterSpec) -> None:
+    def __init__(self, lab: Lab | NoWan, spec: ClusterSpec) -> None:
         self.lab, self.spec = lab, spec
         spec.run_dir.mkdir(parents=True, exist_ok=True)
         self.procs: dict[str, subprocess.Popen[str]] = {}

@@ -266,7 +266,7 @@ class Sidecar:
         pb2_grpc.add_SidecarServicer_to_server(service, server)
         ports["grpc_port"] = server.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
         await server.start()
-        admin = await serve_http(self.admin, host=cfg.host, port=cfg.admin_port, unix=cfg.admin_unix)
+        admin = await serve_http(self.admin, host=cfg.host, port=cfg.admin_port or None, unix=cfg.admin_unix)
         ports["admin_port"] = cfg.admin_port
         sys.stdout.write("READY " + json.dumps(ports) + "\n")
         sys.stdout.flush()

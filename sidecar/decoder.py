@@ -181,6 +181,13 @@ class Decoder:
                 seq.intake = HandoffIntake(seq.request_id, seq.base)
             ids = seq.intake.accept(s)
             seq.generated[s.first_position - seq.base :] = list(ids)
+            if s.final and self._complete(seq, ids):  # nothing left to generate (max tokens, stop token)
+                if emit_given:
+                    for i, tok in enumerate(ids):
+                        self._emit(seq, s.first_position + i, tok, i == len(ids) - 1)
+                seq.finished = True
+                await self.end(seq, "finished")
+                return s.end_position
             out = await self.loop.call("extend", self.loop.engine.extend, seq.request_id, list(ids))
             if emit_given:
                 for i, tok in enumerate(ids):
@@ -191,6 +198,13 @@ class Decoder:
                     seq.decoding = True
                     self.loop.decode_in_batch(seq.request_id, lambda o: self._take(seq, o))
             return s.end_position
+
+    @staticmethod
+    def _complete(seq: DecodeSeq, ids: tuple[int, ...]) -> bool:
+        sampling = seq.sampling
+        if sampling is None:
+            return False
+        return len(seq.generated) >= sampling.max_tokens or (bool(ids) and ids[-1] in sampling.stop_token_ids)
 
     # -- outputs ---------------------------------------------------------------------------------
 

@@ -57,9 +57,8 @@ def run_once(
                 replay(cluster.router_target, paced, deadline_s=spec.deadline_s, pipeline="p_md")
             )
             bad = sum(r.outcome != "finished" for r in warm)
-            say(
-                f"[{label}] warm-up: {len(warm)} requests P->MD in {time.monotonic() - t1:.1f} s ({bad} failed)"
-            )
+            took = time.monotonic() - t1
+            say(f"[{label}] warm-up: {len(warm)} requests P->MD in {took:.1f} s ({bad} failed)")
         bar = tqdm(total=len(requests), desc=label, file=sys.stderr, unit="req", leave=True)
         failed = 0
 
@@ -123,17 +122,17 @@ def main(
     warm, reqs = every[:warmup], every[warmup:]
     t_first = reqs[0].arrival_s
     reqs = [replace(r, index=i, arrival_s=r.arrival_s - t_first) for i, r in enumerate(reqs)]
-    total_prompt = sum(len(r.prompt) for r in reqs)
+    mean_prompt = sum(len(r.prompt) for r in reqs) / len(reqs)
     say(
-        f"workload: {len(reqs)} requests over {reqs[-1].arrival_s:.0f} s, mean prompt {total_prompt / len(reqs):.0f}"
+        f"workload: {len(reqs)} requests over {reqs[-1].arrival_s:.0f} s, mean prompt {mean_prompt:.0f}"
         f" tokens, {sum(r.sampling.max_tokens for r in reqs)} output tokens; "
         f"{'trace ' + trace if trace else 'agentic-v1'} scaled to this machine; the {warmup} requests before"
         " them warm P's and MD's prefix caches (P->MD, not counted)"
     )
     say(
         f"WAN: {line_mbit:g} Mbit/s, {rtt_ms:g} ms RTT; model: reference 'tiny' in float64, "
-        f"2048 B of KV per token, so a prompt's full KV ({total_prompt / len(reqs) * 2048 / 1e6:.1f} MB) takes "
-        f"{total_prompt / len(reqs) * 2048 * 8 / (line_mbit * 1e6):.2f} s on the line: the WAN is the bottleneck "
+        f"2048 B of KV per token, so a prompt's full KV ({mean_prompt * 2048 / 1e6:.1f} MB) takes "
+        f"{mean_prompt * 2048 * 8 / (line_mbit * 1e6):.2f} s on the line: the WAN is the bottleneck "
         "for low-hit requests, as in the published setting"
     )
     lab = Lab.up(parse_profile(wan_profile(spec), name="pddlink-demo"), name=f"demo{os.getpid() % 100000}")

@@ -3,7 +3,7 @@
 ``python -m sidecar.demo_reference REQUESTS.json OUT.json`` reads ``{"engine": {...}, "requests":
 [{"prompt": [...], "sampling": {...}}]}`` and writes ``{"tokens": [[...], ...]}``: each request
 prefilled and decoded to the end on one reference engine (float64, so batch composition cannot
-change a token; requests are decoded in batches of 16 to save time).
+change a token; requests are decoded in batches of 64 to save time).
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ import sys
 
 from engines_adapter import SamplingParams, load_engine
 
+BATCH = 64
+
 
 def generate(spec: dict, requests: list[dict]) -> list[list[int]]:  # type: ignore[type-arg]
     import torch
@@ -20,9 +22,9 @@ def generate(spec: dict, requests: list[dict]) -> list[list[int]]:  # type: igno
     torch.set_num_threads(1)
     engine = load_engine("torch_ref", **spec)
     results: list[list[int]] = [[] for _ in requests]
-    for start in range(0, len(requests), 16):
+    for start in range(0, len(requests), BATCH):
         live: dict[str, int] = {}
-        for i in range(start, min(start + 16, len(requests))):
+        for i in range(start, min(start + BATCH, len(requests))):
             rid = f"ref{i}"
             out = engine.prefill(
                 rid, requests[i]["prompt"], SamplingParams.from_dict(requests[i]["sampling"])

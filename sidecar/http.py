@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.client
 import json
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -113,7 +115,7 @@ class _Conn:
 async def serve_http(
     handler: Handler, *, host: str = "", port: int = 0, unix: str = ""
 ) -> list[asyncio.Server]:
-    """Listen on ``host:port`` (if port) and on the unix socket ``unix`` (if given)."""
+    """Listen on ``host:port`` (if port is not None; 0: any free port) and on the unix socket ``unix``."""
 
     async def on_client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -126,8 +128,35 @@ async def serve_http(
                 await writer.wait_closed()
 
     servers = []
-    if port:
+    if port is not None:
         servers.append(await asyncio.start_server(on_client, host or None, port, limit=1 << 20))
     if unix:
         servers.append(await asyncio.start_unix_server(on_client, unix, limit=1 << 20))
     return servers
+
+
+class _UnixConnection(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self._path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        sock.connect(self._path)
+        self.sock = sock
+
+
+def fetch(addr: str, method: str, path: str, body: bytes = b"", timeout_s: float = 10.0) -> tuple[int, bytes]:
+    """A blocking HTTP request to ``host:port`` or ``unix:/path`` (admin endpoints, CLI, tests)."""
+    if addr.startswith("unix:"):
+        conn: http.client.HTTPConnection = _UnixConnection(addr[5:], timeout_s)
+    else:
+        host, _, port = addr.rpartition(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=timeout_s)
+    try:
+        conn.request(method, path, body=body or None, headers={"content-type": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from engines_adapter import KVBlocks, SamplingParams
+from engines_adapter import KVBlocks, SamplingParams, StepOutput
 from pddlink import metrics
 from pddlink.errors import ErrorCode, PddlinkError, Unavailable
 from pddlink.handoff import HandoffMode, HandoffSlice
@@ -33,6 +33,8 @@ from pddlink.wire import KVLayoutSpec, Reserve, ReserveAnswer, TransferBegin
 from sidecar.engine_loop import EngineLoop
 from sidecar.handoff_wire import slice_to_wire
 from sidecar.peers import DecoderPeer, KVPeer
+
+WAN_SHARE_OF_DEADLINE = 0.6
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,21 +76,21 @@ class Prefiller:
             self.in_flight -= 1
 
     async def _prefill(self, job: PrefillJob) -> dict[str, Any]:
-        deadline = time.monotonic() + job.deadline_s
+        now = time.monotonic()
+        deadline = now + job.deadline_s
+        # the WAN gets a share of the time left, so a fallback (RLD finishes) still fits after it
+        wan_deadline = now + WAN_SHARE_OF_DEADLINE * job.deadline_s
         hashes = self.hasher.hash_blocks(list(job.prompt))
-        engine = self.loop.engine
         reply: dict[str, Any] = {"prompt_tokens": len(job.prompt), "wan_retransmits": -1}
-        reservation = asyncio.ensure_future(self._reserve(job, hashes, deadline)) if job.ship_to_md else None
-        reply["p_cached_tokens"] = await self.loop.call(
-            "cached", engine.cached_prefix_tokens, list(job.prompt)
+        reservation = (
+            asyncio.ensure_future(self._reserve(job, hashes, wan_deadline)) if job.ship_to_md else None
         )
-        t0 = time.perf_counter()
-        first = await self.loop.call(
-            "prefill", engine.prefill, job.request_id, list(job.prompt), job.sampling
-        )
-        kv = await self.loop.call("export", engine.export_kv, job.request_id)
-        await self.loop.call("release", engine.release, job.request_id, cache_prefix=True)
-        reply["prefill_seconds"] = time.perf_counter() - t0
+        try:
+            first, kv = await self._compute(job, reply)
+        except BaseException:
+            if reservation is not None:
+                reservation.cancel()
+            raise
         reply["first_token"] = first.token_id
         handoff = HandoffSlice(job.request_id, len(job.prompt), (first.token_id,), True, HandoffMode.ONE_SHOT)
         frame = slice_to_wire(handoff, job.sampling)
@@ -96,9 +98,23 @@ class Prefiller:
         if job.ship_to_rld:
             tasks.append(self._ship_rld(job, kv, hashes, frame, deadline, reply))
         if reservation is not None:
-            tasks.append(self._ship_md(job, kv, hashes, frame, reservation, deadline, reply))
+            tasks.append(self._ship_md(job, kv, hashes, frame, reservation, wan_deadline, reply))
         await asyncio.gather(*tasks)
         return reply
+
+    async def _compute(self, job: PrefillJob, reply: dict[str, Any]) -> tuple[StepOutput, KVBlocks]:
+        """Prefill on the engine and copy the KV out; P's request is released (prefix cached)."""
+        engine = self.loop.engine
+        prompt = list(job.prompt)
+        reply["p_cached_tokens"] = await self.loop.call("cached", engine.cached_prefix_tokens, prompt)
+        t0 = time.perf_counter()
+        first = await self.loop.call("prefill", engine.prefill, job.request_id, prompt, job.sampling)
+        try:
+            kv = await self.loop.call("export", engine.export_kv, job.request_id)
+        finally:
+            await self.loop.call("release", engine.release, job.request_id, cache_prefix=True)
+        reply["prefill_seconds"] = time.perf_counter() - t0
+        return first, kv
 
     async def _reserve(self, job: PrefillJob, hashes: list[int], deadline: float) -> int:
         client = await self.md_kv.client(deadline)

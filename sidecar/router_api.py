@@ -224,7 +224,7 @@ async def serve_router(cfg: RouterConfig, *, host: str, grpc_port: int, http_por
         server.add_insecure_port(f"unix:{unix}.grpc")
     await server.start()
     api = RouterApi(router)
-    http = await serve_http(api.http, host=host, port=http_port, unix=unix)
+    http = await serve_http(api.http, host=host, port=http_port or None, unix=unix)
     sys.stdout.write(
         "READY " + json.dumps({"role": "router", "grpc_port": bound, "http_port": http_port}) + "\n"
     )

@@ -96,7 +96,7 @@ class RequestRun:
         self.deadline = self.t_start + inp.deadline_s
         self.base = len(inp.prompt)
         self.merger = StreamMerger(self.base, inp.sampling.max_tokens)
-        self.inbox: asyncio.Queue[tuple[str, str, Any]] = asyncio.Queue()
+        self.inbox: asyncio.Queue[tuple[str, str, Any, str]] = asyncio.Queue()
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.legs = 0
         self.leg: Leg | None = None
@@ -139,7 +139,7 @@ class RequestRun:
                     if ev.handoff_mode:
                         self.trace["handoff_mode"] = ev.handoff_mode
                     break
-                await self.inbox.put(("tok", name, ev))
+                await self.inbox.put(("tok", name, ev, leg.sid))
         except grpc.aio.AioRpcError as exc:
             how = f"failed:{exc.code().name.lower()}"
         except asyncio.CancelledError:
@@ -148,7 +148,7 @@ class RequestRun:
                     stub.Release(pb2.ReleaseRequest(request_id=leg.sid, reason="router")), 1.0
                 )
             raise
-        await self.inbox.put(("end", name, how))
+        await self.inbox.put(("end", name, how, leg.sid))
 
     async def _prefill(self, leg: Leg, to_md: bool, to_rld: bool, t0_to_md: bool) -> None:
         req = pb2.PrefillRequest(
@@ -162,9 +162,11 @@ class RequestRun:
         )
         try:
             reply = await self.c.p.Prefill(req, timeout=max(self.left(), 0.01))
-            await self.inbox.put(("prefill", leg.sid, reply))
+            await self.inbox.put(("prefill", "p", reply, leg.sid))
         except grpc.aio.AioRpcError as exc:
-            await self.inbox.put(("prefill_failed", leg.sid, f"{exc.code().name.lower()}: {exc.details()}"))
+            await self.inbox.put(
+                ("prefill_failed", "p", f"{exc.code().name.lower()}: {exc.details()}", leg.sid)
+            )
 
     async def _start_handoff(self, leg: Leg) -> None:
         try:
@@ -172,11 +174,10 @@ class RequestRun:
                 pb2.HandoffStart(request_id=leg.sid, deadline_s=max(self.left() - 0.1, 0.01)),
                 timeout=max(self.left(), 0.01),
             )
-            await self.inbox.put(("handoff", leg.sid, reply))
+            await self.inbox.put(("handoff", "rld", reply, leg.sid))
         except grpc.aio.AioRpcError as exc:
-            await self.inbox.put(
-                ("handoff", leg.sid, pb2.HandoffStartReply(outcome=f"failed:{exc.code().name}"))
-            )
+            failed = pb2.HandoffStartReply(outcome=f"failed:{exc.code().name}")
+            await self.inbox.put(("handoff", "rld", failed, leg.sid))
 
     async def _router_handoff(self, leg: Leg) -> None:
         """MD takes over from the tokens streamed so far (RLD lost)."""
@@ -191,7 +192,7 @@ class RequestRun:
                 timeout=max(self.left(), 0.01),
             )
         except grpc.aio.AioRpcError as exc:
-            await self.inbox.put(("md_takeover_failed", leg.sid, exc.code().name.lower()))
+            await self.inbox.put(("md_takeover_failed", "md", exc.code().name.lower(), leg.sid))
 
     def _start_leg(self, pipeline: Pipeline) -> Leg:
         """A (sub-)request from the merged position on: prompt + tokens already streamed."""
@@ -216,6 +217,16 @@ class RequestRun:
         self._spawn(f"p{self.legs}", self._prefill(leg, use_md, use_rld, pipeline is Pipeline.P_MD))
         return leg
 
+    async def _linger(
+        self, pending_p: list[asyncio.Task[None]], md_streams: list[asyncio.Task[None]]
+    ) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*pending_p, return_exceptions=True), max(self.left(), 0.01))
+        await asyncio.sleep(0.2)  # MD imports right after the transfer; release it after that
+        for task in md_streams + pending_p:
+            task.cancel()
+        await asyncio.gather(*md_streams, *pending_p, return_exceptions=True)
+
     def _fallback(self, kind: str) -> None:
         self.trace["fallbacks"].append(kind)
         metrics.FALLBACKS.labels(kind=kind).inc()
@@ -232,10 +243,12 @@ class RequestRun:
                     self.failed_reason = "deadline_exceeded"
                     break
                 try:
-                    kind, who, item = await asyncio.wait_for(self.inbox.get(), timeout=left)
+                    kind, who, item, sid = await asyncio.wait_for(self.inbox.get(), timeout=left)
                 except TimeoutError:
                     self.failed_reason = "deadline_exceeded"
                     break
+                if kind != "tok" and self.leg is not None and sid != self.leg.sid:
+                    continue  # a superseded leg: its tokens still count (positions), nothing else does
                 for tok in self._on(kind, who, item):
                     yield tok
         finally:
@@ -370,9 +383,22 @@ class RequestRun:
 
     async def _close(self) -> None:
         self._rld_ended()
+        # P's shipment to MD outlives the request when RLD finished it first: MD must still import
+        # the prompt (and cache it), or its DRC falls behind what P sees. It ends by its deadline.
+        pending_p = [t for n, t in self.tasks.items() if n.startswith("p") and not t.done()]
+        md_streams = [t for n, t in self.tasks.items() if n.startswith("md") and not t.done()]
         for task in self.tasks.values():
-            task.cancel()
-        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+            if task not in pending_p and task not in md_streams:
+                task.cancel()
+        if pending_p and md_streams and self.merger.finished:
+            asyncio.get_running_loop().create_task(self._linger(pending_p, md_streams))
+        else:
+            for task in pending_p + md_streams:
+                task.cancel()
+        await asyncio.gather(
+            *(t for t in self.tasks.values() if t not in pending_p and t not in md_streams),
+            return_exceptions=True,
+        )
         pipeline = self.inp.pipeline.value
         metrics.REQUESTS_IN_FLIGHT.labels(pipeline=pipeline).dec()
         outcome = "finished" if self.merger.finished else "failed"
@@ -383,6 +409,8 @@ class RequestRun:
             metrics.TTFT_SECONDS.labels(pipeline=pipeline).observe(self.ttft_s)
         for src, n in self.merger.by_source.items():
             metrics.TOKENS.labels(source=src).inc(n)
+        if self.inp.pipeline is Pipeline.P_RLD_MD:
+            self.trace.setdefault("handoff_outcome", "not_started")  # RLD finished before MD was ready
         self.trace.update(
             outcome=outcome,
             reason=self.failed_reason,

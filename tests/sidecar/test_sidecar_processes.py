@@ -1,0 +1,129 @@
+"""P, RLD and MD sidecars and the router as real processes on loopback (no WAN emulation here; the
+netlab runs are in tests/e2e): every pipeline produces exactly the tokens of one engine generating
+alone, the handoff happens, and the admin endpoints answer (``/metrics`` parses with the
+Prometheus client's own parser and carries the metrics the issue names)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from engines_adapter import SamplingParams, load_engine
+from sidecar.cluster import Cluster, ClusterSpec, NoWan
+from sidecar.demo_load import RequestResult, replay
+from sidecar.demo_workload import DemoRequest
+from sidecar.http import fetch
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    spec = ClusterSpec(tmp_path_factory.mktemp("sidecars"), relay=True, slice_tokens=4, rld_capacity=8)
+    with Cluster(NoWan(), spec) as c:  # type: ignore[arg-type]
+        yield c
+
+
+def reference(requests: list[DemoRequest]) -> list[list[int]]:
+    engine = load_engine("torch_ref", preset="tiny", dtype="float64", block_size=16, num_blocks=1024)
+    out = []
+    for r in requests:
+        first = engine.prefill(f"x{r.index}", list(r.prompt), r.sampling)
+        toks = [first.token_id]
+        while not engine.is_finished(f"x{r.index}"):  # type: ignore[attr-defined]
+            toks.append(engine.decode([f"x{r.index}"])[0].token_id)
+        engine.release(f"x{r.index}")
+        out.append(toks)
+    return out
+
+
+def make_requests(n: int, seed: int) -> list[DemoRequest]:
+    rng = random.Random(seed)
+    shared = [rng.randrange(1, 2048) for _ in range(64)]
+    return [
+        DemoRequest(
+            i,
+            0.05 * i,
+            tuple(shared + [rng.randrange(1, 2048) for _ in range(rng.randrange(20, 120))]),
+            SamplingParams(
+                seed=i, temperature=0.9 if i % 2 else 0.0, top_k=50, max_tokens=rng.randrange(6, 30)
+            ),
+        )
+        for i in range(n)
+    ]
+
+
+@pytest.mark.parametrize("pipeline", ["p_md", "p_rld_md", "singular"])
+def test_pipeline_tokens_equal_one_engine_alone(cluster: Cluster, pipeline: str) -> None:
+    reqs = make_requests(4, seed=len(pipeline))
+    results: list[RequestResult] = asyncio.run(
+        replay(cluster.router_target, reqs, deadline_s=30.0, pipeline=pipeline)
+    )
+    expected = reference(reqs)
+    for r in results:
+        assert r.outcome == "finished", r.reason
+        assert r.tokens == expected[r.index]
+        assert r.trace["pipeline"] == pipeline
+    sources = {s for r in results for s in r.sources}
+    if pipeline == "p_md":
+        assert sources == {"md"} and all(r.trace["wan_bytes"] > 0 for r in results)
+    if pipeline == "singular":
+        assert sources == {"rld"} and all(r.trace["wan_bytes"] == 0 for r in results)
+    if pipeline == "p_rld_md":
+        assert all(r.trace["handoff_outcome"] in ("handed_off", "finished_on_rld", "not_started") for r in results)
+        assert any(r.trace["handoff_outcome"] == "handed_off" for r in results)
+        assert "rld" in sources
+
+
+def test_admin_endpoints_and_metrics(cluster: Cluster) -> None:
+    asyncio.run(replay(cluster.router_target, make_requests(3, seed=7), deadline_s=30.0, pipeline="p_rld_md"))
+    md = "unix:" + cluster.admin_socket("md")
+    assert fetch(md, "GET", "/healthz")[0] == 200
+    status, body = fetch(md, "GET", "/status")
+    assert status == 200 and json.loads(body)["role"] == "md"
+    status, body = fetch(md, "GET", "/drc/stats")
+    assert status == 200 and json.loads(body)["cached_blocks"] > 0
+    prompt = list(make_requests(1, seed=7)[0].prompt)
+    status, body = fetch(md, "POST", "/drc/match", json.dumps({"tokens": prompt}).encode())
+    assert status == 200 and json.loads(body)["matched_tokens"] >= 64
+    assert fetch(md, "POST", "/drc/match", b'{"tokens": "x"}')[0] == 400
+    status, snap = fetch(md, "GET", "/drc/snapshot")
+    assert status == 200 and len(snap) > 32
+    assert fetch("unix:" + cluster.admin_socket("p"), "GET", "/drc/stats")[0] == 404
+
+    families: dict[str, set[tuple[tuple[str, str], ...]]] = {}
+    for sock in (
+        "unix:" + cluster.router_unix,
+        md,
+        "unix:" + cluster.admin_socket("p"),
+        "unix:" + cluster.admin_socket("rld"),
+    ):
+        status, text = fetch(sock, "GET", "/metrics")
+        assert status == 200
+        for fam in text_string_to_metric_families(text.decode()):
+            for s in fam.samples:
+                if s.value:
+                    families.setdefault(s.name, set()).add(tuple(sorted(s.labels.items())))
+    assert ("pipeline", "p_rld_md") in {
+        kv for labels in families["pddlink_ttft_seconds_count"] for kv in labels
+    }
+    paths = {dict(labels).get("path") for labels in families["pddlink_kv_bytes_total"]}
+    assert {"wan", "fast"} <= paths
+    assert "pddlink_handoffs_total" in families and "pddlink_drc_hit_blocks_total" in families
+    assert "pddlink_fast_path_info" in families
+
+
+def test_p_status_shows_links(cluster: Cluster) -> None:
+    status, body = fetch("unix:" + cluster.admin_socket("p"), "GET", "/status")
+    doc = json.loads(body)
+    assert status == 200 and doc["role"] == "p" and doc["fast_path"]["kind"] == "tcp"
+    assert any(link["connected"] for link in doc["links"])
+
+
+_ = Path
