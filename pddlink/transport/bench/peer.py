@@ -22,8 +22,10 @@ from typing import Any
 import numpy as np
 
 from pddlink.errors import ErrorCode, PddlinkError
+from pddlink.kv.codec import ParallelCodec
 from pddlink.transport.api import KVClient, KVServer
 from pddlink.transport.base import LinkOptions, ReceivedTransfer, TransferResult
+from pddlink.transport.bench import kvcodec
 from pddlink.transport.tls import PeerIdentity, TlsConfig, load_or_create_peer
 from pddlink.wire.transfer_messages import KVLayoutSpec, TransferBegin
 
@@ -31,6 +33,7 @@ log = logging.getLogger("pddlink.bench.link")
 RECEIVER = PeerIdentity("bench", "receiver")
 SENDER = PeerIdentity("bench", "sender")
 CODEC_NONE, CODEC_KV = 0, 1
+CODEC_THREADS = 2
 IN_FLIGHT_TRANSFERS = 2  # the next transfer starts while the last one's tail drains, as in a sidecar
 _LAYOUT = KVLayoutSpec("bench/random", 1, 1, 128, "bf16", 16)
 
@@ -105,8 +108,13 @@ async def receive(spec: BenchSpec, addr: str) -> None:
     done = asyncio.Event()
     received_bytes: list[int] = []
 
-    def on_transfer(received: ReceivedTransfer) -> None:
-        received_bytes.append(received.bytes)
+    codec = ParallelCodec(CODEC_THREADS) if spec.codec == "kv" else None
+
+    async def on_transfer(received: ReceivedTransfer) -> None:
+        if codec is None:
+            received_bytes.append(received.bytes)
+        else:
+            received_bytes.append(await kvcodec.decompress(codec, received.chunks))
         received.release()
         if len(received_bytes) == len(sizes):
             done.set()
@@ -195,12 +203,18 @@ async def send(spec: BenchSpec, addr: str) -> None:
     error: PddlinkError | None = None
     slots = asyncio.Semaphore(IN_FLIGHT_TRANSFERS)
 
+    codec = ParallelCodec(CODEC_THREADS) if spec.codec == "kv" else None
+    wire_bytes: list[int] = []
+
     async def one(i: int, size: int) -> None:
         async with slots:
             left = spec.deadline_s - (time.perf_counter() - t0)
-            result = await client.send_transfer(
-                begin_for(i, size, spec, left), payload[:size], deadline_s=left
+            data = (
+                payload[:size] if codec is None else memoryview(await kvcodec.compress(codec, payload[:size]))
             )
+            wire_bytes.append(len(data))
+            begin = begin_for(i, len(data), spec, left)
+            result = await client.send_transfer(begin, data, deadline_s=left)
             results.append(result)
             progress.update(size)
 
@@ -220,6 +234,7 @@ async def send(spec: BenchSpec, addr: str) -> None:
         "cpu_s": cpu,
         "retransmits": stats.retransmits,
         "rtt_ms": None if stats.rtt_s is None else stats.rtt_s * 1e3,
+        "wire_bytes": sum(wire_bytes),
         "resent_chunks": sum(r.resent_chunks for r in results),
         "reconnects": sum(r.reconnects for r in results),
         "congestion_control": stats.extra.get("congestion_control_is_requested"),

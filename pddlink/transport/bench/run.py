@@ -148,6 +148,7 @@ def merge(spec: BenchSpec, sent: dict[str, Any], received: dict[str, Any]) -> di
         "codec": spec.codec,
         "rtt_ms": sent.get("rtt_ms"),
         "resent_chunks": sent.get("resent_chunks"),
+        "wire_bytes": sent.get("wire_bytes"),
         "sender_cpu_s": sent["cpu_s"],
         "receiver_cpu_s": received["cpu_s"],
     }
