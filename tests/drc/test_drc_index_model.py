@@ -1,4 +1,5 @@
-"""PrefixIndex against a brute-force model: every cached prefix held as a tuple, LRU by full scans.
+"""PrefixIndex against a brute-force model: every cached prefix held as a tuple, LRU by full scans,
+reservations with leases that run out as (injected) time passes.
 
 The model touches every block of a used path eagerly and evicts, one block at a time, the unpinned
 leaf used least recently; the index's lazy recency must give exactly the same contents. A mirror fed
@@ -14,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from pddlink.drc import BlocksRemoved, BlocksStored, Mirror, PrefixIndex
+from pddlink.drc import BlocksRemoved, BlocksStored, Mirror, PrefixIndex, RefusalReason, ReservationRefused
 from pddlink.errors import InvalidInput, NotFound
 from pddlink.kv.hashing import BlockHasher
 
@@ -94,6 +95,19 @@ class IndexMachine(RuleBasedStateMachine):
         self.mirror = Mirror()
         self.now = 0.0
         self.pinned: list[Prefix] = []
+        self.leases: dict[str, tuple[Prefix, Prefix | None, float]] = {}  # id -> (seq, tip, expiry)
+        self.ended: dict[str, RefusalReason] = {}
+        self.reserved = 0
+
+    def expire(self) -> set[str]:
+        """The model's side of every index call that takes ``now``: overdue leases end first."""
+        gone = {rid for rid, (_, _, expiry) in self.leases.items() if expiry <= self.now}
+        for rid in gone:
+            tip = self.leases.pop(rid)[1]
+            self.ended[rid] = RefusalReason.EXPIRED
+            if tip:
+                self.model.pins[tip] -= 1
+        return gone
 
     def feed(self, events: list[object]) -> list[int]:
         removed: list[int] = []
@@ -107,12 +121,14 @@ class IndexMachine(RuleBasedStateMachine):
     @rule(seq=sequences)
     def insert(self, seq: Prefix) -> None:
         self.now += 1
+        self.expire()
         evicted = self.model.insert(seq)
         removed = self.feed(list(self.index.insert(chain(seq), self.now)))
         assert removed == [block_hash(p) for p in evicted]
 
     @rule(seq=sequences)
     def access(self, seq: Prefix) -> None:
+        self.expire()
         k = self.model.matched(seq)
         self.model.hit_blocks += k
         if k:
@@ -129,6 +145,7 @@ class IndexMachine(RuleBasedStateMachine):
 
     @rule(n=st.integers(0, 3))
     def evict(self, n: int) -> None:
+        self.expire()
         evicted = []
         for _ in range(n):
             victim = self.model.evict_one(None)
@@ -160,6 +177,48 @@ class IndexMachine(RuleBasedStateMachine):
             with pytest.raises(InvalidInput):
                 self.index.unpin(block_hash(p))
 
+    @rule(seq=sequences, lease_s=st.sampled_from([0.5, 1.5, 3.0]))
+    def reserve(self, seq: Prefix, lease_s: float) -> None:
+        self.expire()
+        rid = f"r{self.reserved}"
+        self.reserved += 1
+        k = self.model.matched(seq)
+        self.model.hit_blocks += k
+        if k:
+            self.model.touch(seq, k)
+            self.model.pins[seq[:k]] = self.model.pins.get(seq[:k], 0) + 1
+        held = self.index.reserve(rid, chain(seq), lease_s, self.now)
+        assert held.cached_blocks == k and held.expires_at_s == self.now + lease_s
+        self.leases[rid] = (seq, seq[:k] or None, self.now + lease_s)
+
+    @rule(dt_s=st.sampled_from([0.25, 1.0]))
+    def time_passes(self, dt_s: float) -> None:
+        self.now += dt_s
+        assert set(self.index.handle_timer(self.now)) == self.expire()
+        expiries = [expiry for _, _, expiry in self.leases.values()]
+        assert self.index.get_timer() == (min(expiries) if expiries else None)
+
+    @precondition(lambda self: bool(self.leases) or bool(self.ended))
+    @rule(data=st.data(), commit=st.booleans())
+    def finish(self, data: st.DataObject, commit: bool) -> None:
+        rid = data.draw(st.sampled_from(sorted(set(self.leases) | set(self.ended))))
+        self.expire()
+        if rid not in self.leases:
+            with pytest.raises(ReservationRefused) as info:
+                self.index.release(rid, self.now)
+            assert info.value.reason is self.ended[rid]
+            return
+        seq, tip, _ = self.leases.pop(rid)
+        if commit:
+            evicted = self.model.insert(seq)  # the reserved prefix is still pinned meanwhile
+            removed = self.feed(list(self.index.commit(rid, chain(seq), self.now)))
+            assert removed == [block_hash(p) for p in evicted]
+        else:
+            self.index.release(rid, self.now)
+        if tip:
+            self.model.pins[tip] -= 1
+        self.ended[rid] = RefusalReason.UNKNOWN  # a finished reservation is forgotten
+
     @invariant()
     def same_contents(self) -> None:
         expected = {block_hash(p) for p in self.model.last_use}
@@ -173,12 +232,13 @@ class IndexMachine(RuleBasedStateMachine):
 
     @invariant()
     def pinned_blocks_stay(self) -> None:
-        for p in self.pinned:
+        assert self.index.stats().reservations == len(self.leases)
+        for p in self.pinned + [tip for _, tip, _ in self.leases.values() if tip]:
             assert block_hash(p) in self.index
             assert self.index.pin_count(block_hash(p)) >= 1
 
 
 IndexMachine.TestCase.settings = settings(
-    max_examples=200, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=150, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 TestIndexAgainstModel = IndexMachine.TestCase
