@@ -108,6 +108,7 @@ class Lab:
     def _build(cls, state: LabState, source: ProfileSource, owner: bool, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         state.owner_pid = os.getpid() if owner else 0
+        state.mtu_bytes = source.profile.mtu_bytes
         if state.mode == "netns":
             state.netns = labstate.netns_names(state.name)
             state.addr = {"dc-a": f"198.18.{state.slot}.1", "dc-b": f"198.18.{state.slot}.2"}
@@ -162,6 +163,11 @@ class Lab:
     @property
     def mode(self) -> str:
         return self._state.mode
+
+    @property
+    def mtu_bytes(self) -> int:
+        """The WAN's MTU (the profile's ``mtu_bytes``): the largest IP packet between datacenters."""
+        return self._state.mtu_bytes
 
     def addr(self, dc: str) -> str:
         """The IPv4 address of datacenter ``dc`` (127.0.0.1 in loopback mode)."""

@@ -5,7 +5,8 @@ runs) the ``tc`` command that makes the interface holding an address in SUBNET a
 direction of PROFILE on egress. netem has no outage schedule: ``[[outage]]`` entries are refused
 here rather than silently ignored. netem's ``rate`` counts IP packets as this project's relay does;
 ``queue_packets`` becomes netem's ``limit`` (netem has no byte limit: ``queue_bytes`` is converted
-at 1,500 bytes per packet).
+at 1,500 bytes per packet). ``mtu_bytes`` is the Docker networks' business (``driver_opts``
+``com.docker.network.driver.mtu``), not netem's.
 """
 
 from __future__ import annotations

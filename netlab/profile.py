@@ -5,7 +5,8 @@ A profile has a ``[link]`` table that applies to both directions and optional ``
 relative to the moment the lab comes up. ``delay_ms`` is one-way: ``[link] delay_ms = 15`` is a
 30 ms RTT. Every value is validated when the profile is built; an error names the bad field
 (``a_to_b.loss``) and nothing else happens. Built-in profiles live in ``netlab/profiles/*.toml`` and
-are found by name (``metro``, ``wan-1000km``, ``lossy-longhaul``).
+are found by name (``metro``, ``wan-1000km``, ``lossy-longhaul``). A top-level ``mtu_bytes``
+(default 1500, up to 9000 for a jumbo-frame line) sets the WAN interfaces' MTU.
 
 Keys of a direction (all optional):
 
@@ -45,6 +46,7 @@ from pddlink.errors import ConfigError
 PROFILE_DIR = Path(__file__).parent / "profiles"
 DISTRIBUTIONS = ("normal", "uniform", "pareto")
 DIRECTIONS = ("a_to_b", "b_to_a")
+MIN_MTU, MAX_MTU = 1280, 9000
 
 
 def _fail(where: str, why: str) -> ConfigError:
@@ -162,6 +164,7 @@ class Profile:
     outages: tuple[Outage, ...] = ()
     seed: int = 1
     name: str = "custom"
+    mtu_bytes: int = 1500
 
     def __post_init__(self) -> None:
         self.a_to_b.validate("a_to_b")
@@ -170,6 +173,9 @@ class Profile:
             outage.validate(f"outage[{i}]")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise _fail("seed", f"{self.seed!r} must be an integer")
+        mtu = self.mtu_bytes
+        if not isinstance(mtu, int) or isinstance(mtu, bool) or not MIN_MTU <= mtu <= MAX_MTU:
+            raise _fail("mtu_bytes", f"{mtu!r} must be an integer in [{MIN_MTU}, {MAX_MTU}]")
 
     def direction(self, name: str) -> DirectionSpec:
         if name not in DIRECTIONS:
@@ -185,7 +191,7 @@ class Profile:
 _DIRECTION_KEYS = {f.name for f in fields(DirectionSpec)}
 _GE_KEYS = {f.name for f in fields(GilbertElliott)}
 _OUTAGE_KEYS = {f.name for f in fields(Outage)}
-_TOP_KEYS = {"link", "a_to_b", "b_to_a", "outage", "seed", "name", "description"}
+_TOP_KEYS = {"link", "a_to_b", "b_to_a", "outage", "seed", "name", "description", "mtu_bytes"}
 _INT_KEYS = {"queue_packets", "queue_bytes"}
 _BOOL_KEYS = {"jitter_reorders"}
 _STR_KEYS = {"distribution"}
@@ -283,6 +289,7 @@ def profile_from_dict(data: dict[str, Any], name: str = "custom") -> Profile:
         b_to_a=per_dir["b_to_a"],
         outages=_outages(data.get("outage", [])),
         seed=seed,
+        mtu_bytes=data.get("mtu_bytes", 1500),
         name=prof_name,
     )
 
@@ -344,7 +351,11 @@ def _toml_value(value: object) -> str:
 
 def profile_to_toml(profile: Profile) -> str:
     """TOML text that ``parse_profile`` turns back into an equal profile."""
-    lines = [f"name = {_toml_value(profile.name)}", f"seed = {profile.seed}"]
+    lines = [
+        f"name = {_toml_value(profile.name)}",
+        f"seed = {profile.seed}",
+        f"mtu_bytes = {profile.mtu_bytes}",
+    ]
     for d in DIRECTIONS:
         spec = profile.direction(d)
         lines.append(f"\n[{d}]")

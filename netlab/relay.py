@@ -41,7 +41,7 @@ def _stop(_sig: int, _frame: object) -> None:
     raise StopRelay
 
 
-def configure_tun(state: LabState) -> dict[str, int]:
+def configure_tun(state: LabState, mtu_bytes: int) -> dict[str, int]:
     """Create both TUN devices, move each into its namespace as ``wan0`` and address it."""
     fds: dict[str, int] = {}
     for dc, dev in state.tun.items():
@@ -50,7 +50,7 @@ def configure_tun(state: LabState) -> dict[str, int]:
         ip("link", "set", "dev", dev, "netns", ns)
         ip("-n", ns, "link", "set", "dev", dev, "name", "wan0")
         ip("-n", ns, "addr", "add", f"{state.addr[dc]}/24", "dev", "wan0")
-        ip("-n", ns, "link", "set", "dev", "wan0", "up")
+        ip("-n", ns, "link", "set", "dev", "wan0", "mtu", str(mtu_bytes), "up")
     return fds
 
 
@@ -114,6 +114,8 @@ class ControlHandler:
             return {"ok": True}
         if op == "profile":
             profile = parse_profile(str(req.get("toml", "")), name=str(req.get("name", "live")))
+            if profile.mtu_bytes != self.model.profile.mtu_bytes:
+                return {"ok": False, "error": "profile field mtu_bytes: cannot change on a running lab"}
             self.model.set_profile(profile)
             return {"ok": True, "profile": profile.name}
         if op == "stop":
@@ -125,10 +127,11 @@ class ControlHandler:
 def run_netns(state: LabState, lab_dir: Path) -> bool:
     """Relay until stopped; True when the owner died (the caller then removes the lab)."""
     clock = time.monotonic
-    fds = configure_tun(state)
-    sharpen_timing()
     text = (lab_dir / "profile.toml").read_text()
-    model = LinkModel(parse_profile(text, name=_profile_name(lab_dir)), clock())
+    profile = parse_profile(text, name=_profile_name(lab_dir))
+    fds = configure_tun(state, profile.mtu_bytes)
+    sharpen_timing()
+    model = LinkModel(profile, clock())
     relay = TunRelay(model, fds["dc-a"], fds["dc-b"], clock)
     control = ControlServer(state.control_path)
     handler = ControlHandler(model, relay, clock)

@@ -64,6 +64,7 @@ class LabState:
     addr: dict[str, str] = field(default_factory=dict)
     tun: dict[str, str] = field(default_factory=dict)
     host_links: list[str] = field(default_factory=list)
+    mtu_bytes: int = 1500
     relay_pid: int = 0
     owner_pid: int = 0
     creator_pid: int = 0

@@ -315,8 +315,16 @@ def test_killed_up_is_cleaned_by_down_and_a_crashed_owner_by_the_relay() -> None
 
 
 def test_two_labs_at_once_are_separate(probe_script: str) -> None:
-    with Lab.up("clean", name="t-one") as one, Lab.up(parse_profile(profile(10.0)), name="t-two") as two:
+    jumbo = parse_profile("mtu_bytes = 9000\n" + profile(10.0))
+    with Lab.up("clean", name="t-one") as one, Lab.up(jumbo, name="t-two") as two:
         assert one.addr("dc-b") != two.addr("dc-b") and one.netns("dc-a") != two.netns("dc-a")
+        assert (one.mtu_bytes, two.mtu_bytes) == (1500, 9000)
+        link = two.run(
+            "dc-a", ["ip", "-o", "link", "show", "wan0"], timeout_s=10, capture_output=True, text=True
+        )
+        assert " mtu 9000 " in link.stdout
+        with pytest.raises(InvalidInput, match="mtu_bytes"):
+            two.set_profile(parse_profile(profile(10.0)))
         with pytest.raises(InvalidInput, match="already up"):
             Lab.up("clean", name="t-one")
         fast, slow = probe(one, probe_script, 200, 0.002), probe(two, probe_script, 200, 0.002)

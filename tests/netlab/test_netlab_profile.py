@@ -64,6 +64,8 @@ def test_builtin_profiles_load_and_the_1000km_line_is_about_30ms() -> None:
         ("[link]\n[[outage]]\nstart_s = 1\nduration_s = 2\ndirection = 'up'", "outage[0].direction"),
         ("[lnk]\ndelay_ms = 1", "lnk"),
         ("seed = 'x'\n[link]", "seed"),
+        ("mtu_bytes = 100000\n[link]", "mtu_bytes"),
+        ("mtu_bytes = 1500.5\n[link]", "mtu_bytes"),
         ("", "link"),
     ],
 )
@@ -101,7 +103,7 @@ direction_specs = st.builds(
 @settings(max_examples=60, deadline=None)
 @given(a=direction_specs, b=direction_specs, seed=st.integers(0, 2**31))
 def test_any_profile_round_trips_through_toml(a: DirectionSpec, b: DirectionSpec, seed: int) -> None:
-    profile = Profile(a, b, (Outage(1.0, 2.5, "a_to_b"),), seed=seed, name="x")
+    profile = Profile(a, b, (Outage(1.0, 2.5, "a_to_b"),), seed=seed, name="x", mtu_bytes=9000)
     assert parse_profile(profile_to_toml(profile)) == profile
 
 
