@@ -90,7 +90,7 @@ class PagedLlama:
         self.lm_head = self.embed if config.tie_word_embeddings else w("lm_head.weight")
         self.cos, self.sin = _rope_tables(config, dtype, device)
         kv_width = config.num_kv_heads * config.head_dim
-        self._qkv_split = [config.num_heads * config.head_dim, kv_width, kv_width]
+        self._qkv_split = [config.num_heads * config.head_dim + kv_width, kv_width]  # (q and k), v
 
     @torch.inference_mode()
     def forward(self, pool: KVPool, batch: PagedBatch, *, all_logits: bool = False) -> torch.Tensor:
@@ -108,9 +108,8 @@ class PagedLlama:
         x = F.embedding(batch.token_ids, self.embed)
         for li, layer in enumerate(self.layers):
             h = _rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
-            q, k, v = F.linear(h, layer.w_qkv).split_with_sizes(self._qkv_split, dim=-1)
-            q = _rope(q.view(bsz, n, hq, hd), cos, sin)
-            k = _rope(k.view(bsz, n, hkv, hd), cos, sin)
+            qk, v = F.linear(h, layer.w_qkv).split_with_sizes(self._qkv_split, dim=-1)
+            q, k = _rope(qk.view(bsz, n, hq + hkv, hd), cos, sin).split_with_sizes([hq, hkv], dim=2)
             pool.write_tokens(
                 li,
                 batch.slot_blocks,
