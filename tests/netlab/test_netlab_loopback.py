@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import statistics
 import struct
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -121,3 +123,22 @@ def test_control_refuses_bad_forward(lab: Lab) -> None:
         lab.endpoint("dc-b", 80, "sctp")
     status = lab.status()
     assert status["mode"] == "loopback" and status["dc-a"] == {"netns": "", "addr": "127.0.0.1"}
+
+
+def test_cli_loopback_up_prints_forwards_and_down_removes_it() -> None:
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["pddlink", "lab", "net", *args], capture_output=True, text=True, timeout=60)
+
+    up = cli("up", "--loopback", "--name", "t-cli-loop", "--forward", "udp:dc-b:4433", "--json")
+    try:
+        assert up.returncode == 0, up.stderr
+        out = json.loads(up.stdout)
+        assert out["dc-b"] == {"netns": "", "addr": "127.0.0.1"}
+        host, port = out["forwards"]["udp:dc-b:4433"].split(":")
+        assert host == "127.0.0.1" and 0 < int(port) < 65536
+        bad = cli("up", "--loopback", "--name", "t-cli-loop2", "--forward", "icmp:dc-b:1")
+        assert bad.returncode != 0 and "PROTO:DC:PORT" in bad.stderr
+        assert not (run_root() / "t-cli-loop2").exists()
+    finally:
+        assert cli("down", "--name", "t-cli-loop").returncode == 0
+    assert not relay_pids("t-cli-loop") and not (run_root() / "t-cli-loop").exists()
