@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from operator import itemgetter, methodcaller
 
 import numpy as np
 import zstandard
@@ -61,10 +62,14 @@ class Snapshot:
 def encode_snapshot(index: PrefixIndex, *, block_size: int = 0, root: int = 0) -> bytes:
     """The index's blocks at its current ``(epoch, seq)``."""
     hashes, parents = index.hashes_and_parents()
-    position = {h: i for i, h in enumerate(hashes)}
-    deltas = np.array([0 if p is None else i - position[p] for i, p in enumerate(parents)], dtype="<u4")
+    n = len(hashes)
+    # The per-block loops run in C (map, zip, fromiter), not in Python bytecode.
+    position: dict[int | None, int] = dict(zip(hashes, range(n), strict=True))
+    position[None] = -1
+    parent_at = np.fromiter(map(position.__getitem__, parents), dtype=np.int64, count=n)
+    deltas = np.where(parent_at < 0, 0, np.arange(n, dtype=np.int64) - parent_at).astype("<u4")
     packed = zstandard.ZstdCompressor(level=_ZSTD_LEVEL).compress(deltas.tobytes())
-    hash_bytes = b"".join([h.to_bytes(_HASH, "big") for h in hashes])
+    hash_bytes = b"".join(map(methodcaller("to_bytes", _HASH, "big"), hashes))
     head = _HEADER.pack(
         MAGIC,
         VERSION,
@@ -102,8 +107,8 @@ def decode_snapshot(data: bytes) -> Snapshot:
     if np.any(deltas > positions):
         raise SnapshotError("a parent comes after its child")
     parents = np.where(deltas == 0, -1, positions - deltas)
-    words = np.frombuffer(data, dtype=">u8", count=2 * count, offset=start + deltas_len)
-    hashes = tuple(hi << 64 | lo for hi, lo in zip(words[0::2].tolist(), words[1::2].tolist(), strict=True))
+    body = memoryview(data)[start + deltas_len :]
+    hashes = tuple(map(int.from_bytes, map(itemgetter(0), struct.iter_unpack("16s", body))))
     if len(set(hashes)) != count:
         raise SnapshotError("a block hash appears twice")
     return Snapshot(epoch, seq, block_size, int.from_bytes(root), hashes, tuple(parents.tolist()))
