@@ -129,20 +129,30 @@ def llama_config(config: ModelConfig) -> LlamaConfig:
     """The ``transformers`` LlamaConfig with the same shapes and numerics as a reference preset."""
     tf = _transformers()
     config_cls: type[LlamaConfig] = tf.LlamaConfig
-    return config_cls(
-        vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.num_layers,
-        num_attention_heads=config.num_heads,
-        num_key_value_heads=config.num_kv_heads,
-        max_position_embeddings=config.max_positions,
-        rope_theta=config.rope_theta,  # type: ignore[call-arg]  # v5 folds it into rope_parameters
-        rms_norm_eps=config.rms_norm_eps,
-        tie_word_embeddings=config.tie_word_embeddings,
-        attention_bias=False,
-        mlp_bias=False,
-    )
+    kwargs: dict[str, Any] = {
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "max_position_embeddings": config.max_positions,
+        "rope_theta": config.rope_theta,  # transformers 5 folds it into rope_parameters
+        "rms_norm_eps": config.rms_norm_eps,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+    }
+    rs = config.rope_scaling
+    if rs is not None:
+        kwargs["rope_scaling"] = {
+            "rope_type": "llama3",
+            "factor": rs.factor,
+            "low_freq_factor": rs.low_freq_factor,
+            "high_freq_factor": rs.high_freq_factor,
+            "original_max_position_embeddings": rs.original_max_positions,
+        }
+    return config_cls(**kwargs)
 
 
 def llama_from_state_dict(config: ModelConfig, state: StateDict, dtype: str = "float32") -> PreTrainedModel:

@@ -2,7 +2,9 @@
 
 Construction picks a preset (``tiny`` .. ``llama-1b``), a dtype (float32, bfloat16, float64), a
 device (cpu, cuda) and a pool (``block_size`` tokens per block, ``num_blocks`` blocks), and takes
-weights either from ``seed`` (deterministic) or from a Llama-format safetensors checkpoint.
+weights either from ``seed`` (deterministic) or from a Llama-format safetensors checkpoint
+(``weights_path``: a file or a directory of shards; with ``preset=None`` the shapes come from the
+checkpoint's ``config.json``, e.g. a downloaded Llama-3.2-1B directory).
 
 Threads. torch uses every core by default. When several engines share a machine (the demo runs
 three on two cores), call ``torch.set_num_threads(1)`` once at the process entry point (the
@@ -27,7 +29,12 @@ from engines_adapter.torch_ref.kv_pool import TORCH_DTYPES
 from engines_adapter.torch_ref.model import PagedBatch, PagedLlama
 from engines_adapter.torch_ref.paged_engine import PagedEngine, SequenceState
 from engines_adapter.torch_ref.presets import ModelConfig, resolve_preset
-from engines_adapter.torch_ref.weights import StateDict, load_safetensors, random_state_dict
+from engines_adapter.torch_ref.weights import (
+    StateDict,
+    checkpoint_config,
+    load_safetensors,
+    random_state_dict,
+)
 from pddlink.errors import ConfigError, Unavailable
 
 
@@ -36,7 +43,7 @@ class TorchRefEngine(PagedEngine):
 
     def __init__(
         self,
-        preset: str | ModelConfig = "tiny",
+        preset: str | ModelConfig | None = "tiny",
         *,
         dtype: str = "float32",
         device: str = "cpu",
@@ -48,6 +55,10 @@ class TorchRefEngine(PagedEngine):
         model_id: str | None = None,
         **model_overrides: Any,
     ) -> None:
+        if preset is None:  # the checkpoint says what it is
+            if weights_path is None:
+                raise ConfigError("preset=None needs weights_path: a Llama checkpoint with its config.json")
+            preset = checkpoint_config(weights_path)
         config = resolve_preset(preset, **model_overrides)
         if dtype not in TORCH_DTYPES:
             raise ConfigError(f"dtype {dtype!r} is not one of {sorted(TORCH_DTYPES)}")

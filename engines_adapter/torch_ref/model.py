@@ -13,13 +13,14 @@ padding blocks and the unwritten tail of the last block. No Python loop runs ove
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from engines_adapter.torch_ref.kv_pool import KVPool
-from engines_adapter.torch_ref.presets import ModelConfig
+from engines_adapter.torch_ref.presets import Llama3RopeScaling, ModelConfig
 from engines_adapter.torch_ref.weights import StateDict, check_state_dict
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -189,6 +190,21 @@ def _rope_tables(
     """cos/sin for every position, computed in float64 and then cast."""
     hd = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    if config.rope_scaling is not None:
+        inv_freq = _llama3_scaled(inv_freq, config.rope_scaling)
     freqs = torch.outer(torch.arange(config.max_positions, dtype=torch.float64), inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(device=device, dtype=dtype), emb.sin().to(device=device, dtype=dtype)
+
+
+def _llama3_scaled(inv_freq: torch.Tensor, rs: Llama3RopeScaling) -> torch.Tensor:
+    """Llama 3.1 RoPE: long wavelengths slowed by ``factor``, short ones kept, a linear blend between."""
+    wavelen = 2 * math.pi / inv_freq
+    long_wave = rs.original_max_positions / rs.low_freq_factor
+    short_wave = rs.original_max_positions / rs.high_freq_factor
+    blend = (rs.original_max_positions / wavelen - rs.low_freq_factor) / (
+        rs.high_freq_factor - rs.low_freq_factor
+    )
+    blended = (1 - blend) * inv_freq / rs.factor + blend * inv_freq
+    out = torch.where(wavelen > long_wave, inv_freq / rs.factor, blended)
+    return torch.where(wavelen < short_wave, inv_freq, out)

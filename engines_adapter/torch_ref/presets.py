@@ -14,6 +14,24 @@ from pddlink.errors import ConfigError
 
 
 @dataclass(frozen=True, slots=True)
+class Llama3RopeScaling:
+    """Llama 3.1's frequency-dependent RoPE scaling (as in Llama-3.1/3.2 ``config.json``)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_positions: int
+
+    def __post_init__(self) -> None:
+        if (
+            self.factor <= 0
+            or self.original_max_positions <= 0
+            or not 0 < self.low_freq_factor < self.high_freq_factor
+        ):
+            raise ConfigError("rope scaling needs factor > 0 and 0 < low_freq_factor < high_freq_factor")
+
+
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
     """Shape of a Llama-style decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU)."""
 
@@ -28,6 +46,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
+    rope_scaling: Llama3RopeScaling | None = None
 
     def __post_init__(self) -> None:
         for f in (
@@ -62,7 +81,56 @@ class ModelConfig:
         return v * h + self.num_layers * per_layer + h + head
 
     def to_dict(self) -> dict[str, Any]:
-        return {f: getattr(self, f) for f in self.__dataclass_fields__}
+        out = {f: getattr(self, f) for f in self.__dataclass_fields__}
+        if self.rope_scaling is not None:
+            out["rope_scaling"] = {
+                f: getattr(self.rope_scaling, f) for f in self.rope_scaling.__dataclass_fields__
+            }
+        return out
+
+    @classmethod
+    def from_hf_config(cls, d: dict[str, Any], name: str = "checkpoint") -> ModelConfig:
+        """The config of a Llama-format checkpoint from its ``config.json`` contents (transformers 4 or 5)."""
+        if d.get("model_type", "llama") != "llama":
+            raise ConfigError(f"checkpoint model_type {d.get('model_type')!r} is not llama")
+        rope = dict(d.get("rope_parameters") or {})
+        rope.update(d.get("rope_scaling") or {})
+        theta = d.get("rope_theta") or rope.get("rope_theta") or 10000.0
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind not in ("default", "llama3"):
+            raise ConfigError(f"rope type {kind!r} is not supported (default and llama3 are)")
+        scaling = None
+        if kind == "llama3":
+            scaling = Llama3RopeScaling(
+                float(rope["factor"]),
+                float(rope["low_freq_factor"]),
+                float(rope["high_freq_factor"]),
+                int(rope["original_max_position_embeddings"]),
+            )
+        try:
+            config = cls(
+                name=name,
+                vocab_size=d["vocab_size"],
+                hidden_size=d["hidden_size"],
+                num_layers=d["num_hidden_layers"],
+                num_heads=d["num_attention_heads"],
+                num_kv_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
+                intermediate_size=d["intermediate_size"],
+                max_positions=d["max_position_embeddings"],
+                rope_theta=float(theta),
+                rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
+                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+                rope_scaling=scaling,
+            )
+        except KeyError as exc:
+            raise ConfigError(f"checkpoint config.json lacks {exc.args[0]!r}") from None
+        if d.get("head_dim") not in (None, config.head_dim):
+            raise ConfigError(
+                f"head_dim {d['head_dim']} differs from hidden_size / num_heads = {config.head_dim}"
+            )
+        if d.get("attention_bias") or d.get("mlp_bias"):
+            raise ConfigError("attention or MLP biases are not supported")
+        return config
 
 
 PRESETS: dict[str, ModelConfig] = {

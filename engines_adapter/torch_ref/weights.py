@@ -11,6 +11,7 @@ order, then cast, so every dtype and device starts from the same values.
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -72,6 +73,20 @@ def load_safetensors(path: str | Path, config: ModelConfig) -> StateDict:
         state.update(load_file(str(f)))
     check_state_dict(state, config)
     return state
+
+
+def checkpoint_config(path: str | Path) -> ModelConfig:
+    """The ``ModelConfig`` of a checkpoint directory from its Llama ``config.json``."""
+    p = Path(path)
+    cfg_file = p / "config.json" if p.is_dir() else p.with_name("config.json")
+    if not cfg_file.is_file():
+        raise ConfigError(f"no config.json next to the weights at {p}; give a preset instead")
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read {cfg_file}: {exc}") from None
+    name = raw.get("_name_or_path") or (p if p.is_dir() else p.parent).name
+    return ModelConfig.from_hf_config(raw, name=str(name))
 
 
 def save_safetensors(state: StateDict, path: str | Path) -> None:
