@@ -39,6 +39,14 @@ from pddlink.transport.bench.run import run_loopback, run_netlab
 @click.option("--cc", type=click.Choice(["bbr", "cubic", "reno"]), default="bbr", show_default=True)
 @click.option("--tls/--no-tls", default=False, show_default=True, help="TLS 1.3 mutual auth (QUIC always)")
 @click.option("--quic-impl", type=click.Choice(["auto", "qh3", "aioquic"]), default="auto", show_default=True)
+@click.option(
+    "--loop",
+    "event_loop",
+    type=click.Choice(["auto", "uvloop", "asyncio"]),
+    default="auto",
+    show_default=True,
+    help="event loop of both peers (auto: uvloop for tcp, asyncio for quic)",
+)
 @click.option("--netlab", "netlab_profile", default=None, help="netlab profile (name or TOML file)")
 @click.option("--deadline-s", type=click.FloatRange(0.1), default=300.0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object on stdout")
@@ -57,6 +65,7 @@ def command(
     cc: str,
     tls: bool,
     quic_impl: str,
+    event_loop: str,
     netlab_profile: str | None,
     deadline_s: float,
     as_json: bool,
@@ -80,6 +89,7 @@ def command(
         deadline_s=deadline_s,
         certs=certs,
         max_datagram_bytes=datagram_bytes,
+        event_loop=event_loop,
     )
     if role == "receiver":
         peer.run_role(peer.receive, spec, listen_addr or "127.0.0.1:0")

@@ -65,7 +65,7 @@ class StreamLane:
         for message in messages:
             self.inbox.message(self, message)  # type: ignore[arg-type]
 
-    def send_raw(self, data: bytes, end_stream: bool = False) -> None:
+    def send_raw(self, data: bytes | memoryview, end_stream: bool = False) -> None:
         if self._lost or self.protocol.terminated:
             raise ConnectionLost(f"QUIC stream {self.stream_id} is closed")
         try:
@@ -78,7 +78,9 @@ class StreamLane:
 
     def send(self, message: Message) -> int:
         head, payload = encode_parts(message)
-        self.send_raw(head + bytes(payload) if payload else head)
+        self.send_raw(head)
+        if payload:
+            self.send_raw(payload if self.protocol.takes_buffers else bytes(payload))
         return len(head) + len(payload)
 
     def end(self) -> None:
@@ -109,6 +111,7 @@ def make_protocol_class(mod: SimpleNamespace) -> type:
             self.control: StreamLane | None = None
             self.greeting: Greeting | None = None
             self.terminated = False
+            self.takes_buffers = mod.name == "qh3"  # qh3 copies any buffer; aioquic wants bytes
             self.close_reason = ""
             self.on_new_lane: Callable[[StreamLane], None] | None = None
             self.on_terminated: Callable[[str], None] | None = None

@@ -60,6 +60,8 @@ def peer_argv(spec: BenchSpec, role: str, addr: str) -> list[str]:
         "--tls" if spec.tls else "--no-tls",
         "--datagram-bytes",
         str(spec.max_datagram_bytes),
+        "--loop",
+        spec.event_loop,
     ]
     if spec.certs is not None:
         argv += ["--certs", str(spec.certs)]
