@@ -52,6 +52,7 @@ class HFEngine(PagedEngine):
         block_size: int = 16,
         num_blocks: int = 4096,
         device: str = "cpu",
+        chunk_tokens: int = 2048,
     ) -> None:
         tf = _transformers()
         if (model is None) == (model_path is None):
@@ -74,6 +75,7 @@ class HFEngine(PagedEngine):
             max_positions=cfg.max_position_embeddings,
             num_blocks=num_blocks,
             device=torch.device(device),
+            chunk_tokens=chunk_tokens,
         )
         self.model = model
         self._cache_config = model.config

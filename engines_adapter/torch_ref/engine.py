@@ -53,6 +53,7 @@ class TorchRefEngine(PagedEngine):
         weights_path: str | Path | None = None,
         state_dict: StateDict | None = None,
         model_id: str | None = None,
+        chunk_tokens: int = 2048,
         **model_overrides: Any,
     ) -> None:
         if preset is None:  # the checkpoint says what it is
@@ -79,6 +80,7 @@ class TorchRefEngine(PagedEngine):
             max_positions=config.max_positions,
             num_blocks=num_blocks,
             device=dev,
+            chunk_tokens=chunk_tokens,
         )
         self.config = config
         self.model = PagedLlama(config, state_dict, TORCH_DTYPES[dtype], dev)

@@ -35,6 +35,7 @@ from engines_adapter.base import (
 )
 from engines_adapter.torch_ref.kv_pool import KVPool
 from engines_adapter.torch_ref.sampling import sample_tokens
+from pddlink.errors import ConfigError
 from pddlink.kv.hashing import BlockHasher
 
 
@@ -61,8 +62,18 @@ class PagedEngine(EngineAdapter):
     """``EngineAdapter`` over a ``KVPool``; subclasses supply the forward pass (``_run``)."""
 
     def __init__(
-        self, *, layout: KVLayout, vocab_size: int, max_positions: int, num_blocks: int, device: torch.device
+        self,
+        *,
+        layout: KVLayout,
+        vocab_size: int,
+        max_positions: int,
+        num_blocks: int,
+        device: torch.device,
+        chunk_tokens: int = 2048,
     ) -> None:
+        if chunk_tokens <= 0:
+            raise ConfigError(f"chunk_tokens must be positive, got {chunk_tokens}")
+        self.chunk_tokens = chunk_tokens  # prefill/extend passes longer than this run in pieces
         self._layout = layout
         self._vocab_size = vocab_size
         self.max_positions = max_positions
@@ -268,11 +279,30 @@ class PagedEngine(EngineAdapter):
         new_tokens: Sequence[Sequence[int]],
         prompt_hashes: Sequence[int] = (),
     ) -> torch.Tensor:
-        logits = self._run(seqs, new_tokens)
-        for s, t in zip(seqs, new_tokens, strict=True):
-            s.kv_tokens += len(t)
+        starts = [s.kv_tokens for s in seqs]
+        try:
+            logits = self._run_in_chunks(seqs, new_tokens)
+        except BaseException:
+            for s, start in zip(seqs, starts, strict=True):
+                s.kv_tokens = start
+            raise
+        for s, t, start in zip(seqs, new_tokens, starts, strict=True):
+            s.kv_tokens = start + len(t)
             if s.kv_tokens // self._layout.block_size > len(s.block_hashes):
                 self._register_full_blocks(s, prompt_hashes)
+        return logits
+
+    def _run_in_chunks(
+        self, seqs: Sequence[SequenceState], new_tokens: Sequence[Sequence[int]]
+    ) -> torch.Tensor:
+        """``_run``, with a long single-sequence pass split into ``chunk_tokens`` pieces (bounded memory)."""
+        if len(seqs) != 1 or len(new_tokens[0]) <= self.chunk_tokens:
+            return self._run(seqs, new_tokens)
+        seq, todo = seqs[0], new_tokens[0]
+        for i in range(0, len(todo), self.chunk_tokens):
+            piece = todo[i : i + self.chunk_tokens]
+            logits = self._run([seq], [piece])
+            seq.kv_tokens += len(piece)
         return logits
 
     def _register_full_blocks(self, seq: SequenceState, known: Sequence[int] = ()) -> None:
