@@ -20,11 +20,12 @@ from typing import Any
 
 from pddlink.errors import ErrorCode, LocalError, PddlinkError
 from pddlink.transport import quic_auth
+from pddlink.transport.assembler import FrameAssembler
 from pddlink.transport.base import LinkStats, Message
 from pddlink.transport.framing import ConnectionLost
 from pddlink.transport.tcp_conn import SESSION_CAP, Greeting, Inbox
 from pddlink.transport.tls import AuthError, PeerIdentity, TlsConfig, check_peer
-from pddlink.wire import Decoder, Handshake, Hello, HelloRefuse, encode_parts
+from pddlink.wire import Handshake, Hello, HelloRefuse, encode_parts
 from pddlink.wire.frame import WIRE_VERSION
 
 log = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ class StreamLane:
         self.stream_id = stream_id
         self.inbox = Inbox()
         self.raw: Callable[[bytes], None] | None = None  # set during client auth on stream 0
-        self._decoder = Decoder()
+        self._frames = FrameAssembler(lambda message: self.inbox.message(self, message))  # type: ignore[arg-type]
         self._lost = False
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -57,13 +58,10 @@ class StreamLane:
 
     def frames(self, data: bytes) -> None:
         try:
-            messages = self._decoder.feed(data)
+            self._frames.feed(data)
         except PddlinkError as exc:
             log.warning("QUIC stream %d: %s; closing the connection", self.stream_id, exc.message)
             self.protocol.close_with(exc.message)
-            return
-        for message in messages:
-            self.inbox.message(self, message)  # type: ignore[arg-type]
 
     def send_raw(self, data: bytes | memoryview, end_stream: bool = False) -> None:
         if self._lost or self.protocol.terminated:
