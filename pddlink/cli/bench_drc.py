@@ -5,9 +5,9 @@ token ids (as everywhere in the project), is packed, hashed into chained blocks 
 the index; ``match_from_uint32_array_us`` starts from packed uint32 ids instead (no list conversion).
 The baseline, measured in the same run on the same cached prompts and the same query, is a
 token-list radix tree of the kind SGLang uses (``pddlink.drc.baseline``) at the same page size; both
-must find the same cached length. The two are timed alternately so that machine noise falls on both
-alike. Then the index is grown to one million blocks: match time, memory, eviction-bound insert
-rate and snapshot size there.
+must find the same cached length. The variants are timed interleaved, in a shuffled order each
+round, so that machine noise falls on all alike. Then the index is grown to one million blocks:
+match time, memory, eviction-bound insert rate and snapshot size there.
 """
 
 from __future__ import annotations
@@ -80,14 +80,23 @@ def bench_match(work: Workload, hasher: BlockHasher, repeat: int) -> dict[str, A
         raise AssertionError(
             f"trees disagree: index {ours}, token trees {theirs}, expected {work.hit_tokens}"
         )
-    match_s, base_s, hash_s, lookup_s, array_s = [], [], [], [], []
     hashes = hasher.hash_blocks(query)
+    variants: dict[str, Callable[[], object]] = {
+        "match": lambda: index.match(hasher.hash_blocks(query)),
+        "baseline": lambda: tree.match_prefix(query),
+        "hash": lambda: hasher.hash_blocks(query),
+        "lookup": lambda: index.match(hashes),
+        "array": lambda: index.match(hasher.hash_blocks(array)),
+    }
+    samples: dict[str, list[float]] = {name: [] for name in variants}
+    order = random.Random(repeat)
     for _ in tqdm(range(repeat), desc="match vs token tree", file=sys.stderr, leave=False):
-        match_s.append(timed(lambda: index.match(hasher.hash_blocks(query))))
-        base_s.append(timed(lambda: tree.match_prefix(query)))
-        hash_s.append(timed(lambda: hasher.hash_blocks(query)))
-        lookup_s.append(timed(lambda: index.match(hashes)))
-        array_s.append(timed(lambda: index.match(hasher.hash_blocks(array))))
+        names = list(variants)
+        order.shuffle(names)  # no variant always runs right after the long baseline
+        for name in names:
+            samples[name].append(timed(variants[name]))
+    match_s, base_s, hash_s = samples["match"], samples["baseline"], samples["hash"]
+    lookup_s, array_s = samples["lookup"], samples["array"]
     page1_s = [timed(lambda: tree_page1.match_prefix(query)) for _ in range(max(5, repeat // 10))]
     return {
         "match_us": percentiles(match_s),
