@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
+import torch
 from _engine_testkit import (
     BLOCK,
     Roles,
@@ -157,3 +158,30 @@ def test_chunked_prefill_and_extend_match_one_pass(adapter: str) -> None:
     recomputed = kv_array(chunked.export_kv("x"))
     reference = kv_array(one_pass.export_kv("r"))[:, :, :, : recomputed.shape[3]]
     np.testing.assert_allclose(recomputed, reference, rtol=0, atol=1e-9)
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize("arch", ["Qwen2", "Mistral"])
+def test_hf_adapter_serves_other_architectures(arch: str) -> None:
+    """Any transformers causal LM with a standard cache: random tiny Qwen2 (q/k/v biases) and Mistral."""
+    transformers = pytest.importorskip("transformers")
+    config = getattr(transformers, f"{arch}Config")(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{arch}ForCausalLM")(config).double().eval()
+    roles = _roles(lambda: hf_engine(model))
+    prompt = list(range(30, 67))
+    for sp in (
+        SamplingParams(max_tokens=9),
+        SamplingParams(seed=4, temperature=1.0, top_p=0.9, max_tokens=9),
+    ):
+        rid = f"{arch}-{sp.temperature}"
+        expected = generate_alone(roles.alone, rid, prompt, sp)
+        assert pdd_generate(roles, rid, prompt, sp, 4, catch_up_at=2).tokens == expected
