@@ -48,7 +48,7 @@ class LinkOptions:
     connect_timeout_s: float = 10.0
     reconnect_attempts: int = 3  # per lost data connection, while a deadline leaves time
     reconnect_backoff_s: float = 0.2
-    idle_timeout_s: float = 60.0  # control channel silent this long (pings included) -> lost
+    idle_timeout_s: float = 60.0  # a peer silent this long is gone (TCP keepalive/user timeout, QUIC idle)
     max_datagram_bytes: int = 1452  # QUIC: 8952 fits loopback's MTU; pick the path's on a WAN
     flow_control_window_bytes: int = 64 * MiB  # QUIC stream and connection windows (>= BDP)
 
@@ -115,6 +115,7 @@ class LinkStats:
     rtt_s: float | None = None
     reconnects: int = 0
     extra: dict[str, float] = field(default_factory=dict)
+    congestion_control: str | None = None  # what actually runs (bbr, cubic, "qh3" for qh3's own)
 
 
 OnTransfer = Callable[[ReceivedTransfer], Awaitable[None] | None]

@@ -55,7 +55,9 @@ class FrameConnection(asyncio.BufferedProtocol):
         congestion_control: str = "bbr",
         write_high_water_bytes: int = 16 << 20,
         max_payload_bytes: int = 256 << 20,
+        idle_timeout_s: float = 60.0,
     ) -> None:
+        self._idle_timeout_s = idle_timeout_s
         self._on_message = on_message
         self._on_lost = on_lost
         self._cc = congestion_control
@@ -79,7 +81,7 @@ class FrameConnection(asyncio.BufferedProtocol):
         self.transport.set_write_buffer_limits(high=self._high_water, low=self._high_water // 4)
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-            self.congestion_control = sockopt.tune_tcp_socket(sock, self._cc)
+            self.congestion_control = sockopt.tune_tcp_socket(sock, self._cc, self._idle_timeout_s)
         if not self.connected.done():
             self.connected.set_result(None)
 

@@ -228,9 +228,11 @@ def make_protocol_class(mod: SimpleNamespace) -> type:
         def link_stats(self, streams: int) -> LinkStats:
             sent = sum(lane.bytes_sent for lane in self.lanes.values())
             received = sum(lane.bytes_received for lane in self.lanes.values())
-            return LinkStats(
-                "quic", streams, sent, received, None, None, 0, {"impl_qh3": float(mod.name == "qh3")}
-            )
+            core = getattr(self._quic, "_core", None)  # qh3: native counters; aioquic keeps them private
+            losses = getattr(core, "loss_total", None)
+            rtt = getattr(core, "smoothed_rtt", None)
+            cc = "cubic" if mod.name == "aioquic" else "qh3"
+            return LinkStats("quic", streams, sent, received, losses, rtt, 0, {}, cc)
 
     return PddlinkQuicProtocol
 

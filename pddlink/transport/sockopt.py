@@ -54,10 +54,18 @@ def set_congestion_control(sock: socket.socket, name: str) -> str:
     return "unknown"
 
 
-def tune_tcp_socket(sock: socket.socket, congestion_control: str) -> str:
-    """No Nagle (control frames must not wait), the chosen congestion control, keepalive on."""
+def tune_tcp_socket(sock: socket.socket, congestion_control: str, idle_timeout_s: float = 60.0) -> str:
+    """No Nagle (control frames must not wait), the chosen congestion control, and dead-peer
+    detection: keepalive probes on an idle connection and ``TCP_USER_TIMEOUT`` for data left
+    unacknowledged, both about ``idle_timeout_s`` (an outage shorter than that is ridden out)."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    idle = max(1, int(idle_timeout_s / 2))
+    for name, value in (("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", max(1, idle // 3)), ("TCP_KEEPCNT", 3),
+                        ("TCP_USER_TIMEOUT", int(idle_timeout_s * 1000))):  # fmt: skip
+        option = getattr(socket, name, None)
+        if option is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, option, value)
     return set_congestion_control(sock, congestion_control)
 
 

@@ -17,6 +17,7 @@ by token (with TLS, only for the same certified identity) and runs one receiver 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import secrets
 import ssl
@@ -246,9 +247,8 @@ class TcpLink(PeerSession):
     def stats(self) -> LinkStats:
         live = [c for c in (self._control, *self._data.values()) if c is not None]
         snap = self.counters.snapshot(live, "tcp", self.options.streams, self.lanes.lost_total)
-        ccs = {c.congestion_control for c in self._data.values()}
-        snap.extra["congestion_control_is_requested"] = float(ccs == {self.options.congestion_control})
-        return snap
+        ccs = sorted({c.congestion_control for c in self._data.values()})
+        return dataclasses.replace(snap, congestion_control=",".join(ccs) or None)
 
     def data_connections(self) -> list[FrameConnection]:
         """The live stripes (tests cut one to prove resume)."""

@@ -79,7 +79,8 @@ def new_connection(options: LinkOptions) -> tuple[FrameConnection, Inbox]:
         inbox.connection_lost,
         congestion_control=options.congestion_control,
         write_high_water_bytes=options.write_high_water_bytes,
-        max_payload_bytes=max(options.chunk_bytes, 1 << 20),
+        max_payload_bytes=max(options.chunk_bytes, 64 << 20),  # the sender picks the chunk size
+        idle_timeout_s=options.idle_timeout_s,
     )
     conn.tag = inbox
     return conn, inbox

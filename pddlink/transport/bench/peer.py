@@ -243,7 +243,7 @@ async def send(spec: BenchSpec, addr: str) -> None:
         "wire_bytes": sum(wire_bytes),
         "resent_chunks": sum(r.resent_chunks for r in results),
         "reconnects": sum(r.reconnects for r in results),
-        "congestion_control": stats.extra.get("congestion_control_is_requested"),
+        "congestion_control": stats.congestion_control,
     }
     if error is not None:
         out["error"] = {"code": ErrorCode(error.code).name, "reason": error.message}

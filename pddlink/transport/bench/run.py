@@ -143,8 +143,8 @@ def merge(spec: BenchSpec, sent: dict[str, Any], received: dict[str, Any]) -> di
         "seconds": seconds,
         "goodput_gbit_per_s": spec.total_bytes * 8 / seconds / 1e9,
         "cpu_s_per_gb": (float(sent["cpu_s"]) + float(received["cpu_s"])) / gb,
-        "retransmits": sent.get("retransmits"),
-        "congestion_control": spec.congestion_control if spec.transport == "tcp" else "cubic",
+        "retransmits": sent.get("retransmits"),  # TCP: TCP_INFO total_retrans; QUIC (qh3): lost packets
+        "congestion_control": sent.get("congestion_control"),
         "tls": spec.tls,
         "chunk_bytes": spec.chunk_bytes,
         "codec": spec.codec,
