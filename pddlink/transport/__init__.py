@@ -20,19 +20,39 @@ The sidecar uses two classes and never a transport module directly::
     answer = await client.request(reservation, timeout_s=1.0)             # control channel, one reply
     client.stats(); await client.close(); await server.close()
 
-``begin`` is a ``pddlink.wire`` TransferBegin (request id, generation, block hashes, layout, codec,
-total bytes); ``payload`` is one buffer (split into ``LinkOptions.chunk_bytes`` memoryview slices,
-no copy) or a sequence of buffers sent as chunks as given (codec frames). ``deadline_s`` is relative
-seconds from the call. A transfer ends in a ``TransferResult`` or raises a ``PddlinkError`` with its
-``code`` (DEADLINE_EXCEEDED, PEER_UNREACHABLE, AUTH, INTEGRITY, ...); the receiver sees the same
-reason through ``on_transfer_failed``. Identity: with TLS both sides present certificates from one
-CA; the identity in the peer's certificate must equal what it claims in its hello and, when given,
-``expected_peer`` -- else ``AuthError`` before any KV moves.
+``begin`` is a ``pddlink.wire`` TransferBegin (its transfer id, request id, layout, block hashes,
+codec and chunk size are used; generation and deadline are the link's) or a
+``pddlink.transfer.TransferManifest`` (the link numbers the transfer and uses
+``LinkOptions.chunk_bytes``). ``payload`` is one buffer, cut into memoryview chunks without a copy
+(a sequence of buffers is joined once). ``deadline_s`` is relative seconds from the call. A transfer
+ends in a ``TransferResult`` or raises a ``PddlinkError`` whose ``code`` says why
+(DEADLINE_EXCEEDED, PEER_UNREACHABLE, AUTH, INTEGRITY, CANCELLED, ...); the receiver sees its side's
+reason through ``on_transfer_failed``. ``ReceivedTransfer.chunks`` are the payload buffers in
+order; call ``received.release()`` once nothing views them any more and they are reused (a fresh
+MiB buffer costs a thousand page faults). Several transfers may run at once on one link.
+
+Identity: with TLS both sides hold certificates from one CA whose CN / SAN URI name
+``role/name``; the identity in the peer's certificate must equal what it claims in its hello and,
+when given, ``expected_peer`` -- else ``AuthError`` (code AUTH) before any KV moves. TCP uses TLS
+1.3 mutual auth in ``ssl``; QUIC (qh3/aioquic cannot verify client certificates) authenticates the
+client on stream 0 with a signature bound to the connection (``quic_auth``). ``tls=None`` is
+plaintext TCP for labs; QUIC always needs credentials.
+
+Transports: ``tcp`` (control connection + ``LinkOptions.streams`` striped data connections,
+BBR per socket, resume on the remaining stripes when one is cut, background reconnect), ``quic``
+(qh3 by default, ``QuicTransport.impl = "aioquic"`` selectable; one stream per transfer),
+``rdma`` (see ``rdma.py``), ``auto`` = ``choose_fast_path()``: RDMA where a device and pyverbs
+exist, else TCP, with the reason logged and returned (``FastPathChoice.rdma_available`` is the
+metric flag).
 
 Modules: ``base`` (the contract: Link, Listener, Transport, LinkOptions, results), ``api`` (the two
 facades), ``registry`` (names, lazy import, ``choose_fast_path`` for "auto"), ``tls`` (TLS 1.3
-mutual auth and the dev PKI), ``sockopt`` (congestion control, TCP_INFO), ``tcp`` (striped TCP),
-``quic`` (aioquic / qh3), ``rdma`` (pyverbs).
+mutual auth and the dev PKI), ``session`` / ``receiving`` (control-channel semantics, the accepting
+side), ``transfers`` (driving ``pddlink.transfer`` over lanes), ``assembler`` / ``framing`` /
+``buffers`` (frames from byte streams, pooled receive buffers), ``tcp_conn`` / ``tcp`` (striped TCP),
+``quic`` / ``quic_stream`` / ``quic_server`` / ``quic_auth`` (QUIC), ``sockopt`` (congestion
+control, TCP_INFO, buffers), ``rdma`` (pyverbs), ``bench`` (the two processes of
+``pddlink bench link``).
 """
 
 from pddlink.transport.api import KVClient, KVServer
