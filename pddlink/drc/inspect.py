@@ -9,13 +9,15 @@ Pure: plain dicts of JSON types in and out.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any, Protocol
 
+import numpy as np
+
 from pddlink.drc.index import PrefixIndex
 from pddlink.drc.prefix import PrefixMatch
+from pddlink.drc.snapshot import parent_positions
 from pddlink.errors import InvalidInput
 from pddlink.kv.hashing import BlockHasher
 
@@ -30,28 +32,45 @@ def hash_hex(block_hash: int | None) -> str | None:
     return None if block_hash is None else f"{block_hash:032x}"
 
 
+def tree_shape(parent_at: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per block (parents first): its depth in blocks, its child count, the leaves at or below it.
+
+    Vectorised: depth by pointer doubling (log2 of the depth passes), leaf counts pushed up one
+    depth level at a time.
+    """
+    n = len(parent_at)
+    children = np.bincount(parent_at[parent_at >= 0], minlength=n)
+    depth, jump = np.ones(n, dtype=np.int64), parent_at.copy()
+    while (live := np.flatnonzero(jump >= 0)).size:
+        up = jump[live]
+        depth[live] += depth[up]
+        jump[live] = jump[up]
+    leaves = (children == 0).astype(np.int64)
+    by_depth = np.argsort(-depth, kind="stable")
+    cuts = np.flatnonzero(np.diff(depth[by_depth])) + 1
+    for level in np.split(by_depth, cuts):  # deepest level first
+        below = level[parent_at[level] >= 0]
+        np.add.at(leaves, parent_at[below], leaves[below])
+    return depth, children, leaves
+
+
 def top_prefixes(index: PrefixIndex, top: int) -> list[dict[str, Any]]:
-    """The ``top`` prefixes shared by the most cached sequences (O(cached blocks)).
+    """The ``top`` prefixes shared by the most cached sequences (O(cached blocks), vectorised).
 
     A prefix here ends where the tree branches or at a leaf; ``sequences`` counts the leaves below
-    it (distinct cached continuations), ``blocks`` is its length.
+    it (distinct cached continuations), ``blocks`` is its length. Ties go to the longer prefix,
+    then to the one cached first.
     """
-    if top <= 0:
+    if top <= 0 or len(index) == 0:
         return []
-    order = list(index.blocks())
-    depth: dict[int, int] = {}
-    for h, parent in order:
-        depth[h] = 1 if parent is None else depth[parent] + 1
-    children = Counter(parent for _, parent in order if parent is not None)
-    leaves = dict.fromkeys(depth, 0)
-    for h, parent in reversed(order):
-        if children[h] == 0:
-            leaves[h] = 1
-        if parent is not None:
-            leaves[parent] += leaves[h]
-    ends = [h for h, _ in order if children[h] != 1]
-    ends.sort(key=lambda h: (-leaves[h], -depth[h]))
-    return [{"tip": hash_hex(h), "blocks": depth[h], "sequences": leaves[h]} for h in ends[:top]]
+    hashes, parent_at = parent_positions(index)
+    depth, children, leaves = tree_shape(parent_at)
+    ends = np.flatnonzero(children != 1)
+    ranked = ends[np.lexsort((-depth[ends], -leaves[ends]))][:top]
+    return [
+        {"tip": hash_hex(hashes[i]), "blocks": int(depth[i]), "sequences": int(leaves[i])}
+        for i in ranked.tolist()
+    ]
 
 
 def stats_json(index: PrefixIndex, *, top: int = 5, block_size: int | None = None) -> dict[str, Any]:

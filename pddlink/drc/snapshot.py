@@ -59,14 +59,20 @@ class Snapshot:
         )
 
 
-def encode_snapshot(index: PrefixIndex, *, block_size: int = 0, root: int = 0) -> bytes:
-    """The index's blocks at its current ``(epoch, seq)``."""
+def parent_positions(index: PrefixIndex) -> tuple[list[int], np.ndarray]:
+    """The cached hashes, parents first, and each one's parent position (-1: the root)."""
     hashes, parents = index.hashes_and_parents()
     n = len(hashes)
     # The per-block loops run in C (map, zip, fromiter), not in Python bytecode.
     position: dict[int | None, int] = dict(zip(hashes, range(n), strict=True))
     position[None] = -1
-    parent_at = np.fromiter(map(position.__getitem__, parents), dtype=np.int64, count=n)
+    return hashes, np.fromiter(map(position.__getitem__, parents), dtype=np.int64, count=n)
+
+
+def encode_snapshot(index: PrefixIndex, *, block_size: int = 0, root: int = 0) -> bytes:
+    """The index's blocks at its current ``(epoch, seq)``."""
+    hashes, parent_at = parent_positions(index)
+    n = len(hashes)
     deltas = np.where(parent_at < 0, 0, np.arange(n, dtype=np.int64) - parent_at).astype("<u4")
     packed = zstandard.ZstdCompressor(level=_ZSTD_LEVEL).compress(deltas.tobytes())
     hash_bytes = b"".join(map(methodcaller("to_bytes", _HASH, "big"), hashes))
