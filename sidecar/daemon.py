@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from cryptography import x509
 
 from engines_adapter import EngineAdapter, load_engine
 from pddlink import metrics
@@ -36,6 +37,7 @@ from pddlink.transport import (
     choose_fast_path,
     load_or_create_peer,
 )
+from pddlink.transport.tls import identity_from_certificate
 from pddlink.wire import Release, Reserve, ReserveAnswer
 from sidecar.config import SidecarConfig
 from sidecar.decoder import Decoder
@@ -225,6 +227,13 @@ class Sidecar:
                 return error_response(400, str(exc))
         return error_response(404, f"no such endpoint: {req.method} {req.path}")
 
+    def _certificate_identity(self) -> str:
+        """The identity this sidecar's certificate names (what peers verify), "" without TLS."""
+        if self.tls is None:
+            return ""
+        cert = x509.load_pem_x509_certificate(Path(self.tls.cert_file).read_bytes())
+        return str(identity_from_certificate(cert))
+
     # -- lifecycle -----------------------------------------------------------------------------
 
     async def serve(self, stop: asyncio.Event) -> None:
@@ -256,7 +265,7 @@ class Sidecar:
             role=cfg.role,
             peer_id=cfg.name,
             model_id=self.engine.layout.model_id,
-            tls_identity=str(self.identity) if self.tls else "",
+            tls_identity=self._certificate_identity(),
             status=self.status,
             prefiller=self.prefiller,
             decoder=self.decoder,

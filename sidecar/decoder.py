@@ -261,14 +261,16 @@ class Decoder:
         plan = HandoffPlan(request_id, seq.base, mode, slice_tokens=max(1, decision.slice_tokens or 1))
         deadline = time.monotonic() + deadline_s
         try:
-            return await self._run_handoff(seq, plan, deadline)
+            return await self._run_handoff(seq, plan, deadline, self.send_handoff)
         except (PddlinkError, TimeoutError, ConnectionError) as exc:
             if not seq.ended and not seq.finished and not self.loop.is_decoding(request_id):
                 self.loop.decode_in_batch(request_id, lambda o: self._take(seq, o))
             metrics.FALLBACKS.labels(kind="handoff_failed_rld_finishes").inc()
             return {"outcome": f"failed:{type(exc).__name__}: {exc}", "mode": mode.value}
 
-    async def _run_handoff(self, seq: DecodeSeq, plan: HandoffPlan, deadline: float) -> dict[str, Any]:
+    async def _run_handoff(
+        self, seq: DecodeSeq, plan: HandoffPlan, deadline: float, send: SendHandoff
+    ) -> dict[str, Any]:
         while not plan.done:
             if seq.ended or seq.finished:  # RLD finished it first: the router releases MD's copy
                 return {"outcome": "finished_on_rld", "mode": plan.mode.value}
@@ -284,7 +286,7 @@ class Decoder:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError("handoff deadline passed")
-            level = await self.send_handoff(frame, left)
+            level = await send(frame, left)
             plan.on_ack(level)
         metrics.HANDOFFS.labels(mode=plan.mode.value).inc()
         await self.end(seq, "handed_off", handoff_mode=plan.mode.value, handoff_slices=plan.slices_sent)

@@ -20,6 +20,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
 from netlab.lab import Lab
@@ -28,6 +29,7 @@ from sidecar.cluster import Cluster, ClusterSpec
 from sidecar.demo_load import RequestResult, replay
 from sidecar.demo_report import document, plot, summarize, table
 from sidecar.demo_workload import DemoRequest, build_trace, demo_requests
+from sidecar.http import fetch
 
 VOCAB = 2048  # the reference engine's tiny preset
 
@@ -46,7 +48,7 @@ def wan_profile(spec: ClusterSpec) -> str:
 
 def run_once(
     lab: Lab, spec: ClusterSpec, warmup: list[DemoRequest], requests: list[DemoRequest], label: str
-) -> list[RequestResult]:
+) -> tuple[list[RequestResult], dict[str, float]]:
     t0 = time.monotonic()
     with Cluster(lab, spec) as cluster:
         say(f"[{label}] deployment up in {time.monotonic() - t0:.1f} s ({lab.mode} lab)")
@@ -59,6 +61,7 @@ def run_once(
             bad = sum(r.outcome != "finished" for r in warm)
             took = time.monotonic() - t1
             say(f"[{label}] warm-up: {len(warm)} requests P->MD in {took:.1f} s ({bad} failed)")
+        before = sidecar_counters(cluster)
         bar = tqdm(total=len(requests), desc=label, file=sys.stderr, unit="req", leave=True)
         failed = 0
 
@@ -74,7 +77,28 @@ def run_once(
             )
         finally:
             bar.close()
-    return results
+        time.sleep(1.0)  # shipments that outlive their request (RLD finished it) land on MD
+        after = sidecar_counters(cluster)
+    return results, {k: after[k] - before.get(k, 0.0) for k in after}
+
+
+def sidecar_counters(cluster: Cluster) -> dict[str, float]:
+    """WAN/fast-path KV bytes from P's /metrics and DRC lookups from MD's, as counters to diff."""
+    out: dict[str, float] = {}
+    for role in ("p", "md"):
+        code, text = fetch("unix:" + cluster.admin_socket(role), "GET", "/metrics")
+        if code != 200:
+            continue
+        for fam in text_string_to_metric_families(text.decode()):
+            for sample in fam.samples:
+                if role == "p" and sample.name == "pddlink_kv_bytes_total":
+                    out[f"kv_bytes_{sample.labels['path']}"] = sample.value
+                if role == "md" and sample.name in (
+                    "pddlink_drc_hit_blocks_total",
+                    "pddlink_drc_lookup_blocks_total",
+                ):
+                    out[sample.name[len("pddlink_") : -len("_total")]] = sample.value
+    return out
 
 
 def reference_tokens(requests: list[DemoRequest], spec: ClusterSpec, work: Path) -> list[list[int]]:
@@ -137,13 +161,16 @@ def main(
     )
     lab = Lab.up(parse_profile(wan_profile(spec), name="pddlink-demo"), name=f"demo{os.getpid() % 100000}")
     try:
-        base_results = run_once(lab, spec, warm, reqs, "P->MD baseline")
-        pdd_results = run_once(lab, replace(spec, run_dir=work / "pdd", relay=True), warm, reqs, "PDD")
+        base_results, base_counters = run_once(lab, spec, warm, reqs, "P->MD baseline")
+        pdd_results, pdd_counters = run_once(
+            lab, replace(spec, run_dir=work / "pdd", relay=True), warm, reqs, "PDD"
+        )
     finally:
         lab.down()
     say("reference: one engine generating every request alone (separate process, float64)")
     reference = reference_tokens(reqs, spec, work)
-    base, pdd = summarize(base_results, reference), summarize(pdd_results, reference)
+    base = summarize(base_results, reference, base_counters)
+    pdd = summarize(pdd_results, reference, pdd_counters)
     setting = {
         "line_mbit": line_mbit,
         "rtt_ms": rtt_ms,

@@ -113,7 +113,7 @@ class _Conn:
 
 
 async def serve_http(
-    handler: Handler, *, host: str = "", port: int = 0, unix: str = ""
+    handler: Handler, *, host: str = "", port: int | None = None, unix: str = ""
 ) -> list[asyncio.Server]:
     """Listen on ``host:port`` (if port is not None; 0: any free port) and on the unix socket ``unix``."""
 

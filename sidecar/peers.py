@@ -109,7 +109,7 @@ class DecoderPeer:
         return int(reply.level_position)
 
     async def close(self) -> None:
-        await self._channel.close()
+        await self._channel.close(None)
 
 
 def grpc_error(exc: grpc.aio.AioRpcError, addr: str) -> PddlinkError:

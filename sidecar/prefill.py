@@ -35,6 +35,7 @@ from sidecar.handoff_wire import slice_to_wire
 from sidecar.peers import DecoderPeer, KVPeer
 
 WAN_SHARE_OF_DEADLINE = 0.6
+_LINK_GONE = (ErrorCode.PEER_UNREACHABLE, ErrorCode.CANCELLED, ErrorCode.UNAVAILABLE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +122,12 @@ class Prefiller:
         msg = Reserve(
             request_id=job.request_id, block_hashes=tuple(hashes), lease_ms=int(self.lease_s * 1000)
         )
-        answer = await client.request(msg, timeout_s=max(deadline - time.monotonic(), 0.01))
+        try:
+            answer = await client.request(msg, timeout_s=max(deadline - time.monotonic(), 0.01))
+        except PddlinkError as exc:
+            if exc.code in _LINK_GONE:  # a restarted or vanished MD: reconnect on the next request
+                await self.md_kv.drop()
+            raise
         if not isinstance(answer, ReserveAnswer) or answer.code is not None:
             reason = getattr(answer, "reason", type(answer).__name__)
             raise Unavailable(f"MD refused the reservation: {reason}", code=ErrorCode.PEER_UNREACHABLE)

@@ -324,7 +324,6 @@ class RequestRun:
             self.trace["handoff_mode"] = r.mode
         if r.outcome == "handed_off":
             self.rld_handed_off = True
-            metrics.HANDOFFS.labels(mode=r.mode).inc()
         elif r.outcome.startswith("finished_on_rld"):
             self._cancel_stream("md")
         else:
@@ -342,8 +341,7 @@ class RequestRun:
                 self._fallback("rld_lost_md_takes_over")
                 self._spawn("takeover", self._router_handoff(leg))
             elif self.md_stream_alive and leg.md_ok is None:
-                self._fallback("rld_lost_md_takes_over")  # the handoff follows P's reply (md_ok)
-                leg.rld_ok = False
+                leg.rld_ok = False  # MD takes over once P's reply says it holds the KV
             elif self.c.rld_usable() is False and self.legs < 4:
                 self._fallback("rld_lost_p_md")
                 self._start_leg(Pipeline.P_MD)

@@ -51,7 +51,7 @@ _STATUS = {
 }
 
 
-async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+async def _abort(context: grpc.aio.ServicerContext[Any, Any], exc: BaseException) -> None:
     code = grpc.StatusCode.UNAVAILABLE
     for kind, status in _STATUS.items():
         if isinstance(exc, kind):
@@ -81,7 +81,7 @@ class SidecarService(pb2_grpc.SidecarServicer):  # type: ignore[misc,name-define
         self.prefiller, self.decoder, self.drc = prefiller, decoder, drc
         self.run_in_engine = run_in_engine
 
-    async def Prefill(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def Prefill(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         if self.prefiller is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"role {self.role} does not prefill")
         assert self.prefiller is not None
@@ -100,7 +100,7 @@ class SidecarService(pb2_grpc.SidecarServicer):  # type: ignore[misc,name-define
             await _abort(context, exc)
         return pb2.PrefillReply(**reply)
 
-    async def Attach(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+    async def Attach(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
         if self.decoder is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"role {self.role} does not decode")
         assert self.decoder is not None
@@ -114,14 +114,14 @@ class SidecarService(pb2_grpc.SidecarServicer):  # type: ignore[misc,name-define
         async for ev in stream:
             yield pb2.TokenEvent(**ev)
 
-    async def StartHandoff(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def StartHandoff(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         if self.decoder is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"role {self.role} does not decode")
         assert self.decoder is not None
         out = await self.decoder.start_handoff(request.request_id, request.deadline_s or 10.0)
         return pb2.HandoffStartReply(**out)
 
-    async def Handoff(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def Handoff(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         if self.decoder is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"role {self.role} does not decode")
         assert self.decoder is not None
@@ -133,13 +133,15 @@ class SidecarService(pb2_grpc.SidecarServicer):  # type: ignore[misc,name-define
             await _abort(context, exc)
         return pb2.HandoffReply(level_position=level)
 
-    async def Release(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def Release(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         released = False
         if self.decoder is not None:
             released = await self.decoder.release(request.request_id, request.reason)
         return pb2.ReleaseReply(released=released)
 
-    async def DrcEvents(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+    async def DrcEvents(
+        self, request: Any, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[Any]:
         if self.drc is None or self.run_in_engine is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "only MD holds a DRC")
         assert self.drc is not None and self.run_in_engine is not None
@@ -156,7 +158,7 @@ class SidecarService(pb2_grpc.SidecarServicer):  # type: ignore[misc,name-define
         finally:
             self.drc.unsubscribe(queue)
 
-    async def Ping(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def Ping(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         return pb2.PingReply(
             nonce=request.nonce,
             role=self.role,
@@ -168,5 +170,5 @@ class SidecarService(pb2_grpc.SidecarServicer):  # type: ignore[misc,name-define
             payload=os.urandom(min(int(request.payload_bytes), 64 << 20)) if request.payload_bytes else b"",
         )
 
-    async def Status(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def Status(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         return pb2.StatusReply(json=json.dumps(self.status()))

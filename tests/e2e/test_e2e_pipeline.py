@@ -41,13 +41,20 @@ def lab() -> Iterator[Lab]:
     assert not any(ns in listed for ns in netns), "a namespace outlived the lab"
 
 
-def requests(n: int, *, max_tokens: int, seed: int, spacing_s: float = 0.05) -> list[DemoRequest]:
+def requests(
+    n: int,
+    *,
+    max_tokens: int,
+    seed: int,
+    spacing_s: float = 0.05,
+    prompt_tokens: tuple[int, int] = (200, 400),
+) -> list[DemoRequest]:
     rng = random.Random(seed)
     return [
         DemoRequest(
             i,
             spacing_s * i,
-            tuple(rng.randrange(1, 2048) for _ in range(rng.randrange(200, 400))),
+            tuple(rng.randrange(1, 2048) for _ in range(rng.randrange(*prompt_tokens))),
             SamplingParams(seed=100 + i, temperature=0.8, top_k=40, max_tokens=max_tokens),
         )
         for i in range(n)
@@ -108,25 +115,44 @@ def assert_no_processes(cluster: Cluster, pids: list[int]) -> None:
         assert subprocess.run(["kill", "-0", str(pid)], capture_output=True, check=False).returncode != 0
 
 
-def test_short_pdd_run_is_exact(lab: Lab, tmp_path: Path) -> None:
-    reqs = requests(8, max_tokens=24, seed=1)
-    with start(lab, tmp_path) as cluster:
+@pytest.fixture(scope="module")
+def shared(lab: Lab, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    cluster = start(lab, tmp_path_factory.mktemp("shared"))
+    with cluster:
         pids = [p.pid for p in cluster.procs.values()]
-        results = []
-        for pipeline in ("p_md", "p_rld_md", "singular", ""):
-            results += run_with_fault(cluster, reqs, pipeline, 30.0, None, None)
+        yield cluster
     assert_no_processes(cluster, pids)
+
+
+def test_short_pdd_run_is_exact(shared: Cluster) -> None:
+    reqs = requests(6, max_tokens=24, seed=1)
+    results = []
+    for pipeline in ("p_md", "p_rld_md", "singular", ""):
+        results += run_with_fault(shared, reqs, pipeline, 30.0, None, None)
     expected = reference(reqs)
     assert all(r.outcome == "finished" for r in results), [r.reason for r in results]
     assert sum(r.tokens != expected[r.index] for r in results) == 0
     assert any(r.trace.get("handoff_outcome") == "handed_off" for r in results)
 
 
+def test_wan_cut_longer_than_the_deadline(lab: Lab, shared: Cluster) -> None:
+    reqs = requests(4, max_tokens=16, seed=4, spacing_s=0.2)
+    deadline_s = 6.0
+    t0 = time.monotonic()
+    results = run_with_fault(shared, reqs, "p_md", deadline_s, 0.01, lambda: lab.outage(deadline_s + 3.0))
+    took = time.monotonic() - t0
+    check_ended_in_time(results, reqs, deadline_s)
+    assert took <= deadline_s + 2.5
+    for r in results:
+        assert r.trace.get("fallbacks") or r.reason, r.trace
+    time.sleep(max(0.0, deadline_s + 3.0 - took))  # let the outage end before the next test uses the lab
+
+
 def test_kill_md_mid_stream(lab: Lab, tmp_path: Path) -> None:
-    reqs = requests(4, max_tokens=200, seed=2)
+    reqs = requests(3, max_tokens=150, seed=2)
     deadline_s = 20.0
     with start(lab, tmp_path) as cluster:
-        results = run_with_fault(cluster, reqs, "p_md", deadline_s, 1.5, lambda: cluster.kill("md"))
+        results = run_with_fault(cluster, reqs, "p_md", deadline_s, 1.2, lambda: cluster.kill("md"))
     check_ended_in_time(results, reqs, deadline_s)
     recorded = {f for r in results for f in r.trace.get("fallbacks", [])} | {r.reason for r in results}
     assert recorded & {"md_lost_p_rld", "md_unreachable_p_rld"} or any("md" in x for x in recorded if x)
@@ -134,27 +160,11 @@ def test_kill_md_mid_stream(lab: Lab, tmp_path: Path) -> None:
 
 
 def test_kill_rld_mid_stream(lab: Lab, tmp_path: Path) -> None:
-    reqs = requests(4, max_tokens=200, seed=3)
+    reqs = requests(3, max_tokens=150, seed=3, prompt_tokens=(900, 1000))  # ~1.9 MB: ~1 s on the WAN
     deadline_s = 20.0
     with start(lab, tmp_path) as cluster:
-        results = run_with_fault(cluster, reqs, "p_rld_md", deadline_s, 0.6, lambda: cluster.kill("rld"))
+        results = run_with_fault(cluster, reqs, "p_rld_md", deadline_s, 0.4, lambda: cluster.kill("rld"))
     check_ended_in_time(results, reqs, deadline_s)
     fallbacks = {f for r in results for f in r.trace.get("fallbacks", [])}
     assert "rld_lost_md_takes_over" in fallbacks or "rld_unreachable_md_takes_over" in fallbacks
     assert sum(r.outcome == "finished" for r in results) >= len(reqs) - 1
-
-
-def test_wan_cut_longer_than_the_deadline(lab: Lab, tmp_path: Path) -> None:
-    reqs = requests(4, max_tokens=16, seed=4, spacing_s=0.2)
-    deadline_s = 6.0
-    with start(lab, tmp_path) as cluster:
-        t0 = time.monotonic()
-        results = run_with_fault(
-            cluster, reqs, "p_md", deadline_s, 0.01, lambda: lab.outage(deadline_s + 3.0)
-        )
-        took = time.monotonic() - t0
-    check_ended_in_time(results, reqs, deadline_s)
-    assert took <= deadline_s + 2.5
-    for r in results:
-        assert r.trace.get("fallbacks") or r.reason, r.trace
-    time.sleep(max(0.0, deadline_s + 3.0 - took))  # let the outage end before the next test uses the lab

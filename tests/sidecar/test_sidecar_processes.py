@@ -9,7 +9,6 @@ import asyncio
 import json
 import random
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -76,7 +75,9 @@ def test_pipeline_tokens_equal_one_engine_alone(cluster: Cluster, pipeline: str)
     if pipeline == "singular":
         assert sources == {"rld"} and all(r.trace["wan_bytes"] == 0 for r in results)
     if pipeline == "p_rld_md":
-        assert all(r.trace["handoff_outcome"] in ("handed_off", "finished_on_rld", "not_started") for r in results)
+        assert all(
+            r.trace["handoff_outcome"] in ("handed_off", "finished_on_rld", "not_started") for r in results
+        )
         assert any(r.trace["handoff_outcome"] == "handed_off" for r in results)
         assert "rld" in sources
 
@@ -126,4 +127,26 @@ def test_p_status_shows_links(cluster: Cluster) -> None:
     assert any(link["connected"] for link in doc["links"])
 
 
-_ = Path
+def test_ping_and_status_commands(cluster: Cluster) -> None:
+    from click.testing import CliRunner
+
+    from pddlink.cli.diag import ping, status
+
+    runner = CliRunner()
+    res = runner.invoke(ping, [f"127.0.0.1:{cluster.ports['md_grpc']}", "--count", "3", "--json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.output)
+    assert doc["role"] == "md" and doc["wire_version"] >= 1 and doc["hash_scheme"] == 1
+    assert doc["tls_identity"] == "pddlink://md/md0"  # the cluster runs its data plane with TLS
+    assert doc["rtt_ms"]["min"] > 0 and doc["bandwidth_mbit_per_s"] > 0
+    res = runner.invoke(
+        status, ["unix:" + cluster.router_unix, "unix:" + cluster.admin_socket("md"), "--json"]
+    )
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.output)
+    assert (
+        "drc_mirror" in doc["unix:" + cluster.router_unix]
+        and "drc" in doc["unix:" + cluster.admin_socket("md")]
+    )
+    res = runner.invoke(status, ["unix:/nonexistent.sock"])
+    assert res.exit_code == 1 and "unreachable" in res.output
