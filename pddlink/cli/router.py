@@ -2,73 +2,80 @@
 
 from __future__ import annotations
 
+import tomllib
+from pathlib import Path
+from typing import Any
+
 import click
+
+from pddlink.errors import ConfigError
+
+# flag -> (RouterConfig field or serving option, type)
+_SERVE = {"host": str, "grpc_port": int, "http_port": int, "unix": str}
+
+
+def _load(config_path: str | None, flags: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    from sidecar.router import RouterConfig
+
+    table: dict[str, Any] = {}
+    if config_path:
+        try:
+            table = tomllib.loads(Path(config_path).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"router config {config_path}: {exc}") from None
+    table.update({k: v for k, v in flags.items() if v is not None})
+    if table.pop("no_relay", False):
+        table["relay_enabled"] = False
+    serve = {"host": "127.0.0.1", "grpc_port": 0, "http_port": 0, "unix": ""}
+    for key in _SERVE:
+        if key in table:
+            serve[key] = table.pop(key)
+    known = set(RouterConfig.__dataclass_fields__)
+    unknown = set(table) - known
+    if unknown:
+        raise ConfigError(f"router config: unknown key(s) {', '.join(sorted(unknown))}")
+    missing = {"p", "rld", "md"} - set(table)
+    if missing:
+        raise ConfigError(
+            f"router config: {', '.join(sorted(missing))} required (--p/--rld/--md or the file)"
+        )
+    try:
+        return RouterConfig(**table), serve
+    except TypeError as exc:
+        raise ConfigError(f"router config: {exc}") from None
 
 
 @click.command(name="router")
-@click.option("--p", "p_addr", required=True, help="P sidecar gRPC address host:port.")
-@click.option("--rld", "rld_addr", required=True, help="RLD sidecar gRPC address host:port.")
-@click.option("--md", "md_addr", required=True, help="MD sidecar gRPC address host:port (across the WAN).")
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
-@click.option("--grpc-port", default=0, show_default=True, help="gRPC port (0: any free port).")
-@click.option("--http-port", default=0, show_default=True, help="HTTP port for /v1/completions (0: off).")
-@click.option("--unix", default="", help="Also serve HTTP on this unix socket (and gRPC on <path>.grpc).")
-@click.option("--no-relay", is_flag=True, help="Cross-datacenter PD baseline: every request goes P->MD.")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="TOML file (flags override).")
+@click.option("--p", "p", help="P sidecar gRPC address host:port.")
+@click.option("--rld", "rld", help="RLD sidecar gRPC address host:port.")
+@click.option("--md", "md", help="MD sidecar gRPC address host:port (across the WAN).")
+@click.option("--host", help="Address to bind [127.0.0.1].")
+@click.option("--grpc-port", type=int, help="gRPC port (0: any free port).")
+@click.option("--http-port", type=int, help="HTTP port for /v1/completions (0: off).")
+@click.option("--unix", help="Also serve HTTP on this unix socket (and gRPC on <path>.grpc).")
 @click.option(
-    "--relay-min-wan-s", default=0.15, show_default=True, help="Relay when the WAN estimate is longer."
+    "--no-relay", is_flag=True, default=None, help="Cross-datacenter PD baseline: every request P->MD."
 )
-@click.option("--rld-capacity", default=8, show_default=True, help="Requests at which RLD's load is 1.0.")
-@click.option(
-    "--rld-tpot-s", default=0.02, show_default=True, help="RLD's time per output token (singular test)."
-)
-@click.option("--line-mbit", default=100.0, show_default=True, help="WAN line rate for the link model.")
-@click.option("--rtt-ms", default=30.0, show_default=True, help="WAN round-trip time for the link model.")
-@click.option("--deadline-s", default=30.0, show_default=True, help="Default request deadline.")
-@click.option(
-    "--kv-bytes-per-token", default=2048, show_default=True, help="KV bytes per token of the model."
-)
-@click.option("--vocab-size", default=2048, show_default=True, help="Model vocabulary (prompt validation).")
-def command(
-    p_addr: str,
-    rld_addr: str,
-    md_addr: str,
-    host: str,
-    grpc_port: int,
-    http_port: int,
-    unix: str,
-    no_relay: bool,
-    relay_min_wan_s: float,
-    rld_capacity: int,
-    rld_tpot_s: float,
-    line_mbit: float,
-    rtt_ms: float,
-    deadline_s: float,
-    kv_bytes_per_token: int,
-    vocab_size: int,
-) -> None:
+@click.option("--relay-min-wan-s", type=float, help="Relay when the WAN estimate is longer [0.15].")
+@click.option("--rld-capacity", type=int, help="Requests at which RLD's load is 1.0 [8].")
+@click.option("--rld-tpot-s", type=float, help="RLD's time per output token, for the singular test [0.02].")
+@click.option("--singular-max-tokens", type=int, help="Only outputs this short may end on RLD [4].")
+@click.option("--line-mbit", type=float, help="WAN line rate for the link model [100].")
+@click.option("--rtt-ms", type=float, help="WAN round-trip time for the link model [30].")
+@click.option("--deadline-s", type=float, help="Default request deadline [30].")
+@click.option("--kv-bytes-per-token", type=int, help="KV bytes per token of the model [2048].")
+@click.option("--vocab-size", type=int, help="Model vocabulary, for prompt validation [2048].")
+def command(config_path: str | None, **flags: Any) -> None:
     """Run the router. Prints `READY {json}` once it serves; stops on SIGTERM or Ctrl-C."""
     import asyncio
 
-    from sidecar.router import RouterConfig
     from sidecar.router_api import serve_router
 
-    cfg = RouterConfig(
-        p=p_addr,
-        rld=rld_addr,
-        md=md_addr,
-        relay_enabled=not no_relay,
-        relay_min_wan_s=relay_min_wan_s,
-        rld_capacity=rld_capacity,
-        rld_tpot_s=rld_tpot_s,
-        line_mbit=line_mbit,
-        rtt_ms=rtt_ms,
-        deadline_s=deadline_s,
-        kv_bytes_per_token=kv_bytes_per_token,
-        vocab_size=vocab_size,
-    )
+    cfg, serve = _load(config_path, flags)
     try:
         import uvloop
 
-        uvloop.run(serve_router(cfg, host=host, grpc_port=grpc_port, http_port=http_port, unix=unix))
+        uvloop.run(serve_router(cfg, **serve))
     except ImportError:
-        asyncio.run(serve_router(cfg, host=host, grpc_port=grpc_port, http_port=http_port, unix=unix))
+        asyncio.run(serve_router(cfg, **serve))

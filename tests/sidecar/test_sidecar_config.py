@@ -45,3 +45,28 @@ def test_bad_config_names_the_field(tmp_path: Path, text: str, needle: str) -> N
 def test_missing_file() -> None:
     with pytest.raises(ConfigError, match="cannot read config"):
         load_config("/nonexistent/pddlink.toml")
+
+
+@pytest.mark.parametrize("role", ["p", "rld", "md"])
+def test_compose_lab_configs_load(role: str) -> None:
+    cfg = load_config(Path(__file__).resolve().parents[2] / "docker" / "config" / f"{role}.toml")
+    assert cfg.role == role and cfg.engine.dtype == "float64"
+
+
+def test_router_config_file_and_flags(tmp_path: Path) -> None:
+    from pddlink.cli.router import _load
+
+    f = tmp_path / "router.toml"
+    f.write_text('p = "a:1"\nrld = "b:2"\nmd = "c:3"\nhttp_port = 8000\nrtt_ms = 30\n')
+    cfg, serve = _load(str(f), {"rtt_ms": 12.0, "no_relay": True, "host": None})
+    assert (cfg.rtt_ms, cfg.relay_enabled, serve["http_port"], serve["host"]) == (
+        12.0,
+        False,
+        8000,
+        "127.0.0.1",
+    )
+    f.write_text('p = "a:1"\nrld = "b:2"\nmd = "c:3"\nbogus = 1\n')
+    with pytest.raises(ConfigError, match="unknown key"):
+        _load(str(f), {})
+    with pytest.raises(ConfigError, match="md required"):
+        _load(None, {"p": "a:1", "rld": "b:2"})
