@@ -89,6 +89,7 @@ def cpu_seconds() -> float:
 
 def run_role(role: Callable[[BenchSpec, str], Coroutine[Any, Any, None]], spec: BenchSpec, addr: str) -> None:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(name)s: %(message)s")
+    logging.getLogger("quic").setLevel(logging.ERROR)  # qh3 warns on every orderly peer close
     if spec.transport == "quic":
         from pddlink.transport.quic import QuicTransport
 
