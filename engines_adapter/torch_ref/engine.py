@@ -113,6 +113,7 @@ class TorchRefEngine(PagedEngine):
             slot_blocks=torch.gather(tables, 1, positions // bs).reshape(-1).to(dev),
             slot_offsets=(positions % bs).reshape(-1).to(dev),
             block_tables=tables.to(dev),
+            no_past=all(s.kv_tokens == 0 for s in seqs),
         )
 
     def prompt_logits(self, prompt: Sequence[int]) -> torch.Tensor:

@@ -51,6 +51,7 @@ class PagedBatch:
     slot_blocks: torch.Tensor
     slot_offsets: torch.Tensor
     block_tables: torch.Tensor
+    no_past: bool = False  # every sequence starts at position 0 (a cold prefill)
 
 
 class PagedLlama:
@@ -105,7 +106,7 @@ class PagedLlama:
         sin = self.sin[batch.positions].unsqueeze(2)
         key_pos = torch.arange(ctx, device=table.device)
         visible = key_pos.view(1, 1, ctx) <= batch.positions.view(bsz, n, 1)  # [B, n, ctx]
-        attend = _Attention(cfg, bsz, n, visible, self.dtype)
+        attend = _Attention(cfg, bsz, n, visible, self.dtype, from_start=batch.no_past)
         x = F.embedding(batch.token_ids, self.embed)
         for li, layer in enumerate(self.layers):
             h = _rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
@@ -140,33 +141,47 @@ class _Attention:
 
     FUSED_FROM_TOKENS = 64
 
-    def __init__(self, cfg: ModelConfig, bsz: int, n: int, visible: torch.Tensor, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        bsz: int,
+        n: int,
+        visible: torch.Tensor,
+        dtype: torch.dtype,
+        *,
+        from_start: bool,
+    ) -> None:
         self.bsz, self.n = bsz, n
         self.hkv, self.group, self.hd = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
         self.scale = self.hd**-0.5
         self.fused = n >= self.FUSED_FROM_TOKENS
-        if self.fused:
-            self.mask = visible.unsqueeze(1)  # [B, 1, n, ctx]
-        else:  # additive, [1, B, group * n, ctx]
+        # A single sequence with no past (a cold prefill): plain causal attention over its own tokens.
+        self.causal = self.fused and bsz == 1 and from_start
+        bias = None
+        if not self.causal:  # additive mask, built once per forward rather than once per layer
             bias = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(
                 ~visible, -torch.inf
             )
+        if self.fused:
+            self.mask = None if bias is None else bias.unsqueeze(1)  # [B, 1, n, ctx]
+        elif bias is not None:
             self.mask = bias.unsqueeze(1).expand(bsz, self.group, n, -1).reshape(1, bsz, self.group * n, -1)
 
     def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """``q`` ``[B, n, heads, hd]`` (rotated) -> ``[B, n, heads * hd]``."""
         bsz, n, hkv, g, hd = self.bsz, self.n, self.hkv, self.group, self.hd
         if self.fused:
+            keys, values = keys.transpose(0, 1), values.transpose(0, 1)  # [B, kv_heads, ctx, hd]
+            if self.causal:
+                keys, values = keys[:, :, :n], values[:, :, :n]
             out = F.scaled_dot_product_attention(
-                q.transpose(1, 2),
-                keys.transpose(0, 1),
-                values.transpose(0, 1),
-                attn_mask=self.mask,
-                enable_gqa=True,
+                q.transpose(1, 2), keys, values, attn_mask=self.mask, is_causal=self.causal, enable_gqa=True
             )
             return out.transpose(1, 2).reshape(bsz, n, hkv * g * hd)
         qh = (q * self.scale).view(bsz, n, hkv, g, hd).permute(2, 0, 3, 1, 4).reshape(hkv, bsz, g * n, hd)
-        scores = torch.matmul(qh, keys.transpose(-1, -2)).add_(self.mask)
+        scores = torch.matmul(qh, keys.transpose(-1, -2))
+        if self.mask is not None:
+            scores.add_(self.mask)
         out = torch.matmul(torch.softmax(scores, dim=-1), values)  # [hkv, B, g * n, hd]
         return out.view(hkv, bsz, g, n, hd).permute(1, 3, 0, 2, 4).reshape(bsz, n, hkv * g * hd)
 
