@@ -185,10 +185,14 @@ class PagedEngine(EngineAdapter):
         self._reserve(need, pinned=reuse)
         self.pool.allocator.incref(reuse)
         fresh = self.pool.allocator.allocate(need)
-        at = 0
-        for kb in blocks:
-            self.pool.write_blocks(fresh[at : at + kb.num_blocks], kb.data)
-            at += kb.num_blocks
+        try:
+            at = 0
+            for kb in blocks:
+                self.pool.write_blocks(fresh[at : at + kb.num_blocks], kb.data)
+                at += kb.num_blocks
+        except BaseException:
+            self.pool.allocator.decref([*reuse, *fresh])
+            raise
         seq = SequenceState(
             request_id, ids, len(ids), sampling, reuse + fresh, len(ids), hashes[: len(reuse)]
         )
