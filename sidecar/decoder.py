@@ -181,12 +181,13 @@ class Decoder:
                 seq.intake = HandoffIntake(seq.request_id, seq.base)
             ids = seq.intake.accept(s)
             seq.generated[s.first_position - seq.base :] = list(ids)
-            if s.final and self._complete(seq, ids):  # nothing left to generate (max tokens, stop token)
+            if self._complete(seq, ids):  # nothing left to generate (max tokens, stop token): no extend
                 if emit_given:
                     for i, tok in enumerate(ids):
                         self._emit(seq, s.first_position + i, tok, i == len(ids) - 1)
-                seq.finished = True
-                await self.end(seq, "finished")
+                if s.final:
+                    seq.finished = True
+                    await self.end(seq, "finished")
                 return s.end_position
             out = await self.loop.call("extend", self.loop.engine.extend, seq.request_id, list(ids))
             if emit_given:

@@ -77,6 +77,22 @@ def run_once(
             )
         finally:
             bar.close()
+        with open(spec.run_dir / "requests.jsonl", "w") as f:  # per-request records, for diagnosis
+            for r in results:
+                f.write(
+                    json.dumps(
+                        {
+                            "index": r.index,
+                            "ttft_s": r.ttft_s,
+                            "e2e_s": r.e2e_s,
+                            "outcome": r.outcome,
+                            "reason": r.reason,
+                            "sources": r.sources,
+                            "trace": r.trace,
+                        }
+                    )
+                    + "\n"
+                )
         time.sleep(1.0)  # shipments that outlive their request (RLD finished it) land on MD
         after = sidecar_counters(cluster)
     return results, {k: after[k] - before.get(k, 0.0) for k in after}
