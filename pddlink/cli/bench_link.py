@@ -31,9 +31,10 @@ from pddlink.transport.bench.run import run_loopback, run_netlab
 @click.option(
     "--transfer-bytes",
     type=click.IntRange(4096),
-    default=256 << 20,
+    default=32 << 20,
     show_default=True,
-    help="size of one transfer; --bytes is sent as several transfers",
+    help="size of one transfer (default: the KV delta of a typical request, a 64K-token prompt at a 90% "
+    "prefix hit, ~29 MB); --bytes is sent as several transfers, each from its own source region",
 )
 @click.option("--codec", type=click.Choice(["none", "kv"]), default="none", show_default=True)
 @click.option("--cc", type=click.Choice(["bbr", "cubic", "reno"]), default="bbr", show_default=True)

@@ -34,7 +34,8 @@ RECEIVER = PeerIdentity("bench", "receiver")
 SENDER = PeerIdentity("bench", "sender")
 CODEC_NONE, CODEC_KV = 0, 1
 CODEC_THREADS = 2
-IN_FLIGHT_TRANSFERS = 2  # the next transfer starts while the last one's tail drains, as in a sidecar
+IN_FLIGHT_TRANSFERS = 2
+SOURCE_BYTES = 512 << 20  # the next transfer starts while the last one's tail drains, as in a sidecar
 _LAYOUT = KVLayoutSpec("bench/random", 1, 1, 128, "bf16", 16)
 
 
@@ -167,7 +168,7 @@ async def receive(spec: BenchSpec, addr: str) -> None:
 def make_payload(nbytes: int, codec: str) -> np.ndarray:
     rng = np.random.default_rng(1)
     if codec == "none":
-        return rng.integers(0, 256, size=nbytes, dtype=np.uint8)
+        return np.frombuffer(rng.bytes(nbytes), dtype=np.uint8)
     # bf16 with Gaussian-like values: the top half of float32 normals
     values = rng.standard_normal(nbytes // 2, dtype=np.float32)
     return (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
@@ -191,7 +192,10 @@ def begin_for(index: int, nbytes: int, spec: BenchSpec, deadline_s: float) -> Tr
 
 async def send(spec: BenchSpec, addr: str) -> None:
     sizes = spec.transfer_sizes()
-    payload = memoryview(make_payload(max(sizes), spec.codec).data).cast("B")
+    # Every transfer sends its own region of a source larger than the CPU caches, as KV of different
+    # requests would be: re-sending one cache-resident buffer would flatter the figure.
+    source_bytes = min(spec.total_bytes, max(max(sizes), SOURCE_BYTES))
+    payload = memoryview(make_payload(source_bytes, spec.codec).data).cast("B")
     host, port = _split(addr)
     t_connect = time.perf_counter()
     client = await KVClient.connect(
@@ -216,9 +220,10 @@ async def send(spec: BenchSpec, addr: str) -> None:
     async def one(i: int, size: int) -> None:
         async with slots:
             left = spec.deadline_s - (time.perf_counter() - t0)
-            data = (
-                payload[:size] if codec is None else memoryview(await kvcodec.compress(codec, payload[:size]))
-            )
+            start = (i * spec.transfer_bytes) % (len(payload) - size + 1)
+            data = payload[start : start + size]
+            if codec is not None:
+                data = memoryview(await kvcodec.compress(codec, data))
             wire_bytes.append(len(data))
             begin = begin_for(i, len(data), spec, left)
             result = await client.send_transfer(begin, data, deadline_s=left)
