@@ -25,8 +25,9 @@ from typing import Any
 import torch
 
 from engines_adapter.base import KVLayout, SamplingParams
+from engines_adapter.torch_ref.batch import PagedBatch
 from engines_adapter.torch_ref.kv_pool import TORCH_DTYPES
-from engines_adapter.torch_ref.model import PagedBatch, PagedLlama
+from engines_adapter.torch_ref.model import PagedLlama
 from engines_adapter.torch_ref.paged_engine import PagedEngine, SequenceState
 from engines_adapter.torch_ref.presets import ModelConfig, resolve_preset
 from engines_adapter.torch_ref.weights import (
@@ -35,6 +36,7 @@ from engines_adapter.torch_ref.weights import (
     load_safetensors,
     random_state_dict,
 )
+from engines_adapter.torch_ref.workspace import DecodeWorkspace
 from pddlink.errors import ConfigError, Unavailable
 
 
@@ -54,6 +56,7 @@ class TorchRefEngine(PagedEngine):
         state_dict: StateDict | None = None,
         model_id: str | None = None,
         chunk_tokens: int = 2048,
+        workspace_bytes: int = 256 * 2**20,
         **model_overrides: Any,
     ) -> None:
         if preset is None:  # the checkpoint says what it is
@@ -84,9 +87,36 @@ class TorchRefEngine(PagedEngine):
         )
         self.config = config
         self.model = PagedLlama(config, state_dict, TORCH_DTYPES[dtype], dev)
+        # Decode steps of a repeating batch read a contiguous copy of its KV (0 disables it).
+        self.workspace_bytes = workspace_bytes
+        self._workspace: DecodeWorkspace | None = None
+        self.workspace_builds = 0  # how often a decode batch changed (a gather of its whole context)
 
+    @torch.inference_mode()
     def _run(self, seqs: Sequence[SequenceState], new_tokens: Sequence[Sequence[int]]) -> torch.Tensor:
-        return self.model.forward(self.pool, self._batch(seqs, new_tokens))
+        batch = self._batch(seqs, new_tokens)
+        workspace = self._workspace_for(seqs, batch) if len(new_tokens[0]) == 1 else None
+        try:
+            logits = self.model.forward(self.pool, batch, workspace=workspace)
+        except BaseException:
+            self._workspace = None
+            raise
+        if workspace is not None:
+            workspace.advance()
+        return logits
+
+    def _workspace_for(self, seqs: Sequence[SequenceState], batch: PagedBatch) -> DecodeWorkspace | None:
+        """The decode workspace of this batch: kept if the batch continues, else rebuilt (or none)."""
+        kv_tokens = [s.kv_tokens for s in seqs]
+        ws = self._workspace
+        if ws is not None and ws.fits(seqs, kv_tokens):
+            return ws
+        self._workspace = None  # free the old one before building another
+        if DecodeWorkspace.nbytes_for(self.pool, len(seqs), max(kv_tokens)) > self.workspace_bytes:
+            return None
+        self._workspace = DecodeWorkspace(self.pool, seqs, kv_tokens, batch.block_tables)
+        self.workspace_builds += 1
+        return self._workspace
 
     def _batch(self, seqs: Sequence[SequenceState], new_tokens: Sequence[Sequence[int]]) -> PagedBatch:
         """Index tensors for one forward pass; every sequence adds the same number of tokens."""

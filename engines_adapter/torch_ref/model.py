@@ -19,9 +19,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engines_adapter.torch_ref.batch import PagedBatch
 from engines_adapter.torch_ref.kv_pool import KVPool
 from engines_adapter.torch_ref.presets import Llama3RopeScaling, ModelConfig
 from engines_adapter.torch_ref.weights import StateDict, check_state_dict
+from engines_adapter.torch_ref.workspace import DecodeWorkspace, KVAccess, PoolGather
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -34,24 +36,6 @@ class _Layer:
     mlp_norm: torch.Tensor
     w_gate_up: torch.Tensor
     w_down: torch.Tensor
-
-
-@dataclass(frozen=True, slots=True)
-class PagedBatch:
-    """Where a forward pass reads and writes: ``B`` sequences, ``n`` new tokens each.
-
-    ``positions[b, j]`` is the absolute position of new token ``j``; ``slot_blocks``/``slot_offsets``
-    (``B * n``, row-major) name the pool slot that receives its K/V; ``block_tables`` (``[B, max_blocks]``,
-    padded with any valid block id) list each sequence's blocks covering every position up to its
-    last new token.
-    """
-
-    token_ids: torch.Tensor
-    positions: torch.Tensor
-    slot_blocks: torch.Tensor
-    slot_offsets: torch.Tensor
-    block_tables: torch.Tensor
-    no_past: bool = False  # every sequence starts at position 0 (a cold prefill)
 
 
 class PagedLlama:
@@ -95,16 +79,27 @@ class PagedLlama:
         self._qkv_split = [config.num_heads * config.head_dim + kv_width, kv_width]  # (q and k), v
 
     @torch.inference_mode()
-    def forward(self, pool: KVPool, batch: PagedBatch, *, all_logits: bool = False) -> torch.Tensor:
-        """Logits ``[B, vocab]`` of each sequence's last new token (``[B, n, vocab]`` with ``all_logits``)."""
+    def forward(
+        self,
+        pool: KVPool,
+        batch: PagedBatch,
+        *,
+        all_logits: bool = False,
+        workspace: DecodeWorkspace | None = None,
+    ) -> torch.Tensor:
+        """Logits ``[B, vocab]`` of each sequence's last new token (``[B, n, vocab]`` with ``all_logits``).
+
+        With a ``workspace`` (decode steps of a repeating batch) the context is read from it instead
+        of being gathered from the pool's blocks.
+        """
         cfg = self.config
         bsz, n = batch.token_ids.shape
         hq, hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        table = batch.block_tables.reshape(-1)
-        ctx = batch.block_tables.shape[1] * pool.layout.block_size
+        kv: KVAccess = workspace.step(pool, batch) if workspace is not None else PoolGather(pool, batch)
+        ctx = kv.context_len
         cos = self.cos[batch.positions].unsqueeze(2)  # [B, n, 1, hd]
         sin = self.sin[batch.positions].unsqueeze(2)
-        key_pos = torch.arange(ctx, device=table.device)
+        key_pos = torch.arange(ctx, device=batch.positions.device)
         visible = key_pos.view(1, 1, ctx) <= batch.positions.view(bsz, n, 1)  # [B, n, ctx]
         attend = _Attention(cfg, bsz, n, visible, self.dtype, from_start=batch.no_past)
         x = F.embedding(batch.token_ids, self.embed)
@@ -112,14 +107,8 @@ class PagedLlama:
             h = _rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
             qk, v = F.linear(h, layer.w_qkv).split_with_sizes(self._qkv_split, dim=-1)
             q, k = _rope(qk.view(bsz, n, hq + hkv, hd), cos, sin).split_with_sizes([hq, hkv], dim=2)
-            pool.write_tokens(
-                li,
-                batch.slot_blocks,
-                batch.slot_offsets,
-                k.reshape(bsz * n, hkv, hd),
-                v.reshape(bsz * n, hkv, hd),
-            )
-            keys, values = pool.gather(li, table, bsz)
+            kv.write(li, k.reshape(bsz * n, hkv, hd), v.reshape(bsz * n, hkv, hd))
+            keys, values = kv.read(li)
             x = x + F.linear(attend(q, keys, values), layer.w_o)
             gate, up = F.linear(_rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps), layer.w_gate_up).chunk(
                 2, dim=-1
