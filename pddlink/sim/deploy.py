@@ -1,0 +1,108 @@
+"""Deployments the simulator compares: intra-datacenter PD, cross-datacenter PD and PDD variants.
+
+A ``Deployment`` is frozen configuration: the P pool, the decode pool (D inside datacenter A for
+intra-datacenter PD, MainDecode in datacenter B otherwise), the RelayDecode pool (PDD only), the WAN
+line and fast path, the per-GPU prefix-cache capacity on the decode side, the routing policy (the
+real ``pddlink.routing`` one) and the price of the line. Its ``cost`` is what BCR divides by.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from pddlink.errors import ConfigError
+from pddlink.routing import RoutingPolicy
+from pddlink.sim.hardware import AFigures, HardwareType, InstanceModel
+
+
+class Kind(StrEnum):
+    INTRA_DC_PD = "intra_dc_pd"  # P and D in one datacenter, KV over the fast path
+    CROSS_DC_PD = "cross_dc_pd"  # P in A, MD in B, P->MD only
+    PDD = "pdd"  # P and RLD in A, MD in B, the pipeline policy decides
+
+
+@dataclass(frozen=True, slots=True)
+class Pool:
+    hw: HardwareType
+    gpus_per_instance: int
+    instances: int
+
+    def __post_init__(self) -> None:
+        if self.gpus_per_instance < 1 or self.instances < 1:
+            raise ConfigError(f"pool of {self.hw.name}: gpus_per_instance and instances must be >= 1")
+
+    @property
+    def gpus(self) -> int:
+        return self.gpus_per_instance * self.instances
+
+    def model(self, fig: AFigures) -> InstanceModel:
+        return InstanceModel(self.hw, self.gpus_per_instance, fig)
+
+    @property
+    def price(self) -> float:
+        return self.gpus * self.hw.price_rel
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    """The WAN line (only used when P and decode sit in different datacenters) and the fast path."""
+
+    wan_gbps: float = 20.0
+    wan_efficiency: float = 0.95  # goodput / line rate (headers, framing)
+    rtt_s: float = 0.02
+    pool_size: int = 64
+    flow_cap_gbps: float = 20.0
+    fast_gbps: float = 400.0
+    fast_setup_s: float = 0.01
+
+    def __post_init__(self) -> None:
+        if min(self.wan_gbps, self.flow_cap_gbps, self.fast_gbps) <= 0 or not 0 < self.wan_efficiency <= 1:
+            raise ConfigError("link rates must be > 0 and wan_efficiency in (0, 1]")
+        if self.pool_size < 1 or self.rtt_s < 0 or self.fast_setup_s < 0:
+            raise ConfigError("pool_size must be >= 1, rtt_s and fast_setup_s >= 0")
+
+    @property
+    def wan_bytes_s(self) -> float:
+        return self.wan_gbps * 1e9 / 8 * self.wan_efficiency
+
+    @property
+    def flow_cap_bytes_s(self) -> float:
+        return self.flow_cap_gbps * 1e9 / 8 * self.wan_efficiency
+
+    def fast_s(self, nbytes: int) -> float:
+        return self.fast_setup_s + nbytes * 8 / (self.fast_gbps * 1e9)
+
+
+@dataclass(frozen=True, slots=True)
+class Deployment:
+    name: str
+    kind: Kind
+    prefill: Pool
+    decode: Pool
+    relay: Pool | None = None
+    link: Link = field(default_factory=Link)
+    policy: RoutingPolicy = field(default_factory=RoutingPolicy)
+    fig: AFigures = field(default_factory=AFigures)
+    kv_bytes_per_token: int = 4400
+    drc_tokens_per_gpu: int = 32_000_000
+    line_price: float = 0.33  # the line's cost in A-GPU units over the same period
+
+    def __post_init__(self) -> None:
+        if self.kind is Kind.PDD and self.relay is None:
+            raise ConfigError(f"deployment {self.name}: PDD needs a relay (RLD) pool")
+        if self.kv_bytes_per_token < 1 or self.drc_tokens_per_gpu < 1 or self.line_price < 0:
+            raise ConfigError(f"deployment {self.name}: kv_bytes_per_token and drc capacity must be >= 1")
+
+    @property
+    def crosses_wan(self) -> bool:
+        return self.kind is not Kind.INTRA_DC_PD
+
+    @property
+    def cost(self) -> float:
+        gpus = self.prefill.price + self.decode.price + (self.relay.price if self.relay else 0.0)
+        return gpus + (self.line_price if self.crosses_wan else 0.0)
+
+    @property
+    def gpus(self) -> int:
+        return self.prefill.gpus + self.decode.gpus + (self.relay.gpus if self.relay else 0)

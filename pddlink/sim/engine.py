@@ -1,0 +1,277 @@
+"""One simulated run: requests flow through P, the fast path or the WAN, RelayDecode and MainDecode.
+
+Lifecycle of a request (DESIGN.md, "Roles and one request's path"), as simulated:
+
+1. Arrival: the router matches the prompt's full blocks against every decode instance's DRC (the
+   real ``pddlink.drc.PrefixIndex``; the sim's mirror is always fresh), picks the best-matching
+   instance among the not-overloaded ones and the least-backlogged P, and - for PDD - calls the real
+   ``pddlink.routing.choose_pipeline`` with the line's state.
+2. P prefills the missing suffix (P's own prefix cache is taken to be aligned with the chosen decode
+   instance's, which is what "a normal request always ends on MD" preserves), then ships KV: the
+   missing suffix over the fast path (intra-datacenter) or the WAN (after a reservation round trip),
+   and for a relayed or singular request the whole KV to RLD over the fast path.
+3. RLD decodes at once. When the WAN transfer lands, ``choose_handoff_mode`` (RLD's load) picks
+   one-shot (RLD stops; MD stalls for one extend of the generated ids) or catch-up (RLD keeps decoding
+   while MD extends, MD takes over after one more iteration).
+4. MD finishes, unpins and inserts the prompt into its DRC. Singular requests finish on RLD and
+   leave MD's cache alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from pddlink.routing import HandoffMode, Pipeline, RoutingInputs, choose_handoff_mode, choose_pipeline
+from pddlink.sim.cache import DecodeCache
+from pddlink.sim.deploy import Deployment, Kind
+from pddlink.sim.records import Record, RunRecords
+from pddlink.sim.resources import Clock, DecodeInstance, DecodeSeq, PrefillInstance, WanLine
+from pddlink.sim.trace import TraceRequest
+
+# Cache-aware routing yields to balance when an instance's admission queue is this much longer than
+# the shortest one (sequences waiting for a batch slot or KV room).
+BALANCE_QUEUE = 16
+
+
+@dataclass(slots=True)
+class _Req:
+    trace: TraceRequest
+    hashes: tuple[int, ...]
+    record: Record
+    decode: DecodeInstance
+    cache: DecodeCache
+    tip: int | None
+    pipeline: Pipeline
+    rld: DecodeInstance | None = None
+    rld_seq: DecodeSeq | None = None
+    rld_done: bool = False
+    wan_start_s: float = 0.0
+    landed: bool = False
+    released: bool = False
+
+
+class Simulation:
+    def __init__(self, deployment: Deployment, block_tokens: int) -> None:
+        d = deployment
+        self.d, self.block_tokens = d, block_tokens
+        self.clock = Clock()
+        self.prefill = [
+            PrefillInstance(self.clock, d.prefill.model(d.fig), f"p{i}") for i in range(d.prefill.instances)
+        ]
+        self.decode = [
+            DecodeInstance(self.clock, d.decode.model(d.fig), f"d{i}") for i in range(d.decode.instances)
+        ]
+        cap_blocks = max(1, d.drc_tokens_per_gpu * d.decode.gpus_per_instance // block_tokens)
+        self.caches = [DecodeCache(cap_blocks) for _ in self.decode]
+        self.relay = (
+            [DecodeInstance(self.clock, d.relay.model(d.fig), f"r{i}") for i in range(d.relay.instances)]
+            if d.relay
+            else []
+        )
+        self.rld_capacity = sum(r.model.max_seqs for r in self.relay)
+        link = d.link
+        self.line = WanLine(self.clock, link.wan_bytes_s, link.rtt_s, link.pool_size, link.flow_cap_bytes_s)
+        self.records = RunRecords()
+        # Requests with a bound this short are taken as singular while prewarming (no MD insert).
+        self.singular_max_tokens = 16
+
+    # -- arrival and routing -------------------------------------------------------------------
+
+    def run(
+        self, requests: Iterable[TraceRequest], warmup_s: float = 0.0, prewarm_s: float = 0.0
+    ) -> RunRecords:
+        """Simulate ``requests``. Those arriving before ``prewarm_s`` only fill the decode-side caches
+        (a cluster in service is warm); those before ``warmup_s`` run but are not measured."""
+        clock, last = self.clock, 0.0
+        for r in requests:
+            if r.arrival_s < prewarm_s:
+                self._prewarm(r)
+                continue
+            clock.run(until=r.arrival_s)
+            clock.now = last = r.arrival_s
+            self._arrive(r, warmup_s)
+        clock.run()
+        self.records.simulated_s = max(last, clock.now)
+        self.records.measured_s = max(1e-9, last - warmup_s)
+        self.records.line_delivered_bytes = self.line.delivered_bytes
+        self.records.line_pool_full_s = self.line.pool_full_s
+        self.records.line_busy_s = self.line.busy_s
+        self.records.events = clock.events
+        return self.records
+
+    def _pick_decode(self, hashes: tuple[int, ...]) -> tuple[int, int]:
+        """Best prefix match among instances whose admission queue is not much longer than the
+        shortest one's; ties go to the least loaded."""
+        queues = [x.queued for x in self.decode]
+        limit = min(queues) + BALANCE_QUEUE
+        best, best_match = -1, -1
+        for i, cache in enumerate(self.caches):
+            if queues[i] > limit:
+                continue
+            m = cache.matched_blocks(hashes)
+            if m > best_match or (m == best_match and self.decode[i].load < self.decode[best].load):
+                best, best_match = i, m
+        return best, best_match
+
+    def _prewarm(self, r: TraceRequest) -> None:
+        hashes = r.block_ids[: r.prompt_tokens // self.block_tokens]
+        if r.max_tokens > self.singular_max_tokens:
+            # Best match; ties to the emptiest cache, so the warm state is spread as routing would.
+            cache = max(self.caches, key=lambda c: (c.matched_blocks(hashes), -len(c.index)))
+            cache.index.insert(hashes, r.arrival_s)
+
+    def _arrive(self, r: TraceRequest, warmup_s: float) -> None:
+        now = self.clock.now
+        b = self.block_tokens
+        hashes = r.block_ids[: r.prompt_tokens // b]
+        i, matched_blocks = self._pick_decode(hashes)
+        cache = self.caches[i]
+        matched = min(r.prompt_tokens - 1, matched_blocks * b)
+        pipeline = self._choose(r, matched, now)
+        tip = cache.reserve(hashes, now) if pipeline is not Pipeline.SINGULAR else None
+        rec = Record(r.arrival_s, r.output_tokens, pipeline, measured=r.arrival_s >= warmup_s)
+        rec.hit = matched / r.prompt_tokens
+        req = _Req(r, hashes, rec, self.decode[i], cache, tip, pipeline)
+        self.records.add(rec)
+        p = min(self.prefill, key=lambda x: x.backlog_s(now))
+        p.submit(r.prompt_tokens - matched, matched, now, self._prefilled, req)
+        rec.missing_tokens = r.prompt_tokens - matched
+
+    def _choose(self, r: TraceRequest, matched: int, now: float) -> Pipeline:
+        d = self.d
+        if d.kind is not Kind.PDD:
+            return Pipeline.P_MD
+        inputs = RoutingInputs(
+            prompt_tokens=r.prompt_tokens,
+            matched_tokens=matched,
+            kv_bytes_per_token=d.kv_bytes_per_token,
+            max_output_tokens=r.max_tokens,
+            link=self.line.estimate(now),
+            rld_available=bool(self.relay),
+            rld_active=sum(x.load for x in self.relay),
+            rld_capacity=self.rld_capacity,
+            rld_tpot_s=min(x.tpot_s() for x in self.relay),
+        )
+        return choose_pipeline(inputs, d.policy).pipeline
+
+    # -- after prefill ---------------------------------------------------------------------------
+
+    def _prefilled(self, now: float, req: _Req) -> None:
+        d, rec, r = self.d, req.record, req.trace
+        rec.prefill_done_s = now
+        missing_bytes = rec.missing_tokens * d.kv_bytes_per_token
+        if req.pipeline is not Pipeline.P_MD:
+            rld = min(self.relay, key=lambda x: x.load)
+            req.rld = rld
+            self.clock.at(now + d.link.fast_s(r.prompt_tokens * d.kv_bytes_per_token), self._at_rld, req)
+            if req.pipeline is Pipeline.SINGULAR:
+                return
+        if d.crosses_wan:
+            # Reservation round trip with MD, then the suffix on the line.
+            self.clock.at(now + d.link.rtt_s, self._wan_start, req)
+        else:
+            self.clock.at(now + d.link.fast_s(missing_bytes), self._kv_at_decode, req)
+
+    def _wan_start(self, now: float, req: _Req) -> None:
+        req.wan_start_s = now
+        self.line.send(req.record.missing_tokens * self.d.kv_bytes_per_token, now, self._wan_done, req)
+
+    def _wan_done(self, now: float, req: _Req) -> None:
+        req.record.kv_transfer_s = now - req.wan_start_s
+        self._land(now, req)
+        if req.pipeline is Pipeline.P_RLD_MD:
+            self._handoff(now, req)
+        else:
+            self._kv_at_decode(now, req)
+
+    # -- decode on D / MD ------------------------------------------------------------------------
+
+    def _kv_at_decode(self, now: float, req: _Req, tokens: int | None = None) -> None:
+        self._land(now, req)
+        n = req.trace.output_tokens if tokens is None else tokens
+        seq = DecodeSeq(n, req.trace.prompt_tokens + n, self._decode_done, req, self._md_first_token)
+        req.decode.admit(seq, now)
+
+    def _md_first_token(self, t: float, req: _Req) -> None:
+        rec = req.record
+        back = self.d.link.rtt_s / 2 if self.d.crosses_wan else 0.0
+        if rec.first_token_s < 0:
+            rec.first_token_s = t + back
+        rec.md_start_s = t + back
+
+    def _decode_done(self, now: float, req: _Req) -> None:
+        rec = req.record
+        rec.finish_s = now + (self.d.link.rtt_s / 2 if self.d.crosses_wan else 0.0)
+        rec.md_tokens = req.trace.output_tokens - rec.rld_tokens
+        self._release(req)
+
+    def _land(self, now: float, req: _Req) -> None:
+        """MD holds the prompt's KV: it enters MD's DRC (pinned while the sequence runs)."""
+        if not req.landed:
+            req.landed = True
+            req.tip = req.cache.land(req.hashes, req.tip, now)
+
+    def _release(self, req: _Req) -> None:
+        if not req.released:
+            req.released = True
+            req.cache.release(req.tip)
+
+    # -- RelayDecode -------------------------------------------------------------------------------
+
+    def _at_rld(self, now: float, req: _Req) -> None:
+        assert req.rld is not None
+        seq = DecodeSeq(
+            req.trace.output_tokens, req.trace.prompt_tokens, self._rld_finished, req, self._rld_first
+        )
+        req.rld_seq = seq
+        req.rld.admit(seq, now)
+
+    def _rld_first(self, t: float, req: _Req) -> None:
+        if req.record.first_token_s < 0:
+            req.record.first_token_s = t
+
+    def _rld_finished(self, now: float, req: _Req) -> None:
+        rec = req.record
+        req.rld_done = True
+        rec.rld_tokens = req.trace.output_tokens
+        rec.finish_s = now
+        if req.pipeline is Pipeline.SINGULAR:
+            return
+        if rec.kv_transfer_s >= 0:  # catch-up was under way; MD already has the KV
+            self._release(req)
+
+    def _handoff(self, now: float, req: _Req) -> None:
+        rld, seq = req.rld, req.rld_seq
+        if req.rld_done or rld is None or seq is None:
+            self._release(req)  # finished on RLD before the KV landed; MD caches it all the same
+            return
+        load = rld.load / rld.model.max_seqs
+        decision = choose_handoff_mode(load, self.d.policy)
+        rec = req.record
+        rec.handoff = decision.mode
+        md_model = req.decode.model
+        if decision.mode is HandoffMode.ONE_SHOT:
+            produced = rld.remove(seq, now)
+            self._to_md(now + md_model.extend_s(produced), req, produced)
+        else:
+            # RLD keeps decoding while MD extends what it has; MD is level one iteration later.
+            self.clock.at(now + md_model.extend_s(rld.generated(seq, now)), self._catch_up_done, req)
+
+    def _catch_up_done(self, now: float, req: _Req) -> None:
+        rld, seq = req.rld, req.rld_seq
+        assert rld is not None and seq is not None
+        if req.rld_done:
+            return
+        produced = rld.remove(seq, now)
+        self._to_md(now + req.decode.tpot_s(), req, produced)
+
+    def _to_md(self, t: float, req: _Req, produced: int) -> None:
+        rec = req.record
+        rec.rld_tokens = produced
+        rest = req.trace.output_tokens - produced
+        if rest <= 0:
+            rec.finish_s = t
+            self._release(req)
+            return
+        self.clock.at(t, lambda now, r: self._kv_at_decode(now, r, rest), req)

@@ -1,0 +1,99 @@
+"""Per-request records of one simulated run, and the figures computed from them.
+
+A ``Record`` is filled in as its request moves through the simulation (times in simulated seconds,
+-1 until known). ``RunRecords.summary`` turns the measured ones (arrived after the warm-up) into
+TTFT / TPOT / end-to-end percentiles, SLA attainment and goodput, token shares by tier, KV transfer
+latencies and line figures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from pddlink.routing import HandoffMode, Pipeline
+
+
+class Record:
+    __slots__ = (
+        "arrival_s", "finish_s", "first_token_s", "handoff", "hit", "kv_transfer_s", "md_start_s",
+        "md_tokens", "measured", "missing_tokens", "output_tokens", "pipeline", "prefill_done_s",
+        "rld_tokens",
+    )  # fmt: skip
+
+    def __init__(self, arrival_s: float, output_tokens: int, pipeline: Pipeline, measured: bool) -> None:
+        self.arrival_s, self.output_tokens, self.pipeline, self.measured = (
+            arrival_s, output_tokens, pipeline, measured,
+        )  # fmt: skip
+        self.first_token_s = self.finish_s = self.prefill_done_s = self.md_start_s = -1.0
+        self.kv_transfer_s = -1.0
+        self.rld_tokens = self.md_tokens = self.missing_tokens = 0
+        self.hit = 0.0
+        self.handoff: HandoffMode | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Sla:
+    ttft_s: float
+    tpot_s: float
+
+
+def percentiles(values: np.ndarray) -> dict[str, float]:
+    if values.size == 0:
+        return {"p50": float("nan"), "p90": float("nan"), "p99": float("nan")}
+    p50, p90, p99 = np.percentile(values, [50, 90, 99])
+    return {"p50": round(float(p50), 4), "p90": round(float(p90), 4), "p99": round(float(p99), 4)}
+
+
+@dataclass(slots=True)
+class RunRecords:
+    records: list[Record] = field(default_factory=list)
+    simulated_s: float = 0.0
+    measured_s: float = 0.0
+    line_delivered_bytes: float = 0.0
+    line_pool_full_s: float = 0.0
+    line_busy_s: float = 0.0
+    events: int = 0
+
+    def add(self, record: Record) -> None:
+        self.records.append(record)
+
+    def measured(self) -> list[Record]:
+        return [r for r in self.records if r.measured and r.finish_s >= 0]
+
+    def ttft(self) -> np.ndarray:
+        return np.array([r.first_token_s - r.arrival_s for r in self.measured()])
+
+    def kv_transfer(self) -> np.ndarray:
+        return np.array([r.kv_transfer_s for r in self.measured() if r.kv_transfer_s >= 0])
+
+    def summary(self, sla: Sla, line_bytes_s: float) -> dict[str, Any]:
+        recs = self.measured()
+        ttft = np.array([r.first_token_s - r.arrival_s for r in recs])
+        e2e = np.array([r.finish_s - r.arrival_s for r in recs])
+        out = np.array([r.output_tokens for r in recs])
+        tpot = np.where(out > 1, (e2e - ttft) / np.maximum(1, out - 1), 0.0)
+        ok = (ttft <= sla.ttft_s) & (tpot <= sla.tpot_s)
+        rld = sum(r.rld_tokens for r in recs)
+        total = int(out.sum()) if recs else 0
+        pipes = {p.value: sum(1 for r in recs if r.pipeline is p) for p in Pipeline}
+        modes = {m.value: sum(1 for r in recs if r.handoff is m) for m in HandoffMode}
+        window = max(1e-9, self.simulated_s)
+        return {
+            "requests": len(recs),
+            "unfinished": sum(1 for r in self.records if r.measured and r.finish_s < 0),
+            "ttft_s": percentiles(ttft),
+            "tpot_s": percentiles(tpot[out > 1]),
+            "e2e_s": percentiles(e2e),
+            "sla_attainment": round(float(ok.mean()), 4) if recs else 0.0,
+            "sla_goodput_rps": round(float(ok.sum()) / self.measured_s, 4),
+            "rld_token_share": rld / total if total else 0.0,
+            "pipelines": pipes,
+            "handoffs": modes,
+            "mean_hit": round(float(np.mean([r.hit for r in recs])), 4) if recs else 0.0,
+            "kv_transfer_s": percentiles(self.kv_transfer()),
+            "wan_utilisation": round(self.line_delivered_bytes / (line_bytes_s * window), 4),
+            "pool_full_share": round(self.line_pool_full_s / window, 4),
+        }

@@ -1,0 +1,294 @@
+"""Simulated resources: the event clock, the WAN line, prefill and decode instances.
+
+All are fluid models driven by one ``Clock`` (a heap of timed callbacks), so an hour of traffic costs
+a few events per request, not one per token or packet:
+
+- ``WanLine``: processor sharing. Every transfer holding a connection gets the same rate,
+  ``min(flow_cap, line / n)``; at most ``pool_size`` transfers hold a connection, the rest wait FIFO.
+  A virtual clock of "bytes served per flow" makes a join or a completion O(log n).
+- ``PrefillInstance``: FIFO queue; an idle instance takes a batch of queued prompts up to a token
+  budget and runs them as one batch (one fixed cost, the sum of their compute).
+- ``DecodeInstance``: continuous batching. One iteration emits one token for every running sequence
+  and lasts ``step_s(n, context)``; a virtual "iterations done" clock gives each sequence's finish.
+  Admission waits FIFO while the batch or the KV pool is full.
+
+A change of state bumps a resource's version; a timer armed before the change is ignored when it fires.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from pddlink.routing import LinkEstimate
+from pddlink.sim.hardware import InstanceModel
+
+Callback = Callable[[float, Any], None]
+
+
+class Clock:
+    """Discrete-event loop: callbacks ``fn(now, arg)`` in time order (FIFO among equal times)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._heap: list[tuple[float, int, Callback, Any]] = []
+        self._seq = 0
+        self.events = 0
+
+    def at(self, t: float, fn: Callback, arg: Any = None) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (t, self._seq, fn, arg))
+
+    def run(self, until: float = float("inf")) -> None:
+        heap, pop = self._heap, heapq.heappop
+        while heap and heap[0][0] <= until:
+            t, _, fn, arg = pop(heap)
+            self.now = t
+            self.events += 1
+            fn(t, arg)
+
+
+class WanLine:
+    """The cross-datacenter line: fair sharing, per-connection cap, connection pool."""
+
+    def __init__(
+        self, clock: Clock, rate_bytes_s: float, rtt_s: float, pool_size: int, flow_cap_bytes_s: float
+    ):
+        self.clock, self.rate, self.rtt_s = clock, rate_bytes_s, rtt_s
+        self.pool_size, self.cap = pool_size, flow_cap_bytes_s
+        self._served = 0.0  # bytes served to each active flow since the start (virtual clock)
+        self._t = 0.0
+        self._active: list[tuple[float, int, Callback, Any]] = []  # heap of (finish_served, id, fn, arg)
+        self._finish_sum = 0.0
+        self._waiting: deque[tuple[int, Callback, Any]] = deque()
+        self._waiting_bytes = 0
+        self._ids = 0
+        self._version = 0
+        self.delivered_bytes = 0.0
+        self.pool_full_s = 0.0
+        self.busy_s = 0.0
+
+    def _flow_rate(self) -> float:
+        n = len(self._active)
+        return min(self.cap, self.rate / n) if n else 0.0
+
+    def _advance(self, now: float) -> None:
+        dt = now - self._t
+        if dt > 0 and self._active:
+            r = self._flow_rate()
+            self._served += r * dt
+            self.delivered_bytes += r * dt * len(self._active)
+            self.busy_s += dt
+            if len(self._active) >= self.pool_size:
+                self.pool_full_s += dt
+        self._t = now
+
+    def send(self, nbytes: int, now: float, done: Callback, arg: Any) -> None:
+        """Queue a transfer of ``nbytes``; ``done(t, arg)`` when its last byte arrives."""
+        self._advance(now)
+        self._ids += 1
+        if len(self._active) < self.pool_size:
+            self._admit(nbytes, self._ids, done, arg)
+        else:
+            self._waiting.append((nbytes, done, arg))
+            self._waiting_bytes += nbytes
+        self._arm()
+
+    def _admit(self, nbytes: int, flow_id: int, done: Callback, arg: Any) -> None:
+        finish = self._served + nbytes
+        heapq.heappush(self._active, (finish, flow_id, done, arg))
+        self._finish_sum += finish
+
+    def _arm(self) -> None:
+        self._version += 1
+        if self._active:
+            r = self._flow_rate()
+            t = self._t + max(0.0, self._active[0][0] - self._served) / r
+            self.clock.at(t, self._on_timer, self._version)
+
+    def _on_timer(self, now: float, version: int) -> None:
+        if version != self._version:
+            return
+        self._advance(now)
+        finished = []
+        while self._active and self._active[0][0] <= self._served + 1.0:  # within a byte
+            item = heapq.heappop(self._active)
+            self._finish_sum -= item[0]
+            finished.append(item)
+        while self._waiting and len(self._active) < self.pool_size:
+            nbytes, done, arg = self._waiting.popleft()
+            self._waiting_bytes -= nbytes
+            self._ids += 1
+            self._admit(nbytes, self._ids, done, arg)
+        self._arm()
+        for _, _, done, arg in finished:
+            done(now + self.rtt_s / 2, arg)  # the completion notice crosses back
+
+    def estimate(self, now: float) -> LinkEstimate:
+        self._advance(now)
+        backlog = max(0.0, self._finish_sum - len(self._active) * self._served) + self._waiting_bytes
+        return LinkEstimate(
+            line_bytes_per_s=self.rate,
+            rtt_s=self.rtt_s,
+            flows_in_flight=len(self._active) + len(self._waiting),
+            backlog_bytes=int(backlog),
+            pool_size=self.pool_size,
+            flow_cap_bytes_per_s=self.cap,
+        )
+
+
+class PrefillInstance:
+    """A P instance: FIFO queue, batched prefill."""
+
+    def __init__(self, clock: Clock, model: InstanceModel, name: str) -> None:
+        self.clock, self.model, self.name = clock, model, name
+        self._queue: deque[tuple[int, float, Callback, Any]] = deque()  # (new_tokens, compute_s, fn, arg)
+        self.queued_s = 0.0
+        self._busy_until = 0.0
+        self.busy_s = 0.0
+
+    def backlog_s(self, now: float) -> float:
+        return self.queued_s + max(0.0, self._busy_until - now)
+
+    def submit(self, new_tokens: int, cached_tokens: int, now: float, done: Callback, arg: Any) -> None:
+        compute = self.model.prefill_s(new_tokens, cached_tokens)
+        self._queue.append((new_tokens, compute, done, arg))
+        self.queued_s += compute
+        if self._busy_until <= now:
+            self._start_batch(now)
+
+    def _start_batch(self, now: float) -> None:
+        budget = self.model.fig.prefill_batch_tokens
+        batch: list[tuple[int, float, Callback, Any]] = []
+        tokens, compute = 0, self.model.fig.prefill_batch_s
+        while self._queue and (not batch or tokens + self._queue[0][0] <= budget):
+            item = self._queue.popleft()
+            batch.append(item)
+            tokens += item[0]
+            compute += item[1]
+            self.queued_s -= item[1]
+        self._busy_until = now + compute
+        self.busy_s += compute
+        self.clock.at(self._busy_until, self._on_batch_done, batch)
+
+    def _on_batch_done(self, now: float, batch: list[tuple[int, float, Callback, Any]]) -> None:
+        if self._queue:
+            self._start_batch(now)
+        for _, _, done, arg in batch:
+            done(now, arg)
+
+
+class DecodeSeq:
+    """One sequence running (or waiting) on a decode instance."""
+
+    __slots__ = ("arg", "context", "done", "first_token", "gone", "start_v", "tokens")
+
+    def __init__(self, tokens: int, context: int, done: Callback, arg: Any, first_token: Callback) -> None:
+        self.tokens, self.context, self.done, self.arg = tokens, context, done, arg
+        self.first_token = first_token
+        self.start_v = 0.0
+        self.gone = False
+
+
+class DecodeInstance:
+    """A decode instance (D, RLD or MD) with continuous batching."""
+
+    def __init__(self, clock: Clock, model: InstanceModel, name: str) -> None:
+        self.clock, self.model, self.name = clock, model, name
+        self._v = 0.0  # iterations done
+        self._t = 0.0
+        self._running: list[tuple[float, int, DecodeSeq]] = []  # heap of (finish_v, id, seq)
+        self._n = 0
+        self._context = 0
+        self._kv_used = 0
+        self._waiting: deque[DecodeSeq] = deque()
+        self._ids = 0
+        self._version = 0
+        self.tokens_emitted = 0.0
+
+    @property
+    def load(self) -> int:
+        return self._n + len(self._waiting)
+
+    @property
+    def queued(self) -> int:
+        return len(self._waiting)
+
+    def tpot_s(self) -> float:
+        return self.model.step_s(max(1, self._n), self._context)
+
+    def _advance(self, now: float) -> None:
+        dt = now - self._t
+        if dt > 0 and self._n:
+            dv = dt / self.model.step_s(self._n, self._context)
+            self._v += dv
+            self.tokens_emitted += dv * self._n
+        self._t = now
+
+    def admit(self, seq: DecodeSeq, now: float) -> None:
+        """Start decoding ``seq.tokens`` tokens as soon as the batch and the KV pool have room."""
+        self._advance(now)
+        self._waiting.append(seq)
+        self._fill(now)
+        self._arm()
+
+    def _fits(self, seq: DecodeSeq) -> bool:
+        m = self.model
+        return self._n < m.max_seqs and (self._n == 0 or self._kv_used + seq.context <= m.kv_capacity_tokens)
+
+    def _fill(self, now: float) -> None:
+        while self._waiting and self._fits(self._waiting[0]):
+            seq = self._waiting.popleft()
+            seq.start_v = self._v
+            self._ids += 1
+            heapq.heappush(self._running, (self._v + seq.tokens, self._ids, seq))
+            self._n += 1
+            self._context += seq.context
+            self._kv_used += seq.context
+            seq.first_token(now + self.model.step_s(self._n, self._context), seq.arg)
+
+    def generated(self, seq: DecodeSeq, now: float) -> int:
+        self._advance(now)
+        return min(seq.tokens, int(self._v - seq.start_v))
+
+    def remove(self, seq: DecodeSeq, now: float) -> int:
+        """Stop ``seq`` early (handoff); returns the tokens it produced here."""
+        self._advance(now)
+        produced = min(seq.tokens, int(self._v - seq.start_v))
+        seq.gone = True
+        self._release(seq)
+        self._fill(now)
+        self._arm()
+        return produced
+
+    def _release(self, seq: DecodeSeq) -> None:
+        self._n -= 1
+        self._context -= seq.context
+        self._kv_used -= seq.context
+
+    def _arm(self) -> None:
+        self._version += 1
+        while self._running and self._running[0][2].gone:
+            heapq.heappop(self._running)
+        if self._running:
+            dv = max(0.0, self._running[0][0] - self._v)
+            t = self._t + dv * self.model.step_s(self._n, self._context)
+            self.clock.at(t, self._on_timer, self._version)
+
+    def _on_timer(self, now: float, version: int) -> None:
+        if version != self._version:
+            return
+        self._advance(now)
+        done = []
+        while self._running and (self._running[0][2].gone or self._running[0][0] <= self._v + 1e-6):
+            _, _, seq = heapq.heappop(self._running)
+            if not seq.gone:
+                seq.gone = True
+                self._release(seq)
+                done.append(seq)
+        self._fill(now)
+        self._arm()
+        for seq in done:
+            seq.done(now, seq.arg)
