@@ -215,7 +215,7 @@ class QuicListener:
         return self.bound_port
 
     def links(self) -> list[ReceivingSession]:
-        return [s for s in self.sessions.values() if not s.closed]
+        return [s for s in self.sessions.values() if s.connected]
 
     def accept(self, protocol: Any) -> None:
         """Called by the protocol once a client proved its identity and said hello."""

@@ -47,6 +47,9 @@ class ReceivingSession(PeerSession):
         self._conns: dict[int, Any] = {}
         self._receivers: dict[int, ReceiveDriver] = {}
         self._bytes_received_retired = 0
+        self._gone: asyncio.TimerHandle | None = None
+        backoff = sum(options.reconnect_backoff_s * 2**i for i in range(options.reconnect_attempts))
+        self._grace_s = backoff + options.connect_timeout_s
         self._config = TransferConfig(
             chunk_bytes=options.chunk_bytes, window_bytes=options.window_bytes, assemble=False
         )
@@ -55,6 +58,9 @@ class ReceivingSession(PeerSession):
         """Take over a connection: ``inbox.owner`` / ``inbox.on_lost`` protocol of ``tcp_conn.Inbox``."""
         lane_id = self.lanes.add(conn)
         self._conns[lane_id] = conn
+        if self._gone is not None:
+            self._gone.cancel()
+            self._gone = None
         if control:
             self._control = conn
         inbox.owner = lambda c, m: self.receive(m, lane_id)
@@ -71,6 +77,18 @@ class ReceivingSession(PeerSession):
         if conn is not None and conn is self._control:
             self._control = None
         self.lanes.remove(lane_id)
+        if not self._conns and not self.closed:
+            # the peer may reconnect (same token) within its reconnect window; after that, forget it
+            self._gone = asyncio.get_running_loop().call_later(self._grace_s, self._expire)
+
+    def _expire(self) -> None:
+        if not self._conns and not self.closed:
+            self.spawn(self.close())
+
+    @property
+    def connected(self) -> bool:
+        """Whether the peer's control connection is up (server pushes need it)."""
+        return self._control is not None and not self._control.lost
 
     def receive(self, message: Message, lane_id: int) -> None:
         transfer_id = getattr(message, "transfer_id", None)
@@ -140,6 +158,8 @@ class ReceivingSession(PeerSession):
         if self.closed:
             return
         self.closed = True
+        if self._gone is not None:
+            self._gone.cancel()
         for driver in self._receivers.values():
             if driver.finished_at is None:
                 driver.abort(ErrorCode.CANCELLED, "receiver shutting down")

@@ -316,7 +316,10 @@ class TcpListener:
         return port
 
     def links(self) -> list[ReceivingSession]:
-        return [s for s in self.sessions.values() if not s.closed]
+        """Peers connected now (their control connection is up)."""
+        for token in [t for t, s in self.sessions.items() if s.closed]:
+            del self.sessions[token]
+        return [s for s in self.sessions.values() if s.connected]
 
     def connection(self) -> FrameConnection:
         conn, inbox = new_connection(self.options)
