@@ -90,6 +90,7 @@ class TorchRefEngine(PagedEngine):
         # Decode steps of a repeating batch read a contiguous copy of its KV (0 disables it).
         self.workspace_bytes = workspace_bytes
         self._workspace: DecodeWorkspace | None = None
+        self._last_members: tuple[SequenceState, ...] = ()
         self.workspace_builds = 0  # how often a decode batch changed (a gather of its whole context)
 
     @torch.inference_mode()
@@ -106,13 +107,19 @@ class TorchRefEngine(PagedEngine):
         return logits
 
     def _workspace_for(self, seqs: Sequence[SequenceState], batch: PagedBatch) -> DecodeWorkspace | None:
-        """The decode workspace of this batch: kept if the batch continues, else rebuilt (or none)."""
+        """The decode workspace of this batch: kept while the batch continues, built when the same
+        members come back a second step in a row (a rotating batch never pays for building one)."""
         kv_tokens = [s.kv_tokens for s in seqs]
         ws = self._workspace
         if ws is not None and ws.fits(seqs, kv_tokens):
             return ws
         self._workspace = None  # free the old one before building another
-        if DecodeWorkspace.nbytes_for(self.pool, len(seqs), max(kv_tokens)) > self.workspace_bytes:
+        previous, self._last_members = self._last_members, tuple(seqs)
+        repeated = len(previous) == len(seqs) and all(a is b for a, b in zip(previous, seqs, strict=True))
+        if (
+            not repeated
+            or DecodeWorkspace.nbytes_for(self.pool, len(seqs), max(kv_tokens)) > self.workspace_bytes
+        ):
             return None
         self._workspace = DecodeWorkspace(self.pool, seqs, kv_tokens, batch.block_tables)
         self.workspace_builds += 1

@@ -7,7 +7,8 @@ context bytes three times per layer. ``DecodeWorkspace`` gathers once into conti
 buffers ``[kv_heads, B, capacity, head_dim]``, then each step appends the new token's K/V (to the
 pool, which stays the source of truth, and to the workspace) and attends over the workspace in
 place. It is rebuilt when the batch changes: other members, a member whose KV moved on outside
-decode (an extend), or no room left.
+decode (an extend), or no room left. The engine builds one only for a batch seen twice in a row,
+so a batch that rotates every step (more requests than the batch size) keeps gathering instead.
 """
 
 from __future__ import annotations
@@ -61,14 +62,17 @@ class DecodeWorkspace:
         bsz = len(self.members)
         self.capacity = max(self.lengths) + 1 + HEADROOM_TOKENS
         shape = (lay.num_layers, lay.num_kv_heads, bsz, self.capacity, lay.head_dim)
-        self.keys = pool.data.new_zeros(shape)
-        self.values = pool.data.new_zeros(shape)
+        self.keys = pool.data.new_empty(shape)
+        self.values = pool.data.new_empty(shape)
         table = block_tables.reshape(-1)
         for li in range(lay.num_layers):
             k, v = pool.gather(li, table, bsz)
             n = min(k.shape[2], self.capacity)
             self.keys[li, :, :, :n] = k[:, :, :n]
             self.values[li, :, :, :n] = v[:, :, :n]
+        # Slots not yet written must hold finite values: masked scores are score + (-inf).
+        self.keys[:, :, :, n:] = 0
+        self.values[:, :, :, n:] = 0
 
     @staticmethod
     def nbytes_for(pool: KVPool, batch_size: int, max_kv_tokens: int) -> int:
