@@ -9,8 +9,14 @@ checkpoint's ``config.json``, e.g. a downloaded Llama-3.2-1B directory).
 Threads. torch uses every core by default. When several engines share a machine (the demo runs
 three on two cores), call ``torch.set_num_threads(1)`` once at the process entry point (the
 sidecar does; this class never changes global torch state): the tiny preset's steps are too small
-to gain from intra-op threads, and oversubscribed threads spin and slow every engine down. A
-single engine alone on a machine (``pddlink bench engine``) keeps torch's default.
+to gain from intra-op threads, and oversubscribed threads spin and slow every engine down. An
+engine alone on a machine may use more (``pddlink bench engine --threads 0``); extend and prefill
+gain from threads, single decode steps of small models hardly do.
+
+Speed. A decode step costs about a millisecond for ``tiny`` on one core: fused q/k/v and
+gate/up weights, no Python loop over blocks or tokens, gathers into preallocated buffers, and a
+decode workspace (``workspace_bytes``, see ``workspace``) that keeps a repeating batch's KV
+contiguous instead of regathering it every step. Long prefills run in ``chunk_tokens`` pieces.
 
 Exactness. float32 results depend slightly on batch composition (matmul blocking); use float64
 when comparing token streams across instances (see DESIGN.md).
