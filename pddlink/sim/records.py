@@ -69,7 +69,7 @@ class RunRecords:
     def kv_transfer(self) -> np.ndarray:
         return np.array([r.kv_transfer_s for r in self.measured() if r.kv_transfer_s >= 0])
 
-    def summary(self, sla: Sla, line_bytes_s: float) -> dict[str, Any]:
+    def summary(self, sla: Sla, line_bytes_s: float, active_s: float | None = None) -> dict[str, Any]:
         recs = self.measured()
         ttft = np.array([r.first_token_s - r.arrival_s for r in recs])
         e2e = np.array([r.finish_s - r.arrival_s for r in recs])
@@ -80,7 +80,7 @@ class RunRecords:
         total = int(out.sum()) if recs else 0
         pipes = {p.value: sum(1 for r in recs if r.pipeline is p) for p in Pipeline}
         modes = {m.value: sum(1 for r in recs if r.handoff is m) for m in HandoffMode}
-        window = max(1e-9, self.simulated_s)
+        window = max(1e-9, self.simulated_s if active_s is None else active_s)
         return {
             "requests": len(recs),
             "unfinished": sum(1 for r in self.records if r.measured and r.finish_s < 0),
@@ -89,7 +89,7 @@ class RunRecords:
             "e2e_s": percentiles(e2e),
             "sla_attainment": round(float(ok.mean()), 4) if recs else 0.0,
             "sla_goodput_rps": round(float(ok.sum()) / self.measured_s, 4),
-            "rld_token_share": rld / total if total else 0.0,
+            "rld_token_share": round(rld / total, 4) if total else 0.0,
             "pipelines": pipes,
             "handoffs": modes,
             "mean_hit": round(float(np.mean([r.hit for r in recs])), 4) if recs else 0.0,
