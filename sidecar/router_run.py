@@ -251,8 +251,24 @@ class RequestRun:
                     continue  # a superseded leg: its tokens still count (positions), nothing else does
                 for tok in self._on(kind, who, item):
                     yield tok
+            await self._await_p_reply()
         finally:
             await self._close()
+
+    async def _await_p_reply(self) -> None:
+        """On P->MD, MD can finish a short output before P's reply (its trace: bytes, RTT) is in;
+        that reply is moments away (MD already had P's first token), so wait for it briefly."""
+        leg = self.leg
+        if leg is None or leg.pipeline is not Pipeline.P_MD or leg.md_ok is not None or self.failed_reason:
+            return
+        deadline = time.monotonic() + min(1.0, max(self.left(), 0.0))
+        while leg.md_ok is None and (left := deadline - time.monotonic()) > 0:
+            try:
+                kind, who, item, sid = await asyncio.wait_for(self.inbox.get(), timeout=left)
+            except TimeoutError:
+                return
+            if kind == "prefill" and sid == leg.sid:
+                self._on(kind, who, item)
 
     def _on(self, kind: str, who: str, item: Any) -> list[Any]:
         if kind == "tok":
@@ -296,6 +312,8 @@ class RequestRun:
             t["md_error"] = r.md_error
         if r.rld_error:
             t["rld_error"] = r.rld_error
+        if self.merger.finished:
+            return  # only the trace fields matter now
         pipeline = leg.pipeline
         wants_md = pipeline in (Pipeline.P_MD, Pipeline.P_RLD_MD)
         if wants_md and not leg.md_ok:
