@@ -43,7 +43,7 @@ FITTED: dict[str, Any] = {
 
 @dataclass(frozen=True, slots=True)
 class PaperKnobs:
-    rate_rps: float = 70.0
+    rate_rps: float = 74.0
     duration_s: float = 420.0
     prewarm_s: float = 120.0
     warmup_s: float = 150.0
@@ -53,7 +53,7 @@ class PaperKnobs:
     line_price: float = 0.33
     wan_gbps: float = 20.0
     rld_instances: int = 3
-    relay_min_wan_s: float = 0.5
+    relay_min_wan_s: float = 0.1
 
 
 def paper_deployments(
