@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 
@@ -18,7 +20,9 @@ import click
 )
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the figures as JSON here.")
 @click.option(
-    "--plot", "plot_path", default="pddlink-demo-ttft.png", show_default=True, help="TTFT plot (PNG)."
+    "--plot",
+    "plot_path",
+    help="TTFT plot (PNG) [next to --json FILE, else out/pddlink-demo-ttft.png].",
 )
 @click.option("--seed", default=1, show_default=True, help="Workload seed.")
 @click.option("--line-mbit", default=16.0, show_default=True, help="WAN line rate.")
@@ -30,7 +34,7 @@ def command(
     trace: str | None,
     workload: str | None,
     json_path: str | None,
-    plot_path: str,
+    plot_path: str | None,
     seed: int,
     line_mbit: float,
     rtt_ms: float,
@@ -47,6 +51,10 @@ def command(
 
     if requests < 1:
         raise click.BadParameter("must be >= 1", param_hint="--requests")
+    if plot_path is None:
+        plot = Path(json_path).with_suffix(".png") if json_path else Path("out") / "pddlink-demo-ttft.png"
+        plot.parent.mkdir(parents=True, exist_ok=True)
+        plot_path = str(plot)
     main(
         requests=requests,
         rate_rps=rate_rps,
