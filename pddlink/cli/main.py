@@ -19,7 +19,9 @@ from pddlink.errors import PddlinkError
 class LazyGroup(click.Group):
     """A click group whose subcommands are imported on first use."""
 
-    def __init__(self, *args: object, lazy: dict[str, tuple[str, str]] | None = None, **kwargs: object) -> None:
+    def __init__(
+        self, *args: object, lazy: dict[str, tuple[str, str]] | None = None, **kwargs: object
+    ) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self._lazy = dict(lazy or {})
 
@@ -46,22 +48,43 @@ class LazyGroup(click.Group):
 
 
 BENCH_COMMANDS: dict[str, tuple[str, str]] = {
-    "engine": ("pddlink.cli.bench_engine:command", "Prefill, decode and extend speed of the reference engine."),
+    "engine": (
+        "pddlink.cli.bench_engine:command",
+        "Prefill, decode and extend speed of the reference engine.",
+    ),
     "codec": ("pddlink.cli.bench_codec:command", "Lossless KV codec ratio and speed against plain zstd."),
-    "link": ("pddlink.cli.bench_link:command", "Goodput of a transport between two processes (loopback or netlab)."),
+    "link": (
+        "pddlink.cli.bench_link:command",
+        "Goodput of a transport between two processes (loopback or netlab).",
+    ),
     "drc": ("pddlink.cli.bench_drc:command", "Prefix match, insert rate and memory of the DRC index."),
     "wire": ("pddlink.cli.bench_wire:command", "Fuzz the frame decoder: frames/s, error types, memory."),
 }
 
 TOP_COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("pddlink.cli.demo:command", "Run P, RLD, MD and the router across an emulated WAN; compare PDD with P->MD."),
-    "lab": ("pddlink.cli.lab:group", "The netlab WAN emulator: bring two datacenters up, run commands in them."),
-    "drc": ("pddlink.cli.drc:group", "Inspect a decode-side prefix cache (running sidecar or snapshot file)."),
-    "sim": ("pddlink.cli.sim:group", "Cluster simulator: TTFT, goodput and benefit-cost ratio at datacenter scale."),
+    "demo": (
+        "pddlink.cli.demo:command",
+        "Run P, RLD, MD and the router across an emulated WAN; compare PDD with P->MD.",
+    ),
+    "lab": (
+        "pddlink.cli.lab:group",
+        "The netlab WAN emulator: bring two datacenters up, run commands in them.",
+    ),
+    "drc": (
+        "pddlink.cli.drc:group",
+        "Inspect a decode-side prefix cache (running sidecar or snapshot file).",
+    ),
+    "sim": (
+        "pddlink.cli.sim:group",
+        "Cluster simulator: TTFT, goodput and benefit-cost ratio at datacenter scale.",
+    ),
     "sidecar": ("pddlink.cli.sidecar:command", "Run the sidecar daemon for one role (p, rld or md)."),
     "router": ("pddlink.cli.router:command", "Run the router: client API, pipeline policy, stream merging."),
     "ping": ("pddlink.cli.diag:ping", "Ping a running sidecar: RTT, bandwidth, wire version, TLS identity."),
-    "status": ("pddlink.cli.diag:status", "Pipelines, transfers, DRC and link estimates of running sidecars."),
+    "status": (
+        "pddlink.cli.diag:status",
+        "Pipelines, transfers, DRC and link estimates of running sidecars.",
+    ),
 }
 
 
