@@ -16,7 +16,7 @@ from pddlink.kv.codec import HEADER, CodecId, ParallelCodec, iter_chunks
 
 FRAME_BYTES = 1 << 20
 DTYPE = "bfloat16"
-_CODEC_ID_AT = 3  # offset of the codec id byte in a frame header
+_CODEC, _RAW_BYTES, _PACKED_BYTES = 2, 6, 7  # fields of HEADER: magic, version, codec, dtype, ...
 
 
 def frame_lengths(data: memoryview) -> list[int]:
@@ -26,7 +26,7 @@ def frame_lengths(data: memoryview) -> list[int]:
         if len(data) - pos < HEADER.size:
             raise InvalidInput("truncated codec frame header")
         fields = HEADER.unpack_from(data, pos)
-        codec, raw_bytes, packed_bytes = fields[_CODEC_ID_AT], fields[6], fields[7]
+        codec, raw_bytes, packed_bytes = fields[_CODEC], fields[_RAW_BYTES], fields[_PACKED_BYTES]
         body = raw_bytes if codec == CodecId.RAW else packed_bytes + raw_bytes // 2
         lengths.append(HEADER.size + body)
         pos += HEADER.size + body

@@ -116,23 +116,28 @@ async def receive(spec: BenchSpec, addr: str) -> None:
     done = asyncio.Event()
     received_bytes: list[int] = []
 
-    codec = ParallelCodec(CODEC_THREADS) if spec.codec == "kv" else None
-
-    async def on_transfer(received: ReceivedTransfer) -> None:
-        if codec is None:
-            received_bytes.append(received.bytes)
-        else:
-            received_bytes.append(await kvcodec.decompress(codec, received.chunks))
-        received.release()
-        if len(received_bytes) == len(sizes):
-            done.set()
-
     failures: list[dict[str, str]] = []
 
     def on_failed(peer: PeerIdentity, begin: object, error: PddlinkError) -> None:
         log.error("transfer failed: %s (%s)", error.message, error.code.name)
         failures.append({"code": ErrorCode(error.code).name, "reason": error.message})
         done.set()
+
+    codec = ParallelCodec(CODEC_THREADS) if spec.codec == "kv" else None
+
+    async def on_transfer(received: ReceivedTransfer) -> None:
+        try:
+            if codec is None:
+                received_bytes.append(received.bytes)
+            else:
+                received_bytes.append(await kvcodec.decompress(codec, received.chunks))
+        except PddlinkError as exc:
+            on_failed(received.peer, received.begin, exc)
+            return
+        finally:
+            received.release()
+        if len(received_bytes) == len(sizes):
+            done.set()
 
     host, port = _split(addr)
     server = await KVServer.start(
@@ -221,7 +226,7 @@ async def send(spec: BenchSpec, addr: str) -> None:
     async def one(i: int, size: int) -> None:
         async with slots:
             left = spec.deadline_s - (time.perf_counter() - t0)
-            start = (i * spec.transfer_bytes) % (len(payload) - size + 1)
+            start = (i * spec.transfer_bytes) % (len(payload) - size + 1) // 4096 * 4096  # keep bf16 aligned
             data = payload[start : start + size]
             if codec is not None:
                 data = memoryview(await kvcodec.compress(codec, data))

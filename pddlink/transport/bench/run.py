@@ -130,6 +130,9 @@ def run_pair(
             err = sent["error"]
             raise LocalError(f"transfer failed: {err['reason']}", code=ErrorCode[err["code"]])
         received = read_event(receiver, _START_TIMEOUT_S)
+        if received.get("failures"):
+            first = received["failures"][0]
+            raise RemoteError(f"receiver: {first['reason']}", code=ErrorCode[first["code"]])
         return merge(spec, sent, received)
 
 
