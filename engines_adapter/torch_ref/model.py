@@ -99,9 +99,7 @@ class PagedLlama:
         ctx = kv.context_len
         cos = self.cos[batch.positions].unsqueeze(2)  # [B, n, 1, hd]
         sin = self.sin[batch.positions].unsqueeze(2)
-        key_pos = torch.arange(ctx, device=batch.positions.device)
-        visible = key_pos.view(1, 1, ctx) <= batch.positions.view(bsz, n, 1)  # [B, n, ctx]
-        attend = _Attention(cfg, bsz, n, visible, self.dtype, from_start=batch.no_past)
+        attend = _Attention(cfg, batch.positions, ctx, self.dtype, from_start=batch.no_past)
         x = F.embedding(batch.token_ids, self.embed)
         for li, layer in enumerate(self.layers):
             h = _rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
@@ -133,13 +131,13 @@ class _Attention:
     def __init__(
         self,
         cfg: ModelConfig,
-        bsz: int,
-        n: int,
-        visible: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: int,
         dtype: torch.dtype,
         *,
         from_start: bool,
     ) -> None:
+        bsz, n = positions.shape
         self.bsz, self.n = bsz, n
         self.hkv, self.group, self.hd = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
         self.scale = self.hd**-0.5
@@ -147,9 +145,11 @@ class _Attention:
         # A single sequence with no past (a cold prefill): plain causal attention over its own tokens.
         self.causal = self.fused and bsz == 1 and from_start
         bias = None
-        if not self.causal:  # additive mask, built once per forward rather than once per layer
-            bias = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(
-                ~visible, -torch.inf
+        if not self.causal:  # additive mask by absolute position, built once per pass (not per layer)
+            key_pos = torch.arange(ctx, device=positions.device)
+            hidden = key_pos.view(1, 1, ctx) > positions.view(bsz, n, 1)  # [B, n, ctx]
+            bias = torch.zeros(hidden.shape, dtype=dtype, device=positions.device).masked_fill_(
+                hidden, -torch.inf
             )
         if self.fused:
             self.mask = None if bias is None else bias.unsqueeze(1)  # [B, 1, n, ctx]
