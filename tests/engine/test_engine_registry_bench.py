@@ -41,3 +41,16 @@ def test_bench_engine_json_has_the_issue_keys() -> None:
         v > 0 for v in (figures["prefill_tokens_per_s"], figures["extend_100_ms"], figures["decode_100_ms"])
     )
     assert figures["extend_100_ms"] < figures["decode_100_ms"]
+
+
+def test_presets_are_valid_and_llama_1b_has_llama_3_2_1b_shapes() -> None:
+    from engines_adapter.torch_ref import PRESETS, resolve_preset
+
+    sizes = [PRESETS[name].num_parameters for name in ("tiny", "small", "medium", "llama-1b")]
+    assert sizes == sorted(sizes)
+    assert PRESETS["llama-1b"].num_parameters == 1_235_814_400  # Llama-3.2-1B's published count
+    assert PRESETS["tiny"].num_parameters < 1_000_000
+    with pytest.raises(ConfigError, match="num_kv_heads"):
+        resolve_preset("tiny", num_kv_heads=3)
+    with pytest.raises(ConfigError, match="unknown model field"):
+        resolve_preset("tiny", hidden=3)
