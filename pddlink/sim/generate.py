@@ -67,12 +67,34 @@ class _Session:
     full_blocks: int
 
 
+def within_bin_exponent(bins: tuple[HitBin, ...], mean_target: float | None) -> float:
+    """Exponent ``a`` of the within-bin draw ``lo + (hi - lo) * u ** (1 / a)`` (density rising toward
+    ``hi`` for a > 1) that makes the mean hit equal ``mean_target``; 1.0 (uniform) without a target
+    or when the bins cannot reach it."""
+    if mean_target is None:
+        return 1.0
+
+    def mean(a: float) -> float:
+        return float(sum(b.share * (b.lo + (b.hi - b.lo) * a / (a + 1)) for b in bins))
+
+    lo, hi = 0.05, 50.0
+    if not mean(lo) <= mean_target <= mean(hi):
+        return 1.0
+    for _ in range(60):
+        mid = (lo * hi) ** 0.5
+        lo, hi = (mid, hi) if mean(mid) < mean_target else (lo, mid)
+    return float(lo)
+
+
 class _Sampler:
     """Inverse-CDF draws for hit rates and output lengths."""
 
-    def __init__(self, rng: random.Random, bins: tuple[HitBin, ...], workload: Workload) -> None:
+    def __init__(
+        self, rng: random.Random, bins: tuple[HitBin, ...], workload: Workload, mean_target: float | None
+    ) -> None:
         self.rng = rng
         self.bins = bins
+        self.inv_a = 1.0 / within_bin_exponent(bins, mean_target)
         self.bin_cdf = [0.0]
         for b in bins:
             self.bin_cdf.append(self.bin_cdf[-1] + b.share)
@@ -82,7 +104,7 @@ class _Sampler:
     def hit(self) -> float:
         u = self.rng.random() * self.bin_cdf[-1]
         b = self.bins[min(len(self.bins) - 1, bisect.bisect_right(self.bin_cdf, u) - 1)]
-        return b.lo + (b.hi - b.lo) * self.rng.random()
+        return b.lo + (b.hi - b.lo) * float(self.rng.random() ** self.inv_a)
 
     def output_tokens(self) -> int:
         u = self.rng.random()
@@ -160,7 +182,7 @@ def generate(workload: Workload, config: GeneratorConfig) -> Iterator[TraceReque
     """Yield requests in arrival order (lazily)."""
     rng = random.Random(config.seed)
     bins = workload.uniform_bins if config.uniform_hits else workload.hit_bins
-    sampler = _Sampler(rng, bins, workload)
+    sampler = _Sampler(rng, bins, workload, workload.hit_mean_target)
     build = _Builder(workload, config, rng)
     low_share = sum(b.share * min(1.0, max(0.0, (0.7 - b.lo) / max(1e-12, b.hi - b.lo))) for b in bins)
     singular_p = min(1.0, workload.singular_share / low_share) if low_share > 0 else 0.0

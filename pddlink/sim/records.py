@@ -40,9 +40,10 @@ class Sla:
     tpot_s: float
 
 
-def percentiles(values: np.ndarray) -> dict[str, float]:
+def percentiles(values: np.ndarray) -> dict[str, float | None]:
+    """p50/p90/p99, rounded; None (JSON null) when there are no samples."""
     if values.size == 0:
-        return {"p50": float("nan"), "p90": float("nan"), "p99": float("nan")}
+        return {"p50": None, "p90": None, "p99": None}
     p50, p90, p99 = np.percentile(values, [50, 90, 99])
     return {"p50": round(float(p50), 4), "p90": round(float(p90), 4), "p99": round(float(p99), 4)}
 

@@ -3,8 +3,9 @@
 All are fluid models driven by one ``Clock`` (a heap of timed callbacks), so an hour of traffic costs
 a few events per request, not one per token or packet:
 
-- ``WanLine``: processor sharing. Every transfer holding a connection gets the same rate,
-  ``min(flow_cap, line / n)``; at most ``pool_size`` transfers hold a connection, the rest wait FIFO.
+- ``WanLine``: processor sharing over a pool of connections. With ``n`` transfers in flight, up to
+  ``pool_size`` each get a connection of their own: rate ``min(conn_cap, line / n)``; beyond that they
+  are multiplexed on the pool: ``min(pool_size * conn_cap, line) / n`` each (the pool is "full").
   A virtual clock of "bytes served per flow" makes a join or a completion O(log n).
 - ``PrefillInstance``: FIFO queue; an idle instance takes a batch of queued prompts up to a token
   budget and runs them as one batch (one fixed cost, the sum of their compute).
@@ -62,8 +63,6 @@ class WanLine:
         self._t = 0.0
         self._active: list[tuple[float, int, Callback, Any]] = []  # heap of (finish_served, id, fn, arg)
         self._finish_sum = 0.0
-        self._waiting: deque[tuple[int, Callback, Any]] = deque()
-        self._waiting_bytes = 0
         self._ids = 0
         self._version = 0
         self.delivered_bytes = 0.0
@@ -72,7 +71,11 @@ class WanLine:
 
     def _flow_rate(self) -> float:
         n = len(self._active)
-        return min(self.cap, self.rate / n) if n else 0.0
+        if n == 0:
+            return 0.0
+        if n <= self.pool_size:
+            return min(self.cap, self.rate / n)
+        return min(self.pool_size * self.cap, self.rate) / n
 
     def _advance(self, now: float) -> None:
         dt = now - self._t
@@ -89,11 +92,7 @@ class WanLine:
         """Queue a transfer of ``nbytes``; ``done(t, arg)`` when its last byte arrives."""
         self._advance(now)
         self._ids += 1
-        if len(self._active) < self.pool_size:
-            self._admit(nbytes, self._ids, done, arg)
-        else:
-            self._waiting.append((nbytes, done, arg))
-            self._waiting_bytes += nbytes
+        self._admit(nbytes, self._ids, done, arg)
         self._arm()
 
     def _admit(self, nbytes: int, flow_id: int, done: Callback, arg: Any) -> None:
@@ -117,24 +116,19 @@ class WanLine:
             item = heapq.heappop(self._active)
             self._finish_sum -= item[0]
             finished.append(item)
-        while self._waiting and len(self._active) < self.pool_size:
-            nbytes, done, arg = self._waiting.popleft()
-            self._waiting_bytes -= nbytes
-            self._ids += 1
-            self._admit(nbytes, self._ids, done, arg)
         self._arm()
         for _, _, done, arg in finished:
             done(now + self.rtt_s / 2, arg)  # the completion notice crosses back
 
     def estimate(self, now: float) -> LinkEstimate:
         self._advance(now)
-        backlog = max(0.0, self._finish_sum - len(self._active) * self._served) + self._waiting_bytes
+        backlog = max(0.0, self._finish_sum - len(self._active) * self._served)
         return LinkEstimate(
-            line_bytes_per_s=self.rate,
+            line_bytes_per_s=min(self.rate, self.pool_size * self.cap),
             rtt_s=self.rtt_s,
-            flows_in_flight=len(self._active) + len(self._waiting),
+            flows_in_flight=len(self._active),
             backlog_bytes=int(backlog),
-            pool_size=self.pool_size,
+            pool_size=max(self.pool_size, len(self._active) + 1),  # multiplexed: nobody waits
             flow_cap_bytes_per_s=self.cap,
         )
 

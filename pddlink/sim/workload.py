@@ -51,6 +51,7 @@ class Workload:
     name: str
     context_tokens: int
     hit_bins: tuple[HitBin, ...]
+    hit_mean_target: float | None
     uniform_bins: tuple[HitBin, ...]
     output_cdf: tuple[CdfPoint, ...]
     singular_share: float
@@ -187,6 +188,11 @@ def load_workload(path: str | Path = DEFAULT_WORKLOAD) -> Workload:
         name=str(root.get("name", path.stem)),
         context_tokens=int(r.number([*req, "context_tokens", "typical"], 1)),
         hit_bins=r.bins([*req, "prefix_hit_rate_bins"]),
+        hit_mean_target=(
+            r.number([*req, "prefix_hit_rate_mean_target"], 0.0, 1.0)
+            if "prefix_hit_rate_mean_target" in root.get("requests", {})
+            else None
+        ),
         uniform_bins=r.bins([*req, "uniform_contrast_bins"]),
         output_cdf=r.cdf([*req, "output_tokens_cdf"]),
         singular_share=r.number([*req, "singular_share"], 0.0, 1.0),
