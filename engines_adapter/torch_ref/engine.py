@@ -112,6 +112,11 @@ class TorchRefEngine(PagedEngine):
             workspace.advance()
         return logits
 
+    def _forget(self, seq: SequenceState) -> None:
+        if self._workspace is not None and any(m is seq for m in self._workspace.members):
+            self._workspace = None  # its memory goes now, not at the next decode step
+        self._last_members = ()
+
     def _workspace_for(self, seqs: Sequence[SequenceState], batch: PagedBatch) -> DecodeWorkspace | None:
         """The decode workspace of this batch: kept while the batch continues, built when the same
         members come back a second step in a row (a rotating batch never pays for building one)."""

@@ -87,6 +87,9 @@ class PagedEngine(EngineAdapter):
     def _run(self, seqs: Sequence[SequenceState], new_tokens: Sequence[Sequence[int]]) -> torch.Tensor:
         """Compute and store KV of ``new_tokens[i]`` at positions ``seqs[i].kv_tokens ..``; last logits."""
 
+    def _forget(self, seq: SequenceState) -> None:
+        """Hook: ``seq`` was released (drop anything cached for it). Nothing by default."""
+
     # -- contract: properties ---------------------------------------------------------------
     @property
     def layout(self) -> KVLayout:
@@ -216,6 +219,7 @@ class PagedEngine(EngineAdapter):
         seq = self._live(request_id)
         del self._seqs[request_id]
         self._released.append(request_id)
+        self._forget(seq)
         uncache = frozenset() if cache_prefix else frozenset(seq.own_cached)
         # Tail first: under pressure the LRU then evicts a chain's deepest blocks before its root.
         self.pool.allocator.decref(reversed(seq.blocks), uncache=uncache)
