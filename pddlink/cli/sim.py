@@ -163,8 +163,10 @@ def skew_cmd(
     for name in ("skewed", "uniform"):
         r = result[name]
         kv = r["kv_transfer_s"]
-        click.echo(f"{name:>8}: KV transfer p50 {kv['p50']}s p99 {kv['p99']}s, pool full {r['pool_full_share']:.0%}, "
-                   f"line {r['wan_utilisation']:.0%}")  # fmt: skip
+        click.echo(
+            f"{name:>8}: KV transfer p50 {kv['p50']}s p99 {kv['p99']}s, "
+            f"pool full {r['pool_full_share']:.0%}, line {r['wan_utilisation']:.0%}"
+        )
     click.echo(f"uniform/skewed P50: {result['p50_ratio']}x (published ~5x)")
 
 

@@ -31,12 +31,19 @@ from pddlink.sim.workload import Workload
 # Parameters no source publishes, chosen so the baseline behaves as published (see the report).
 FITTED: dict[str, Any] = {
     "rate_rps": "74: offered load; puts the 20 Gbps line at ~90% with the published 90% mean hit",
-    "a_prefill_tokens_per_s_per_gpu": "absolute speed of A (20K new tokens/s/GPU, attention 1.6e-10 s per token pair)",
-    "a_decode_step_s": "A decode: 12 ms per step + 0.47 ms per sequence per GPU; per-sequence cost fitted so intra-DC PD (48 A decode GPUs) sits at the 30 ms TPOT SLO at the offered load, as the published goodput gap implies",
+    "a_prefill": "A prefill: 20K new tokens/s/GPU, attention 1.6e-10 s per (new x context) token pair",
+    "a_decode": (
+        "A decode: 12 ms per step + 0.47 ms per sequence per GPU; the per-sequence cost is fitted so "
+        "intra-DC PD (48 A decode GPUs) sits at the 30 ms TPOT SLO at the offered load, as the "
+        "published goodput gap implies"
+    ),
     "b_speeds": "B's prefill/decode ratios are not published: chip E's (0.81 / 2.1) are used",
-    "instances": "P and decode instances of 8 GPUs, RLD instances of 1 GPU; intra-DC split 40 P + 48 D",
+    "instances": "P and decode instances of 8 GPUs, RLD of 1 GPU; intra-DC split 40 P + 48 D",
     "drc_tokens_per_gpu": "decode-side prefix cache capacity (DRAM tier), 32M tokens per GPU",
-    "wan": "pool of 24 connections of at most 4 Gbit/s each (MEASURED.md: 1.07 Gbit/s with 4 MiB buffers, 7.5 with 128 MiB at 20 ms RTT), 95% line efficiency, 20 ms RTT",
+    "wan": (
+        "pool of 24 connections of at most 4 Gbit/s each (MEASURED.md: 1.07 Gbit/s with 4 MiB "
+        "buffers, 7.5 with 128 MiB at 20 ms RTT), 95% line efficiency, 20 ms RTT"
+    ),
     "line_price": "0.33 A-GPU: puts PDD's total cost change inside the published -3.5..-7.1%",
     "policy": "relay when the WAN estimate >= 0.1 s; RLD load ceiling 0.85; catch-up below RLD load 0.5",
 }

@@ -1,0 +1,53 @@
+"""`pddlink sim` end to end through the installed command."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+CMD = [sys.executable, "-m", "pddlink.cli.main", "sim"]
+
+
+def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CMD, *args], capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def test_generate_then_replay_trace_json(tmp_path: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    gen = _run("generate", "--out", str(trace), "--requests", "300", "--rate", "10", "--block-tokens", "512")
+    assert gen.returncode == 0, gen.stderr
+    assert len(trace.read_text().splitlines()) == 301
+    out = _run("--trace", str(trace), "--json", "--plots", str(tmp_path / "plots"))
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)  # exactly one JSON object on stdout
+    assert set(data["deployments"]) == {"intra_dc_pd", "cross_dc_pd", "pdd"}
+    for d in data["deployments"].values():
+        assert {"p50", "p90", "p99"} <= set(d["ttft_s"]) and {"goodput_rps", "cost", "bcr"} <= set(d)
+    assert 0 <= data["rld_token_share"] < 1 and data["simulated_s"] > 0 and data["wall_s"] > 0
+    assert (tmp_path / "plots" / "ttft_cdf.png").stat().st_size > 1000
+
+
+def test_bad_trace_is_a_clear_error(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"pddlink_trace": 1, "block_tokens": 16}\n{"id": 0}\n')
+    out = _run("--trace", str(bad), "--json")
+    assert out.returncode != 0 and out.stdout == ""
+    assert "bad.jsonl:2" in out.stderr and "arrival_s" in out.stderr
+
+
+def test_needs_exactly_one_source() -> None:
+    out = _run("--json")
+    assert out.returncode != 0 and "exactly one of" in out.stderr
+
+
+@pytest.mark.slow
+def test_skew_json_small(tmp_path: Path) -> None:
+    out = _run("skew", "--rate", "40", "--duration", "60", "--json", "--plots", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["skewed"]["kv_transfer_s"]["p50"] < data["uniform"]["kv_transfer_s"]["p50"]
+    assert (tmp_path / "kv_transfer_skew.png").exists()

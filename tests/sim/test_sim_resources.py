@@ -1,0 +1,98 @@
+"""The fluid resources against hand-computed schedules."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from pddlink.sim.hardware import GPU_A, AFigures, InstanceModel
+from pddlink.sim.resources import Clock, DecodeInstance, DecodeSeq, PrefillInstance, WanLine
+
+
+def _collect() -> tuple[dict[Any, float], Any]:
+    done: dict[Any, float] = {}
+
+    def cb(t: float, arg: Any) -> None:
+        done[arg] = t
+
+    return done, cb
+
+
+def test_line_fair_share_finishes_small_flow_first() -> None:
+    clock = Clock()
+    line = WanLine(clock, rate_bytes_s=100.0, rtt_s=0.0, pool_size=8, flow_cap_bytes_s=1e9)
+    done, cb = _collect()
+    line.send(100, 0.0, cb, "a")
+    line.send(300, 0.0, cb, "b")
+    clock.run()
+    # Two flows at 50 B/s: a done at 2 s (100 B); b has 200 B left alone at 100 B/s: 4 s.
+    assert done["a"] == pytest.approx(2.0) and done["b"] == pytest.approx(4.0)
+    assert line.delivered_bytes == pytest.approx(400)
+
+
+def test_line_connection_cap_and_pool() -> None:
+    clock = Clock()
+    line = WanLine(clock, rate_bytes_s=100.0, rtt_s=0.2, pool_size=2, flow_cap_bytes_s=10.0)
+    done, cb = _collect()
+    for name in "abc":
+        line.send(20, 0.0, cb, name)
+    clock.run()
+    # Three flows on a pool of two 10 B/s connections: 20 B/s shared by three; then +rtt/2.
+    assert all(t == pytest.approx(3.0 + 0.1) for t in done.values())
+    assert line.pool_full_s == pytest.approx(3.0)
+
+
+def test_line_estimate_sees_backlog() -> None:
+    clock = Clock()
+    line = WanLine(clock, rate_bytes_s=100.0, rtt_s=0.0, pool_size=8, flow_cap_bytes_s=1e9)
+    _, cb = _collect()
+    line.send(1000, 0.0, cb, "a")
+    est = line.estimate(5.0)
+    assert est.flows_in_flight == 1 and est.backlog_bytes == 500
+    assert est.transfer_s(100) == pytest.approx(2.0)
+
+
+def test_prefill_batches_share_one_fixed_cost() -> None:
+    fig = AFigures(prefill_tok_s=0.001, prefill_attn_s=0.0, prefill_batch_s=0.5, prefill_batch_tokens=1000)
+    clock = Clock()
+    p = PrefillInstance(clock, InstanceModel(GPU_A, 1, fig), "p0")
+    done, cb = _collect()
+    p.submit(600, 0, 0.0, cb, "a")  # starts alone: 0.5 + 0.6
+    p.submit(300, 0, 0.0, cb, "b")  # queued; b and c batch together next: 0.5 + 0.3 + 0.3
+    p.submit(300, 0, 0.0, cb, "c")
+    assert p.backlog_s(0.0) == pytest.approx(1.1 + 0.6)
+    clock.run()
+    assert done["a"] == pytest.approx(1.1) and done["b"] == done["c"] == pytest.approx(2.2)
+
+
+def test_decode_batch_step_time_and_admission() -> None:
+    fig = AFigures(decode_step_s=0.01, decode_seq_s=0.01, decode_kv_token_s=0.0, max_seqs_per_gpu=2)
+    model = InstanceModel(GPU_A, 1, fig)
+    clock = Clock()
+    d = DecodeInstance(clock, model, "d0")
+    done, cb = _collect()
+    first, fcb = _collect()
+    seqs = {n: DecodeSeq(t, 10, cb, n, fcb) for n, t in (("a", 10), ("b", 20), ("c", 5))}
+    for s in seqs.values():
+        d.admit(s, 0.0)
+    assert d.load == 3 and d.queued == 1
+    clock.run()
+    # a, b run two at a time: 0.03 s per step; a done after 10 steps (0.3 s); c joins then.
+    assert done["a"] == pytest.approx(0.3)
+    assert done["c"] == pytest.approx(0.3 + 5 * 0.03)
+    assert done["b"] == pytest.approx(0.45 + 5 * 0.02)
+    assert first["c"] == pytest.approx(0.33)
+
+
+def test_decode_remove_reports_tokens_so_far() -> None:
+    fig = AFigures(decode_step_s=0.1, decode_seq_s=0.0, decode_kv_token_s=0.0)
+    clock = Clock()
+    d = DecodeInstance(clock, InstanceModel(GPU_A, 1, fig), "r0")
+    done, cb = _collect()
+    seq = DecodeSeq(100, 10, cb, "a", lambda t, a: None)
+    d.admit(seq, 0.0)
+    clock.run(until=1.05)
+    assert d.remove(seq, 1.05) == 10
+    clock.run()
+    assert "a" not in done and d.load == 0
