@@ -24,7 +24,7 @@ def small_run() -> tuple[dict, dict]:  # type: ignore[type-arg]
 
 
 def test_every_request_finishes_and_keys_are_there(small_run: tuple[dict, dict]) -> None:  # type: ignore[type-arg]
-    result, runs = small_run
+    result, _ = small_run
     assert set(result) >= {"deployments", "rld_token_share", "simulated_s", "wall_s"}
     for name, d in result["deployments"].items():
         assert d["unfinished"] == 0, name
@@ -77,6 +77,6 @@ def test_replays_a_given_trace_exactly() -> None:
         TraceRequest(1, 1.0, 0, (*range(9), 100), 10 * 512, 50, 4096),
     )
     deps = paper_deployments(w, replace(PaperKnobs(), rate_rps=1))
-    result, runs = run_deployments(reqs, deps, block_tokens=512, sla=sla_of(w))
+    _, runs = run_deployments(reqs, deps, block_tokens=512, sla=sla_of(w))
     recs = runs["cross_dc_pd"].measured()
     assert len(recs) == 2 and recs[0].hit == 0.0 and recs[1].hit == pytest.approx(0.9)

@@ -52,6 +52,9 @@ def test_scaling_keeps_shape() -> None:
     assert s.requests[1].arrival_s == 1.0 and s.requests[1].block_ids == (1, 2, 4, 5)
 
 
+_OK = '"id": 0, "session": 0, "prompt_tokens": 4'
+
+
 @pytest.mark.parametrize(
     ("line", "needle"),
     [
