@@ -55,25 +55,32 @@ def test_scaling_keeps_shape() -> None:
 _OK = '"id": 0, "session": 0, "prompt_tokens": 4'
 
 
+_BASE = {
+    "id": 0,
+    "arrival_s": 0,
+    "session": 0,
+    "blocks": [1],
+    "prompt_tokens": 4,
+    "output_tokens": 1,
+    "max_tokens": 2,
+}
+
+
+def _without(field: str) -> str:
+    return json.dumps({k: v for k, v in _BASE.items() if k != field})
+
+
+def _with(**kw: object) -> str:
+    return json.dumps({**_BASE, **kw})
+
+
 @pytest.mark.parametrize(
     ("line", "needle"),
     [
-        (
-            '{"id": 0, "arrival_s": 0, "session": 0, "blocks": [1], "prompt_tokens": 4, "output_tokens": 1}',
-            "max_tokens",
-        ),
-        (
-            '{"id": 0, "arrival_s": "x", "session": 0, "blocks": [1], "prompt_tokens": 4, "output_tokens": 1, "max_tokens": 2}',
-            "arrival_s",
-        ),
-        (
-            '{"id": 0, "arrival_s": 0, "session": 0, "blocks": [], "prompt_tokens": 4, "output_tokens": 1, "max_tokens": 2}',
-            "blocks",
-        ),
-        (
-            '{"id": 0, "arrival_s": 0, "session": 0, "blocks": [1], "prompt_tokens": 4, "output_tokens": 9, "max_tokens": 2}',
-            "output_tokens",
-        ),
+        (_without("max_tokens"), "max_tokens"),
+        (_with(arrival_s="x"), "arrival_s"),
+        (_with(blocks=[]), "blocks"),
+        (_with(output_tokens=9), "output_tokens"),
         ("{not json", "not JSON"),
     ],
 )
