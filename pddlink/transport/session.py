@@ -89,17 +89,25 @@ class PeerSession:
 
     # -- control messages ----------------------------------------------------------------------
 
-    async def send_message(self, message: Message) -> None:
+    async def control_ready(self, timeout_s: float) -> None:
+        """Wait until the control channel can carry a message (it may be reconnecting)."""
+
+    async def send_message(self, message: Message, *, timeout_s: float = 10.0) -> None:
         if self.closed:
             raise LocalError("link is closed", code=ErrorCode.PEER_UNREACHABLE)
+        await self.control_ready(timeout_s)
         self.send_control(message)
 
     async def request(self, message: Message, *, timeout_s: float) -> Message:
         key = _request_key(message)
         if key is None:
             raise LocalError(f"{type(message).__name__} expects no reply", code=ErrorCode.BAD_REQUEST)
-        future: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout_s
+        await self.control_ready(timeout_s)
+        future: asyncio.Future[Message] = loop.create_future()
         self._pending.setdefault(key, []).append(future)
+        timeout_s = max(0.0, end - loop.time())
         try:
             self.send_control(message)
             return await asyncio.wait_for(asyncio.shield(future), timeout_s)

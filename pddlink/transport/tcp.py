@@ -17,6 +17,7 @@ by token (with TLS, only for the same certified identity) and runs one receiver 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import secrets
@@ -120,13 +121,22 @@ class TcpLink(PeerSession):
         self._senders: dict[int, SendDriver] = {}
         self._next_transfer_id = 1
         self._resumes = 0
+        self._control_settled = asyncio.Event()  # set: control is up, or its reconnect gave up
+        self._reconnecting_control: asyncio.Task[None] | None = None
         self.transfer_router = self._route
 
     # -- set-up --------------------------------------------------------------------------------
 
     def adopt_control(self, conn: FrameConnection, inbox: Inbox) -> None:
         self._control = conn
+        self._control_settled.set()
         self._own(conn, inbox, lane=False)
+
+    async def control_ready(self, timeout_s: float) -> None:
+        if self._control_settled.is_set() or self._reconnecting_control is None:
+            return  # up, or down for good: send_control says which
+        with contextlib.suppress(TimeoutError):  # then send_control reports the missing connection
+            await asyncio.wait_for(self._control_settled.wait(), timeout_s)
 
     async def open_stripes(self) -> None:
         await asyncio.gather(*(self._open_stripe() for _ in range(self.options.streams)))
@@ -153,12 +163,21 @@ class TcpLink(PeerSession):
         if lane_id is None:
             log.warning("control connection to %s lost; reconnecting", self.peer)
             self._control = None
-            self.spawn(self._reconnect(control=True))
+            self._control_settled.clear()
+            self._reconnecting_control = asyncio.ensure_future(self._reconnect(control=True))
+            self._tasks.add(self._reconnecting_control)
+            self._reconnecting_control.add_done_callback(self._control_reconnected)
             return
         self._data.pop(lane_id, None)
         self.lanes.remove(lane_id)
         log.warning("stripe %d to %s lost; %d left, reconnecting", lane_id, self.peer, len(self._data))
         self.spawn(self._reconnect(control=False))
+
+    def _control_reconnected(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if self._reconnecting_control is task:
+            self._reconnecting_control = None
+            self._control_settled.set()  # wake waiters: up again, or down for good
 
     async def _reconnect(self, *, control: bool) -> None:
         for attempt in range(self.options.reconnect_attempts):

@@ -158,3 +158,36 @@ def test_identity_claim_differing_from_certificate_is_refused(pki: Any, run_asyn
 def test_unexpected_server_identity_is_refused(pki: Any, run_async: Any) -> None:
     error, links = _refused(pki[CLIENT], CLIENT, pki[SERVER], PeerIdentity("md", "md9"), run_async)
     assert error.code == ErrorCode.AUTH and "md9" in error.message and links == 0
+
+
+def test_cut_control_connection_is_reopened_and_the_link_keeps_working(
+    pki: Any, run_async: Any, relay_factory: Any
+) -> None:
+    from pddlink.wire import Ping, Pong
+
+    data = random.Random(7).randbytes(3 << 20)
+
+    async def scenario() -> tuple[Any, Any, int, list[ReceivedTransfer]]:
+        got: list[ReceivedTransfer] = []
+        server = await KVServer.start(
+            "127.0.0.1", 0, identity=SERVER, tls=pki[SERVER], on_transfer=got.append, options=OPTIONS
+        )
+        relay = relay_factory(server.port)
+        port = await relay.start()
+        client = await KVClient.connect("127.0.0.1", port, identity=CLIENT, tls=pki[CLIENT], options=OPTIONS)
+        try:
+            relay.cut(0)  # the control connection (opened first)
+            await asyncio.sleep(0.01)  # the link notices; the request then waits for the reconnect
+            pong = await client.request(Ping(3, 4), timeout_s=5.0)
+            result = await client.send_transfer(begin(1, len(data)), data, deadline_s=10.0)
+            await asyncio.sleep(0.05)
+            return pong, result, len(server.links()), got
+        finally:
+            await client.close()
+            await relay.close()
+            await server.close()
+
+    pong, result, links, got = run_async(scenario)
+    assert isinstance(pong, Pong) and pong.nonce == 3
+    assert result.bytes == len(data) and links == 1  # one session: the new control joined the old one
+    assert len(got) == 1
