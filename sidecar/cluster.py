@@ -43,7 +43,7 @@ class ClusterSpec:
     dtype: str = "float64"
     preset: str = "tiny"
     slice_tokens: int = 8
-    rld_capacity: int = 4
+    rld_capacity: int = 6
     rld_tpot_s: float = 0.02
     relay_min_wan_s: float = 0.15
     deadline_s: float = 30.0

@@ -16,7 +16,7 @@ md_grpc = "198.18.0.2:7440"; md_kv = "198.18.0.2:7450"
     rld_grpc = "198.18.0.1:7441"; rld_kv = "198.18.0.1:7451"
 
 [data_plane]
-wan_transport = "tcp"; fast_transport = "auto"; wan_streams = 2; chunk_bytes = 1048576
+wan_transport = "tcp"; fast_transport = "auto"; wan_links = 8; wan_streams = 1; chunk_bytes = 1048576
 reserve_lease_s = 10.0
 
 [decode]
@@ -73,7 +73,8 @@ class PeersConfig:
 class DataPlaneConfig:
     wan_transport: str = "tcp"
     fast_transport: str = "auto"
-    wan_streams: int = 2
+    wan_streams: int = 1  # striped connections per link
+    wan_links: int = 8  # links in the WAN connection pool (a transfer takes the least loaded)
     chunk_bytes: int = 1 << 20
     reserve_lease_s: float = 10.0
 
@@ -84,8 +85,10 @@ class DataPlaneConfig:
             raise ConfigError(
                 f"data_plane.fast_transport must be tcp|quic|rdma|auto, got {self.fast_transport!r}"
             )
-        if self.wan_streams < 1 or self.chunk_bytes < 4096 or self.reserve_lease_s <= 0:
-            raise ConfigError("data_plane: wan_streams >= 1, chunk_bytes >= 4096, reserve_lease_s > 0")
+        if self.wan_streams < 1 or self.wan_links < 1 or self.chunk_bytes < 4096 or self.reserve_lease_s <= 0:
+            raise ConfigError(
+                "data_plane: wan_streams, wan_links >= 1, chunk_bytes >= 4096, reserve_lease_s > 0"
+            )
 
 
 @dataclass(frozen=True, slots=True)

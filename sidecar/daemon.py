@@ -44,7 +44,7 @@ from sidecar.decoder import Decoder
 from sidecar.drc_host import DrcHost
 from sidecar.engine_loop import EngineLoop
 from sidecar.http import Request, Response, error_response, json_response, serve_http
-from sidecar.peers import DecoderPeer, KVPeer
+from sidecar.peers import DecoderPeer, KVPeer, KVPeerPool
 from sidecar.prefill import Prefiller
 from sidecar.rpc import stubs
 from sidecar.service import SidecarService
@@ -113,13 +113,18 @@ class Sidecar:
                 send_handoff=send,
             )
         if cfg.role == "p":
-            md_kv = KVPeer(
-                peers.md_kv,
-                identity=self.identity,
-                tls=self.tls,
-                transport=cfg.data_plane.wan_transport,
-                options=self._options(wan=True),
-                expected_peer=PeerIdentity("md", "md0") if self.tls else None,
+            md_kv = KVPeerPool(
+                [
+                    KVPeer(
+                        peers.md_kv,
+                        identity=self.identity,
+                        tls=self.tls,
+                        transport=cfg.data_plane.wan_transport,
+                        options=self._options(wan=True),
+                        expected_peer=PeerIdentity("md", "md0") if self.tls else None,
+                    )
+                    for _ in range(cfg.data_plane.wan_links)
+                ]
             )
             rld_kv = rld = None
             if peers.rld_kv and peers.rld_grpc:
@@ -132,7 +137,7 @@ class Sidecar:
                 )
                 rld = DecoderPeer(peers.rld_grpc)
             md = DecoderPeer(peers.md_grpc)
-            self.peers += [p for p in (md_kv, rld_kv, md, rld) if p is not None]
+            self.peers += [p for p in (*md_kv.links, rld_kv, md, rld) if p is not None]
             self.prefiller = Prefiller(
                 self.loop,
                 md_kv=md_kv,

@@ -13,7 +13,7 @@ from typing import Any
 
 import grpc
 
-from pddlink.errors import DeadlineExceeded, ErrorCode, PddlinkError, RemoteError, Unavailable
+from pddlink.errors import ConfigError, DeadlineExceeded, ErrorCode, PddlinkError, RemoteError, Unavailable
 from pddlink.transport import KVClient, LinkOptions, PeerIdentity, TlsConfig
 from sidecar.rpc import stubs
 
@@ -40,6 +40,7 @@ class KVPeer:
         self._client: KVClient | None = None
         self._lock = asyncio.Lock()
         self.transport_name = transport
+        self.in_flight_bytes = 0  # KV bytes of the transfers now on this link (pool choice)
 
     async def client(self, deadline: float) -> KVClient:
         async with self._lock:
@@ -89,6 +90,31 @@ class KVPeer:
             "rtt_s": s.rtt_s,
             "reconnects": s.reconnects,
         }
+
+
+class KVPeerPool:
+    """Several links to one peer (the WAN connection pool): each transfer takes the link with the
+    fewest bytes in flight, so a small suffix never queues behind a large one on the same TCP
+    connections (head-of-line blocking inside a link)."""
+
+    def __init__(self, links: list[KVPeer]) -> None:
+        if not links:
+            raise ConfigError("a WAN connection pool needs at least one link")
+        self.links = links
+
+    def pick(self) -> KVPeer:
+        return min(self.links, key=lambda link: link.in_flight_bytes)
+
+    @property
+    def transport_name(self) -> str:
+        return self.links[0].transport_name
+
+    async def drop(self) -> None:
+        for link in self.links:
+            await link.drop()
+
+    def stats(self) -> list[dict[str, Any]]:
+        return [link.stats() for link in self.links]
 
 
 class DecoderPeer:

@@ -32,7 +32,7 @@ from pddlink.transport import KVClient
 from pddlink.wire import KVLayoutSpec, Reserve, ReserveAnswer, TransferBegin
 from sidecar.engine_loop import EngineLoop
 from sidecar.handoff_wire import slice_to_wire
-from sidecar.peers import DecoderPeer, KVPeer
+from sidecar.peers import DecoderPeer, KVPeer, KVPeerPool
 
 WAN_SHARE_OF_DEADLINE = 0.6
 _LINK_GONE = (ErrorCode.PEER_UNREACHABLE, ErrorCode.CANCELLED, ErrorCode.UNAVAILABLE)
@@ -54,7 +54,7 @@ class Prefiller:
         self,
         loop: EngineLoop,
         *,
-        md_kv: KVPeer,
+        md_kv: KVPeerPool,
         md: DecoderPeer,
         rld_kv: KVPeer | None,
         rld: DecoderPeer | None,
@@ -118,7 +118,8 @@ class Prefiller:
         return first, kv
 
     async def _reserve(self, job: PrefillJob, hashes: list[int], deadline: float) -> int:
-        client = await self.md_kv.client(deadline)
+        link = self.md_kv.pick()
+        client = await link.client(deadline)
         msg = Reserve(
             request_id=job.request_id, block_hashes=tuple(hashes), lease_ms=int(self.lease_s * 1000)
         )
@@ -126,7 +127,7 @@ class Prefiller:
             answer = await client.request(msg, timeout_s=max(deadline - time.monotonic(), 0.01))
         except PddlinkError as exc:
             if exc.code in _LINK_GONE:  # a restarted or vanished MD: reconnect on the next request
-                await self.md_kv.drop()
+                await link.drop()
             raise
         if not isinstance(answer, ReserveAnswer) or answer.code is not None:
             reason = getattr(answer, "reason", type(answer).__name__)
@@ -200,9 +201,10 @@ class Prefiller:
             cached_blocks = await reservation
             reply["md_cached_tokens"] = cached_blocks * kv.layout.block_size
             begin, payload = self._begin(job, kv, cached_blocks, hashes, deadline)
-            client = await self.md_kv.client(deadline)
+            link = self.md_kv.pick()
+            client = await link.client(deadline)
             before = client.stats().retransmits
-            result = await self._send(self.md_kv, begin, payload, deadline)
+            result = await self._send(link, begin, payload, deadline)
             stats = client.stats()
             if job.first_token_to_md:
                 await self.md.handoff(
