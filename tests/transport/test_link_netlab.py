@@ -7,7 +7,6 @@ react to real packet loss.
 
 from __future__ import annotations
 
-import dataclasses
 import subprocess
 import time
 from pathlib import Path
@@ -28,11 +27,12 @@ queue_packets = 1000
 """
 
 
-def spec_for(tmp_path: Path, deadline_s: float) -> BenchSpec:
+def spec_for(tmp_path: Path, deadline_s: float, transport: str) -> BenchSpec:
     certs = tmp_path / "certs"
     load_or_create_pki(certs, [RECEIVER, SENDER])
+    size = 120_000_000 if transport == "tcp" else 50_000_000  # about 5 s at 200 Mbit/s (QUIC: 170)
     return BenchSpec(
-        transport="tcp", streams=4, total_bytes=120_000_000, chunk_bytes=1 << 20, transfer_bytes=120_000_000,
+        transport=transport, streams=4, total_bytes=size, chunk_bytes=1 << 20, transfer_bytes=size,
         codec="none", congestion_control="bbr", tls=True, quic_impl="auto", deadline_s=deadline_s,
         certs=certs, max_datagram_bytes=1452,
     )  # fmt: skip
@@ -72,16 +72,20 @@ def run_with_outage(
     return sent, received, elapsed
 
 
-def test_transfer_survives_a_3_second_outage(tmp_path: Path) -> None:
-    spec = spec_for(tmp_path, deadline_s=40.0)
+@pytest.mark.parametrize("transport", ["tcp", "quic"])
+def test_transfer_survives_a_3_second_outage(tmp_path: Path, transport: str) -> None:
+    spec = spec_for(tmp_path, deadline_s=40.0, transport=transport)
     sent, received, elapsed = run_with_outage(tmp_path, spec, 3.0)
     assert "error" not in sent, sent
     assert received["bytes"] == spec.total_bytes and received["failures"] == []
     assert elapsed > 3.0  # the outage stalled it, nothing broke
 
 
-def test_outage_longer_than_the_deadline_aborts_with_reason_on_both_sides(tmp_path: Path) -> None:
-    spec = dataclasses.replace(spec_for(tmp_path, deadline_s=4.0))
+@pytest.mark.parametrize("transport", ["tcp", "quic"])
+def test_outage_longer_than_the_deadline_aborts_with_reason_on_both_sides(
+    tmp_path: Path, transport: str
+) -> None:
+    spec = spec_for(tmp_path, deadline_s=4.0, transport=transport)
     sent, received, elapsed = run_with_outage(tmp_path, spec, 10.0)
     assert sent["error"]["code"] == "DEADLINE_EXCEEDED" and "deadline" in sent["error"]["reason"]
     assert elapsed < 8.0  # it gave up at its deadline, not when the WAN came back
