@@ -7,8 +7,10 @@ transfer's chunks are striped over the data connections by ``pddlink.transfer``'
 chunk on the lane with the fewest unacknowledged bytes), acks come back on the lane a chunk used.
 
 A lost data connection triggers resume on the others at once (new generation; acked chunks are not
-resent) and a background reconnect of that stripe while a transfer still has time. A lost control
-connection is reopened the same way with the same token; the listener keeps the session meanwhile.
+resent) and a background reconnect of that stripe (``reconnect_attempts`` tries, exponential
+backoff), which joins running transfers when it is back. A lost control connection is reopened the
+same way with the same token (control messages wait for it within their timeout); the listener
+keeps the session for the peer's reconnect window.
 
 The accepting side (``TcpListener``) authenticates every connection, attaches it to its session
 by token (with TLS, only for the same certified identity) and runs one receiver per transfer.
@@ -182,8 +184,8 @@ class TcpLink(PeerSession):
     async def _reconnect(self, *, control: bool) -> None:
         for attempt in range(self.options.reconnect_attempts):
             await asyncio.sleep(self.options.reconnect_backoff_s * (2**attempt))
-            if self.closed or (not control and not self._senders and self._data):
-                return  # no transfer needs the stripe now; the next transfer goes on the others
+            if self.closed:
+                return
             try:
                 conn, inbox, _ = await self._dial(SESSION_CAP if control else JOIN_CAP)
             except PddlinkError as exc:
@@ -194,6 +196,7 @@ class TcpLink(PeerSession):
             else:
                 self._own(conn, inbox, lane=True)
             return
+        log.warning("gave up reopening a %s connection to %s", "control" if control else "data", self.peer)
         if control:
             self.fail_pending(
                 LocalError(f"control connection to {self.peer} lost", code=ErrorCode.PEER_UNREACHABLE)
