@@ -18,6 +18,7 @@ from typing import Any
 
 import click
 
+from pddlink.sim.engine import Simulation
 from pddlink.sim.generate import GeneratorConfig, generate, generate_trace
 from pddlink.sim.scenario import (
     FITTED,
@@ -26,6 +27,7 @@ from pddlink.sim.scenario import (
     pdd_variants,
     run_deployments,
     run_skew,
+    run_sweep,
     sla_of,
 )
 from pddlink.sim.trace import read_trace, scale_trace, write_trace
@@ -168,6 +170,69 @@ def skew_cmd(
             f"pool full {r['pool_full_share']:.0%}, line {r['wan_utilisation']:.0%}"
         )
     click.echo(f"uniform/skewed P50: {result['p50_ratio']}x (published ~5x)")
+
+
+@group.command("bench")
+@_workload_opt
+@click.option("--rate", type=float, default=80.0, show_default=True)
+@click.option("--duration", type=float, default=3600.0, show_default=True)
+@click.option("--deployment", type=click.Choice(["intra_dc_pd", "cross_dc_pd", "pdd"]), default="pdd")
+@click.option("--wan-gbps", type=float, default=20.0, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def bench_cmd(
+    workload_path: Path, rate: float, duration: float, deployment: str, wan_gbps: float, as_json: bool
+) -> None:
+    """Simulator speed: one deployment, ``duration`` seconds of traffic generated on the fly."""
+    workload = load_workload(workload_path)
+    knobs = replace(PaperKnobs(), rate_rps=rate, wan_gbps=wan_gbps)
+    dep = next(d for d in paper_deployments(workload, knobs) if d.name == deployment)
+    config = GeneratorConfig(
+        rate_rps=rate, duration_s=duration, seed=knobs.seed, block_tokens=knobs.block_tokens
+    )
+    started = time.perf_counter()
+    records = Simulation(dep, knobs.block_tokens).run(generate(workload, config), warmup_s=knobs.prewarm_s)
+    wall = time.perf_counter() - started
+    summary = records.summary(sla_of(workload), dep.link.wan_bytes_s)
+    result = {
+        "deployment": deployment, "rate_rps": rate, "wan_gbps": wan_gbps,
+        "simulated_s": round(records.simulated_s, 1),
+        "requests": len(records.records), "events": records.events, "wall_s": round(wall, 2),
+        "us_per_request": round(wall / max(1, len(records.records)) * 1e6, 1),
+        "ttft_s": summary["ttft_s"], "unfinished": summary["unfinished"],
+    }  # fmt: skip
+    click.echo(json.dumps(result) if as_json else f"{result}")
+
+
+@group.command("sweep")
+@_workload_opt
+@click.option("--over", type=click.Choice(["line_gbps", "rld_gpus", "skew"]), required=True)
+@click.option("--values", required=True, help="Comma-separated values, e.g. 10,20,40 or 1,3,6 or 0,0.5,1.")
+@click.option("--rate", type=float, default=74.0, show_default=True)
+@click.option("--duration", type=float, default=240.0, show_default=True)
+@click.option("--seed", type=int, default=1, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def sweep_cmd(
+    workload_path: Path, over: str, values: str, rate: float, duration: float, seed: int, as_json: bool
+) -> None:
+    """Sweep line rate, RLD count or hit skew; PDD vs cross- and intra-datacenter PD at each point."""
+    started = time.perf_counter()
+    try:
+        points = [float(v) for v in values.split(",") if v.strip()]
+    except ValueError:
+        raise click.BadParameter(f"not a list of numbers: {values!r}", param_hint="--values") from None
+    workload = load_workload(workload_path)
+    knobs = replace(PaperKnobs(seed=seed), rate_rps=rate, duration_s=duration)
+    result = run_sweep(workload, knobs, over, points, progress=lambda p: _log(f"simulating {p} ..."))
+    result["wall_s"] = round(time.perf_counter() - started, 2)
+    if as_json:
+        click.echo(json.dumps(result))
+        return
+    for p in result["points"]:
+        x, d = p["cross_dc_pd"]["ttft_s"], p["pdd"]
+        click.echo(
+            f"{over}={p['value']:g}: PDD TTFT p90 {d['ttft_s']['p90']}s (cross-DC {x['p90']}s), "
+            f"BCR {d['bcr']}, RLD share {d['rld_token_share']:.1%}"
+        )
 
 
 def _knobs_dict(knobs: PaperKnobs) -> dict[str, Any]:

@@ -45,6 +45,7 @@ class GeneratorConfig:
     templates: int = 16
     new_session_below_hit: float = 0.3
     singular_max_tokens: int = 16
+    hit_bins: tuple[HitBin, ...] | None = None  # overrides the workload's (and uniform_hits)
 
     def __post_init__(self) -> None:
         if self.rate_rps <= 0:
@@ -182,6 +183,8 @@ def generate(workload: Workload, config: GeneratorConfig) -> Iterator[TraceReque
     """Yield requests in arrival order (lazily)."""
     rng = random.Random(config.seed)
     bins = workload.uniform_bins if config.uniform_hits else workload.hit_bins
+    if config.hit_bins is not None:
+        bins = config.hit_bins
     sampler = _Sampler(rng, bins, workload, workload.hit_mean_target)
     build = _Builder(workload, config, rng)
     low_share = sum(b.share * min(1.0, max(0.0, (0.7 - b.lo) / max(1e-12, b.hi - b.lo))) for b in bins)
@@ -215,6 +218,15 @@ def generate(workload: Workload, config: GeneratorConfig) -> Iterator[TraceReque
             build.park(session, now)
         yield TraceRequest(index, now, session.session_id, tuple(blocks), length, output, bound)
         index += 1
+
+
+def mixed_bins(workload: Workload, skew: float) -> tuple[HitBin, ...]:
+    """``skew`` of the published skewed bins and ``1 - skew`` of the uniform contrast bins."""
+    if not 0 <= skew <= 1:
+        raise ConfigError(f"skew must be in [0, 1], got {skew}")
+    out = [HitBin(b.lo, b.hi, b.share * skew) for b in workload.hit_bins]
+    out += [HitBin(b.lo, b.hi, b.share * (1 - skew)) for b in workload.uniform_bins]
+    return tuple(b for b in out if b.share > 0)
 
 
 def generate_trace(workload: Workload, config: GeneratorConfig) -> Trace:

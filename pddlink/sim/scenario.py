@@ -19,10 +19,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from pddlink.errors import ConfigError
 from pddlink.routing import RoutingPolicy
 from pddlink.sim.deploy import Deployment, Kind, Link, Pool
 from pddlink.sim.engine import Simulation
-from pddlink.sim.generate import GeneratorConfig, generate
+from pddlink.sim.generate import GeneratorConfig, generate, mixed_bins
 from pddlink.sim.hardware import GPU_A, AFigures, gpu_b
 from pddlink.sim.records import RunRecords, Sla
 from pddlink.sim.trace import TraceRequest
@@ -60,7 +61,7 @@ class PaperKnobs:
     b_price: float = 1.25
     line_price: float = 0.33
     wan_gbps: float = 20.0
-    rld_instances: int = 3
+    rld_instances: int = 3  # the published experiments' RLD GPUs
     relay_min_wan_s: float = 0.1
     pool_size: int = 24
     flow_cap_gbps: float = 4.0  # one tuned stream (BBR, large buffers: 7.5 Gbit/s measured at 20 ms RTT)
@@ -79,7 +80,7 @@ def paper_deployments(
     md = Pool(b, 8, hw.pdd_gpu_b // 8)
     common: dict[str, Any] = dict(fig=fig, link=link, kv_bytes_per_token=workload.kv_bytes_per_token)
     policy = RoutingPolicy(relay_min_wan_s=knobs.relay_min_wan_s)
-    relay = Pool(GPU_A, max(1, hw.pdd_rld_gpus // knobs.rld_instances), knobs.rld_instances)
+    relay = Pool(GPU_A, 1, knobs.rld_instances)  # RLD instances of one GPU each
     return [
         Deployment("intra_dc_pd", Kind.INTRA_DC_PD, prefill, intra_decode, **common),
         Deployment("cross_dc_pd", Kind.CROSS_DC_PD, prefill, md, line_price=knobs.line_price, **common),
@@ -172,3 +173,45 @@ def run_skew(
     sk, un = out["skewed"]["kv_transfer_s"]["p50"], out["uniform"]["kv_transfer_s"]["p50"]
     out["p50_ratio"] = round(un / sk, 2) if sk and un else None
     return out, runs
+
+
+SWEEPS = ("line_gbps", "rld_gpus", "skew")
+
+
+def run_sweep(
+    workload: Workload,
+    knobs: PaperKnobs,
+    over: str,
+    values: Sequence[float],
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """PDD against cross- and intra-datacenter PD while one knob varies (line rate in Gbit/s, RLD
+    GPUs, or hit skew: 1 = the published skewed bins, 0 = the uniform 85-95% contrast)."""
+    if over not in SWEEPS:
+        raise ConfigError(f"sweep over one of {', '.join(SWEEPS)}, got {over!r}")
+    points = []
+    for value in values:
+        k, bins = knobs, None
+        if over == "line_gbps":
+            k = replace(knobs, wan_gbps=value)
+        elif over == "rld_gpus":
+            k = replace(knobs, rld_instances=max(1, int(value)))
+        else:
+            bins = mixed_bins(workload, value)
+        deps = paper_deployments(workload, k)
+        config = GeneratorConfig(
+            rate_rps=k.rate_rps, duration_s=k.prewarm_s + k.duration_s, seed=k.seed,
+            block_tokens=k.block_tokens, hit_bins=bins,
+        )  # fmt: skip
+        requests = tuple(generate(workload, config))
+        if progress:
+            progress(f"{over}={value}")
+        result, _ = run_deployments(
+            requests, deps, block_tokens=k.block_tokens, sla=sla_of(workload), prewarm_s=k.prewarm_s,
+            warmup_s=k.warmup_s,
+        )  # fmt: skip
+        keep = ("ttft_s", "goodput_rps", "cost", "bcr", "rld_token_share", "kv_transfer_s", "wan_utilisation")
+        points.append(
+            {"value": value, **{n: {f: d[f] for f in keep} for n, d in result["deployments"].items()}}
+        )
+    return {"over": over, "points": points}
