@@ -264,6 +264,11 @@ class Sidecar:
                 options=self._options(wan=cfg.role == "md"),
             )
             ports["kv_port"] = self.kv_server.port
+        if self.prefiller is not None:  # open the WAN pool and the fast path before traffic arrives
+            await self.prefiller.md_kv.connect_all(timeout_s=10.0)
+            if self.prefiller.rld_kv is not None:
+                with contextlib.suppress(PddlinkError, OSError):
+                    await self.prefiller.rld_kv.client(time.monotonic() + 10.0)
         _, pb2_grpc = stubs()
         server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
         service = SidecarService(

@@ -102,6 +102,15 @@ class KVPeerPool:
             raise ConfigError("a WAN connection pool needs at least one link")
         self.links = links
 
+    async def connect_all(self, timeout_s: float) -> int:
+        """Open every link now (a link first opened under load can lose its SYN in a full queue and
+        wait out the 1 s SYN timeout); returns how many are up. Failures are retried on use."""
+        deadline = time.monotonic() + timeout_s
+        results = await asyncio.gather(
+            *(link.client(deadline) for link in self.links), return_exceptions=True
+        )
+        return sum(1 for r in results if not isinstance(r, BaseException))
+
     def pick(self) -> KVPeer:
         return min(self.links, key=lambda link: link.in_flight_bytes)
 
