@@ -34,8 +34,8 @@ RECEIVER = PeerIdentity("bench", "receiver")
 SENDER = PeerIdentity("bench", "sender")
 CODEC_NONE, CODEC_KV = 0, 1
 CODEC_THREADS = 2
-IN_FLIGHT_TRANSFERS = 2
-SOURCE_BYTES = 512 << 20  # the next transfer starts while the last one's tail drains, as in a sidecar
+IN_FLIGHT_TRANSFERS = 2  # the next transfer starts while the last one's tail drains, as in a sidecar
+SOURCE_BYTES = 512 << 20
 _LAYOUT = KVLayoutSpec("bench/random", 1, 1, 128, "bf16", 16)
 
 
