@@ -73,6 +73,8 @@ class Simulation:
         link = d.link
         self.line = WanLine(self.clock, link.wan_bytes_s, link.rtt_s, link.pool_size, link.flow_cap_bytes_s)
         self.records = RunRecords()
+        self.crosses_wan = d.crosses_wan
+        self.back_s = d.link.rtt_s / 2 if d.crosses_wan else 0.0  # tokens from MD cross back to A
         # Requests with a bound this short are taken as singular while prewarming (no MD insert).
         self.singular_max_tokens = 16
 
@@ -134,7 +136,12 @@ class Simulation:
         rec.hit = matched / r.prompt_tokens
         req = _Req(r, hashes, rec, self.decode[i], cache, tip, pipeline)
         self.records.add(rec)
-        p = min(self.prefill, key=lambda x: x.backlog_s(now))
+        p = self.prefill[0]
+        best = p.backlog_s(now)
+        for q in self.prefill[1:]:
+            b_s = q.backlog_s(now)
+            if b_s < best:
+                p, best = q, b_s
         p.submit(r.prompt_tokens - matched, matched, now, self._prefilled, req)
         rec.missing_tokens = r.prompt_tokens - matched
 
@@ -167,7 +174,7 @@ class Simulation:
             self.clock.at(now + d.link.fast_s(r.prompt_tokens * d.kv_bytes_per_token), self._at_rld, req)
             if req.pipeline is Pipeline.SINGULAR:
                 return
-        if d.crosses_wan:
+        if self.crosses_wan:
             # Reservation round trip with MD, then the suffix on the line.
             self.clock.at(now + d.link.rtt_s, self._wan_start, req)
         else:
@@ -195,14 +202,14 @@ class Simulation:
 
     def _md_first_token(self, t: float, req: _Req) -> None:
         rec = req.record
-        back = self.d.link.rtt_s / 2 if self.d.crosses_wan else 0.0
+        back = self.back_s
         if rec.first_token_s < 0:
             rec.first_token_s = t + back
         rec.md_start_s = t + back
 
     def _decode_done(self, now: float, req: _Req) -> None:
         rec = req.record
-        rec.finish_s = now + (self.d.link.rtt_s / 2 if self.d.crosses_wan else 0.0)
+        rec.finish_s = now + self.back_s
         rec.md_tokens = req.trace.output_tokens - rec.rld_tokens
         self._release(req)
 

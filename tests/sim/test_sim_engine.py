@@ -80,3 +80,21 @@ def test_replays_a_given_trace_exactly() -> None:
     _, runs = run_deployments(reqs, deps, block_tokens=512, sla=sla_of(w))
     recs = runs["cross_dc_pd"].measured()
     assert len(recs) == 2 and recs[0].hit == 0.0 and recs[1].hit == pytest.approx(0.9)
+
+
+def test_sweep_over_line_rate_moves_the_cross_dc_tail() -> None:
+    from pddlink.sim.scenario import run_sweep
+
+    w = load_workload()
+    knobs = PaperKnobs(rate_rps=30, duration_s=60, prewarm_s=60, warmup_s=70, seed=2)
+    result = run_sweep(w, knobs, "line_gbps", [2.0, 40.0])
+    slow, fast = (p["cross_dc_pd"]["ttft_s"]["p99"] for p in result["points"])
+    assert result["over"] == "line_gbps" and slow > fast
+
+
+def test_sweep_refuses_unknown_knob() -> None:
+    from pddlink.errors import ConfigError
+    from pddlink.sim.scenario import run_sweep
+
+    with pytest.raises(ConfigError, match="sweep over"):
+        run_sweep(load_workload(), PaperKnobs(), "colour", [1.0])
