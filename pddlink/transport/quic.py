@@ -44,7 +44,7 @@ from pddlink.transport.session import PeerSession
 from pddlink.transport.tcp import as_buffer, manifest_of, transfer_config
 from pddlink.transport.tcp_conn import SESSION_CAP
 from pddlink.transport.tls import AuthError, PeerIdentity, TlsConfig
-from pddlink.transport.transfers import Lanes, SendDriver
+from pddlink.transport.transfers import Lanes, SendDriver, TransferIds, await_result
 from pddlink.wire import Handshake, HandshakeConfig, TransferBegin
 
 log = logging.getLogger(__name__)
@@ -104,7 +104,7 @@ class QuicLink(PeerSession):
         self.options = options
         self.control: StreamLane = protocol.control
         self._senders: dict[int, tuple[SendDriver, Lanes]] = {}
-        self._next_transfer_id = 1
+        self._ids = TransferIds()
         self.transfer_router = self._route
         self._own(self.control)
         protocol.on_terminated = self._terminated
@@ -128,11 +128,7 @@ class QuicLink(PeerSession):
         if self.closed or self.protocol.terminated:
             raise LocalError(f"QUIC link to {self.peer} is closed", code=ErrorCode.PEER_UNREACHABLE)
         data = as_buffer(payload)
-        if isinstance(begin, TransferManifest):
-            transfer_id, chunk_bytes = self._next_transfer_id, None
-        else:
-            transfer_id, chunk_bytes = begin.transfer_id, begin.chunk_bytes
-        self._next_transfer_id = max(self._next_transfer_id, transfer_id + 1)
+        transfer_id, chunk_bytes = self._ids.assign(begin, data, self._senders)
         lanes = Lanes()
         lane = self._own(self.protocol.open_lane())
         lanes.add(lane)
@@ -148,13 +144,7 @@ class QuicLink(PeerSession):
         driver = SendDriver(sender, lanes, lambda d: self._transfer_ended(d, lane))
         self._senders[transfer_id] = (driver, lanes)
         driver.start()
-        try:
-            return await asyncio.wait_for(asyncio.shield(driver.result), deadline_s + 5.0)
-        except TimeoutError:
-            driver.cancel(ErrorCode.DEADLINE_EXCEEDED, "transfer driver missed its own deadline")
-            raise LocalError(
-                "transfer did not end by its deadline", code=ErrorCode.DEADLINE_EXCEEDED
-            ) from None
+        return await await_result(driver, deadline_s)
 
     def _transfer_ended(self, driver: SendDriver, lane: StreamLane) -> None:
         self._senders.pop(driver.transfer_id, None)

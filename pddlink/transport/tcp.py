@@ -28,7 +28,7 @@ import time
 from collections.abc import Sequence
 from typing import ClassVar
 
-from pddlink.errors import ErrorCode, InvalidInput, LocalError, PddlinkError
+from pddlink.errors import ErrorCode, LocalError, PddlinkError
 from pddlink.transfer.config import TransferConfig, TransferManifest
 from pddlink.transfer.sender import TransferSender
 from pddlink.transport import sockopt
@@ -45,7 +45,7 @@ from pddlink.transport.tcp_conn import (
     open_connection,
 )
 from pddlink.transport.tls import PeerIdentity, TlsConfig
-from pddlink.transport.transfers import Lanes, SendDriver
+from pddlink.transport.transfers import Lanes, SendDriver, TransferIds, await_result
 from pddlink.wire import HandshakeConfig, TransferBegin
 
 log = logging.getLogger(__name__)
@@ -121,7 +121,7 @@ class TcpLink(PeerSession):
         self._control: FrameConnection | None = None
         self._data: dict[int, FrameConnection] = {}
         self._senders: dict[int, SendDriver] = {}
-        self._next_transfer_id = 1
+        self._ids = TransferIds()
         self._resumes = 0
         self._control_settled = asyncio.Event()  # set: control is up, or its reconnect gave up
         self._reconnecting_control: asyncio.Task[None] | None = None
@@ -219,7 +219,7 @@ class TcpLink(PeerSession):
         if self.closed:
             raise LocalError("link is closed", code=ErrorCode.PEER_UNREACHABLE)
         data = as_buffer(payload)
-        transfer_id, chunk_bytes = self._transfer_id_of(begin, data)
+        transfer_id, chunk_bytes = self._ids.assign(begin, data, self._senders)
         now = time.monotonic()
         sender = TransferSender(
             transfer_id,
@@ -233,30 +233,7 @@ class TcpLink(PeerSession):
         driver = SendDriver(sender, self.lanes, self._forget_sender)
         self._senders[transfer_id] = driver
         driver.start()
-        try:
-            return await asyncio.wait_for(asyncio.shield(driver.result), deadline_s + 5.0)
-        except TimeoutError:
-            driver.cancel(ErrorCode.DEADLINE_EXCEEDED, "transfer driver missed its own deadline")
-            raise LocalError(
-                "transfer did not end by its deadline", code=ErrorCode.DEADLINE_EXCEEDED
-            ) from None
-        except asyncio.CancelledError:
-            driver.cancel(ErrorCode.CANCELLED, "sender cancelled the transfer")
-            raise
-
-    def _transfer_id_of(
-        self, begin: TransferBegin | TransferManifest, data: memoryview
-    ) -> tuple[int, int | None]:
-        if isinstance(begin, TransferManifest):
-            transfer_id = self._next_transfer_id
-            self._next_transfer_id += 1
-            return transfer_id, None
-        if begin.total_bytes != data.nbytes:
-            raise InvalidInput(f"TransferBegin.total_bytes={begin.total_bytes}, payload has {data.nbytes}")
-        if begin.transfer_id in self._senders:
-            raise InvalidInput(f"transfer {begin.transfer_id} is already in progress on this link")
-        self._next_transfer_id = max(self._next_transfer_id, begin.transfer_id + 1)
-        return begin.transfer_id, begin.chunk_bytes
+        return await await_result(driver, deadline_s)
 
     def _forget_sender(self, driver: SendDriver) -> None:
         self._senders.pop(driver.transfer_id, None)

@@ -15,10 +15,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from typing import Protocol
 
-from pddlink.errors import ErrorCode, LocalError, PddlinkError, RemoteError
+from pddlink.errors import ErrorCode, InvalidInput, LocalError, PddlinkError, RemoteError
+from pddlink.transfer.config import TransferManifest
 from pddlink.transfer.events import (
     ChunkReceived,
     TransferAborted,
@@ -259,3 +260,38 @@ class ReceiveDriver:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+
+
+class TransferIds:
+    """Transfer ids of one link: the caller's (from a ``TransferBegin``) or the next free one."""
+
+    def __init__(self) -> None:
+        self._next = 1
+
+    def assign(
+        self, begin: TransferBegin | TransferManifest, data: memoryview, in_progress: Container[int]
+    ) -> tuple[int, int | None]:
+        """``(transfer_id, chunk_bytes or None for the link's)``; bad input changes nothing."""
+        if isinstance(begin, TransferManifest):
+            transfer_id = self._next
+            self._next += 1
+            return transfer_id, None
+        if begin.total_bytes != data.nbytes:
+            raise InvalidInput(f"TransferBegin.total_bytes={begin.total_bytes}, payload has {data.nbytes}")
+        if begin.transfer_id in in_progress:
+            raise InvalidInput(f"transfer {begin.transfer_id} is already in progress on this link")
+        self._next = max(self._next, begin.transfer_id + 1)
+        return begin.transfer_id, begin.chunk_bytes
+
+
+async def await_result(driver: SendDriver, deadline_s: float) -> TransferResult:
+    """The driver's result; its own deadline fires first, this bound only guards against a bug.
+    Cancelling the caller cancels the transfer (the peer is told)."""
+    try:
+        return await asyncio.wait_for(asyncio.shield(driver.result), deadline_s + 5.0)
+    except TimeoutError:
+        driver.cancel(ErrorCode.DEADLINE_EXCEEDED, "transfer driver missed its own deadline")
+        raise LocalError("transfer did not end by its deadline", code=ErrorCode.DEADLINE_EXCEEDED) from None
+    except asyncio.CancelledError:
+        driver.cancel(ErrorCode.CANCELLED, "sender cancelled the transfer")
+        raise
