@@ -31,7 +31,7 @@ from pddlink.sim.scenario import (
     sla_of,
 )
 from pddlink.sim.trace import read_trace, scale_trace, write_trace
-from pddlink.sim.workload import DEFAULT_WORKLOAD, load_workload
+from pddlink.sim.workload import DEFAULT_WORKLOAD, Workload, load_workload
 
 _workload_opt = click.option(
     "--workload", "workload_path", type=click.Path(dir_okay=False, path_type=Path), default=DEFAULT_WORKLOAD,
@@ -58,7 +58,10 @@ def _emit(result: dict[str, Any], as_json: bool) -> None:
 
 
 @click.group(invoke_without_command=True)
-@click.option("--scenario", type=click.Choice(["paper"]), help="Run a built-in calibrated scenario.")
+@click.option(
+    "--scenario", type=click.Choice(["paper", "demo"]),
+    help="paper: the calibrated datacenter comparison; demo: the scaled-down deployment of `pddlink demo`.",
+)  # fmt: skip
 @click.option(
     "--trace", "trace_path", type=click.Path(dir_okay=False, path_type=Path), help="Replay a trace file."
 )
@@ -90,9 +93,12 @@ def group(
     if ctx.invoked_subcommand is not None:
         return
     if (scenario is None) == (trace_path is None):
-        raise click.UsageError("give exactly one of --scenario paper and --trace FILE")
+        raise click.UsageError("give exactly one of --scenario paper|demo and --trace FILE")
     started = time.perf_counter()
     workload = load_workload(workload_path)
+    if scenario == "demo":
+        _emit(_run_demo_scale(workload, seed, rate, started), as_json)
+        return
     knobs = PaperKnobs(seed=seed)
     if rate is not None:
         knobs = replace(knobs, rate_rps=rate)
@@ -190,7 +196,9 @@ def bench_cmd(
         rate_rps=rate, duration_s=duration, seed=knobs.seed, block_tokens=knobs.block_tokens
     )
     started = time.perf_counter()
-    records = Simulation(dep, knobs.block_tokens).run(generate(workload, config), warmup_s=knobs.prewarm_s)
+    records = Simulation(dep, knobs.block_tokens).run(
+        generate(workload, config), warmup_s=knobs.warmup_s, prewarm_s=knobs.prewarm_s
+    )
     wall = time.perf_counter() - started
     summary = records.summary(sla_of(workload), dep.link.wan_bytes_s)
     result = {
@@ -233,6 +241,22 @@ def sweep_cmd(
             f"{over}={p['value']:g}: PDD TTFT p90 {d['ttft_s']['p90']}s (cross-DC {x['p90']}s), "
             f"BCR {d['bcr']}, RLD share {d['rld_token_share']:.1%}"
         )
+
+
+def _run_demo_scale(workload: Workload, seed: int, rate: float | None, started: float) -> dict[str, Any]:
+    from pddlink.sim.demo_scale import DemoKnobs, demo_deployments, demo_trace
+
+    knobs = DemoKnobs(seed=seed) if rate is None else DemoKnobs(seed=seed, rate_rps=rate)
+    trace = demo_trace(workload, knobs)
+    result, _ = run_deployments(
+        trace.requests, demo_deployments(knobs), block_tokens=knobs.block_tokens, sla=sla_of(workload)
+    )
+    result["wall_s"] = round(time.perf_counter() - started, 2)
+    result["scenario"] = {
+        "source": "demo",
+        "knobs": {f: getattr(knobs, f) for f in knobs.__dataclass_fields__},
+    }
+    return result
 
 
 def _knobs_dict(knobs: PaperKnobs) -> dict[str, Any]:

@@ -84,6 +84,7 @@ class Deployment:
     link: Link = field(default_factory=Link)
     policy: RoutingPolicy = field(default_factory=RoutingPolicy)
     fig: AFigures = field(default_factory=AFigures)
+    relay_fig: AFigures | None = None  # RLD's own figures (batch limit), default ``fig``
     kv_bytes_per_token: int = 4400
     drc_tokens_per_gpu: int = 32_000_000
     line_price: float = 0.33  # the line's cost in A-GPU units over the same period

@@ -65,7 +65,10 @@ class Simulation:
         cap_blocks = max(1, d.drc_tokens_per_gpu * d.decode.gpus_per_instance // block_tokens)
         self.caches = [DecodeCache(cap_blocks) for _ in self.decode]
         self.relay = (
-            [DecodeInstance(self.clock, d.relay.model(d.fig), f"r{i}") for i in range(d.relay.instances)]
+            [
+                DecodeInstance(self.clock, d.relay.model(d.relay_fig or d.fig), f"r{i}")
+                for i in range(d.relay.instances)
+            ]
             if d.relay
             else []
         )

@@ -51,3 +51,12 @@ def test_skew_json_small(tmp_path: Path) -> None:
     data = json.loads(out.stdout)
     assert data["skewed"]["kv_transfer_s"]["p50"] < data["uniform"]["kv_transfer_s"]["p50"]
     assert (tmp_path / "kv_transfer_skew.png").exists()
+
+
+def test_demo_scale_scenario_runs_and_pdd_cuts_the_tail() -> None:
+    out = _run("--scenario", "demo", "--json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    d = data["deployments"]
+    assert set(d) == {"cross_dc_pd", "pdd"}
+    assert d["pdd"]["ttft_s"]["p90"] < d["cross_dc_pd"]["ttft_s"]["p90"]

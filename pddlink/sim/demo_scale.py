@@ -1,0 +1,75 @@
+"""The demo's scaled-down deployment, so ``pddlink sim --scenario demo`` can be set beside ``pddlink demo``.
+
+``pddlink demo`` runs one P, one RLD and one MD with the CPU reference engine across a netlab line
+(default 16 Mbit/s, 20 ms RTT, 2048 KV bytes per token), replaying the agentic workload scaled to
+16-token blocks and ~768-token contexts, outputs divided by 8 (at least 8, at most 128; singular
+bounds divided by 8). This module builds the same traffic and a deployment with CPU-engine speeds.
+The engine speeds are estimates for the tiny float64 reference model (not measured here); pass the
+demo's own figures through ``DemoKnobs`` to compare like with like.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from pddlink.routing import RoutingPolicy
+from pddlink.sim.deploy import Deployment, Kind, Link, Pool
+from pddlink.sim.generate import GeneratorConfig, generate_trace
+from pddlink.sim.hardware import GPU_A, AFigures
+from pddlink.sim.trace import Trace, TraceRequest
+from pddlink.sim.workload import Workload
+
+
+@dataclass(frozen=True, slots=True)
+class DemoKnobs:
+    requests: int = 200
+    rate_rps: float = 4.0
+    seed: int = 0
+    line_mbit: float = 16.0
+    rtt_s: float = 0.02
+    kv_bytes_per_token: int = 2048
+    prefill_tokens_per_s: float = 6000.0
+    decode_step_s: float = 0.006
+    decode_seq_s: float = 0.002
+    rld_seqs: int = 6
+    md_seqs: int = 32
+    block_tokens: int = 16
+    context_tokens: int = 768
+    output_divisor: int = 8
+    max_output: int = 128
+
+
+def demo_trace(workload: Workload, k: DemoKnobs) -> Trace:
+    cfg = GeneratorConfig(
+        rate_rps=k.rate_rps, requests=k.requests, seed=k.seed, block_tokens=k.block_tokens,
+        context_tokens=k.context_tokens, turn_gap_s=(2.0, 8.0),
+    )  # fmt: skip
+    trace = generate_trace(workload, cfg)
+
+    def shrink(r: TraceRequest) -> TraceRequest:
+        if r.max_tokens <= 16:
+            n = min(k.max_output, max(1, round(r.max_tokens / k.output_divisor)))
+        else:
+            n = min(k.max_output, max(8, round(r.output_tokens / k.output_divisor)))
+        return replace(r, output_tokens=n, max_tokens=n)
+
+    return Trace(trace.meta, tuple(shrink(r) for r in trace.requests))
+
+
+def demo_deployments(k: DemoKnobs) -> list[Deployment]:
+    fig = AFigures(
+        prefill_tok_s=1.0 / k.prefill_tokens_per_s, prefill_attn_s=0.0, prefill_batch_s=0.005,
+        prefill_batch_tokens=2048, decode_step_s=k.decode_step_s, decode_seq_s=k.decode_seq_s,
+        decode_kv_token_s=0.0, kv_capacity_tokens_per_gpu=10**7, max_seqs_per_gpu=k.md_seqs,
+        extend_base_s=0.01, extend_token_s=k.decode_seq_s,
+    )  # fmt: skip
+    link = Link(wan_gbps=k.line_mbit / 1000, wan_efficiency=0.95, rtt_s=k.rtt_s, pool_size=4,
+                flow_cap_gbps=k.line_mbit / 1000, fast_gbps=10.0, fast_setup_s=0.002)  # fmt: skip
+    common = dict(fig=fig, link=link, kv_bytes_per_token=k.kv_bytes_per_token, drc_tokens_per_gpu=10**7)
+    one = Pool(GPU_A, 1, 1)
+    cross = Deployment("cross_dc_pd", Kind.CROSS_DC_PD, one, one, **common)  # type: ignore[arg-type]
+    pdd = Deployment(
+        "pdd", Kind.PDD, one, one, Pool(GPU_A, 1, 1), policy=RoutingPolicy(),
+        relay_fig=replace(fig, max_seqs_per_gpu=k.rld_seqs), **common,  # type: ignore[arg-type]
+    )  # fmt: skip
+    return [cross, pdd]
