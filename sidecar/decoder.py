@@ -81,7 +81,7 @@ class Decoder:
         self.policy = policy or RoutingPolicy()
         self.send_handoff = send_handoff
         self.seqs: dict[str, DecodeSeq] = {}
-        self.handoffs: dict[str, int] = {}
+        self.ended_recently: dict[str, str] = {}  # request id -> how it ended (bounded, oldest dropped)
 
     @property
     def layout(self) -> KVLayout:
@@ -120,7 +120,11 @@ class Decoder:
         finally:
             if not seq.ended:  # the router went away: nobody wants the rest
                 await self.end(seq, "released")
-            self.seqs.pop(request_id, None)
+            gone = self.seqs.pop(request_id, None)
+            if gone is not None:
+                self.ended_recently[request_id] = gone.ended
+                while len(self.ended_recently) > 4096:
+                    self.ended_recently.pop(next(iter(self.ended_recently)))
 
     async def on_transfer(self, received: ReceivedTransfer) -> None:
         seq = self._seq(received.begin.request_id)
@@ -254,7 +258,10 @@ class Decoder:
     async def start_handoff(self, request_id: str, deadline_s: float) -> dict[str, Any]:
         seq = self.seqs.get(request_id)
         if seq is None or seq.ended:
-            return {"outcome": "failed:unknown_request" if seq is None else f"finished_on_rld:{seq.ended}"}
+            how = seq.ended if seq is not None else self.ended_recently.get(request_id, "")
+            if how == "finished":  # RLD finished it before MD was ready: nothing to hand over
+                return {"outcome": "finished_on_rld"}
+            return {"outcome": f"failed:{how or 'unknown_request'}"}
         if self.send_handoff is None:
             return {"outcome": "failed:no_md_configured"}
         decision = choose_handoff_mode(self.load, self.policy)
