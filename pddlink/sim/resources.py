@@ -65,6 +65,7 @@ class WanLine:
         self._finish_sum = 0.0
         self._ids = 0
         self._version = 0
+        self._r = 0.0
         self.delivered_bytes = 0.0
         self.pool_full_s = 0.0
         self.busy_s = 0.0
@@ -80,7 +81,7 @@ class WanLine:
     def _advance(self, now: float) -> None:
         dt = now - self._t
         if dt > 0 and self._active:
-            r = self._flow_rate()
+            r = self._r  # the rate in force since the last change (set by _arm)
             self._served += r * dt
             self.delivered_bytes += r * dt * len(self._active)
             self.busy_s += dt
@@ -102,8 +103,8 @@ class WanLine:
 
     def _arm(self) -> None:
         self._version += 1
+        self._r = r = self._flow_rate()
         if self._active:
-            r = self._flow_rate()
             t = self._t + max(0.0, self._active[0][0] - self._served) / r
             self.clock.at(t, self._on_timer, self._version)
 
