@@ -35,6 +35,7 @@ from sidecar.handoff_wire import slice_to_wire
 from sidecar.peers import DecoderPeer, KVPeer, KVPeerPool
 
 WAN_SHARE_OF_DEADLINE = 0.6
+FAST_PATH_TIMEOUT_S = 3.0
 _LINK_GONE = (ErrorCode.PEER_UNREACHABLE, ErrorCode.CANCELLED, ErrorCode.UNAVAILABLE)
 
 
@@ -97,7 +98,9 @@ class Prefiller:
         frame = slice_to_wire(handoff, job.sampling)
         tasks = []
         if job.ship_to_rld:
-            tasks.append(self._ship_rld(job, kv, hashes, frame, deadline, reply))
+            # the fast path takes tens of ms; a dead RLD must not hold P's reply (and MD's fallback) back
+            fast_deadline = min(deadline, time.monotonic() + FAST_PATH_TIMEOUT_S)
+            tasks.append(self._ship_rld(job, kv, hashes, frame, fast_deadline, reply))
         if reservation is not None:
             tasks.append(self._ship_md(job, kv, hashes, frame, reservation, wan_deadline, reply))
         await asyncio.gather(*tasks)
