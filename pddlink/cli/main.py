@@ -79,6 +79,10 @@ TOP_COMMANDS: dict[str, tuple[str, str]] = {
         "Cluster simulator: TTFT, goodput and benefit-cost ratio at datacenter scale.",
     ),
     "sidecar": ("pddlink.cli.sidecar:command", "Run the sidecar daemon for one role (p, rld or md)."),
+    "engine": (
+        "pddlink.cli.engine:command",
+        "Run an engine process that attaches to its sidecar over the engine link.",
+    ),
     "router": ("pddlink.cli.router:command", "Run the router: client API, pipeline policy, stream merging."),
     "ping": ("pddlink.cli.diag:ping", "Ping a running sidecar: RTT, bandwidth, wire version, TLS identity."),
     "status": (

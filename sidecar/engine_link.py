@@ -1,0 +1,94 @@
+"""The engine's end of the engine link: dial the sidecar, say Hello, serve its commands.
+
+Lifecycle: ``serve_engine(engine, target, token)`` connects (bounded by ``connect_timeout_s``),
+opens the Attach stream, sends Hello (layout, vocabulary, pool size, pid, the attach token), then
+runs each command the sidecar sends on ``engine`` in arrival order (one at a time: an engine is not
+thread-safe) and answers it. It returns when the sidecar ends the stream; a refused Hello or a
+lost sidecar raises ``Unavailable`` with the sidecar's reason. The process that runs it is the
+engine process (``pddlink engine --sidecar ADDR``).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+
+from engines_adapter import EngineAdapter
+from pddlink.errors import ConfigError, Unavailable
+from sidecar import engine_codec as codec
+from sidecar.rpc import engine_stubs
+
+pb2, pb2_grpc = engine_stubs()
+MAX_MESSAGE_BYTES = 512 << 20
+_REFUSALS = (
+    grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.ALREADY_EXISTS,
+    grpc.StatusCode.INVALID_ARGUMENT,
+)
+
+
+def hello(engine: EngineAdapter, token: str, engine_name: str, capacity_blocks: int) -> Any:
+    return pb2.EngineMessage(
+        hello=pb2.Hello(
+            attach_token=token,
+            layout=codec.layout_msg(engine.layout),
+            vocab_size=engine.vocab_size,
+            capacity_blocks=capacity_blocks,
+            pid=os.getpid(),
+            engine_name=engine_name,
+        )
+    )
+
+
+def serve_engine(
+    engine: EngineAdapter,
+    target: str,
+    token: str,
+    *,
+    engine_name: str = "torch_ref",
+    capacity_blocks: int = 0,
+    connect_timeout_s: float = 30.0,
+) -> int:
+    """Serve the sidecar at ``target`` until it ends the link; returns the commands served."""
+    options = [
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ]
+    channel = grpc.insecure_channel(target, options=options)
+    outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+    served = 0
+    try:
+        try:
+            grpc.channel_ready_future(channel).result(timeout=connect_timeout_s)
+        except grpc.FutureTimeoutError:
+            raise Unavailable(f"no sidecar at {target} within {connect_timeout_s:.0f} s") from None
+        outbox.put(hello(engine, token, engine_name, capacity_blocks))
+
+        def outgoing() -> Iterator[Any]:
+            while (msg := outbox.get()) is not None:
+                yield msg
+
+        stream = pb2_grpc.EngineLinkStub(channel).Attach(outgoing())
+        for msg in stream:
+            if msg.WhichOneof("kind") == "welcome":
+                sys.stderr.write(f"engine {os.getpid()}: attached to {msg.welcome.sidecar or target}\n")
+                continue
+            outbox.put(pb2.EngineMessage(reply=codec.execute(engine, msg.command, time.monotonic())))
+            served += 1
+    except grpc.RpcError as exc:
+        code, details = exc.code(), exc.details()
+        if code in _REFUSALS:
+            raise ConfigError(f"the sidecar refused this engine: {details}") from None
+        if code != grpc.StatusCode.CANCELLED:
+            raise Unavailable(f"engine link to {target} lost: {code.name} {details}") from None
+    finally:
+        outbox.put(None)
+        channel.close()
+    return served
