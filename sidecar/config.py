@@ -8,8 +8,11 @@ kv_port = 7450           # KV transport server (RLD and MD)
 admin_port = 7460        # admin HTTP (0: off); admin_unix = "/run/x.sock" also serves it on a socket
 tls_dir = ""             # dev PKI directory (pddlink.transport.load_or_create_peer); "" = plaintext
 
-[engine]                 # the engine beside this sidecar (runs in a worker thread of this process)
+[engine]                 # the engine beside this sidecar
 name = "torch_ref"; preset = "tiny"; dtype = "float64"; block_size = 16; num_blocks = 8192; seed = 0
+mode = "thread"          # thread: a worker thread of this process; process: a child `pddlink engine`
+                         # attached over the engine link (sidecar/proto/pddlink_engine.proto)
+call_timeout_s = 30.0; attach_timeout_s = 120.0   # process mode: every engine command; the attach
 
 [peers]                  # "host:port" as this sidecar reaches them (across the WAN for MD)
 md_grpc = "198.18.0.2:7440"; md_kv = "198.18.0.2:7450"
@@ -33,6 +36,7 @@ from typing import Any
 from pddlink.errors import ConfigError
 
 ROLES = ("p", "rld", "md")
+ENGINE_MODES = ("thread", "process")
 
 
 def _hostport(value: str, name: str) -> str:
@@ -51,10 +55,17 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int = 8192
     seed: int = 0
+    mode: str = "thread"  # "thread" | "process" (see the module docstring)
+    call_timeout_s: float = 30.0
+    attach_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.num_blocks < 1:
             raise ConfigError("engine.block_size and engine.num_blocks must be >= 1")
+        if self.mode not in ENGINE_MODES:
+            raise ConfigError(f"engine.mode must be one of {', '.join(ENGINE_MODES)}, got {self.mode!r}")
+        if self.call_timeout_s <= 0 or self.attach_timeout_s <= 0:
+            raise ConfigError("engine.call_timeout_s and engine.attach_timeout_s must be > 0")
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,8 +5,14 @@ server (RLD, MD), the gRPC Sidecar service and the admin HTTP server; prints one
 line on stdout (ports, identity) once every listener is up; serves until SIGTERM/SIGINT; then
 closes listeners, peers and the engine in that order.
 
+Engine: ``engine.mode = "thread"`` runs it in a worker thread of this process; ``"process"`` starts
+``pddlink engine`` as a child that attaches over the engine link (``sidecar.engine_process``) before
+anything else starts, and is stopped after everything else; the role logic sees the same
+``EngineAdapter`` either way (``RemoteEngine``), driven by the same ``EngineLoop``.
+
 Admin HTTP: GET /metrics (Prometheus), /healthz (the process serves), /readyz (engine loaded and
-peers configured), /status (JSON), /drc/stats (JSON), /drc/snapshot (bytes), POST /drc/match.
+attached: 503 once an engine process is gone; peers configured), /status (JSON), /drc/stats (JSON),
+/drc/snapshot (bytes), POST /drc/match.
 """
 
 from __future__ import annotations
@@ -61,14 +67,14 @@ def build_engine(cfg: SidecarConfig) -> EngineAdapter:
 
 
 class Sidecar:
-    def __init__(self, cfg: SidecarConfig) -> None:
+    def __init__(self, cfg: SidecarConfig, engine: EngineAdapter | None = None) -> None:
         self.cfg = cfg
         self.started = time.time()
         self.identity = PeerIdentity(cfg.role, cfg.name)
         self.tls: TlsConfig | None = (
             load_or_create_peer(Path(cfg.tls_dir), self.identity) if cfg.tls_dir else None
         )
-        self.engine = build_engine(cfg)
+        self.engine = engine if engine is not None else build_engine(cfg)
         self.loop = EngineLoop(self.engine, cfg.decode.max_batch)
         self.drc: DrcHost | None = None
         self.decoder: Decoder | None = None
@@ -205,7 +211,8 @@ class Sidecar:
         if req.method == "GET" and req.path == "/healthz":
             return json_response(200, {"ok": True})
         if req.method == "GET" and req.path == "/readyz":
-            return json_response(200, {"ready": True, "role": self.cfg.role})
+            ready = bool(getattr(self.engine, "alive", True))  # RemoteEngine: is the link up
+            return json_response(200 if ready else 503, {"ready": ready, "role": self.cfg.role})
         if req.method == "GET" and req.path == "/status":
             return json_response(200, self.status())
         if req.path.startswith("/drc/"):
@@ -309,6 +316,15 @@ async def _main(cfg: SidecarConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if cfg.engine.mode == "process":
+        from sidecar.engine_process import EngineProcessTimeouts, engine_process
+
+        timeouts = EngineProcessTimeouts(
+            attach_s=cfg.engine.attach_timeout_s, call_s=cfg.engine.call_timeout_s
+        )
+        async with engine_process(cfg.engine, timeouts, sidecar=f"{cfg.role}/{cfg.name}") as engine:
+            await Sidecar(cfg, engine).serve(stop)
+        return
     await Sidecar(cfg).serve(stop)
 
 

@@ -110,13 +110,15 @@ async def engine_process(
     proc: asyncio.subprocess.Process | None = None
     watcher: asyncio.Task[None] | None = None
     try:
-        await server.start(target)
+        # the child first (it keeps dialing until the socket is there): forking before gRPC's
+        # threads run spares grpc's fork handlers
         proc = await asyncio.create_subprocess_exec(
             *engine_argv(cfg, target),
             env=dict(os.environ, **{TOKEN_ENV: token}),
             stdin=subprocess.DEVNULL,
             stdout=sys.stderr.fileno(),  # stdout is the sidecar's READY channel
         )
+        await server.start(target)
         session = await _attach(server, proc, t.attach_s)
         child = proc
 

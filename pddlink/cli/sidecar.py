@@ -24,6 +24,11 @@ import click
 @click.option("--dtype", help="Engine dtype (float64 for exact token comparisons).")
 @click.option("--preset", help="Reference engine preset (tiny, small, ...).")
 @click.option("--num-blocks", type=int, help="Engine KV pool size in blocks.")
+@click.option(
+    "--engine-mode",
+    type=click.Choice(["thread", "process"]),
+    help="thread: engine in this process; process: a child `pddlink engine` over the engine link.",
+)
 @click.option("--capacity", type=int, help="Decode capacity in requests (load 1.0).")
 @click.option("--slice-tokens", type=int, help="Catch-up handoff slice size in tokens.")
 def command(config_path: str | None, **flags: Any) -> None:
@@ -51,6 +56,7 @@ def command(config_path: str | None, **flags: Any) -> None:
         "dtype": "engine.dtype",
         "preset": "engine.preset",
         "num_blocks": "engine.num_blocks",
+        "engine_mode": "engine.mode",
         "capacity": "decode.capacity",
         "slice_tokens": "decode.slice_tokens",
     }
