@@ -49,6 +49,7 @@ class ClusterSpec:
     deadline_s: float = 30.0
     tls: bool = True
     start_timeout_s: float = 120.0
+    engine_mode: str = "thread"  # "process": each sidecar runs its engine as a child over the engine link
 
 
 def free_port() -> int:
@@ -100,6 +101,7 @@ class Cluster:
         md_kv = "{}:{}".format(*lab.endpoint("dc-b", p["md_kv"]))
         base = [sys.executable, "-m", "pddlink.cli.main"]
         common = ["--dtype", s.dtype, "--preset", s.preset, "--admin-unix", self.admin_socket(role)]
+        common += ["--engine-mode", s.engine_mode]
         if s.tls:
             common += ["--tls-dir", str(s.run_dir / "pki")]
         if role == "md":
@@ -248,9 +250,10 @@ class Cluster:
             load_or_create_pki(
                 self.spec.run_dir / "pki", [PeerIdentity(r, f"{r}0") for r in ("p", "rld", "md")]
             )
-        from sidecar.rpc import stubs
+        from sidecar.rpc import engine_stubs, stubs
 
         stubs()  # generate once, before four processes would race to
+        engine_stubs()
         for role in ("md", "rld", "p"):
             self._launch(role)
         self._wait_ready(("md", "rld", "p"), self.spec.start_timeout_s)
