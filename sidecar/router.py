@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import itertools
 import time
 from collections.abc import AsyncIterator
@@ -85,8 +84,8 @@ class Router:
             relay_enabled=cfg.relay_enabled,
             relay_min_wan_s=cfg.relay_min_wan_s,
             rld_max_load=cfg.rld_max_load,
+            singular_max_output_tokens=cfg.singular_max_tokens,
         )
-        self.no_singular = dataclasses.replace(self.policy, singular_enabled=False)
         self.ids = itertools.count(1)
         self.in_flight: dict[str, RequestRun] = {}
         self._mirror_task: asyncio.Task[None] | None = None
@@ -148,9 +147,6 @@ class Router:
             rld_tpot_s=self.cfg.rld_tpot_s,
         )
         decision = choose_pipeline(inputs, self.policy)
-        if decision.pipeline is Pipeline.SINGULAR and max_tokens > self.cfg.singular_max_tokens:
-            # a request that ends on RLD never feeds MD's cache: keep singular to very short outputs
-            decision = choose_pipeline(inputs, self.no_singular)
         if forced:
             decision = PipelineDecision(
                 Pipeline(forced), decision.reason, decision.wan_bytes, decision.wan_estimate_s

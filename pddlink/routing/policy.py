@@ -8,7 +8,9 @@ Three pipelines exist (DESIGN.md, "Roles and one request's path"):
   starts streaming at once and hands over to MD by token ids once MD holds the KV. The suffix still
   crosses the WAN, so MD's cache stays aligned with P's view.
 - ``SINGULAR``: P -> RLD and finish there, no WAN transfer. Only when the request's output bound is
-  so short that RLD finishes before the WAN transfer would; everything else ends on MD.
+  so short that RLD finishes before the WAN transfer would, and (``singular_max_output_tokens``) no
+  longer than the policy allows: a request that ends on RLD never feeds MD's prefix cache, so this
+  stays the exception; everything else ends on MD.
 
 ``choose_pipeline`` is a pure function of ``RoutingInputs`` (what the router knows when a request
 arrives: the DRC mirror's match, the link estimate, RLD's load) and a ``RoutingPolicy``. The router
@@ -60,7 +62,8 @@ class RoutingPolicy:
     than the request's TTFT target). ``rld_max_load``: RelayDecode's load (active / capacity) above
     which no new relay is started, so RLD stays a small, fast tier. ``catch_up_below_load``: at
     handoff, catch-up while RLD's load is below this, one-shot otherwise (0 forces one-shot, any
-    value above 1 forces catch-up).
+    value above 1 forces catch-up). ``singular_max_output_tokens``: only requests whose output bound is
+    at most this may end on RLD (None: the "RLD finishes first" test alone decides).
     """
 
     relay_enabled: bool = True
@@ -69,12 +72,22 @@ class RoutingPolicy:
     rld_max_load: float = 0.85
     catch_up_below_load: float = 0.5
     catch_up_slice_tokens: int = 64
+    singular_max_output_tokens: int | None = None
 
     def __post_init__(self) -> None:
         _require(self.relay_min_wan_s >= 0, f"relay_min_wan_s must be >= 0, got {self.relay_min_wan_s}")
         _require(0 <= self.rld_max_load <= 1, f"rld_max_load must be in [0, 1], got {self.rld_max_load}")
         _require(self.catch_up_below_load >= 0, "catch_up_below_load must be >= 0")
         _require(self.catch_up_slice_tokens >= 1, "catch_up_slice_tokens must be >= 1")
+        _require(
+            self.singular_max_output_tokens is None or self.singular_max_output_tokens >= 1,
+            f"singular_max_output_tokens must be >= 1 or None, got {self.singular_max_output_tokens}",
+        )
+
+    def allows_singular(self, max_output_tokens: int) -> bool:
+        """Whether a request with this output bound may end on RLD at all (before the timing test)."""
+        cap = self.singular_max_output_tokens
+        return self.singular_enabled and (cap is None or max_output_tokens <= cap)
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,7 +170,7 @@ def choose_pipeline(inputs: RoutingInputs, policy: RoutingPolicy) -> PipelineDec
         return decide(Pipeline.P_MD, DecisionReason.RLD_UNAVAILABLE)
     load = inputs.rld_load
     if (
-        policy.singular_enabled
+        policy.allows_singular(inputs.max_output_tokens)
         and load < 1.0
         and rld_finishes_first(inputs.max_output_tokens, inputs.rld_tpot_s, wan_s)
     ):

@@ -56,6 +56,12 @@ def demo_trace(workload: Workload, k: DemoKnobs) -> Trace:
     return Trace(trace.meta, tuple(shrink(r) for r in trace.requests))
 
 
+def demo_policy() -> RoutingPolicy:
+    """The demo router's policy: ``pddlink router``'s defaults as ``sidecar.cluster`` starts it
+    (relay from a 0.15 s WAN estimate, no RLD load ceiling, singular only up to 4 output tokens)."""
+    return RoutingPolicy(relay_min_wan_s=0.15, rld_max_load=1.0, singular_max_output_tokens=4)
+
+
 def demo_deployments(k: DemoKnobs) -> list[Deployment]:
     fig = AFigures(
         prefill_tok_s=1.0 / k.prefill_tokens_per_s, prefill_attn_s=0.0, prefill_batch_s=0.005,
@@ -69,7 +75,7 @@ def demo_deployments(k: DemoKnobs) -> list[Deployment]:
     one = Pool(GPU_A, 1, 1)
     cross = Deployment("cross_dc_pd", Kind.CROSS_DC_PD, one, one, **common)  # type: ignore[arg-type]
     pdd = Deployment(
-        "pdd", Kind.PDD, one, one, Pool(GPU_A, 1, 1), policy=RoutingPolicy(),
+        "pdd", Kind.PDD, one, one, Pool(GPU_A, 1, 1), policy=demo_policy(),
         relay_fig=replace(fig, max_seqs_per_gpu=k.rld_seqs), **common,  # type: ignore[arg-type]
     )  # fmt: skip
     return [cross, pdd]

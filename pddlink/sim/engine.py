@@ -78,8 +78,6 @@ class Simulation:
         self.records = RunRecords()
         self.crosses_wan = d.crosses_wan
         self.back_s = d.link.rtt_s / 2 if d.crosses_wan else 0.0  # tokens from MD cross back to A
-        # Requests with a bound this short are taken as singular while prewarming (no MD insert).
-        self.singular_max_tokens = 16
 
     # -- arrival and routing -------------------------------------------------------------------
 
@@ -121,7 +119,8 @@ class Simulation:
 
     def _prewarm(self, r: TraceRequest) -> None:
         hashes = r.block_ids[: r.prompt_tokens // self.block_tokens]
-        if r.max_tokens > self.singular_max_tokens:
+        if not (self.d.kind is Kind.PDD and self.d.policy.allows_singular(r.max_tokens)):
+            # a request the policy may end on RLD is taken as singular while prewarming (no MD insert)
             # Best match; ties to the emptiest cache, so the warm state is spread as routing would.
             cache = max(self.caches, key=lambda c: (c.matched_blocks(hashes), -len(c.index)))
             cache.index.insert(hashes, r.arrival_s)

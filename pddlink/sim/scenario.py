@@ -63,6 +63,7 @@ class PaperKnobs:
     wan_gbps: float = 20.0
     rld_instances: int = 3  # the published experiments' RLD GPUs
     relay_min_wan_s: float = 0.1
+    singular_max_output_tokens: int = 16  # only outputs this short may end on RLD
     pool_size: int = 24
     flow_cap_gbps: float = 4.0  # one tuned stream (BBR, large buffers: 7.5 Gbit/s measured at 20 ms RTT)
 
@@ -79,7 +80,9 @@ def paper_deployments(
     intra_decode = Pool(GPU_A, 8, (hw.baseline_gpu_a - p_gpus) // 8)  # 48 GPUs
     md = Pool(b, 8, hw.pdd_gpu_b // 8)
     common: dict[str, Any] = dict(fig=fig, link=link, kv_bytes_per_token=workload.kv_bytes_per_token)
-    policy = RoutingPolicy(relay_min_wan_s=knobs.relay_min_wan_s)
+    policy = RoutingPolicy(
+        relay_min_wan_s=knobs.relay_min_wan_s, singular_max_output_tokens=knobs.singular_max_output_tokens
+    )
     relay = Pool(GPU_A, 1, knobs.rld_instances)  # RLD instances of one GPU each
     return [
         Deployment("intra_dc_pd", Kind.INTRA_DC_PD, prefill, intra_decode, **common),

@@ -134,3 +134,18 @@ def test_bad_inputs_are_refused_with_the_field_named(kwargs: dict[str, object]) 
 def test_bad_policy_is_refused() -> None:
     with pytest.raises(ConfigError, match="rld_max_load"):
         RoutingPolicy(rld_max_load=1.5)
+
+
+def test_singular_output_bound_is_part_of_the_policy() -> None:
+    """Only outputs at most ``singular_max_output_tokens`` long may end on RLD; longer ones that RLD
+    would still finish first relay (and end on MD) instead, the same as with the filter off."""
+    capped = RoutingPolicy(singular_max_output_tokens=4)
+    at_cap = choose_pipeline(inputs(matched=0, link=BUSY_LINK, max_out=4), capped)
+    assert at_cap.pipeline is Pipeline.SINGULAR and at_cap.reason is DecisionReason.SHORT_OUTPUT
+    over = inputs(matched=0, link=BUSY_LINK, max_out=5)
+    assert choose_pipeline(over, RoutingPolicy()).pipeline is Pipeline.SINGULAR  # uncapped: timing alone
+    assert choose_pipeline(over, capped) == choose_pipeline(over, RoutingPolicy(singular_enabled=False))
+    assert capped.allows_singular(4) and not capped.allows_singular(5)
+    assert not RoutingPolicy(singular_enabled=False, singular_max_output_tokens=4).allows_singular(1)
+    with pytest.raises(ConfigError, match="singular_max_output_tokens"):
+        RoutingPolicy(singular_max_output_tokens=0)
