@@ -89,6 +89,11 @@ class Cluster:
         self.router_unix = str(spec.run_dir / "router.sock")
         self.router_target = f"unix:{self.router_unix}.grpc"
 
+    @property
+    def pki_dir(self) -> Path:
+        """The deployment's dev PKI (CA and one certificate per process), when ``spec.tls``."""
+        return self.spec.run_dir / "pki"
+
     def admin_socket(self, role: str) -> str:
         return str(self.spec.run_dir / f"{role}.admin.sock")
 
@@ -102,8 +107,7 @@ class Cluster:
         base = [sys.executable, "-m", "pddlink.cli.main"]
         common = ["--dtype", s.dtype, "--preset", s.preset, "--admin-unix", self.admin_socket(role)]
         common += ["--engine-mode", s.engine_mode]
-        if s.tls:
-            common += ["--tls-dir", str(s.run_dir / "pki")]
+        common += ["--tls-dir", str(self.pki_dir) if s.tls else ""]  # "": plaintext, said explicitly
         if role == "md":
             return [
                 *base,
@@ -191,6 +195,8 @@ class Cluster:
             str(s.relay_min_wan_s),
             "--deadline-s",
             str(s.deadline_s),
+            "--tls-dir",
+            str(self.pki_dir) if s.tls else "",
         ]
         return [*argv, "--no-relay"] if not s.relay else argv
 
@@ -247,9 +253,7 @@ class Cluster:
         if self.spec.tls:
             from pddlink.transport import PeerIdentity, load_or_create_pki
 
-            load_or_create_pki(
-                self.spec.run_dir / "pki", [PeerIdentity(r, f"{r}0") for r in ("p", "rld", "md")]
-            )
+            load_or_create_pki(self.pki_dir, [PeerIdentity(r, f"{r}0") for r in ROLES])
         from sidecar.rpc import engine_stubs, stubs
 
         stubs()  # generate once, before four processes would race to

@@ -6,7 +6,8 @@ host = "127.0.0.1"       # address the sidecar binds
 grpc_port = 7440         # router- and peer-facing gRPC (Sidecar service)
 kv_port = 7450           # KV transport server (RLD and MD)
 admin_port = 7460        # admin HTTP (0: off); admin_unix = "/run/x.sock" also serves it on a socket
-tls_dir = ""             # dev PKI directory (pddlink.transport.load_or_create_peer); "" = plaintext
+tls_dir = ""             # dev PKI directory (pddlink.transport.load_or_create_peer): TLS 1.3 with mutual
+                         # authentication on gRPC and the KV data plane; "" = plaintext everywhere
 
 [engine]                 # the engine beside this sidecar
 name = "torch_ref"; preset = "tiny"; dtype = "float64"; block_size = 16; num_blocks = 8192; seed = 0
@@ -17,6 +18,7 @@ call_timeout_s = 30.0; attach_timeout_s = 120.0   # process mode: every engine c
 [peers]                  # "host:port" as this sidecar reaches them (across the WAN for MD)
 md_grpc = "198.18.0.2:7440"; md_kv = "198.18.0.2:7450"
     rld_grpc = "198.18.0.1:7441"; rld_kv = "198.18.0.1:7451"
+md_identity = "md/md0"; rld_identity = "rld/rld0"   # who answers there (checked against TLS certificates)
 
 [data_plane]
 wan_transport = "tcp"; fast_transport = "auto"; wan_links = 8; wan_streams = 1; chunk_bytes = 1048576
@@ -33,7 +35,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from pddlink.errors import ConfigError
+from pddlink.errors import ConfigError, InvalidInput
+from pddlink.transport import PeerIdentity
 
 ROLES = ("p", "rld", "md")
 ENGINE_MODES = ("thread", "process")
@@ -74,10 +77,25 @@ class PeersConfig:
     md_kv: str = ""
     rld_grpc: str = ""
     rld_kv: str = ""
+    md_identity: str = "md/md0"
+    rld_identity: str = "rld/rld0"
 
     def __post_init__(self) -> None:
         for f in ("md_grpc", "md_kv", "rld_grpc", "rld_kv"):
             _hostport(getattr(self, f), f"peers.{f}")
+        for f in ("md_identity", "rld_identity"):
+            try:
+                PeerIdentity.parse(getattr(self, f))
+            except InvalidInput as exc:
+                raise ConfigError(f"peers.{f}: {exc.message}") from None
+
+    @property
+    def md(self) -> PeerIdentity:
+        return PeerIdentity.parse(self.md_identity)
+
+    @property
+    def rld(self) -> PeerIdentity:
+        return PeerIdentity.parse(self.rld_identity)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,8 @@
 """The sidecar daemon: one role (p, rld, md) beside one engine.
 
 Lifecycle: ``run(cfg)`` builds the engine (worker thread), the role's parts, the KV transport
-server (RLD, MD), the gRPC Sidecar service and the admin HTTP server; prints one ``READY {json}``
+server (RLD, MD), the gRPC Sidecar service (TLS 1.3, mutual, when ``tls_dir`` is set: see
+``sidecar.grpc_tls``) and the admin HTTP server; prints one ``READY {json}``
 line on stdout (ports, identity) once every listener is up; serves until SIGTERM/SIGINT; then
 closes listeners, peers and the engine in that order.
 
@@ -26,7 +27,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import grpc
 from cryptography import x509
 
 from engines_adapter import EngineAdapter, load_engine
@@ -49,6 +49,7 @@ from sidecar.config import SidecarConfig
 from sidecar.decoder import Decoder
 from sidecar.drc_host import DrcHost
 from sidecar.engine_loop import EngineLoop
+from sidecar.grpc_tls import SIDECAR_CALLERS, CallerCheck, bind, new_server
 from sidecar.http import Request, Response, error_response, json_response, serve_http
 from sidecar.peers import DecoderPeer, KVPeer, KVPeerPool
 from sidecar.prefill import Prefiller
@@ -82,6 +83,7 @@ class Sidecar:
         self.kv_server: KVServer | None = None
         self.peers: list[Any] = []
         self.fast_path = choose_fast_path() if cfg.data_plane.fast_transport == "auto" else None
+        self.caller_check: CallerCheck | None = None
 
     def _options(self, wan: bool) -> LinkOptions:
         dp = self.cfg.data_plane
@@ -104,7 +106,7 @@ class Sidecar:
         if cfg.role in ("rld", "md"):
             send = None
             if cfg.role == "rld":
-                md = DecoderPeer(peers.md_grpc)
+                md = DecoderPeer(peers.md_grpc, tls=self.tls, expected=peers.md)
                 self.peers.append(md)
 
                 async def send(frame: bytes, timeout_s: float) -> int:
@@ -127,7 +129,7 @@ class Sidecar:
                         tls=self.tls,
                         transport=cfg.data_plane.wan_transport,
                         options=self._options(wan=True),
-                        expected_peer=PeerIdentity("md", "md0") if self.tls else None,
+                        expected_peer=peers.md if self.tls else None,
                     )
                     for _ in range(cfg.data_plane.wan_links)
                 ]
@@ -140,9 +142,10 @@ class Sidecar:
                     tls=self.tls,
                     transport=self._fast_transport(),
                     options=self._options(wan=False),
+                    expected_peer=peers.rld if self.tls else None,
                 )
-                rld = DecoderPeer(peers.rld_grpc)
-            md = DecoderPeer(peers.md_grpc)
+                rld = DecoderPeer(peers.rld_grpc, tls=self.tls, expected=peers.rld)
+            md = DecoderPeer(peers.md_grpc, tls=self.tls, expected=peers.md)
             self.peers += [p for p in (*md_kv.links, rld_kv, md, rld) if p is not None]
             self.prefiller = Prefiller(
                 self.loop,
@@ -200,6 +203,7 @@ class Sidecar:
         if self.prefiller is not None:
             out["transfers"] = {"in_flight": self.prefiller.in_flight}
             out["links"] = [p.stats() for p in self.peers if isinstance(p, KVPeer)]
+        out["grpc_tls"] = self.caller_check.status() if self.caller_check is not None else None
         if self.drc is not None:
             out["drc"] = stats_json(self.drc.index, top=3, block_size=self.engine.layout.block_size)
         return out
@@ -277,7 +281,9 @@ class Sidecar:
                 with contextlib.suppress(PddlinkError, OSError):
                     await self.prefiller.rld_kv.client(time.monotonic() + 10.0)
         _, pb2_grpc = stubs()
-        server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+        server, self.caller_check = new_server(
+            self.tls, callers=SIDECAR_CALLERS, options=[("grpc.max_receive_message_length", 64 << 20)]
+        )
         service = SidecarService(
             role=cfg.role,
             peer_id=cfg.name,
@@ -290,7 +296,8 @@ class Sidecar:
             run_in_engine=self.loop.call,
         )
         pb2_grpc.add_SidecarServicer_to_server(service, server)
-        ports["grpc_port"] = server.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
+        ports["grpc_port"] = bind(server, f"{cfg.host}:{cfg.grpc_port}", self.tls)
+        ports["tls_identity"] = service.tls_identity
         await server.start()
         admin = await serve_http(self.admin, host=cfg.host, port=cfg.admin_port or None, unix=cfg.admin_unix)
         ports["admin_port"] = cfg.admin_port

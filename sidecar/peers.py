@@ -1,7 +1,8 @@
 """Connections from one sidecar to its peers, opened lazily and reopened after a failure.
 
 ``KVPeer``: a ``pddlink.transport.KVClient`` to a peer's KV server (the WAN link to MD, the fast
-path to RLD). ``DecoderPeer``: the peer's gRPC Sidecar service, for the token-id handoff.
+path to RLD). ``DecoderPeer``: the peer's gRPC Sidecar service, for the token-id handoff. Both
+check the peer's certified identity against the one configured for it (``sidecar.grpc_tls``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import grpc
 
 from pddlink.errors import ConfigError, DeadlineExceeded, ErrorCode, PddlinkError, RemoteError, Unavailable
 from pddlink.transport import KVClient, LinkOptions, PeerIdentity, TlsConfig
+from sidecar.grpc_tls import open_channel
 from sidecar.rpc import stubs
 
 
@@ -127,11 +129,15 @@ class KVPeerPool:
 
 
 class DecoderPeer:
-    def __init__(self, addr: str) -> None:
+    """A decoder's Sidecar service (handoffs), over mutual TLS checked against ``expected`` when
+    ``tls`` is set (plaintext otherwise)."""
+
+    def __init__(self, addr: str, *, tls: TlsConfig | None, expected: PeerIdentity) -> None:
         self.addr = addr
+        self.expected = expected
         pb2, pb2_grpc = stubs()
         self._pb2 = pb2
-        self._channel = grpc.aio.insecure_channel(addr)
+        self._channel = open_channel(addr, tls, expected)
         self._stub = pb2_grpc.SidecarStub(self._channel)
 
     async def handoff(self, frame: bytes, *, emit_given: bool = False, timeout_s: float) -> int:
@@ -154,4 +160,6 @@ def grpc_error(exc: grpc.aio.AioRpcError, addr: str) -> PddlinkError:
         return DeadlineExceeded(text)
     if code is grpc.StatusCode.UNAVAILABLE:
         return Unavailable(text, code=ErrorCode.PEER_UNREACHABLE)
+    if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+        return RemoteError(text, code=ErrorCode.AUTH)
     return RemoteError(text, code=ErrorCode.INTERNAL)

@@ -2,7 +2,8 @@
 the pipeline policy (``pddlink.routing``), a DRC mirror fed by MD's events, and one
 ``RequestRun`` per request.
 
-Lifecycle: ``Router(cfg)``; ``await start()`` connects to the sidecars (gRPC channels are lazy) and
+Lifecycle: ``Router(cfg)``; ``await start()`` connects to the sidecars (gRPC channels are lazy; mutual
+TLS 1.3 with each sidecar's identity checked when ``tls_dir`` is set, see ``sidecar.grpc_tls``) and
 starts following MD's DRC; ``generate(request)`` yields merged tokens and ends with the trace;
 ``close()``. Per-request choices use only local state: the mirror (never blocks on MD), the link
 model (fed by what P reports after each transfer) and the count of requests RLD is streaming.
@@ -16,6 +17,7 @@ import itertools
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -33,6 +35,8 @@ from pddlink.routing import (
     RoutingPolicy,
     choose_pipeline,
 )
+from pddlink.transport import PeerIdentity, TlsConfig, load_or_create_peer
+from sidecar.grpc_tls import open_channel
 from sidecar.router_run import RequestRun, RunInput
 from sidecar.rpc import stubs
 
@@ -57,19 +61,40 @@ class RouterConfig:
     max_prompt_tokens: int = 8000
     vocab_size: int = 2048
     kv_bytes_per_token: int = 2048
+    tls_dir: str = ""  # dev PKI: mutual TLS 1.3 to the sidecars and on the gRPC port; "" = plaintext
+    name: str = "router0"  # this router's identity is router/<name>
+    p_identity: str = "p/p0"  # who must answer at p, rld, md (checked against their certificates)
+    rld_identity: str = "rld/rld0"
+    md_identity: str = "md/md0"
 
     def __post_init__(self) -> None:
         if self.rld_capacity < 1 or self.line_mbit <= 0 or self.rtt_ms < 0 or self.deadline_s <= 0:
             raise InvalidInput("router: rld_capacity >= 1, line_mbit > 0, rtt_ms >= 0, deadline_s > 0")
+        for ident in (self.p_identity, self.rld_identity, self.md_identity):
+            PeerIdentity.parse(ident)
+        PeerIdentity("router", self.name)
+
+    @property
+    def identity(self) -> PeerIdentity:
+        return PeerIdentity("router", self.name)
+
+    def load_tls(self) -> TlsConfig | None:
+        """This router's credentials from ``tls_dir`` (created in a dev PKI where missing)."""
+        return load_or_create_peer(Path(self.tls_dir), self.identity) if self.tls_dir else None
 
 
 class Router:
     def __init__(self, cfg: RouterConfig) -> None:
         self.cfg = cfg
         opts = [("grpc.max_receive_message_length", 64 << 20)]
+        self.tls = cfg.load_tls()
         self.channels = {
-            n: grpc.aio.insecure_channel(a, options=opts)
-            for n, a in (("p", cfg.p), ("rld", cfg.rld), ("md", cfg.md))
+            n: open_channel(addr, self.tls, PeerIdentity.parse(ident), opts)
+            for n, addr, ident in (
+                ("p", cfg.p, cfg.p_identity),
+                ("rld", cfg.rld, cfg.rld_identity),
+                ("md", cfg.md, cfg.md_identity),
+            )
         }
         self.p = pb2_grpc.SidecarStub(self.channels["p"])
         self.rld = pb2_grpc.SidecarStub(self.channels["rld"])

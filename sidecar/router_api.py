@@ -3,6 +3,10 @@ the style of OpenAI's completions API (``POST /v1/completions``, ``"stream": tru
 events), plus GET /metrics, /healthz, /status. Malformed requests get a 4xx with a message naming
 the problem and change nothing (no request id is taken, no sidecar is contacted).
 
+With ``tls_dir`` the gRPC port takes mutual TLS 1.3 (clients hold a certificate of the
+deployment's CA); the unix socket (``--unix``) stays plaintext for local clients, guarded by its
+file mode (0600); the HTTP endpoint is plaintext.
+
 Prompts are token ids (a list of ints, as the OpenAI API allows); a string prompt is taken as
 UTF-8 bytes, one token per byte (id = byte + 1): there is no tokenizer in the reference engine.
 """
@@ -11,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import sys
 import time
@@ -22,6 +27,7 @@ import grpc
 from engines_adapter import SamplingParams
 from pddlink import metrics
 from pddlink.errors import InvalidInput
+from sidecar.grpc_tls import bind, new_server
 from sidecar.http import Request, Response, error_response, json_response, serve_http
 from sidecar.router import Router, RouterConfig
 from sidecar.rpc import stubs
@@ -217,12 +223,14 @@ class RouterService(pb2_grpc.RouterServicer):  # type: ignore[misc,name-defined]
 async def serve_router(cfg: RouterConfig, *, host: str, grpc_port: int, http_port: int, unix: str) -> None:
     router = Router(cfg)
     await router.start()
-    server = grpc.aio.server()
+    server, _ = new_server(router.tls, local_plaintext=bool(unix))
     pb2_grpc.add_RouterServicer_to_server(RouterService(router), server)
-    bound = server.add_insecure_port(f"{host}:{grpc_port}")
-    if unix:
-        server.add_insecure_port(f"unix:{unix}.grpc")
+    bound = bind(server, f"{host}:{grpc_port}", router.tls)
+    if unix:  # local clients (the demo, outside the lab's namespaces): guarded by file permissions
+        bind(server, f"unix:{unix}.grpc", None)
     await server.start()
+    if unix:
+        os.chmod(f"{unix}.grpc", 0o600)
     api = RouterApi(router)
     http = await serve_http(api.http, host=host, port=http_port or None, unix=unix)
     sys.stdout.write(

@@ -66,6 +66,9 @@ def _load(config_path: str | None, flags: dict[str, Any]) -> tuple[Any, dict[str
 @click.option("--deadline-s", type=float, help="Default request deadline [30].")
 @click.option("--kv-bytes-per-token", type=int, help="KV bytes per token of the model [2048].")
 @click.option("--vocab-size", type=int, help="Model vocabulary, for prompt validation [2048].")
+@click.option(
+    "--tls-dir", help="Dev PKI directory: mutual TLS 1.3 to the sidecars and on --grpc-port ('' = plaintext)."
+)
 def command(config_path: str | None, **flags: Any) -> None:
     """Run the router. Prints `READY {json}` once it serves; stops on SIGTERM or Ctrl-C."""
     import asyncio

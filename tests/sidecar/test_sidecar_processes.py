@@ -137,11 +137,15 @@ def test_ping_and_status_commands(cluster: Cluster) -> None:
     from pddlink.cli.diag import ping, status
 
     runner = CliRunner()
-    res = runner.invoke(ping, [f"127.0.0.1:{cluster.ports['md_grpc']}", "--count", "3", "--json"])
+    md = f"127.0.0.1:{cluster.ports['md_grpc']}"
+    res = runner.invoke(ping, [md, "--count", "3", "--json", "--tls-dir", str(cluster.pki_dir)])
     assert res.exit_code == 0, res.output
     doc = json.loads(res.output)
     assert doc["role"] == "md" and doc["wire_version"] >= 1 and doc["hash_scheme"] == 1
-    assert doc["tls_identity"] == "pddlink://md/md0"  # the cluster runs its data plane with TLS
+    # the cluster runs gRPC and the data plane with mutual TLS 1.3: the identity seen in the handshake
+    assert (doc["tls_identity"], doc["tls_version"]) == ("pddlink://md/md0", "TLSv1.3")
+    res = runner.invoke(ping, [md, "--tls-dir", str(cluster.pki_dir), "--expect", "rld/rld0"])
+    assert res.exit_code != 0 and "expected peer pddlink://rld/rld0" in str(res.exception or res.output)
     assert doc["rtt_ms"]["min"] > 0 and doc["bandwidth_mbit_per_s"] > 0
     res = runner.invoke(
         status, ["unix:" + cluster.router_unix, "unix:" + cluster.admin_socket("md"), "--json"]
