@@ -150,9 +150,12 @@ def main(
     line_mbit: float,
     rtt_ms: float,
     warmup: int,
+    engine_mode: str = "thread",
 ) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="pddlink-demo-"))
-    spec = ClusterSpec(work / "baseline", relay=False, line_mbit=line_mbit, rtt_ms=rtt_ms)
+    spec = ClusterSpec(
+        work / "baseline", relay=False, line_mbit=line_mbit, rtt_ms=rtt_ms, engine_mode=engine_mode
+    )
     every = demo_requests(
         build_trace(
             requests=requests + warmup, rate_rps=rate_rps, seed=seed, workload=workload, trace_file=trace
@@ -194,6 +197,7 @@ def main(
         "model": "torch_ref tiny float64",
         "kv_bytes_per_token": 2048,
         "rate_rps": rate_rps,
+        "engine_mode": engine_mode,
         "work_dir": str(work),
     }
     doc = document(base, pdd, setting)

@@ -28,6 +28,13 @@ import click
 @click.option("--line-mbit", default=16.0, show_default=True, help="WAN line rate.")
 @click.option("--rtt-ms", default=20.0, show_default=True, help="WAN round-trip time.")
 @click.option("--warmup", default=16, show_default=True, help="Requests replayed first to warm the caches.")
+@click.option(
+    "--engine-mode",
+    type=click.Choice(["thread", "process"]),
+    default="thread",
+    show_default=True,
+    help="Each sidecar's engine: a worker thread, or a child process over the engine link.",
+)
 def command(
     requests: int,
     rate_rps: float,
@@ -39,6 +46,7 @@ def command(
     line_mbit: float,
     rtt_ms: float,
     warmup: int,
+    engine_mode: str,
 ) -> None:
     """Run P, RLD, MD and the router across an emulated WAN; compare PDD with the P->MD baseline.
 
@@ -66,4 +74,5 @@ def command(
         line_mbit=line_mbit,
         rtt_ms=rtt_ms,
         warmup=warmup,
+        engine_mode=engine_mode,
     )
