@@ -310,10 +310,10 @@ class Sidecar:
                 s.close()
             await server.stop(grace=0.5)
             if self.kv_server is not None:
-                with contextlib.suppress(Exception):
+                with contextlib.suppress(TimeoutError, OSError, PddlinkError):
                     await asyncio.wait_for(self.kv_server.close(), 2.0)
             for p in self.peers:
-                with contextlib.suppress(Exception):
+                with contextlib.suppress(TimeoutError, OSError, PddlinkError):
                     await asyncio.wait_for(p.drop() if isinstance(p, KVPeer) else p.close(), 2.0)
             await self.loop.close()
 

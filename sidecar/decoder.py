@@ -112,8 +112,8 @@ class Decoder:
                 try:
                     ev = await asyncio.wait_for(seq.events.get(), timeout=max(left, 0.001))
                 except TimeoutError:
-                    await self.end(seq, "failed:deadline_exceeded")
-                    ev = await seq.events.get()
+                    await self.end(seq, "failed:deadline_exceeded")  # queues the closing event
+                    ev = seq.events.get_nowait() if not seq.events.empty() else {"end": seq.ended}
                 yield ev
                 if ev.get("end"):
                     return

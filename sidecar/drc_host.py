@@ -19,7 +19,16 @@ from collections.abc import Sequence
 
 from engines_adapter import EngineAdapter
 from pddlink import metrics
-from pddlink.drc import BlocksRemoved, Event, PrefixIndex, Reservation, encode_event, encode_snapshot
+from pddlink.drc import (
+    BlocksRemoved,
+    Event,
+    PrefixIndex,
+    RefusalReason,
+    Reservation,
+    ReservationRefused,
+    encode_event,
+    encode_snapshot,
+)
 from pddlink.kv.hashing import BlockHasher
 
 
@@ -42,19 +51,22 @@ class DrcHost:
         metrics.DRC_HIT_BLOCKS.inc(held.cached_blocks)
         return held
 
-    def release(self, request_id: str) -> None:
+    def release(self, request_id: str) -> RefusalReason | None:
+        """Drop the request's pin. Returns why nothing was pinned any more (unknown, expired,
+        cleared), or None when a live reservation was released."""
         try:
             self.index.release(request_id, self.now())
-        except Exception:  # unknown or expired: nothing pinned any more
-            return
+        except ReservationRefused as exc:
+            return exc.reason
+        return None
 
     def commit(self, request_id: str, tokens: Sequence[int]) -> list[Event]:
         """The engine holds KV for ``tokens`` (full blocks): record them, end the reservation."""
         hashes = self.hasher.hash_blocks(list(tokens))
         try:
             events = self.index.commit(request_id, hashes, self.now())
-        except Exception:  # lease gone (expired, cleared): still record what the engine holds
-            events = self.index.insert(hashes, self.now())
+        except ReservationRefused:  # lease gone (unknown, expired, cleared) or a mismatch: still
+            events = self.index.insert(hashes, self.now())  # record what the engine holds
         return self._apply_evictions(events)
 
     def insert(self, tokens: Sequence[int]) -> list[Event]:

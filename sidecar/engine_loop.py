@@ -14,6 +14,7 @@ event loop keeps serving gRPC and the data plane while a forward pass runs.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +23,7 @@ from typing import Any, TypeVar
 from engines_adapter import EngineAdapter, StepOutput
 from pddlink import metrics
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 Sink = Callable[[StepOutput | None], None]  # None: the engine failed this request
 
@@ -103,7 +105,10 @@ class EngineLoop:
             self._in_step = set(batch)
             try:
                 outs = await self.call("decode", self.engine.decode, batch)
-            except Exception:  # an engine error fails the batch's requests, never the loop
+            except Exception:  # the fault boundary around engine code (EngineError, torch's
+                # RuntimeError, a remote engine's transport errors): it fails the batch's requests,
+                # never the decode loop, and says why in the log
+                log.exception("decode step failed; failing %d request(s): %s", len(batch), ", ".join(batch))
                 outs = []
                 for rid in batch:
                     failed = self._sinks.get(rid)

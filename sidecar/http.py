@@ -124,8 +124,8 @@ async def serve_http(
             pass
         finally:
             writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
+            with contextlib.suppress(OSError, TimeoutError):
+                await asyncio.wait_for(writer.wait_closed(), READ_TIMEOUT_S)
 
     servers = []
     if port is not None:

@@ -25,7 +25,7 @@ import grpc
 from engines_adapter import SamplingParams
 from pddlink import metrics
 from pddlink.drc import Mirror, decode_event, decode_snapshot
-from pddlink.errors import InvalidInput
+from pddlink.errors import InvalidInput, NotFound
 from pddlink.kv.hashing import BlockHasher
 from pddlink.routing import (
     LinkModel,
@@ -114,6 +114,7 @@ class Router:
         self.ids = itertools.count(1)
         self.in_flight: dict[str, RequestRun] = {}
         self._mirror_task: asyncio.Task[None] | None = None
+        self.mirror_error = ""  # why the DRC event stream from MD last broke
 
     async def start(self) -> None:
         self._mirror_task = asyncio.get_running_loop().create_task(self._follow_drc())
@@ -145,8 +146,8 @@ class Router:
                         self.mirror.apply(decode_event(data), now)
                     if self.mirror.needs_resync:
                         break  # reconnect: the first message of a new stream is a snapshot
-            except grpc.aio.AioRpcError:
-                pass
+            except grpc.aio.AioRpcError as exc:  # MD restarting or unreachable: follow again shortly
+                self.mirror_error = f"{exc.code().name}: {exc.details()}"
             await asyncio.sleep(0.5)
 
     def matched_tokens(self, prompt: tuple[int, ...]) -> int:
@@ -235,7 +236,7 @@ class Router:
         finally:
             self.in_flight.pop(rid, None)
             if decision.pipeline is not Pipeline.SINGULAR:
-                with contextlib.suppress(Exception):
+                with contextlib.suppress(NotFound):
                     self.link.finish_flow(flow, time.monotonic(), completed=bool(run.trace.get("wan_bytes")))
             if run.trace.get("rld_error") or "rld_lost_md_takes_over" in run.trace["fallbacks"]:
                 self.rld_down_until = time.monotonic() + 2.0
@@ -264,6 +265,7 @@ class Router:
                 "applied_seq": st.applied_seq,
                 "seq_lag": st.seq_lag,
                 "needs_resync": st.needs_resync,
+                "last_error": self.mirror_error,
             },
             "link": {
                 "goodput_mbit": est.line_bytes_per_s * 8 / 1e6,
