@@ -1,6 +1,9 @@
 # The two commands of the README. Both set everything up first (idempotent) and then run.
 .PHONY: demo test lint setup
 
+# Tests and the demo start `pddlink` subprocesses: the project's environment comes first on the PATH.
+export PATH := $(CURDIR)/.venv/bin:$(PATH)
+
 setup:
 	scripts/setup.sh
 

@@ -1,0 +1,5 @@
+"""``python -m pddlink`` is the ``pddlink`` command."""
+
+from pddlink.cli.main import main
+
+main()
