@@ -298,6 +298,8 @@ class Sidecar:
         pb2_grpc.add_SidecarServicer_to_server(service, server)
         ports["grpc_port"] = bind(server, f"{cfg.host}:{cfg.grpc_port}", self.tls)
         ports["tls_identity"] = service.tls_identity
+        if self.tls is None:
+            sys.stderr.write("sidecar: plaintext gRPC and KV data plane (tls_dir ''): tests and labs only\n")
         await server.start()
         admin = await serve_http(self.admin, host=cfg.host, port=cfg.admin_port or None, unix=cfg.admin_unix)
         ports["admin_port"] = cfg.admin_port

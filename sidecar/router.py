@@ -36,7 +36,7 @@ from pddlink.routing import (
     choose_pipeline,
 )
 from pddlink.transport import PeerIdentity, TlsConfig, load_or_create_peer
-from sidecar.grpc_tls import open_channel
+from sidecar.grpc_tls import CallerCheck, open_channel
 from sidecar.router_run import RequestRun, RunInput
 from sidecar.rpc import stubs
 
@@ -115,6 +115,7 @@ class Router:
         self.in_flight: dict[str, RequestRun] = {}
         self._mirror_task: asyncio.Task[None] | None = None
         self.mirror_error = ""  # why the DRC event stream from MD last broke
+        self.caller_check: CallerCheck | None = None  # set by the gRPC server (who calls, with TLS)
 
     async def start(self) -> None:
         self._mirror_task = asyncio.get_running_loop().create_task(self._follow_drc())
@@ -259,6 +260,7 @@ class Router:
             "role": "router",
             "in_flight": by_pipeline,
             "rld_active": self.rld_active,
+            "grpc_tls": self.caller_check.status() if self.caller_check is not None else None,
             "drc_mirror": {
                 "blocks": len(self.mirror),
                 "epoch": st.epoch,

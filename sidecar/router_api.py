@@ -223,7 +223,7 @@ class RouterService(pb2_grpc.RouterServicer):  # type: ignore[misc,name-defined]
 async def serve_router(cfg: RouterConfig, *, host: str, grpc_port: int, http_port: int, unix: str) -> None:
     router = Router(cfg)
     await router.start()
-    server, _ = new_server(router.tls, local_plaintext=bool(unix))
+    server, router.caller_check = new_server(router.tls, local_plaintext=bool(unix))
     pb2_grpc.add_RouterServicer_to_server(RouterService(router), server)
     bound = bind(server, f"{host}:{grpc_port}", router.tls)
     if unix:  # local clients (the demo, outside the lab's namespaces): guarded by file permissions

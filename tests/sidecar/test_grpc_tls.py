@@ -157,3 +157,30 @@ def test_caller_identity_requires_tls13(pki: dict[str, TlsConfig]) -> None:
         caller_identity(old)  # type: ignore[arg-type]
     with pytest.raises(AuthError, match="no TLS"):
         caller_identity(_AuthContextOnly({}))  # type: ignore[arg-type]
+
+
+def test_local_plaintext_only_on_the_unix_socket(pki: dict[str, TlsConfig], tmp_path: Path) -> None:
+    """The router's shape: mutual TLS on TCP, plaintext for local clients on a unix socket."""
+    sock = f"unix:{tmp_path}/router.grpc"
+
+    async def scenario() -> tuple[Any, grpc.aio.AioRpcError, CallerCheck | None, CountingSidecar]:
+        servicer = CountingSidecar()
+        server, check = new_server(pki["md"], local_plaintext=True)
+        pb2_grpc.add_SidecarServicer_to_server(servicer, server)
+        port = bind(server, "127.0.0.1:0", pki["md"])
+        bind(server, sock, None)
+        await server.start()
+        try:
+            async with open_channel(sock, None, None) as channel:
+                stub = pb2_grpc.SidecarStub(channel)
+                local = await stub.Prefill(pb2.PrefillRequest(), timeout=RPC_TIMEOUT_S)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await _ping(f"127.0.0.1:{port}", None, None)
+        finally:
+            await server.stop(0)
+        return local, info.value, check, servicer
+
+    local, refused, check, servicer = asyncio.run(scenario())
+    assert local.first_token == 7 and refused.code() is grpc.StatusCode.UNAVAILABLE
+    assert check is not None and check.status()["callers"] == {"local": 1}
+    assert servicer.reached == Counter({"Prefill": 1})
