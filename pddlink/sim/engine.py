@@ -19,6 +19,7 @@ Lifecycle of a request (DESIGN.md, "Roles and one request's path"), as simulated
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -72,7 +73,7 @@ class Simulation:
             if d.relay
             else []
         )
-        self.rld_capacity = sum(r.model.max_seqs for r in self.relay)
+        self.rld_capacity = sum(r.max_seqs for r in self.relay)
         link = d.link
         self.line = WanLine(self.clock, link.wan_bytes_s, link.rtt_s, link.pool_size, link.flow_cap_bytes_s)
         self.records = RunRecords()
@@ -106,14 +107,15 @@ class Simulation:
     def _pick_decode(self, hashes: tuple[int, ...]) -> tuple[int, int]:
         """Best prefix match among instances whose admission queue is not much longer than the
         shortest one's; ties go to the least loaded."""
-        queues = [x.queued for x in self.decode]
+        decode = self.decode
+        queues = [x.queued for x in decode]
         limit = min(queues) + BALANCE_QUEUE
         best, best_match = -1, -1
         for i, cache in enumerate(self.caches):
             if queues[i] > limit:
                 continue
             m = cache.matched_blocks(hashes)
-            if m > best_match or (m == best_match and self.decode[i].load < self.decode[best].load):
+            if m > best_match or (m == best_match and decode[i].load < decode[best].load):
                 best, best_match = i, m
         return best, best_match
 
@@ -151,6 +153,12 @@ class Simulation:
         d = self.d
         if d.kind is not Kind.PDD:
             return Pipeline.P_MD
+        active, tpot = 0, math.inf
+        for x in self.relay:
+            active += x.load
+            t = x.tpot_s()
+            if t < tpot:
+                tpot = t
         inputs = RoutingInputs(
             prompt_tokens=r.prompt_tokens,
             matched_tokens=matched,
@@ -158,9 +166,9 @@ class Simulation:
             max_output_tokens=r.max_tokens,
             link=self.line.estimate(now),
             rld_available=bool(self.relay),
-            rld_active=sum(x.load for x in self.relay),
+            rld_active=active,
             rld_capacity=self.rld_capacity,
-            rld_tpot_s=min(x.tpot_s() for x in self.relay),
+            rld_tpot_s=tpot,
         )
         return choose_pipeline(inputs, d.policy).pipeline
 
@@ -255,7 +263,7 @@ class Simulation:
         if req.rld_done or rld is None or seq is None:
             self._release(req)  # finished on RLD before the KV landed; MD caches it all the same
             return
-        load = rld.load / rld.model.max_seqs
+        load = rld.load / rld.max_seqs
         decision = choose_handoff_mode(load, self.d.policy)
         rec = req.record
         rec.handoff = decision.mode

@@ -122,6 +122,8 @@ class _Builder:
     def __init__(self, workload: Workload, config: GeneratorConfig, rng: random.Random) -> None:
         self.cfg, self.rng = config, rng
         self.context = config.context_tokens or workload.context_tokens
+        self.block_tokens = config.block_tokens
+        self.spread_lo, self.spread_w = 1 - config.context_spread, 2 * config.context_spread
         self.next_block = 0
         self.next_session = 0
         self.templates: list[list[int]] = [[] for _ in range(config.templates)]
@@ -142,16 +144,12 @@ class _Builder:
             t.extend(self.fresh(n_blocks - len(t)))
         return t[:n_blocks]
 
-    def target_context(self) -> int:
-        spread = self.cfg.context_spread
-        return max(1, round(self.context * (1 - spread + 2 * spread * self.rng.random())))
-
     def promote(self, now: float) -> None:
-        while self.waiting and self.waiting[0][0] <= now:
-            _, _, s = heapq.heappop(self.waiting)
-            self.ready.append(s)
-        if len(self.ready) > self.max_ready:  # abandoned sessions: drop the oldest
-            del self.ready[: len(self.ready) - self.max_ready]
+        waiting, ready = self.waiting, self.ready
+        while waiting and waiting[0][0] <= now:
+            ready.append(heapq.heappop(waiting)[2])
+        if len(ready) > self.max_ready:  # abandoned sessions: drop the oldest
+            del ready[: len(ready) - self.max_ready]
 
     def take_ready(self) -> _Session | None:
         if not self.ready:
@@ -160,15 +158,17 @@ class _Builder:
         self.ready[i], self.ready[-1] = self.ready[-1], self.ready[i]
         return self.ready.pop()
 
-    def prompt(self, prefix: list[int] | tuple[int, ...], hit: float) -> tuple[list[int], int]:
+    def prompt(self, prefix: list[int] | tuple[int, ...], hit: float) -> tuple[tuple[int, ...], int]:
         """Blocks and length of a prompt whose first ``len(prefix)`` blocks are ``hit`` of it."""
-        b = self.cfg.block_tokens
-        length = self.target_context()
+        b = self.block_tokens
+        length = max(1, round(self.context * (self.spread_lo + self.spread_w * self.rng.random())))
         kept = min(len(prefix), round(hit * length / b))
         if kept > 0 and hit > 0:
             length = max(kept * b + 1, round(kept * b / hit))
         new_blocks = -(-(length - kept * b) // b)
-        return [*prefix[:kept], *self.fresh(new_blocks)], length
+        start = self.next_block
+        self.next_block += new_blocks
+        return (*prefix[:kept], *range(start, start + new_blocks)), length
 
     def park(self, session: _Session, now: float) -> None:
         lo, hi = self.cfg.turn_gap_s
@@ -214,9 +214,9 @@ def generate(workload: Workload, config: GeneratorConfig) -> Iterator[TraceReque
             output = rng.randint(1, bound)
         else:
             bound, output = max_tokens, sampler.output_tokens()
-            session.blocks, session.full_blocks = tuple(blocks), length // config.block_tokens
+            session.blocks, session.full_blocks = blocks, length // config.block_tokens
             build.park(session, now)
-        yield TraceRequest(index, now, session.session_id, tuple(blocks), length, output, bound)
+        yield TraceRequest(index, now, session.session_id, blocks, length, output, bound)
         index += 1
 
 

@@ -19,6 +19,7 @@ A change of state bumps a resource's version; a timer armed before the change is
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -35,20 +36,21 @@ class Clock:
     def __init__(self) -> None:
         self.now = 0.0
         self._heap: list[tuple[float, int, Callback, Any]] = []
-        self._seq = 0
+        self._seq = itertools.count()
         self.events = 0
 
     def at(self, t: float, fn: Callback, arg: Any = None) -> None:
-        self._seq += 1
-        heapq.heappush(self._heap, (t, self._seq, fn, arg))
+        heapq.heappush(self._heap, (t, next(self._seq), fn, arg))
 
     def run(self, until: float = float("inf")) -> None:
         heap, pop = self._heap, heapq.heappop
+        events = 0
         while heap and heap[0][0] <= until:
             t, _, fn, arg = pop(heap)
             self.now = t
-            self.events += 1
+            events += 1
             fn(t, arg)
+        self.events += events
 
 
 class WanLine:
@@ -80,12 +82,13 @@ class WanLine:
 
     def _advance(self, now: float) -> None:
         dt = now - self._t
-        if dt > 0 and self._active:
+        n = len(self._active)
+        if dt > 0 and n:
             r = self._r  # the rate in force since the last change (set by _arm)
             self._served += r * dt
-            self.delivered_bytes += r * dt * len(self._active)
+            self.delivered_bytes += r * dt * n
             self.busy_s += dt
-            if len(self._active) >= self.pool_size:
+            if n >= self.pool_size:
                 self.pool_full_s += dt
         self._t = now
 
@@ -145,7 +148,8 @@ class PrefillInstance:
         self.busy_s = 0.0
 
     def backlog_s(self, now: float) -> float:
-        return self.queued_s + max(0.0, self._busy_until - now)
+        busy = self._busy_until - now
+        return self.queued_s + busy if busy > 0.0 else self.queued_s
 
     def submit(self, new_tokens: int, cached_tokens: int, now: float, done: Callback, arg: Any) -> None:
         compute = self.model.prefill_s(new_tokens, cached_tokens)
@@ -192,6 +196,8 @@ class DecodeInstance:
 
     def __init__(self, clock: Clock, model: InstanceModel, name: str) -> None:
         self.clock, self.model, self.name = clock, model, name
+        self.max_seqs, self._kv_capacity = model.max_seqs, model.kv_capacity_tokens
+        self._step_s = model.step_s
         self._v = 0.0  # iterations done
         self._t = 0.0
         self._running: list[tuple[float, int, DecodeSeq]] = []  # heap of (finish_v, id, seq)
@@ -212,12 +218,12 @@ class DecodeInstance:
         return len(self._waiting)
 
     def tpot_s(self) -> float:
-        return self.model.step_s(max(1, self._n), self._context)
+        return self._step_s(self._n or 1, self._context)
 
     def _advance(self, now: float) -> None:
         dt = now - self._t
         if dt > 0 and self._n:
-            dv = dt / self.model.step_s(self._n, self._context)
+            dv = dt / self._step_s(self._n, self._context)
             self._v += dv
             self.tokens_emitted += dv * self._n
         self._t = now
@@ -230,19 +236,20 @@ class DecodeInstance:
         self._arm()
 
     def _fits(self, seq: DecodeSeq) -> bool:
-        m = self.model
-        return self._n < m.max_seqs and (self._n == 0 or self._kv_used + seq.context <= m.kv_capacity_tokens)
+        n = self._n
+        return n < self.max_seqs and (n == 0 or self._kv_used + seq.context <= self._kv_capacity)
 
     def _fill(self, now: float) -> None:
-        while self._waiting and self._fits(self._waiting[0]):
-            seq = self._waiting.popleft()
+        waiting = self._waiting
+        while waiting and self._fits(waiting[0]):
+            seq = waiting.popleft()
             seq.start_v = self._v
             self._ids += 1
             heapq.heappush(self._running, (self._v + seq.tokens, self._ids, seq))
             self._n += 1
             self._context += seq.context
             self._kv_used += seq.context
-            seq.first_token(now + self.model.step_s(self._n, self._context), seq.arg)
+            seq.first_token(now + self._step_s(self._n, self._context), seq.arg)
 
     def generated(self, seq: DecodeSeq, now: float) -> int:
         self._advance(now)
@@ -269,7 +276,7 @@ class DecodeInstance:
             heapq.heappop(self._running)
         if self._running:
             dv = max(0.0, self._running[0][0] - self._v)
-            t = self._t + dv * self.model.step_s(self._n, self._context)
+            t = self._t + dv * self._step_s(self._n, self._context)
             self.clock.at(t, self._on_timer, self._version)
 
     def _on_timer(self, now: float, version: int) -> None:
