@@ -20,7 +20,6 @@ serve, and counts calls by identity (``/status``).
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import socket
 import ssl
@@ -244,7 +243,3 @@ def probe_server(addr: str, tls: TlsConfig, timeout_s: float) -> ServerTls:
     except (OSError, ValueError) as exc:
         raise Unavailable(f"{addr}: {exc}") from None
     return ServerTls(identity_from_der(der), version, cipher)
-
-
-async def aprobe_server(addr: str, tls: TlsConfig, timeout_s: float) -> ServerTls:
-    return await asyncio.wait_for(asyncio.to_thread(probe_server, addr, tls, timeout_s), timeout_s + 1.0)
