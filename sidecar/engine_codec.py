@@ -1,7 +1,8 @@
 """The engine link's messages <-> the engine contract's values, and the engine side's dispatcher.
 
 Pure conversions between ``pddlink_engine.proto`` messages and ``engines_adapter`` values
-(``KVLayout``, ``KVBlocks``, ``SamplingParams``, ``StepOutput``), typed errors in both directions
+(``KVLayout``, ``KVBlocks``, ``SamplingParams``, ``StepOutput``), each contract call as a ``Plan``
+(command message + reply reader, used by ``RemoteEngine``), typed errors in both directions
 (``error_reply`` on the engine side, ``raise_error`` on the sidecar side: the same class comes
 out that went in), and ``execute(engine, command)``: one command run on a local engine, one reply.
 """
@@ -9,6 +10,8 @@ out that went in), and ``execute(engine, command)``: one command run on a local 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from engines_adapter import (
@@ -137,6 +140,101 @@ def raise_error(err: Any) -> None:
     except ValueError:
         code = ErrorCode.UNKNOWN
     raise cls(err.message, code=code)
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """One engine-contract call as a command: the oneof field, its message, how to read the reply."""
+
+    op: str
+    msg: Any
+    unpack: Callable[[Any], Any]
+
+
+def _none(reply: Any) -> None:
+    return None
+
+
+def _count(reply: Any) -> int:
+    return int(reply.count.value)
+
+
+def plan_prefill(request_id: str, prompt: Sequence[int], sampling: SamplingParams) -> Plan:
+    msg = pb2.Prefill(request_id=request_id, prompt=list(prompt), sampling=sampling_msg(sampling))
+    return Plan("prefill", msg, lambda r: step_of(r.step))
+
+
+def plan_decode(request_ids: Sequence[str]) -> Plan:
+    return Plan(
+        "decode", pb2.Decode(request_ids=list(request_ids)), lambda r: [step_of(s) for s in r.steps.steps]
+    )
+
+
+def plan_extend(request_id: str, token_ids: Sequence[int]) -> Plan:
+    msg = pb2.Extend(request_id=request_id, token_ids=list(token_ids))
+    return Plan("extend", msg, lambda r: step_of(r.step))
+
+
+def plan_import_kv(
+    request_id: str,
+    prompt: Sequence[int],
+    blocks: Sequence[KVBlocks],
+    sampling: SamplingParams,
+    *,
+    reuse_prefix_tokens: int = 0,
+) -> Plan:
+    if reuse_prefix_tokens < 0:
+        raise InvalidBlocks("reuse_prefix_tokens must be >= 0")
+    msg = pb2.ImportKV(
+        request_id=request_id,
+        prompt=list(prompt),
+        blocks=[blocks_msg(b) for b in blocks],
+        sampling=sampling_msg(sampling),
+        reuse_prefix_tokens=reuse_prefix_tokens,
+    )
+    return Plan("import_kv", msg, _none)
+
+
+def plan_export_kv(request_id: str, first_block: int = 0, num_blocks: int | None = None) -> Plan:
+    if first_block < 0 or (num_blocks is not None and num_blocks < 0):
+        raise InvalidBlocks("first_block and num_blocks must be >= 0")
+    msg = pb2.ExportKV(
+        request_id=request_id,
+        first_block=first_block,
+        all_blocks=num_blocks is None,
+        num_blocks=num_blocks or 0,
+    )
+    return Plan("export_kv", msg, lambda r: blocks_of(r.kv))
+
+
+def plan_release(request_id: str, *, cache_prefix: bool = True) -> Plan:
+    return Plan("release", pb2.Release(request_id=request_id, cache_prefix=cache_prefix), _none)
+
+
+def plan_cached_prefix_tokens(prompt: Sequence[int]) -> Plan:
+    return Plan("cached_prefix_tokens", pb2.CachedPrefixTokens(prompt=list(prompt)), _count)
+
+
+def plan_evict_prefix_blocks(block_hashes: Sequence[int]) -> Plan:
+    msg = pb2.EvictPrefixBlocks(block_hashes=[hash_bytes(h) for h in block_hashes])
+    return Plan("evict_prefix_blocks", msg, _count)
+
+
+def plan_tokens(request_id: str) -> Plan:
+    return Plan("tokens", pb2.Tokens(request_id=request_id), lambda r: list(r.tokens.token_ids))
+
+
+PLANS: dict[str, Callable[..., Plan]] = {
+    "prefill": plan_prefill,
+    "decode": plan_decode,
+    "extend": plan_extend,
+    "import_kv": plan_import_kv,
+    "export_kv": plan_export_kv,
+    "release": plan_release,
+    "cached_prefix_tokens": plan_cached_prefix_tokens,
+    "evict_prefix_blocks": plan_evict_prefix_blocks,
+    "tokens": plan_tokens,
+}
 
 
 def _run(engine: EngineAdapter, cmd: Any) -> dict[str, Any]:

@@ -7,8 +7,10 @@ not thread-safe); ``decode_in_batch(rid, sink)`` adds a request to the batched d
 stop_decoding(rid)`` takes it out after the step in flight (so every token it produced has reached
 the sink); ``close()``.
 
-The engine runs in a worker thread of the sidecar process (not a separate engine process): the
-event loop keeps serving gRPC and the data plane while a forward pass runs.
+The engine runs in a worker thread of the sidecar process: the event loop keeps serving gRPC and
+the data plane while a forward pass runs. An engine in another process (``RemoteEngine``,
+``engine.mode = "process"``) offers ``call_async``: its own methods are then awaited on the event
+loop directly (no thread hand-off per call; the engine process runs commands in arrival order).
 """
 
 from __future__ import annotations
@@ -56,7 +58,11 @@ class EngineLoop:
     async def call(self, op: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
+        native = getattr(self.engine, "call_async", None)
         try:
+            if native is not None and getattr(fn, "__self__", None) is self.engine:
+                result: T = await native(getattr(fn, "__name__", ""), *args, **kwargs)
+                return result
             return await loop.run_in_executor(self._pool, lambda: fn(*args, **kwargs))
         finally:
             metrics.ENGINE_STEP_SECONDS.labels(op=op).observe(time.perf_counter() - t0)

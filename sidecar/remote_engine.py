@@ -261,17 +261,26 @@ class RemoteEngine(EngineAdapter):
         except concurrent.futures.CancelledError:
             raise EngineGone(f"engine {op} cancelled: the sidecar is shutting down") from None
 
+    def _run(self, plan: codec.Plan) -> Any:
+        return plan.unpack(self._call(plan.op, plan.msg))
+
+    async def call_async(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """The contract method ``method`` without a thread: for callers on the event loop (the
+        sidecar's ``EngineLoop``), which then waits for the reply without blocking the loop."""
+        plan = codec.PLANS[method](*args, **kwargs)
+        return plan.unpack(await self.session.request(plan.op, plan.msg, self.call_timeout_s))
+
     def prefill(self, request_id: str, prompt: Sequence[int], sampling: SamplingParams) -> StepOutput:
-        msg = pb2.Prefill(request_id=request_id, prompt=list(prompt), sampling=codec.sampling_msg(sampling))
-        return codec.step_of(self._call("prefill", msg).step)
+        out: StepOutput = self._run(codec.plan_prefill(request_id, prompt, sampling))
+        return out
 
     def decode(self, request_ids: Sequence[str]) -> list[StepOutput]:
-        reply = self._call("decode", pb2.Decode(request_ids=list(request_ids)))
-        return [codec.step_of(s) for s in reply.steps.steps]
+        outs: list[StepOutput] = self._run(codec.plan_decode(request_ids))
+        return outs
 
     def extend(self, request_id: str, token_ids: Sequence[int]) -> StepOutput:
-        reply = self._call("extend", pb2.Extend(request_id=request_id, token_ids=list(token_ids)))
-        return codec.step_of(reply.step)
+        out: StepOutput = self._run(codec.plan_extend(request_id, token_ids))
+        return out
 
     def import_kv(
         self,
@@ -282,39 +291,28 @@ class RemoteEngine(EngineAdapter):
         *,
         reuse_prefix_tokens: int = 0,
     ) -> None:
-        msg = pb2.ImportKV(
-            request_id=request_id,
-            prompt=list(prompt),
-            blocks=[codec.blocks_msg(b) for b in blocks],
-            sampling=codec.sampling_msg(sampling),
-            reuse_prefix_tokens=reuse_prefix_tokens,
+        self._run(
+            codec.plan_import_kv(
+                request_id, prompt, blocks, sampling, reuse_prefix_tokens=reuse_prefix_tokens
+            )
         )
-        self._call("import_kv", msg)
 
     def export_kv(self, request_id: str, first_block: int = 0, num_blocks: int | None = None) -> KVBlocks:
-        if first_block < 0 or (num_blocks is not None and num_blocks < 0):
-            raise codec.ERROR_KINDS["InvalidBlocks"]("first_block and num_blocks must be >= 0")
-        msg = pb2.ExportKV(
-            request_id=request_id,
-            first_block=first_block,
-            all_blocks=num_blocks is None,
-            num_blocks=num_blocks or 0,
-        )
-        return codec.blocks_of(self._call("export_kv", msg).kv)
+        kv: KVBlocks = self._run(codec.plan_export_kv(request_id, first_block, num_blocks))
+        return kv
 
     def release(self, request_id: str, *, cache_prefix: bool = True) -> None:
-        self._call("release", pb2.Release(request_id=request_id, cache_prefix=cache_prefix))
+        self._run(codec.plan_release(request_id, cache_prefix=cache_prefix))
 
     def cached_prefix_tokens(self, prompt: Sequence[int]) -> int:
-        msg = pb2.CachedPrefixTokens(prompt=list(prompt))
-        return int(self._call("cached_prefix_tokens", msg).count.value)
+        return int(self._run(codec.plan_cached_prefix_tokens(prompt)))
 
     def evict_prefix_blocks(self, block_hashes: Sequence[int]) -> int:
-        msg = pb2.EvictPrefixBlocks(block_hashes=[codec.hash_bytes(h) for h in block_hashes])
-        return int(self._call("evict_prefix_blocks", msg).count.value)
+        return int(self._run(codec.plan_evict_prefix_blocks(block_hashes)))
 
     def tokens(self, request_id: str) -> list[int]:
-        return list(self._call("tokens", pb2.Tokens(request_id=request_id)).tokens.token_ids)
+        toks: list[int] = self._run(codec.plan_tokens(request_id))
+        return toks
 
 
 __all__ = [

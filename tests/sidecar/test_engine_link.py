@@ -280,3 +280,43 @@ def test_calling_on_the_event_loop_thread_is_refused(
         return "no error"
 
     assert lt.run(on_loop(), 5.0) == "EngineError"
+
+
+def test_engine_loop_awaits_a_remote_engine_on_the_event_loop(
+    engines: dict[str, EngineAdapter], lt: LoopThread
+) -> None:
+    """The sidecar's EngineLoop drives a RemoteEngine without its worker thread (``call_async``),
+    batched decode included, and gets the same tokens as a direct engine."""
+    from sidecar.engine_loop import EngineLoop
+
+    md, ref = engines["md"], engines["alone"]
+    sp = SamplingParams(seed=5, temperature=0.8, max_tokens=9)
+    prompts = {"loop-a": [7, 8, 9, 10, 11], "loop-b": list(range(300, 333))}
+
+    async def drive() -> tuple[dict[str, list[int]], int]:
+        loop = EngineLoop(md, max_batch=8)
+        loop.start()
+        done = {rid: asyncio.get_running_loop().create_future() for rid in prompts}
+        try:
+            for rid, prompt in prompts.items():
+                out = await loop.call("prefill", md.prefill, rid, prompt, sp)
+                assert not out.finished
+
+                def sink(o: Any, rid: str = rid) -> None:
+                    if o is None or o.finished:
+                        done[rid].set_result(o)
+
+                loop.decode_in_batch(rid, sink)
+            await asyncio.wait_for(asyncio.gather(*done.values()), 20)
+            got = {rid: await loop.call("tokens", md.tokens, rid) for rid in prompts}
+            for rid in prompts:
+                await loop.call("release", md.release, rid, cache_prefix=False)
+            # the worker pool starts its thread on first use: none means no call went through it
+            return got, len(loop._pool._threads)
+        finally:
+            await loop.close()
+
+    got, worker_threads = lt.run(drive(), 40.0)
+    assert worker_threads == 0
+    for rid, prompt in prompts.items():
+        assert got[rid] == alone(ref, rid, prompt, sp)
