@@ -320,3 +320,16 @@ def test_engine_loop_awaits_a_remote_engine_on_the_event_loop(
     assert worker_threads == 0
     for rid, prompt in prompts.items():
         assert got[rid] == alone(ref, rid, prompt, sp)
+
+
+def test_engine_mode_configuration_is_validated() -> None:
+    from sidecar.config import load_config
+
+    assert load_config(None, {"role": "md"}).engine.mode == "thread"
+    cfg = load_config(None, {"role": "md", "engine.mode": "process", "engine.call_timeout_s": 5})
+    assert (cfg.engine.mode, cfg.engine.call_timeout_s) == ("process", 5.0)
+    for bad in ({"engine.mode": "fork"}, {"engine.call_timeout_s": 0}, {"engine.attach_timeout_s": -1}):
+        with pytest.raises(ConfigError, match="engine"):
+            load_config(None, {"role": "md", **bad})
+    with pytest.raises(ConfigError):
+        EngineProcessTimeouts(call_s=0)
