@@ -29,6 +29,7 @@ if ! "$VENV/bin/python" -c 'import torch' 2>/dev/null; then
 fi
 
 pip_ -e ".[engine,hf,quic-native,dev]"
+"$VENV/bin/python" -m sidecar.rpc  # generate the gRPC stubs now (sidecar and engine link)
 
 # System tools for the netlab and transport tests (iperf3 as the reference for link rates).
 if ! command -v iperf3 >/dev/null 2>&1; then
