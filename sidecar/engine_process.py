@@ -6,7 +6,7 @@ unix:...`` as a child (same process group, so a kill of the sidecar's group take
 dies with its parent), waits for it to attach (bounded; an early exit is reported with its exit
 code), and yields a ``RemoteEngine``. A watcher fails the link the moment the child exits. On
 leaving: the link is closed, the child gets SIGTERM, then SIGKILL after a grace period, and the
-socket directory is removed: no orphan, no leftover file.
+socket directory is removed (already once the engine attached): no orphan, no leftover file.
 """
 
 from __future__ import annotations
@@ -120,6 +120,9 @@ async def engine_process(
         )
         await server.start(target)
         session = await _attach(server, proc, t.attach_s)
+        # attached: nobody else needs the socket's name (and nobody else may dial it); removing it
+        # now leaves nothing behind even if this process is killed without its cleanup
+        shutil.rmtree(run_dir, ignore_errors=True)
         child = proc
 
         async def watch() -> None:

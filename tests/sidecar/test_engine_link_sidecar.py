@@ -43,6 +43,10 @@ def get(sock: str, path: str) -> tuple[int, dict[str, object]]:
         conn.close()
 
 
+def _cmdline(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+
+
 def children(pid: int) -> list[int]:
     out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True, timeout=5)
     return [int(x) for x in out.stdout.split()]
@@ -94,6 +98,9 @@ def test_the_engine_child_goes_with_its_sidecar(tmp_path: Path, sig: signal.Sign
             assert proc.stdout is not None
             assert proc.stdout.readline().startswith("READY ")
             (engine,) = children(proc.pid)
+            argv = _cmdline(engine)
+            link = Path(argv[argv.index("--sidecar") + 1].removeprefix("unix:"))
+            assert not link.parent.exists(), "the link's socket directory goes once the engine attached"
             proc.send_signal(sig)  # the sidecar only, not its group
             assert proc.wait(15) == (0 if sig == signal.SIGTERM else -sig)
             deadline = time.monotonic() + 5
