@@ -5,10 +5,11 @@ the engine process (``pddlink engine --sidecar unix:/path``) attaches and says H
 await server.wait_attached(timeout_s)``; ``RemoteEngine(session, loop, call_timeout_s)`` is an
 ``EngineAdapter`` the sidecar's ``EngineLoop`` drives unchanged; ``await server.stop()``.
 
-Threads: ``RemoteEngine``'s methods are synchronous like every engine's and are called from the
-engine loop's worker thread; each one hands a command to the event loop (which owns the stream)
-and blocks on the reply, never longer than its deadline. Calling one on the event loop's own
-thread is refused (it would wait on itself). Every command has a deadline; when the engine goes
+Threads: the event loop owns the stream. ``EngineLoop.call`` awaits ``call_async`` there (no
+thread in between); the synchronous contract methods serve callers on other threads (the engine
+loop's worker, e.g. DRC evictions): each hands its command to the event loop and blocks on the
+reply, never longer than its deadline. A synchronous call on the event loop's own thread is
+refused (it would wait on itself). Every command has a deadline; when the engine goes
 away (stream closed, process exited) every call in flight and every later one fails at once with
 ``EngineGone`` (an ``Unavailable``); a late reply to a timed-out command is dropped.
 """
@@ -34,7 +35,7 @@ from engines_adapter import (
     SamplingParams,
     StepOutput,
 )
-from pddlink.errors import DeadlineExceeded, Unavailable
+from pddlink.errors import ConfigError, DeadlineExceeded, Unavailable
 from sidecar import engine_codec as codec
 from sidecar.rpc import engine_stubs
 
@@ -205,7 +206,8 @@ class EngineLinkServer:
         await self._server.start()
 
     async def wait_attached(self, timeout_s: float) -> EngineSession:
-        assert self.service is not None, "start() first"
+        if self.service is None:
+            raise EngineGone("the engine link server is not started")
         try:
             return await asyncio.wait_for(asyncio.shield(self.service.attached), timeout_s)
         except TimeoutError:
@@ -225,7 +227,7 @@ class RemoteEngine(EngineAdapter):
         self, session: EngineSession, loop: asyncio.AbstractEventLoop, call_timeout_s: float = 30.0
     ) -> None:
         if call_timeout_s <= 0:
-            raise ValueError("call_timeout_s must be > 0")
+            raise ConfigError("engine call_timeout_s must be > 0")
         self.session, self._loop, self.call_timeout_s = session, loop, call_timeout_s
         self._layout = session.layout
 
