@@ -10,6 +10,7 @@ hit skew; ``pddlink sim generate`` writes a trace for ``pddlink demo``. Progress
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from dataclasses import replace
@@ -20,15 +21,18 @@ import click
 
 from pddlink.sim.engine import Simulation
 from pddlink.sim.generate import GeneratorConfig, generate, generate_trace
+from pddlink.sim.goodput import GeneratedTraffic, sustained_goodputs
 from pddlink.sim.scenario import (
     FITTED,
     PaperKnobs,
     paper_deployments,
     pdd_variants,
+    rate_search,
     run_deployments,
     run_skew,
     run_sweep,
     sla_of,
+    use_sustained_goodput,
 )
 from pddlink.sim.trace import read_trace, scale_trace, write_trace
 from pddlink.sim.workload import DEFAULT_WORKLOAD, Workload, load_workload
@@ -119,10 +123,21 @@ def group(
         )  # fmt: skip
         requests = tuple(generate(workload, config))
         block, prewarm, warmup, source = knobs.block_tokens, knobs.prewarm_s, knobs.warmup_s, "paper"
+    searches = None
+    if trace_path is None:
+        search = rate_search(knobs)
+        traffic = GeneratedTraffic(workload, knobs.seed, knobs.block_tokens, search.duration_s)
+        workers = min(len(deployments), max(1, (os.cpu_count() or 1)))
+        _log(f"searching each deployment's sustained SLA rate ({workers} worker processes) ...")
+        searches = sustained_goodputs(deployments, traffic, sla_of(workload), search, workers)
     result, runs = run_deployments(
         requests, deployments, block_tokens=block, sla=sla_of(workload), prewarm_s=prewarm, warmup_s=warmup,
         progress=lambda name: _log(f"simulating {name} ({len(requests)} requests) ..."),
     )  # fmt: skip
+    if searches is not None:
+        use_sustained_goodput(
+            result, {d.name: f.result() for d, f in zip(deployments, searches, strict=True)}
+        )
     result["wall_s"] = round(time.perf_counter() - started, 2)
     result["scenario"] = {"source": source, "knobs": _knobs_dict(knobs) if trace_path is None else None}
     result["fitted"] = FITTED

@@ -30,9 +30,10 @@ from pddlink.sim.records import Record, RunRecords
 from pddlink.sim.resources import Clock, DecodeInstance, DecodeSeq, PrefillInstance, WanLine
 from pddlink.sim.trace import TraceRequest
 
-# Cache-aware routing yields to balance when an instance's admission queue is this much longer than
-# the shortest one (sequences waiting for a batch slot or KV room).
-BALANCE_QUEUE = 16
+# Cache-aware routing yields to balance when an instance holds this many more sequences (running or
+# waiting for a batch slot or KV room) than the least loaded one: every sequence of an instance shares
+# its step time, so one instance overloaded by affinity puts all of its sequences over the TPOT bound.
+BALANCE_LOAD = 64
 
 
 @dataclass(slots=True)
@@ -105,17 +106,16 @@ class Simulation:
         return self.records
 
     def _pick_decode(self, hashes: tuple[int, ...]) -> tuple[int, int]:
-        """Best prefix match among instances whose admission queue is not much longer than the
-        shortest one's; ties go to the least loaded."""
-        decode = self.decode
-        queues = [x.queued for x in decode]
-        limit = min(queues) + BALANCE_QUEUE
+        """Best prefix match among instances not much more loaded than the least loaded one; ties
+        go to the least loaded."""
+        loads = [x.load for x in self.decode]
+        limit = min(loads) + BALANCE_LOAD
         best, best_match = -1, -1
         for i, cache in enumerate(self.caches):
-            if queues[i] > limit:
+            if loads[i] > limit:
                 continue
             m = cache.matched_blocks(hashes)
-            if m > best_match or (m == best_match and decode[i].load < decode[best].load):
+            if m > best_match or (m == best_match and loads[i] < loads[best]):
                 best, best_match = i, m
         return best, best_match
 

@@ -46,7 +46,7 @@ class AFigures:
     prefill_batch_s: float = 0.02  # fixed cost of one prefill batch
     prefill_batch_tokens: int = 32768  # new tokens one batch may carry
     decode_step_s: float = 0.012  # weights and fixed work of one iteration
-    decode_seq_s: float = 0.00047  # per sequence in the batch, per GPU
+    decode_seq_s: float = 0.00054  # per sequence in the batch, per GPU
     decode_kv_token_s: float = 2.2e-9  # per context token read, per GPU (4400 B at ~2 TB/s)
     kv_capacity_tokens_per_gpu: int = 6_000_000  # KV pool for running sequences (~26 GB at 4400 B)
     max_seqs_per_gpu: int = 48
