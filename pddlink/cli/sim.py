@@ -259,13 +259,15 @@ def sweep_cmd(
 
 
 def _run_demo_scale(workload: Workload, seed: int, rate: float | None, started: float) -> dict[str, Any]:
-    from pddlink.sim.demo_scale import DemoKnobs, demo_deployments, demo_trace
+    from pddlink.sim.demo_scale import DemoKnobs, demo_deployments, demo_trace, measured_from_s
 
     knobs = DemoKnobs(seed=seed) if rate is None else DemoKnobs(seed=seed, rate_rps=rate)
     trace = demo_trace(workload, knobs)
+    warm_s = measured_from_s(trace, knobs)
     result, _ = run_deployments(
-        trace.requests, demo_deployments(knobs), block_tokens=knobs.block_tokens, sla=sla_of(workload)
-    )
+        trace.requests, demo_deployments(knobs), block_tokens=knobs.block_tokens, sla=sla_of(workload),
+        prewarm_s=warm_s, warmup_s=warm_s,
+    )  # fmt: skip
     result["wall_s"] = round(time.perf_counter() - started, 2)
     result["scenario"] = {
         "source": "demo",
