@@ -30,9 +30,11 @@ class DecodeCache:
 
     def land(self, hashes: Sequence[int], pinned: int | None, now: float) -> int | None:
         """Insert the prompt's blocks; the pin moves to the deepest block now cached."""
+        tip = None
         if hashes:
             self.index.insert(hashes, now)
-        tip = self.index.match(hashes).tip if hashes else None
+            # the index is prefix-closed: when the last block is cached, so is the whole prompt
+            tip = hashes[-1] if hashes[-1] in self.index else self.index.match(hashes).tip
         if tip is not None:
             self.index.pin(tip)
         if pinned is not None:
