@@ -88,6 +88,7 @@ class Deployment:
     kv_bytes_per_token: int = 4400
     drc_tokens_per_gpu: int = 32_000_000
     line_price: float = 0.33  # the line's cost in A-GPU units over the same period
+    balance_tpot_s: float | None = None  # decode routing avoids instances whose step time reached this
 
     def __post_init__(self) -> None:
         if self.kind is Kind.PDD and self.relay is None:

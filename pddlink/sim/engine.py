@@ -30,10 +30,12 @@ from pddlink.sim.records import Record, RunRecords
 from pddlink.sim.resources import Clock, DecodeInstance, DecodeSeq, PrefillInstance, WanLine
 from pddlink.sim.trace import TraceRequest
 
-# Cache-aware routing yields to balance when an instance holds this many more sequences (running or
-# waiting for a batch slot or KV room) than the least loaded one: every sequence of an instance shares
-# its step time, so one instance overloaded by affinity puts all of its sequences over the TPOT bound.
-BALANCE_LOAD = 64
+# Cache-aware routing yields to balance when an instance's admission queue is this much longer than
+# the shortest one (sequences waiting for a batch slot or KV room), and - with the deployment's
+# ``balance_tpot_s`` - when its step time has reached that bound while another's has not: every
+# sequence of an instance shares its step time, so one instance loaded past the TPOT bound by
+# affinity puts all of its sequences over it.
+BALANCE_QUEUE = 16
 
 
 @dataclass(slots=True)
@@ -106,13 +108,19 @@ class Simulation:
         return self.records
 
     def _pick_decode(self, hashes: tuple[int, ...]) -> tuple[int, int]:
-        """Best prefix match among instances not much more loaded than the least loaded one; ties
-        go to the least loaded."""
-        loads = [x.load for x in self.decode]
-        limit = min(loads) + BALANCE_LOAD
+        """Best prefix match among instances whose admission queue is not much longer than the
+        shortest one's and (if any is) below the TPOT bound; ties go to the least loaded."""
+        decode = self.decode
+        queues = [x.queued for x in decode]
+        limit = min(queues) + BALANCE_QUEUE
+        cap = self.d.balance_tpot_s
+        hot = [x.tpot_s() >= cap for x in decode] if cap is not None else [False] * len(decode)
+        if all(hot):
+            hot = [False] * len(decode)
+        loads = [x.load for x in decode]
         best, best_match = -1, -1
         for i, cache in enumerate(self.caches):
-            if loads[i] > limit:
+            if queues[i] > limit or hot[i]:
                 continue
             m = cache.matched_blocks(hashes)
             if m > best_match or (m == best_match and loads[i] < loads[best]):

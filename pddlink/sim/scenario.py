@@ -92,7 +92,10 @@ def paper_deployments(
     prefill = Pool(GPU_A, 8, p_gpus // 8)
     intra_decode = Pool(GPU_A, 8, (hw.baseline_gpu_a - p_gpus) // 8)  # 48 GPUs
     md = Pool(b, 8, hw.pdd_gpu_b // 8)
-    common: dict[str, Any] = dict(fig=fig, link=link, kv_bytes_per_token=workload.kv_bytes_per_token)
+    common: dict[str, Any] = dict(
+        fig=fig, link=link, kv_bytes_per_token=workload.kv_bytes_per_token,
+        balance_tpot_s=workload.tpot_slo_s[1],
+    )  # fmt: skip
     policy = RoutingPolicy(
         relay_min_wan_s=knobs.relay_min_wan_s, singular_max_output_tokens=knobs.singular_max_output_tokens
     )
