@@ -64,7 +64,7 @@ def make_requests(n: int, seed: int, min_tokens: int = 6) -> list[DemoRequest]:
 @pytest.mark.parametrize("pipeline", ["p_md", "p_rld_md", "singular"])
 def test_pipeline_tokens_equal_one_engine_alone(cluster: Cluster, pipeline: str) -> None:
     # on P->RLD->MD, outputs long enough that RLD is still decoding when MD holds the KV
-    reqs = make_requests(4, seed=len(pipeline), min_tokens=80 if pipeline == "p_rld_md" else 6)
+    reqs = make_requests(4, seed=len(pipeline), min_tokens=200 if pipeline == "p_rld_md" else 6)
     results: list[RequestResult] = asyncio.run(
         replay(cluster.router_target, reqs, deadline_s=30.0, pipeline=pipeline)
     )
