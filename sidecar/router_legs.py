@@ -25,6 +25,7 @@ from pddlink.handoff import HandoffMode, HandoffSlice, StreamMerger
 from pddlink.routing import Pipeline
 from sidecar.handoff_wire import slice_to_wire
 from sidecar.rpc import stubs
+from sidecar.sampling_pb import sampling_to_pb
 
 pb2, _ = stubs()
 
@@ -60,17 +61,6 @@ class Leg:
     first_token: int | None = None
     md_ok: bool | None = None
     rld_ok: bool | None = None
-
-
-def _sampling_pb(s: SamplingParams) -> Any:
-    return pb2.Sampling(
-        seed=s.seed,
-        temperature=s.temperature,
-        top_k=s.top_k,
-        top_p=s.top_p,
-        max_tokens=s.max_tokens,
-        stop_token_ids=list(s.stop_token_ids),
-    )
 
 
 class RunLegs:
@@ -115,7 +105,7 @@ class RunLegs:
         req = pb2.AttachRequest(
             request_id=leg.sid,
             prompt=list(leg.prompt),
-            sampling=_sampling_pb(leg.sampling),
+            sampling=sampling_to_pb(leg.sampling),
             deadline_s=max(self.left(), 0.01),
         )
         how = "failed:stream_closed"
@@ -141,7 +131,7 @@ class RunLegs:
         req = pb2.PrefillRequest(
             request_id=leg.sid,
             prompt=list(leg.prompt),
-            sampling=_sampling_pb(leg.sampling),
+            sampling=sampling_to_pb(leg.sampling),
             ship_to_md=to_md,
             ship_to_rld=to_rld,
             first_token_to_md=t0_to_md,

@@ -10,7 +10,6 @@ from typing import Any
 
 import grpc
 
-from engines_adapter import SamplingParams
 from pddlink.errors import DeadlineExceeded, InvalidInput, NotFound, PddlinkError
 from pddlink.kv.hashing import HashScheme
 from pddlink.wire import WIRE_VERSION
@@ -18,30 +17,9 @@ from sidecar.decoder import Decoder
 from sidecar.drc_host import DrcHost
 from sidecar.prefill import Prefiller, PrefillJob
 from sidecar.rpc import stubs
+from sidecar.sampling_pb import sampling_from_pb
 
 pb2, pb2_grpc = stubs()
-
-
-def sampling_from_pb(s: Any) -> SamplingParams:
-    return SamplingParams(
-        seed=int(s.seed),
-        temperature=float(s.temperature),
-        top_k=int(s.top_k),
-        top_p=float(s.top_p) if s.top_p else 1.0,
-        max_tokens=int(s.max_tokens) or 16,
-        stop_token_ids=tuple(int(t) for t in s.stop_token_ids),
-    )
-
-
-def sampling_to_pb(s: SamplingParams) -> Any:
-    return pb2.Sampling(
-        seed=s.seed,
-        temperature=s.temperature,
-        top_k=s.top_k,
-        top_p=s.top_p,
-        max_tokens=s.max_tokens,
-        stop_token_ids=list(s.stop_token_ids),
-    )
 
 
 _STATUS = {

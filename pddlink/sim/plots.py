@@ -20,14 +20,13 @@ def _cdf(ax: matplotlib.axes.Axes, values: np.ndarray, label: str) -> None:
         ax.plot(xs, np.arange(1, xs.size + 1) / xs.size, label=label)
 
 
-def plot_ttft_cdfs(runs: Mapping[str, RunRecords], path: Path) -> Path:
-    """TTFT CDF per deployment."""
+def _plot_cdfs(series: Mapping[str, np.ndarray], xlabel: str, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, rec in runs.items():
-        _cdf(ax, rec.ttft(), name)
+    for name, values in series.items():
+        _cdf(ax, values, name)
     ax.set_xscale("log")
-    ax.set_xlabel("TTFT (s)")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("CDF")
     ax.grid(alpha=0.3)
     ax.legend()
@@ -35,20 +34,13 @@ def plot_ttft_cdfs(runs: Mapping[str, RunRecords], path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def plot_ttft_cdfs(runs: Mapping[str, RunRecords], path: Path) -> Path:
+    """TTFT CDF per deployment."""
+    return _plot_cdfs({name: rec.ttft() for name, rec in runs.items()}, "TTFT (s)", path)
 
 
 def plot_kv_transfer(samples: Mapping[str, np.ndarray], path: Path) -> Path:
     """KV transfer latency CDFs (skewed vs uniform hits on the same line)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, values in samples.items():
-        _cdf(ax, values, name)
-    ax.set_xscale("log")
-    ax.set_xlabel("KV transfer latency (s)")
-    ax.set_ylabel("CDF")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _plot_cdfs(samples, "KV transfer latency (s)", path)
