@@ -268,6 +268,14 @@ class EngineAdapter(ABC):
     def evict_prefix_blocks(self, block_hashes: Sequence[int]) -> int:
         """Free cached blocks by chained block hash (the DRC decides what to evict); returns freed."""
 
+    def drain_evicted_hashes(self) -> list[int]:
+        """Hashes of cached blocks the pool dropped on its own (it ran short) since the last call.
+
+        The owner tells the prefix index (``PrefixIndex.forget``), so the index never reports
+        blocks the engine no longer holds. An engine whose pool never evicts by itself returns [].
+        """
+        return []
+
     @abstractmethod
     def tokens(self, request_id: str) -> list[int]:
         """The request's token list (prompt + generated, pending token included)."""

@@ -45,6 +45,10 @@ DRC_LOOKUPS = Counter("pddlink_drc_lookups", "Prefix reservations answered by MD
 DRC_LOOKUP_BLOCKS = Counter("pddlink_drc_lookup_blocks", "Prompt blocks looked up in MD's DRC")
 DRC_HIT_BLOCKS = Counter("pddlink_drc_hit_blocks", "Prompt blocks found cached in MD's DRC")
 DRC_CACHED_BLOCKS = Gauge("pddlink_drc_cached_blocks", "Blocks held in MD's DRC")
+DRC_ENGINE_EVICTED_BLOCKS = Counter(
+    "pddlink_drc_engine_evicted_blocks",
+    "Blocks MD's engine dropped on its own (pool short); the DRC forgot them and what hung below",
+)
 DRC_EVENTS = Counter("pddlink_drc_events", "DRC change events published, by kind", ["kind"])
 
 # --- engine ----------------------------------------------------------------------------------------

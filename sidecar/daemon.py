@@ -167,11 +167,12 @@ class Sidecar:
         if isinstance(msg, Reserve) and self.drc is not None:
             drc = self.drc
             try:
-                held = await self.loop.call(
+                held, synced = await self.loop.call(
                     "drc", drc.reserve, msg.request_id, list(msg.block_hashes), msg.lease_ms / 1e3
                 )
             except PddlinkError as exc:
                 return ReserveAnswer(request_id=msg.request_id, code=exc.code, reason=exc.message)
+            drc.publish(synced)
             return ReserveAnswer(
                 request_id=msg.request_id,
                 reservation_id=1,

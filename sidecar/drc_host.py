@@ -3,7 +3,10 @@
 Lifecycle: built by the MD sidecar with the engine's hasher and pool size. ``reserve`` answers P's
 ``Reserve`` (pins the cached prefix under a lease); ``commit`` records what the engine now holds
 (the prompt after an import, the whole sequence at the end); evictions the index decides are
-applied to the engine's pool, so the two stay aligned. Every change is published to subscribers
+applied to the engine's pool, so the two stay aligned. The other way round too: blocks the engine's
+pool dropped on its own (it ran short between two DRC calls) are forgotten by the index at the start
+of every call, and what hung below them is freed in the engine, before anything is answered from
+the index. Every change is published to subscribers
 (the router's mirror) through ``subscribe()`` queues; ``snapshot()`` starts a new subscriber.
 
 Threads: the index and the engine's pool change together, so every method except ``publish`` and
@@ -44,12 +47,17 @@ class DrcHost:
     def now() -> float:
         return time.monotonic()
 
-    def reserve(self, request_id: str, hashes: Sequence[int], lease_s: float) -> Reservation:
+    def reserve(
+        self, request_id: str, hashes: Sequence[int], lease_s: float
+    ) -> tuple[Reservation, list[Event]]:
+        """Pins the cached prefix for P; also returns the events of the engine's own evictions,
+        which are synced first so the answer never counts blocks the engine has dropped."""
+        events = self.sync_engine()
         held = self.index.reserve(request_id, hashes, lease_s, self.now())
         metrics.DRC_LOOKUPS.inc()
         metrics.DRC_LOOKUP_BLOCKS.inc(held.total_blocks)
         metrics.DRC_HIT_BLOCKS.inc(held.cached_blocks)
-        return held
+        return held, events
 
     def release(self, request_id: str) -> RefusalReason | None:
         """Drop the request's pin. Returns why nothing was pinned any more (unknown, expired,
@@ -63,14 +71,26 @@ class DrcHost:
     def commit(self, request_id: str, tokens: Sequence[int]) -> list[Event]:
         """The engine holds KV for ``tokens`` (full blocks): record them, end the reservation."""
         hashes = self.hasher.hash_blocks(list(tokens))
+        synced = self.sync_engine()
         try:
             events = self.index.commit(request_id, hashes, self.now())
-        except ReservationRefused:  # lease gone (unknown, expired, cleared) or a mismatch: still
-            events = self.index.insert(hashes, self.now())  # record what the engine holds
-        return self._apply_evictions(events)
+        except ReservationRefused:  # lease gone (unknown, expired, cleared, evicted) or a
+            events = self.index.insert(hashes, self.now())  # mismatch: still record what it holds
+        return synced + self._apply_evictions(events)
 
     def insert(self, tokens: Sequence[int]) -> list[Event]:
-        return self._apply_evictions(self.index.insert(self.hasher.hash_blocks(list(tokens)), self.now()))
+        synced = self.sync_engine()
+        return synced + self._apply_evictions(
+            self.index.insert(self.hasher.hash_blocks(list(tokens)), self.now())
+        )
+
+    def sync_engine(self) -> list[Event]:
+        """Forget what the engine's pool dropped on its own; free in the engine what hung below it."""
+        dropped = self.engine.drain_evicted_hashes()
+        if not dropped:
+            return []
+        metrics.DRC_ENGINE_EVICTED_BLOCKS.inc(len(dropped))
+        return self._apply_evictions(self.index.forget(dropped, self.now()))
 
     def expire(self) -> None:
         self.index.handle_timer(self.now())

@@ -220,6 +220,14 @@ def plan_evict_prefix_blocks(block_hashes: Sequence[int]) -> Plan:
     return Plan("evict_prefix_blocks", msg, _count)
 
 
+def plan_drain_evicted_hashes() -> Plan:
+    return Plan(
+        "drain_evicted_hashes",
+        pb2.DrainEvictedHashes(),
+        lambda r: [int.from_bytes(h, "big") for h in r.hashes.block_hashes],
+    )
+
+
 def plan_tokens(request_id: str) -> Plan:
     return Plan("tokens", pb2.Tokens(request_id=request_id), lambda r: list(r.tokens.token_ids))
 
@@ -234,6 +242,7 @@ PLANS: dict[str, Callable[..., Plan]] = {
     "cached_prefix_tokens": plan_cached_prefix_tokens,
     "evict_prefix_blocks": plan_evict_prefix_blocks,
     "tokens": plan_tokens,
+    "drain_evicted_hashes": plan_drain_evicted_hashes,
 }
 
 
@@ -271,6 +280,8 @@ def _run(engine: EngineAdapter, cmd: Any) -> dict[str, Any]:
         return {"count": pb2.Count(value=engine.evict_prefix_blocks(hashes))}
     if op == "tokens":
         return {"tokens": pb2.TokenList(token_ids=engine.tokens(m.request_id))}
+    if op == "drain_evicted_hashes":
+        return {"hashes": pb2.HashList(block_hashes=[hash_bytes(h) for h in engine.drain_evicted_hashes()])}
     raise InvalidInput(f"unknown engine command {op!r}")
 
 

@@ -312,6 +312,9 @@ class RemoteEngine(EngineAdapter):
     def evict_prefix_blocks(self, block_hashes: Sequence[int]) -> int:
         return int(self._run(codec.plan_evict_prefix_blocks(block_hashes)))
 
+    def drain_evicted_hashes(self) -> list[int]:
+        return list(self._run(codec.plan_drain_evicted_hashes()))
+
     def tokens(self, request_id: str) -> list[int]:
         toks: list[int] = self._run(codec.plan_tokens(request_id))
         return toks

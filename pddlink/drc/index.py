@@ -17,8 +17,10 @@ the latest use of anything at or below it, which is exactly LRU order among leav
 sit in a heap whose stale entries are skipped when popped.
 
 Every change is returned as :mod:`~pddlink.drc.events` (numbered within the index's epoch); the
-engine frees exactly the hashes of ``BlocksRemoved`` (``evict_prefix_blocks``). Calls that take
-``now`` first end the leases that ran out by then (see :mod:`~pddlink.drc.leases`). Pure: no I/O.
+engine frees exactly the hashes of ``BlocksRemoved`` (``evict_prefix_blocks``). When the engine's
+pool runs short and drops blocks on its own, :meth:`PrefixIndex.forget` removes them and what hangs
+below them. Calls that take ``now`` first end the leases that ran out by then (see
+:mod:`~pddlink.drc.leases`). Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -198,6 +200,42 @@ class PrefixIndex:
             raise InvalidInput(f"max_blocks must be >= 0, got {max_blocks}")
         self.handle_timer(now)
         return self._removed_events(self._evict_lru(max_blocks))
+
+    def forget(self, block_hashes: Iterable[int], now: float) -> list[Event]:
+        """The engine dropped these blocks on its own (its pool ran short): remove them, and every
+        block after them, which can no longer match. Leases pinning a removed block end (reason:
+        evicted) and plain pins on one vanish. Returns one ``BlocksRemoved``, children before
+        parents, whose hashes the owner frees in the engine too (the ones it still holds).
+
+        Unknown hashes are ignored. Cost: one pass over the index, only when something is removed.
+        """
+        self.handle_timer(now)
+        nodes = self._nodes
+        gone = {h for h in block_hashes if h in nodes}
+        if not gone:
+            return []
+        doomed: list[int] = []
+        for h, node in nodes.items():  # insertion order is topological: parents come first
+            if h in gone or node.parent in gone:
+                gone.add(h)
+                doomed.append(h)
+        for rid in self._leases.ids():
+            tip = self._leases.live(rid).tip
+            if tip is not None and tip in gone:
+                self._end_lease(rid, RefusalReason.EVICTED)
+        for h in reversed(doomed):  # children before parents
+            node = nodes.pop(h)
+            if node.pins:
+                self._pinned -= 1
+            parent = node.parent
+            if parent is not None and parent not in gone:
+                up = nodes[parent]
+                up.tick = max(up.tick, node.tick)
+                up.children -= 1
+                if up.children == 0 and up.pins == 0:
+                    self._push(parent, up.tick)
+        self._evicted += len(doomed)
+        return self._removed_events(list(reversed(doomed)))
 
     def pin(self, block_hash: int) -> None:
         """Protects ``block_hash`` and every block before it from eviction until :meth:`unpin`."""

@@ -9,7 +9,8 @@ Lifecycle of one reservation (all times are passed in, seconds on the owner's cl
   | the lease runs out: handle_timer(now) or any later call     (pin dropped, id remembered as expired)
 
 A call on an id the index does not hold is refused with :class:`ReservationRefused`, whose ``reason``
-says why (unknown, expired, duplicate, mismatch, cleared) and whose ``code`` is the wire error code.
+says why (unknown, expired, duplicate, mismatch, cleared, evicted) and whose ``code`` is the wire
+error code.
 This module keeps the book of leases; :class:`~pddlink.drc.index.PrefixIndex` does the pinning.
 """
 
@@ -31,6 +32,7 @@ class RefusalReason(StrEnum):
     DUPLICATE = "duplicate"  # the id already holds a live reservation
     MISMATCH = "mismatch"  # committed hashes do not extend the reserved prefix
     CLEARED = "cleared"  # the index was cleared while the reservation was live
+    EVICTED = "evicted"  # the engine dropped the reserved prefix under memory pressure
 
 
 _CODES = {
@@ -39,6 +41,7 @@ _CODES = {
     RefusalReason.DUPLICATE: ErrorCode.BAD_REQUEST,
     RefusalReason.MISMATCH: ErrorCode.BAD_REQUEST,
     RefusalReason.CLEARED: ErrorCode.LEASE_EXPIRED,
+    RefusalReason.EVICTED: ErrorCode.LEASE_EXPIRED,
 }
 
 

@@ -155,6 +155,32 @@ class IndexMachine(RuleBasedStateMachine):
         removed = self.feed(list(self.index.evict(n, self.now)))
         assert removed == [block_hash(p) for p in evicted]
 
+    @precondition(lambda self: bool(self.model.last_use))
+    @rule(data=st.data())
+    def engine_drops(self, data: st.DataObject) -> None:
+        """The engine's pool ran short and dropped blocks on its own: the index forgets them and
+        everything below them; a reservation whose prefix went ends (reason: evicted)."""
+        self.expire()
+        cached = sorted(self.model.last_use)
+        dropped = data.draw(st.lists(st.sampled_from(cached), min_size=1, max_size=3))
+        gone = {p for p in cached if any(p[: len(d)] == d for d in dropped)}
+        for p in gone:
+            del self.model.last_use[p]
+            self.model.pins.pop(p, None)
+        self.pinned = [p for p in self.pinned if p not in gone]
+        for rid, (_, tip, _) in list(self.leases.items()):
+            if tip in gone:
+                del self.leases[rid]
+                self.ended[rid] = RefusalReason.EVICTED
+        stale = block_hash((2,))  # never cached (tokens are 0/1): ignored
+        events = list(self.index.forget([block_hash(d) for d in dropped] + [stale], self.now))
+        removed = self.feed(events)
+        assert set(removed) == {block_hash(p) for p in gone} and len(removed) == len(gone)
+        position = {h: i for i, h in enumerate(removed)}
+        for p in gone:  # children before parents, so a mirror never holds an orphan
+            if len(p) > 1 and p[:-1] in gone:
+                assert position[block_hash(p)] < position[block_hash(p[:-1])]
+
     @rule(seq=sequences)
     def pin(self, seq: Prefix) -> None:
         k = self.model.matched(seq)
