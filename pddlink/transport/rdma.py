@@ -1,32 +1,33 @@
 """RDMA fast path (pyverbs): reliable-connected QPs, registered regions, chunk writes with immediate.
 
 Where it sits. Inside a datacenter P ships prompt KV to RelayDecode over RDMA; control messages
-(hello, transfer begin/end, acks, handoff) stay on the TCP control link of ``pddlink.transport.tcp``
+(hello, RDMA set-up, transfer begin/end, acks, slot credits, handoff) stay on the TCP control link
 and the sans-I/O transfer machine (``pddlink.transfer``) still owns windows, acks and digests. Only
-chunk bytes move by RDMA. Where no device or no pyverbs exists, ``rdma_available()`` says why,
-``RdmaTransport`` raises ``Unavailable`` with that reason, and the registry's ``auto`` uses TCP.
+chunk frames move by RDMA. This module is the verbs layer: availability (``rdma_available()`` says
+why not), the channel config and ``RdmaChannel``. The set-up exchange is
+``pddlink.wire.rdma_setup``; the link that uses it is ``rdma_session``; the lanes are
+``rdma_lanes``.
 
-Lifecycle of one channel (one RC queue pair per peer and direction)::
+Lifecycle of one channel (one RC queue pair per link, sender -> receiver)::
 
     receiver                                   sender
-    RdmaChannel(device, role=RECEIVER)         RdmaChannel(device, role=SENDER)
+    RdmaChannel(RECEIVER, config)              RdmaChannel(SENDER, config)
       landing region: slots x slot_bytes,        staging region: slots x slot_bytes,
-      REMOTE_WRITE                               LOCAL_WRITE
-    endpoint() ---- control link: RdmaEndpoint (qpn, psn, lid, gid, rkey, addr, length) ---->
-    <--------------------------------------------------------------------------- endpoint()
-    connect(peer)   INIT -> RTR -> RTS         connect(peer)
-    post_receives(slots)
-                                               write_chunk(slot, data, imm=chunk index)
-                                               = RDMA WRITE WITH IMMEDIATE into peer slot
-    poll() -> RdmaCompletion(imm, byte_len)    poll() -> send completion: the slot is free again
-    read_slot(slot, n) -> the chunk; the transfer machine acks it on the control link; the ack
-    frees the slot for the sender's next chunk (the window is ``slots`` chunks).
+      REMOTE_WRITE; post_receives(slots)         LOCAL_WRITE
+    endpoint() --- control link: RdmaSetup (qpn, psn, lid, gid, rkey, addr, slots, slot_bytes) --->
+                                               connect(peer)   INIT -> RTR -> RTS
+    <--------------------------------------------------------------- RdmaSetup(sender endpoint)
+    connect(peer)  INIT -> RTR -> RTS
+    RdmaReady ------------------------------------------------------------------------------------>
+                                               write_frame(slot, frame parts, imm=slot)
+                                               = RDMA WRITE WITH IMMEDIATE into the peer's slot
+    poll_nowait() -> RdmaCompletion(imm=slot, byte_len)
+    read_slot(slot, n) -> the encoded Chunk frame; RdmaCredit(slot) on the control link frees it
     close()                                    close()
 
-The write-with-immediate consumes one posted receive on the receiver and raises one completion
-there carrying the chunk index, so no separate "chunk landed" message is needed. ``imm`` travels as
-the raw 32-bit value (both ends of a datacenter link are little-endian hosts; the transfer
-machine's per-chunk checksum still guards the bytes).
+A write-with-immediate consumes one posted receive and raises one completion on the receiver
+carrying the slot index (the channel re-posts the receive), so no "chunk landed" message is needed;
+the chunk's transfer id, index, offset and checksum travel inside the frame written to the slot.
 
 Install (see the project report): ``apt-get install libnl-3-dev libnl-route-3-dev cmake`` then
 ``pip install 'pddlink[rdma]'`` (pyverbs >= 59 builds with Cython 3), or the distribution package
@@ -37,15 +38,26 @@ from __future__ import annotations
 
 import ipaddress
 import secrets
-import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from enum import Enum
 from pathlib import Path
-from typing import Any, ClassVar, Final
+from typing import Any, Final
 
 from pddlink.errors import ConfigError, DeadlineExceeded, ErrorCode, InvalidInput, LocalError, Unavailable
+from pddlink.wire.rdma_messages import MAX_SLOTS, ChannelRole, PathMtu, RdmaEndpoint
+
+__all__ = [
+    "ChannelRole",
+    "RdmaChannel",
+    "RdmaCompletion",
+    "RdmaConfig",
+    "RdmaEndpoint",
+    "RdmaError",
+    "gid_bytes",
+    "rdma_available",
+    "require_rdma",
+]
 
 INFINIBAND_SYSFS: Final = Path("/sys/class/infiniband")
 INSTALL_HINT: Final = (
@@ -100,84 +112,6 @@ def require_rdma(list_devices: Callable[[], list[str]] = list_devices_pyverbs) -
         raise Unavailable(f"RDMA fast path unavailable: {reason}")
 
 
-# --------------------------------------------------------------------------- set-up parameters
-
-_ENDPOINT = struct.Struct("<BBHIIHB B16sIQQI")  # version, role, reserved, qpn, psn, lid, port, mtu, gid,
-#                                               rkey, addr, length, slot_bytes
-ENDPOINT_VERSION: Final = 1
-
-
-class ChannelRole(Enum):
-    SENDER = 1
-    RECEIVER = 2
-
-
-@dataclass(frozen=True, slots=True)
-class RdmaEndpoint:
-    """What one side tells the other over the control link to connect an RC queue pair.
-
-    ``gid`` is the 16-byte GID (RoCE needs it; on InfiniBand ``lid`` routes); ``rkey``/``addr``/
-    ``length`` describe the receiver's landing region (zero on the sender); ``slot_bytes`` the
-    size of one chunk slot in it. ``to_bytes``/``from_bytes`` give the body of the proposed wire
-    message ``RdmaSetup`` (56 bytes)."""
-
-    role: ChannelRole
-    qp_num: int
-    psn: int
-    lid: int
-    port_num: int
-    path_mtu: int  # IBV_MTU_* enum value (1..5 = 256..4096 bytes)
-    gid: bytes
-    rkey: int = 0
-    addr: int = 0
-    length: int = 0
-    slot_bytes: int = 0
-
-    def __post_init__(self) -> None:
-        limits = {"qp_num": 24, "psn": 24, "lid": 16, "port_num": 8, "rkey": 32, "addr": 64, "length": 64}
-        for name, bits in limits.items():
-            value = getattr(self, name)
-            if not 0 <= value < 1 << bits:
-                raise InvalidInput(f"RdmaEndpoint.{name}={value} does not fit {bits} bits")
-        if not 1 <= self.path_mtu <= 5:
-            raise InvalidInput(f"RdmaEndpoint.path_mtu={self.path_mtu} is not an IBV_MTU value (1-5)")
-        if len(self.gid) != 16:
-            raise InvalidInput(f"RdmaEndpoint.gid must be 16 bytes, got {len(self.gid)}")
-        if not 0 <= self.slot_bytes < 1 << 32 or self.slot_bytes > self.length:
-            raise InvalidInput("RdmaEndpoint.slot_bytes must fit in the region")
-        if self.role is ChannelRole.RECEIVER and (self.length == 0 or self.slot_bytes == 0):
-            raise InvalidInput("a receiver endpoint must describe its landing region")
-
-    @property
-    def slots(self) -> int:
-        return self.length // self.slot_bytes if self.slot_bytes else 0
-
-    def to_bytes(self) -> bytes:
-        return _ENDPOINT.pack(
-            ENDPOINT_VERSION, self.role.value, 0, self.qp_num, self.psn, self.lid, self.port_num,
-            self.path_mtu, self.gid, self.rkey, self.addr, self.length, self.slot_bytes,
-        )  # fmt: skip
-
-    @classmethod
-    def from_bytes(cls, data: bytes) -> RdmaEndpoint:
-        if len(data) != _ENDPOINT.size:
-            raise InvalidInput(f"RdmaEndpoint is {_ENDPOINT.size} bytes, got {len(data)}")
-        version, role, _, qpn, psn, lid, port, mtu, gid, rkey, addr, length, slot = _ENDPOINT.unpack(data)
-        if version != ENDPOINT_VERSION:
-            raise InvalidInput(f"RdmaEndpoint version {version}, this build speaks {ENDPOINT_VERSION}")
-        try:
-            kind = ChannelRole(role)
-        except ValueError:
-            raise InvalidInput(f"RdmaEndpoint role {role} is unknown") from None
-        return cls(kind, qpn, psn, lid, port, mtu, gid, rkey, addr, length, slot)
-
-    @property
-    def gid_text(self) -> str:
-        """The GID as libibverbs prints it (eight groups of four hex digits)."""
-        h = self.gid.hex()
-        return ":".join(h[i : i + 4] for i in range(0, 32, 4))
-
-
 def gid_bytes(text: str) -> bytes:
     """Bytes of a GID given as libibverbs prints it ("fe80:0000:...") or as an IPv6 address."""
     try:
@@ -210,8 +144,8 @@ class RdmaConfig:
     min_rnr_timer: int = 12
 
     def __post_init__(self) -> None:
-        if not 1 <= self.slots <= 4096:
-            raise ConfigError(f"rdma.slots={self.slots}: must be 1-4096")
+        if not 1 <= self.slots <= MAX_SLOTS:
+            raise ConfigError(f"rdma.slots={self.slots}: must be 1-{MAX_SLOTS}")
         if not 4096 <= self.slot_bytes <= 1 << 30:
             raise ConfigError(f"rdma.slot_bytes={self.slot_bytes}: must be 4 KiB - 1 GiB")
         if not 1 <= self.path_mtu <= 5:
@@ -226,7 +160,7 @@ class RdmaConfig:
 
 @dataclass(frozen=True, slots=True)
 class RdmaCompletion:
-    """One work completion: a landed chunk (receiver: ``imm`` = chunk index) or a finished write."""
+    """One work completion: a landed frame (receiver: ``imm`` = its slot) or a finished write."""
 
     wr_id: int
     imm: int
@@ -277,9 +211,9 @@ class RdmaChannel:
         receiver = self.role is ChannelRole.RECEIVER
         return RdmaEndpoint(
             self.role, int(self._qp.qp_num), self._psn, int(port.lid), cfg.port_num,
-            min(cfg.path_mtu, int(port.active_mtu)), gid,
+            PathMtu(min(cfg.path_mtu, int(port.active_mtu))), gid,
             rkey=int(self._mr.rkey) if receiver else 0, addr=int(self._mr.buf) if receiver else 0,
-            length=cfg.region_bytes if receiver else 0, slot_bytes=cfg.slot_bytes if receiver else 0,
+            slots=cfg.slots if receiver else 0, slot_bytes=cfg.slot_bytes if receiver else 0,
         )  # fmt: skip
 
     def connect(self, peer: RdmaEndpoint) -> None:
@@ -289,8 +223,8 @@ class RdmaChannel:
 
         if peer.role is self.role:
             raise InvalidInput(f"both ends of an RDMA channel claim the {self.role.name} role")
-        if self.role is ChannelRole.SENDER and peer.slot_bytes < self.config.slot_bytes:
-            raise InvalidInput(f"peer slots of {peer.slot_bytes} bytes are smaller than ours")
+        if self.role is ChannelRole.SENDER and (peer.slots == 0 or peer.slot_bytes == 0):
+            raise InvalidInput("the peer's endpoint describes no landing slots")
         cfg = self.config
         attr = QPAttr(port_num=cfg.port_num)
         attr.dest_qp_num = peer.qp_num
@@ -314,23 +248,26 @@ class RdmaChannel:
             empty = SGE(int(self._mr.buf), 0, int(self._mr.lkey))
             self._call("post_recv", self._qp.post_recv, RecvWR(wr_id=0, num_sge=1, sg=[empty]))
 
-    def write_chunk(self, slot: int, data: memoryview | bytes, imm: int) -> None:
-        """Sender: copy ``data`` into staging slot ``slot`` and RDMA-write it to the peer's slot."""
+    def write_frame(self, slot: int, parts: Sequence[bytes | memoryview], imm: int) -> None:
+        """Sender: copy ``parts`` (a frame's header+body and payload) into staging slot ``slot`` and
+        RDMA-write them, as one write with immediate ``imm``, to the peer's slot ``slot``."""
         from pyverbs.wr import SGE, SendWR
 
         peer = self._require_peer()
         if self.role is not ChannelRole.SENDER:
             raise InvalidInput("only the sender writes chunks")
-        if not 0 <= slot < min(self.config.slots, peer.slots):
-            raise InvalidInput(f"slot {slot} is outside the window of {min(self.config.slots, peer.slots)}")
-        n = len(memoryview(data).cast("B"))
-        if not 0 < n <= self.config.slot_bytes or not 0 <= imm < 1 << 32:
-            raise InvalidInput(
-                f"chunk of {n} bytes (imm {imm}) does not fit a {self.config.slot_bytes}-byte slot"
-            )
-        offset = slot * self.config.slot_bytes
-        self._mr.write(bytes(data), n, offset)
-        sge = SGE(int(self._mr.buf) + offset, n, int(self._mr.lkey))
+        window = min(self.config.slots, peer.slots)
+        if not 0 <= slot < window:
+            raise InvalidInput(f"slot {slot} is outside the window of {window}")
+        views = [memoryview(p).cast("B") for p in parts]
+        n = sum(v.nbytes for v in views)
+        if not 0 < n <= min(self.config.slot_bytes, peer.slot_bytes) or not 0 <= imm < 1 << 32:
+            raise InvalidInput(f"frame of {n} bytes (imm {imm}) does not fit a {peer.slot_bytes}-byte slot")
+        offset = start = slot * self.config.slot_bytes
+        for view in views:  # pyverbs copies from bytes only
+            self._mr.write(view.tobytes(), view.nbytes, offset)
+            offset += view.nbytes
+        sge = SGE(int(self._mr.buf) + start, n, int(self._mr.lkey))
         wr = SendWR(wr_id=slot, opcode=self._e.IBV_WR_RDMA_WRITE_WITH_IMM, num_sge=1, sg=[sge], imm_data=imm)
         wr.set_wr_rdma(peer.rkey, peer.addr + slot * peer.slot_bytes)
         self._call("post_send", self._qp.post_send, wr)
@@ -357,6 +294,11 @@ class RdmaChannel:
             if time.monotonic() >= deadline:
                 raise DeadlineExceeded(f"no RDMA completion within {timeout_s:.3f} s")
             time.sleep(0)
+
+    def poll_nowait(self, max_completions: int = 16) -> list[RdmaCompletion]:
+        """Completions available now (possibly none): for an event loop that must not block."""
+        count, wcs = self._cq.poll(num_entries=max_completions)
+        return [self._completion(wc) for wc in wcs[:count]] if count else []
 
     def close(self) -> None:
         for obj in (self._qp, self._mr, self._cq, self._pd, self._ctx):
@@ -386,30 +328,3 @@ class RdmaChannel:
             return fn(*args)
         except PyverbsError as exc:  # carries errno and the verbs message
             raise RdmaError(f"{what} failed: {exc}") from exc
-
-
-class RdmaTransport:
-    """Registry entry ``pddlink.transport.rdma:RdmaTransport`` (name "rdma").
-
-    ``listen``/``connect`` check the fast path first and raise ``Unavailable`` with the reason
-    (no pyverbs, no device) so the caller falls back to TCP. With a device they need the control
-    link's ``RdmaSetup`` message to swap ``RdmaEndpoint`` bodies; until ``pddlink.wire`` carries it
-    they say so instead of pretending."""
-
-    name: ClassVar[str] = "rdma"
-
-    @classmethod
-    async def listen(cls, host: str, port: int, **_: Any) -> Any:
-        raise cls._not_wired()
-
-    @classmethod
-    async def connect(cls, host: str, port: int, **_: Any) -> Any:
-        raise cls._not_wired()
-
-    @staticmethod
-    def _not_wired() -> Unavailable:
-        require_rdma()
-        return Unavailable(
-            "RDMA device present, but the control link has no RdmaSetup message yet to exchange"
-            " queue-pair endpoints; use transport 'tcp' (RdmaChannel is the data path)"
-        )

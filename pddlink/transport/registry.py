@@ -4,6 +4,10 @@ A transport whose optional dependency is missing (aioquic/qh3 for QUIC, pyverbs 
 RDMA) fails only when it is chosen, with ``Unavailable`` saying what to install. ``auto`` picks the
 datacenter fast path: RDMA where a device and pyverbs exist, else TCP; the choice and its reason are
 logged once and returned as a ``FastPathChoice`` the sidecar exports in its metrics.
+
+"rdma" itself loads without pyverbs: it is a TCP link that sets RDMA up per link over the control
+connection and falls back to its TCP stripes, with the reason, where either side cannot
+(``rdma_session``). ``auto`` skips that round trip where this host has no device at all.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ TRANSPORTS: dict[str, TransportEntry] = {
         "pddlink.transport.quic:QuicTransport", "pip install 'pddlink[quic-native]' (qh3) or aioquic"
     ),
     "rdma": TransportEntry(
-        "pddlink.transport.rdma:RdmaTransport",
+        "pddlink.transport.rdma_session:RdmaTransport",
         "an RDMA device and pyverbs (apt-get install python3-pyverbs, or pip install 'pddlink[rdma]'"
         " with libnl-3-dev and libnl-route-3-dev)",
     ),
@@ -94,9 +98,17 @@ def choose_fast_path(sysfs: Path = _INFINIBAND_SYSFS) -> FastPathChoice:
     else:
         try:
             load("rdma")
+            from pddlink.transport.rdma import rdma_available
+
+            usable, why = rdma_available()
+            if not usable:
+                raise Unavailable(why)
             choice = FastPathChoice("rdma", f"RDMA device(s) {', '.join(devices)}", True)
         except Unavailable as exc:
-            choice = FastPathChoice("tcp", f"RDMA device(s) present but {exc.message}; using TCP", False)
+            found = ", ".join(devices)
+            choice = FastPathChoice(
+                "tcp", f"RDMA device(s) {found} present but {exc.message}; using TCP", False
+            )
     log.log(logging.INFO if choice.rdma_available else logging.WARNING, "fast path: %s", choice.reason)
     if sysfs == _INFINIBAND_SYSFS:
         _choice = choice

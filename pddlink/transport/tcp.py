@@ -283,12 +283,13 @@ class Dial:
         self.identity, self.expected_peer = identity, expected_peer
         self.ssl_context: ssl.SSLContext | None = None if tls is None else tls.client_context()
         self.token = secrets.token_hex(16)
+        self.capabilities: tuple[str, ...] = ()  # offered in every hello besides the token
 
     async def __call__(self, kind: str) -> tuple[FrameConnection, Inbox, PeerIdentity]:
         config = HandshakeConfig(
             self.identity.name,
             self.identity.role,
-            capabilities=(kind + self.token,),
+            capabilities=(kind + self.token, *self.capabilities),
             timeout_s=self.options.connect_timeout_s,
         )
         return await open_connection(
@@ -299,6 +300,8 @@ class Dial:
 
 class TcpListener:
     """Accepts links; one ``ReceivingSession`` per connecting peer link (token)."""
+
+    capabilities: tuple[str, ...] = ()  # offered in every hello answer
 
     def __init__(
         self, identity: PeerIdentity, tls: TlsConfig | None, handlers: Handlers, options: LinkOptions
@@ -329,7 +332,10 @@ class TcpListener:
 
     async def _greet(self, conn: FrameConnection, inbox: Inbox) -> None:
         config = HandshakeConfig(
-            self.identity.name, self.identity.role, timeout_s=self.options.connect_timeout_s
+            self.identity.name,
+            self.identity.role,
+            capabilities=self.capabilities,
+            timeout_s=self.options.connect_timeout_s,
         )
         try:
             await conn.connected
@@ -342,13 +348,17 @@ class TcpListener:
             return
         session = self.sessions.get(greeting.token)
         if session is None and greeting.kind == "session":
-            session = ReceivingSession(greeting.peer, self.handlers, self.options, "tcp")
+            session = self.new_session(greeting.peer, inbox)
             self.sessions[greeting.token] = session
         if session is None or session.peer != greeting.peer:
             log.warning("refused a stripe from %s: unknown session", greeting.peer)
             conn.close()
             return
         session.attach(conn, inbox, control=greeting.kind == "session")
+
+    def new_session(self, peer: PeerIdentity, control: Inbox) -> ReceivingSession:
+        """The session of a new link; ``control`` is its control connection's inbox."""
+        return ReceivingSession(peer, self.handlers, self.options, "tcp")
 
     async def close(self) -> None:
         if self.server is not None:

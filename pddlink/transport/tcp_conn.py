@@ -46,6 +46,7 @@ class Inbox:
         self.lost: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
         self.owner: Callable[[FrameConnection, Message], None] | None = None
         self.on_lost: Callable[[FrameConnection, BaseException | None], None] | None = None
+        self.capabilities: frozenset[str] = frozenset()  # agreed in the hello, once it passed
 
     def message(self, conn: FrameConnection, msg: Message) -> None:
         if self.owner is not None:
@@ -101,6 +102,7 @@ async def _drive(hs: Handshake, conn: FrameConnection, inbox: Inbox) -> PeerIden
     if hs.error is not None:
         raise hs.error
     assert hs.peer is not None
+    inbox.capabilities = hs.capabilities
     return PeerIdentity(hs.peer.role, hs.peer.peer_id)
 
 
@@ -165,6 +167,7 @@ async def accept_connection(
         conn.send(out)
     if hs.error is not None:
         raise hs.error
+    inbox.capabilities = hs.capabilities
     for cap in hello.capabilities:
         for kind, prefix in (("session", SESSION_CAP), ("join", JOIN_CAP)):
             if cap.startswith(prefix):

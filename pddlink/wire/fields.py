@@ -201,6 +201,27 @@ class Str:
             raise MalformedMessage("text is not valid UTF-8") from exc
 
 
+class FixedBytes:
+    """Exactly ``size`` raw bytes (an RDMA GID): no length prefix."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def check(self, name: str, value: Any) -> bytes:
+        if not isinstance(value, bytes | bytearray | memoryview):
+            raise InvalidInput(f"{name} must be bytes, got {type(value).__name__}")
+        data = bytes(value)
+        if len(data) != self.size:
+            raise InvalidInput(f"{name} must be {self.size} bytes, got {len(data)}")
+        return value if isinstance(value, bytes) else data
+
+    def write(self, out: bytearray, value: bytes) -> None:
+        out += value
+
+    def read(self, r: BodyReader) -> bytes:
+        return bytes(r.take(self.size))
+
+
 class U128:
     """A 128-bit unsigned integer (a block hash or digest), 16 bytes little-endian."""
 

@@ -60,6 +60,10 @@ class MessageType(IntEnum):
     RESERVE = 64
     RESERVE_ANSWER = 65
     RELEASE = 66
+    RDMA_SETUP = 80
+    RDMA_READY = 81
+    RDMA_DECLINE = 82
+    RDMA_CREDIT = 83
 
 
 # Hello and its answers keep this layout in every wire version, so two versions can still refuse

@@ -38,6 +38,15 @@ from pddlink.wire.messages import (
     Reserve,
     ReserveAnswer,
 )
+from pddlink.wire.rdma_messages import (
+    ChannelRole,
+    PathMtu,
+    RdmaCredit,
+    RdmaDecline,
+    RdmaEndpoint,
+    RdmaReady,
+    RdmaSetup,
+)
 from pddlink.wire.transfer_messages import (
     Abort,
     Ack,
@@ -49,6 +58,9 @@ from pddlink.wire.transfer_messages import (
 )
 
 _LAYOUT = KVLayoutSpec("model", 4, 8, 128, "bfloat16", 16)
+_RDMA_RECEIVER = RdmaEndpoint(
+    ChannelRole.RECEIVER, 0x1234, 77, 0, 1, PathMtu.MTU_1024, bytes(range(16)), 0xABCD, 1 << 40, 16, 4 << 20
+)
 
 
 def corpus() -> list[WireMessage]:
@@ -76,6 +88,10 @@ def corpus() -> list[WireMessage]:
         Reserve("req-1", hashes, 2000),
         ReserveAnswer("req-1", 11, 8, 2000),
         Release(11),
+        RdmaSetup(_RDMA_RECEIVER),
+        RdmaReady(),
+        RdmaDecline(ErrorCode.UNAVAILABLE, "no RDMA device"),
+        RdmaCredit((0, 1, 15)),
     ]
 
 

@@ -1,14 +1,12 @@
-"""RDMA fast path: set-up parameters, availability reasons, and a real loopback channel where a
-device exists (skipped here with the reason: this machine has no RDMA device and no pyverbs)."""
+"""RDMA verbs layer: endpoint fields, availability reasons, and a real loopback channel where a
+device exists (skipped here with the reason: this machine has no RDMA device and no pyverbs).
+The set-up exchange is tested in tests/wire/test_wire_rdma_setup.py, the link in test_rdma_fallback.py."""
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
 from pddlink.errors import ConfigError, InvalidInput, Unavailable
 from pddlink.transport.rdma import (
@@ -17,53 +15,26 @@ from pddlink.transport.rdma import (
     RdmaConfig,
     RdmaEndpoint,
     RdmaError,
-    RdmaTransport,
     gid_bytes,
     rdma_available,
     require_rdma,
 )
+from pddlink.wire import PathMtu
 
 AVAILABLE, REASON = rdma_available()
 needs_device = pytest.mark.skipif(not AVAILABLE, reason=f"RDMA fast path unavailable: {REASON}")
 
-ENDPOINTS = st.builds(
-    RdmaEndpoint,
-    role=st.just(ChannelRole.RECEIVER),
-    qp_num=st.integers(0, (1 << 24) - 1),
-    psn=st.integers(0, (1 << 24) - 1),
-    lid=st.integers(0, 0xFFFF),
-    port_num=st.integers(1, 255),
-    path_mtu=st.integers(1, 5),
-    gid=st.binary(min_size=16, max_size=16),
-    rkey=st.integers(0, (1 << 32) - 1),
-    addr=st.integers(0, (1 << 64) - 1),
-    length=st.integers(1 << 20, 1 << 40),
-    slot_bytes=st.integers(1, 1 << 20),
-)
 
-
-@given(ENDPOINTS)
-def test_endpoint_round_trips_through_its_wire_body(endpoint: RdmaEndpoint) -> None:
-    body = endpoint.to_bytes()
-    assert len(body) == 56
-    assert RdmaEndpoint.from_bytes(body) == endpoint
-    assert gid_bytes(endpoint.gid_text) == endpoint.gid
-
-
-def test_endpoint_refuses_out_of_range_fields_and_bad_bodies() -> None:
-    good = dict(role=ChannelRole.SENDER, qp_num=7, psn=1, lid=0, port_num=1, path_mtu=3, gid=bytes(16))
+def test_endpoint_refuses_out_of_range_fields() -> None:
+    good = dict(
+        role=ChannelRole.SENDER, qp_num=7, psn=1, lid=0, port_num=1, path_mtu=PathMtu.MTU_1024, gid=bytes(16)
+    )
     for field, value in (("qp_num", 1 << 24), ("psn", -1), ("path_mtu", 6), ("gid", b"\x00" * 4)):
         with pytest.raises(InvalidInput, match=field):
             RdmaEndpoint(**{**good, field: value})  # type: ignore[arg-type]
-    with pytest.raises(InvalidInput, match="landing region"):
-        RdmaEndpoint(**{**good, "role": ChannelRole.RECEIVER})  # type: ignore[arg-type]
-    body = RdmaEndpoint(**good).to_bytes()  # type: ignore[arg-type]
-    with pytest.raises(InvalidInput, match="version"):
-        RdmaEndpoint.from_bytes(b"\x09" + body[1:])
-    with pytest.raises(InvalidInput, match="role"):
-        RdmaEndpoint.from_bytes(body[:1] + b"\x07" + body[2:])
-    with pytest.raises(InvalidInput, match="56 bytes"):
-        RdmaEndpoint.from_bytes(body[:-1])
+    receiver = RdmaEndpoint(**{**good, "role": ChannelRole.RECEIVER, "slots": 4, "slot_bytes": 1 << 20})  # type: ignore[arg-type]
+    assert receiver.length == 4 << 20
+    assert RdmaEndpoint(**good).gid_text == ":".join(["0000"] * 8)  # type: ignore[arg-type]
 
 
 def test_gid_parses_libibverbs_and_ipv6_text() -> None:
@@ -104,13 +75,12 @@ def test_availability_reasons(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(AVAILABLE, reason="this machine has an RDMA device")
-def test_without_a_device_the_transport_and_channel_refuse_with_the_reason() -> None:
+def test_without_a_device_the_channel_refuses_with_the_reason() -> None:
+    """(The transport falls back to TCP instead: test_rdma_fallback.py.)"""
     with pytest.raises(Unavailable, match="RDMA fast path unavailable"):
         RdmaChannel(ChannelRole.SENDER)
     with pytest.raises(Unavailable, match="RDMA fast path unavailable"):
-        asyncio.run(RdmaTransport.connect("127.0.0.1", 1))
-    with pytest.raises(Unavailable, match="RDMA fast path unavailable"):
-        asyncio.run(RdmaTransport.listen("127.0.0.1", 0))
+        RdmaChannel(ChannelRole.RECEIVER)
 
 
 @needs_device
@@ -125,14 +95,15 @@ def test_loopback_channel_writes_chunks_with_immediate() -> None:
         chunks = [bytes([i]) * (1000 + 997 * i) for i in range(10)]
         landed: dict[int, bytes] = {}
         for index, chunk in enumerate(chunks):
-            sender.write_chunk(index % config.slots, chunk, imm=index)
+            slot = index % config.slots
+            sender.write_frame(slot, (chunk[:10], memoryview(chunk)[10:]), imm=slot)
             assert not sender.poll(5.0)[0].received  # our write completed: the slot is free again
             done = receiver.poll(5.0)[0]
-            assert done.received and done.imm == index and done.byte_len == len(chunk)
-            landed[done.imm] = receiver.read_slot(index % config.slots, done.byte_len)
+            assert done.received and done.imm == slot and done.byte_len == len(chunk)
+            landed[index] = receiver.read_slot(slot, done.byte_len)
         assert [landed[i] for i in range(len(chunks))] == chunks
         with pytest.raises(InvalidInput):
-            sender.write_chunk(config.slots, b"x", imm=0)
+            sender.write_frame(config.slots, (b"x",), imm=0)
     finally:
         sender.close()
         receiver.close()

@@ -24,6 +24,7 @@ from pddlink.wire import (
     BadChecksum,
     BadFlags,
     BadMagic,
+    ChannelRole,
     Chunk,
     Decoder,
     DecoderBroken,
@@ -42,8 +43,14 @@ from pddlink.wire import (
     IndexSnapshotRequest,
     KVLayoutSpec,
     MalformedMessage,
+    PathMtu,
     Ping,
     Pong,
+    RdmaCredit,
+    RdmaDecline,
+    RdmaEndpoint,
+    RdmaReady,
+    RdmaSetup,
     Release,
     Reserve,
     ReserveAnswer,
@@ -62,6 +69,7 @@ from pddlink.wire.fields import (
     U128,
     Bool,
     EnumOf,
+    FixedBytes,
     ListOf,
     Optional,
     Payload,
@@ -97,6 +105,24 @@ SAMPLES: dict[str, WireMessage] = {
     "Reserve": Reserve("r1", (1, 2), 500),
     "ReserveAnswer": ReserveAnswer("r1", 9, 2, 500),
     "Release": Release(9),
+    "RdmaSetup": RdmaSetup(
+        RdmaEndpoint(
+            ChannelRole.RECEIVER,
+            0x1234,
+            77,
+            3,
+            1,
+            PathMtu.MTU_1024,
+            bytes(range(16)),
+            0xABCD,
+            1 << 40,
+            16,
+            4 << 20,
+        )
+    ),
+    "RdmaReady": RdmaReady(),
+    "RdmaDecline": RdmaDecline(ErrorCode.UNAVAILABLE, "no dev"),
+    "RdmaCredit": RdmaCredit((0, 1, 300)),
 }
 
 # header (32 bytes) on the first line, then the body and payload
@@ -138,6 +164,13 @@ GOLDEN = {
     ),
     "ReserveAnswer": ("50444c4b01410000000000000000000009000000000000002239137e244bf8590272310902f4030000"),
     "Release": ("50444c4b01420000000000000000000001000000000000002957deab94eab43409"),
+    "RdmaSetup": (
+        "50444c4b015000000000000000000000250000000000000002896512e813cf86"
+        "02b4244d030103000102030405060708090a0b0c0d0e0fcdd7028080808080201080808002"
+    ),
+    "RdmaReady": ("50444c4b015100000000000000000000000000000000000000000000fa53f032"),
+    "RdmaDecline": ("50444c4b015200000000000000000000080000000000000060f14eb8e8ab79660f066e6f20646576"),
+    "RdmaCredit": ("50444c4b01530000000000000000000005000000000000003375fc6c35896c0b030001ac02"),
 }
 
 
@@ -196,6 +229,8 @@ def _strategy(codec: Any) -> st.SearchStrategy[Any]:
         return _message_strategy(codec.cls)
     if isinstance(codec, Payload):
         return st.binary(max_size=2000)
+    if isinstance(codec, FixedBytes):
+        return st.binary(min_size=codec.size, max_size=codec.size)
     raise AssertionError(f"no strategy for {codec!r}")
 
 
