@@ -168,6 +168,36 @@ class RdmaCompletion:
     received: bool  # True on the receiver (RECV_RDMA_WITH_IMM), False for the sender's own write
 
 
+def qp_attr_towards(peer: RdmaEndpoint, config: RdmaConfig, psn: int) -> Any:
+    """The pyverbs ``QPAttr`` that takes an RC queue pair to RTS towards ``peer`` (no device needed
+    to build it, so a host with pyverbs but no NIC can still check it)."""
+    from pyverbs.addr import GID, AHAttr, GlobalRoute
+    from pyverbs.qp import QPAttr
+
+    attr = QPAttr(port_num=config.port_num)
+    attr.dest_qp_num = peer.qp_num
+    attr.path_mtu = min(config.path_mtu, int(peer.path_mtu))
+    attr.rq_psn, attr.sq_psn = peer.psn, psn
+    attr.max_dest_rd_atomic = attr.max_rd_atomic = 1
+    attr.min_rnr_timer, attr.timeout = config.min_rnr_timer, config.timeout
+    attr.retry_cnt, attr.rnr_retry = config.retry_count, config.rnr_retry
+    route = GlobalRoute(dgid=GID(peer.gid_text), sgid_index=config.gid_index)
+    attr.ah_attr = AHAttr(port_num=config.port_num, is_global=1, gr=route, dlid=peer.lid)
+    return attr
+
+
+def write_request(wr_id: int, local: tuple[int, int, int], remote: tuple[int, int], imm: int) -> Any:
+    """A signalled RDMA WRITE WITH IMMEDIATE of ``local`` = (address, length, lkey) to ``remote`` =
+    (address, rkey)."""
+    import pyverbs.enums as e
+    from pyverbs.wr import SGE, SendWR
+
+    sge = SGE(*local)
+    wr = SendWR(wr_id=wr_id, opcode=e.IBV_WR_RDMA_WRITE_WITH_IMM, num_sge=1, sg=[sge], imm_data=imm)
+    wr.set_wr_rdma(remote[1], remote[0])
+    return wr
+
+
 class RdmaChannel:
     """One RC queue pair with its registered region, protection domain and completion queue.
 
@@ -218,24 +248,11 @@ class RdmaChannel:
 
     def connect(self, peer: RdmaEndpoint) -> None:
         """Move the queue pair INIT -> RTR -> RTS towards ``peer``."""
-        from pyverbs.addr import GID, AHAttr, GlobalRoute
-        from pyverbs.qp import QPAttr
-
         if peer.role is self.role:
             raise InvalidInput(f"both ends of an RDMA channel claim the {self.role.name} role")
         if self.role is ChannelRole.SENDER and (peer.slots == 0 or peer.slot_bytes == 0):
             raise InvalidInput("the peer's endpoint describes no landing slots")
-        cfg = self.config
-        attr = QPAttr(port_num=cfg.port_num)
-        attr.dest_qp_num = peer.qp_num
-        attr.path_mtu = min(cfg.path_mtu, peer.path_mtu)
-        attr.rq_psn, attr.sq_psn = peer.psn, self._psn
-        attr.max_dest_rd_atomic = attr.max_rd_atomic = 1
-        attr.min_rnr_timer, attr.timeout = cfg.min_rnr_timer, cfg.timeout
-        attr.retry_cnt, attr.rnr_retry = cfg.retry_count, cfg.rnr_retry
-        route = GlobalRoute(dgid=GID(peer.gid_text), sgid_index=cfg.gid_index)
-        attr.ah_attr = AHAttr(port_num=cfg.port_num, is_global=1, gr=route, dlid=peer.lid)
-        self._call("modify QP to RTS", self._qp.to_rts, attr)
+        self._call("modify QP to RTS", self._qp.to_rts, qp_attr_towards(peer, self.config, self._psn))
         self._peer = peer
 
     def post_receives(self, count: int) -> None:
@@ -251,8 +268,6 @@ class RdmaChannel:
     def write_frame(self, slot: int, parts: Sequence[bytes | memoryview], imm: int) -> None:
         """Sender: copy ``parts`` (a frame's header+body and payload) into staging slot ``slot`` and
         RDMA-write them, as one write with immediate ``imm``, to the peer's slot ``slot``."""
-        from pyverbs.wr import SGE, SendWR
-
         peer = self._require_peer()
         if self.role is not ChannelRole.SENDER:
             raise InvalidInput("only the sender writes chunks")
@@ -267,9 +282,8 @@ class RdmaChannel:
         for view in views:  # pyverbs copies from bytes only
             self._mr.write(view.tobytes(), view.nbytes, offset)
             offset += view.nbytes
-        sge = SGE(int(self._mr.buf) + start, n, int(self._mr.lkey))
-        wr = SendWR(wr_id=slot, opcode=self._e.IBV_WR_RDMA_WRITE_WITH_IMM, num_sge=1, sg=[sge], imm_data=imm)
-        wr.set_wr_rdma(peer.rkey, peer.addr + slot * peer.slot_bytes)
+        local = (int(self._mr.buf) + start, n, int(self._mr.lkey))
+        wr = write_request(slot, local, (peer.addr + slot * peer.slot_bytes, peer.rkey), imm)
         self._call("post_send", self._qp.post_send, wr)
         self._in_flight += 1
 

@@ -16,8 +16,10 @@ from pddlink.transport.rdma import (
     RdmaEndpoint,
     RdmaError,
     gid_bytes,
+    qp_attr_towards,
     rdma_available,
     require_rdma,
+    write_request,
 )
 from pddlink.wire import PathMtu
 
@@ -72,6 +74,20 @@ def test_availability_reasons(tmp_path: Path) -> None:
     assert rdma_available(lambda: ["mlx5_0"]) == (True, "RDMA device(s): mlx5_0")
     with pytest.raises(Unavailable, match="no RDMA device"):
         require_rdma(lambda: [])
+
+
+def test_the_verbs_requests_we_build_are_accepted_by_pyverbs() -> None:
+    """Needs pyverbs but no device: the QP attributes and the write request RdmaChannel posts."""
+    pytest.importorskip("pyverbs", reason="pyverbs is not installed (see rdma.INSTALL_HINT)")
+    gid = gid_bytes("fe80::202:c9ff:fe01:2345")
+    peer = RdmaEndpoint(ChannelRole.RECEIVER, 0x1234, 77, 3, 1, PathMtu.MTU_4096, gid, 9, 1 << 30, 4, 1 << 20)
+    config = RdmaConfig(slots=4, slot_bytes=1 << 20, path_mtu=3)
+    attr = qp_attr_towards(peer, config, psn=5)
+    assert (attr.dest_qp_num, attr.rq_psn, attr.sq_psn, attr.path_mtu) == (0x1234, 77, 5, 3)
+    assert (attr.retry_cnt, attr.rnr_retry, attr.timeout) == (7, 7, 14)
+    assert (
+        write_request(2, (0x1000, 100, 11), (peer.addr + 2 * peer.slot_bytes, peer.rkey), imm=2) is not None
+    )
 
 
 @pytest.mark.skipif(AVAILABLE, reason="this machine has an RDMA device")
