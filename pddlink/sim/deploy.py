@@ -55,6 +55,7 @@ class Link:
     flow_cap_gbps: float = 20.0
     fast_gbps: float = 400.0
     fast_setup_s: float = 0.01
+    fifo_pool: bool = False  # a transfer holds one connection, waiting FIFO (else multiplexed)
 
     def __post_init__(self) -> None:
         if min(self.wan_gbps, self.flow_cap_gbps, self.fast_gbps) <= 0 or not 0 < self.wan_efficiency <= 1:

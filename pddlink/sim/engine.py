@@ -27,8 +27,9 @@ from pddlink.routing import HandoffMode, Pipeline, RoutingInputs, choose_handoff
 from pddlink.sim.cache import DecodeCache
 from pddlink.sim.deploy import Deployment, Kind
 from pddlink.sim.records import Record, RunRecords
-from pddlink.sim.resources import Clock, DecodeInstance, DecodeSeq, PrefillInstance, WanLine
+from pddlink.sim.resources import Clock, DecodeInstance, DecodeSeq, PrefillInstance
 from pddlink.sim.trace import TraceRequest
+from pddlink.sim.wan import LineStats, WanLine
 
 # Cache-aware routing yields to balance when an instance's admission queue is this much longer than
 # the shortest one (sequences waiting for a batch slot or KV room), and - with the deployment's
@@ -78,7 +79,9 @@ class Simulation:
         )
         self.rld_capacity = sum(r.max_seqs for r in self.relay)
         link = d.link
-        self.line = WanLine(self.clock, link.wan_bytes_s, link.rtt_s, link.pool_size, link.flow_cap_bytes_s)
+        self.line = WanLine(
+            self.clock, link.wan_bytes_s, link.rtt_s, link.pool_size, link.flow_cap_bytes_s, link.fifo_pool
+        )
         self.records = RunRecords()
         self.crosses_wan = d.crosses_wan
         self.back_s = d.link.rtt_s / 2 if d.crosses_wan else 0.0  # tokens from MD cross back to A
@@ -89,21 +92,26 @@ class Simulation:
         self, requests: Iterable[TraceRequest], warmup_s: float = 0.0, prewarm_s: float = 0.0
     ) -> RunRecords:
         """Simulate ``requests``. Those arriving before ``prewarm_s`` only fill the decode-side caches
-        (a cluster in service is warm); those before ``warmup_s`` run but are not measured."""
+        (a cluster in service is warm); those before ``warmup_s`` run but are not measured. The line's
+        figures cover the measured window, from ``warmup_s`` to the last arrival."""
         clock, last = self.clock, 0.0
+        start: LineStats | None = None
         for r in requests:
             if r.arrival_s < prewarm_s:
                 self._prewarm(r)
                 continue
+            if start is None and r.arrival_s >= warmup_s:
+                clock.run(until=warmup_s)
+                start = self.line.stats(max(warmup_s, self.line.now))
             clock.run(until=r.arrival_s)
             clock.now = last = r.arrival_s
             self._arrive(r, warmup_s)
+        end = self.line.stats(max(last, self.line.now))
         clock.run()
         self.records.simulated_s = max(last, clock.now)
         self.records.measured_s = max(1e-9, last - warmup_s)
-        self.records.line_delivered_bytes = self.line.delivered_bytes
-        self.records.line_pool_full_s = self.line.pool_full_s
-        self.records.line_busy_s = self.line.busy_s
+        self.records.line = end - start if start is not None else LineStats()
+        self.records.pool_size = self.line.pool_size
         self.records.events = clock.events
         return self.records
 

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from pddlink.routing import HandoffMode, Pipeline
+from pddlink.sim.wan import LineStats
 
 
 class Record:
@@ -53,9 +54,8 @@ class RunRecords:
     records: list[Record] = field(default_factory=list)
     simulated_s: float = 0.0
     measured_s: float = 0.0
-    line_delivered_bytes: float = 0.0
-    line_pool_full_s: float = 0.0
-    line_busy_s: float = 0.0
+    line: LineStats = field(default_factory=LineStats)  # over the measured window
+    pool_size: int = 1
     events: int = 0
 
     def add(self, record: Record) -> None:
@@ -70,7 +70,22 @@ class RunRecords:
     def kv_transfer(self) -> np.ndarray:
         return np.array([r.kv_transfer_s for r in self.measured() if r.kv_transfer_s >= 0])
 
-    def summary(self, sla: Sla, line_bytes_s: float, active_s: float | None = None) -> dict[str, Any]:
+    def line_figures(self, line_bytes_s: float) -> dict[str, float]:
+        """The line over the measured window (``measured_s``, from the warm-up to the last arrival):
+        ``wan_utilisation`` (bytes delivered / what the line can carry), ``pool_full_share`` (share of
+        the time every pooled connection carried a transfer), ``pool_utilisation`` (mean share of the
+        connections carrying one), ``transfers_in_flight`` (mean, waiting ones included) and
+        ``pool_wait_s`` (mean wait for a connection per transfer; FIFO pools only)."""
+        line, window = self.line, max(1e-9, self.measured_s)
+        return {
+            "wan_utilisation": round(line.delivered_bytes / (line_bytes_s * window), 4),
+            "pool_full_share": round(line.pool_full_s / window, 4),
+            "pool_utilisation": round(line.held_s / (self.pool_size * window), 4),
+            "transfers_in_flight": round(line.flows_s / window, 2),
+            "pool_wait_s": round(line.wait_s / line.transfers, 4) if line.transfers else 0.0,
+        }
+
+    def summary(self, sla: Sla, line_bytes_s: float) -> dict[str, Any]:
         recs = self.measured()
         ttft = np.array([r.first_token_s - r.arrival_s for r in recs])
         e2e = np.array([r.finish_s - r.arrival_s for r in recs])
@@ -81,7 +96,6 @@ class RunRecords:
         total = int(out.sum()) if recs else 0
         pipes = {p.value: sum(1 for r in recs if r.pipeline is p) for p in Pipeline}
         modes = {m.value: sum(1 for r in recs if r.handoff is m) for m in HandoffMode}
-        window = max(1e-9, self.simulated_s if active_s is None else active_s)
         return {
             "requests": len(recs),
             "unfinished": sum(1 for r in self.records if r.measured and r.finish_s < 0),
@@ -95,6 +109,5 @@ class RunRecords:
             "handoffs": modes,
             "mean_hit": round(float(np.mean([r.hit for r in recs])), 4) if recs else 0.0,
             "kv_transfer_s": percentiles(self.kv_transfer()),
-            "wan_utilisation": round(self.line_delivered_bytes / (line_bytes_s * window), 4),
-            "pool_full_share": round(self.line_pool_full_s / window, 4),
+            **self.line_figures(line_bytes_s),
         }

@@ -1,12 +1,8 @@
-"""Simulated resources: the event clock, the WAN line, prefill and decode instances.
+"""Simulated resources: the event clock, prefill and decode instances (the WAN line: ``sim.wan``).
 
 All are fluid models driven by one ``Clock`` (a heap of timed callbacks), so an hour of traffic costs
 a few events per request, not one per token or packet:
 
-- ``WanLine``: processor sharing over a pool of connections. With ``n`` transfers in flight, up to
-  ``pool_size`` each get a connection of their own: rate ``min(conn_cap, line / n)``; beyond that they
-  are multiplexed on the pool: ``min(pool_size * conn_cap, line) / n`` each (the pool is "full").
-  A virtual clock of "bytes served per flow" makes a join or a completion O(log n).
 - ``PrefillInstance``: FIFO queue; an idle instance takes a batch of queued prompts up to a token
   budget and runs them as one batch (one fixed cost, the sum of their compute).
 - ``DecodeInstance``: continuous batching. One iteration emits one token for every running sequence
@@ -24,7 +20,6 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from pddlink.routing import LinkEstimate
 from pddlink.sim.hardware import InstanceModel
 
 Callback = Callable[[float, Any], None]
@@ -51,90 +46,6 @@ class Clock:
             events += 1
             fn(t, arg)
         self.events += events
-
-
-class WanLine:
-    """The cross-datacenter line: fair sharing, per-connection cap, connection pool."""
-
-    def __init__(
-        self, clock: Clock, rate_bytes_s: float, rtt_s: float, pool_size: int, flow_cap_bytes_s: float
-    ):
-        self.clock, self.rate, self.rtt_s = clock, rate_bytes_s, rtt_s
-        self.pool_size, self.cap = pool_size, flow_cap_bytes_s
-        self._served = 0.0  # bytes served to each active flow since the start (virtual clock)
-        self._t = 0.0
-        self._active: list[tuple[float, int, Callback, Any]] = []  # heap of (finish_served, id, fn, arg)
-        self._finish_sum = 0.0
-        self._ids = 0
-        self._version = 0
-        self._r = 0.0
-        self.delivered_bytes = 0.0
-        self.pool_full_s = 0.0
-        self.busy_s = 0.0
-
-    def _flow_rate(self) -> float:
-        n = len(self._active)
-        if n == 0:
-            return 0.0
-        if n <= self.pool_size:
-            return min(self.cap, self.rate / n)
-        return min(self.pool_size * self.cap, self.rate) / n
-
-    def _advance(self, now: float) -> None:
-        dt = now - self._t
-        n = len(self._active)
-        if dt > 0 and n:
-            r = self._r  # the rate in force since the last change (set by _arm)
-            self._served += r * dt
-            self.delivered_bytes += r * dt * n
-            self.busy_s += dt
-            if n >= self.pool_size:
-                self.pool_full_s += dt
-        self._t = now
-
-    def send(self, nbytes: int, now: float, done: Callback, arg: Any) -> None:
-        """Queue a transfer of ``nbytes``; ``done(t, arg)`` when its last byte arrives."""
-        self._advance(now)
-        self._ids += 1
-        self._admit(nbytes, self._ids, done, arg)
-        self._arm()
-
-    def _admit(self, nbytes: int, flow_id: int, done: Callback, arg: Any) -> None:
-        finish = self._served + nbytes
-        heapq.heappush(self._active, (finish, flow_id, done, arg))
-        self._finish_sum += finish
-
-    def _arm(self) -> None:
-        self._version += 1
-        self._r = r = self._flow_rate()
-        if self._active:
-            t = self._t + max(0.0, self._active[0][0] - self._served) / r
-            self.clock.at(t, self._on_timer, self._version)
-
-    def _on_timer(self, now: float, version: int) -> None:
-        if version != self._version:
-            return
-        self._advance(now)
-        finished = []
-        while self._active and self._active[0][0] <= self._served + 1.0:  # within a byte
-            item = heapq.heappop(self._active)
-            self._finish_sum -= item[0]
-            finished.append(item)
-        self._arm()
-        for _, _, done, arg in finished:
-            done(now + self.rtt_s / 2, arg)  # the completion notice crosses back
-
-    def estimate(self, now: float) -> LinkEstimate:
-        self._advance(now)
-        backlog = max(0.0, self._finish_sum - len(self._active) * self._served)
-        return LinkEstimate(
-            line_bytes_per_s=min(self.rate, self.pool_size * self.cap),
-            rtt_s=self.rtt_s,
-            flows_in_flight=len(self._active),
-            backlog_bytes=int(backlog),
-            pool_size=max(self.pool_size, len(self._active) + 1),  # multiplexed: nobody waits
-            flow_cap_bytes_per_s=self.cap,
-        )
 
 
 class PrefillInstance:

@@ -1,4 +1,4 @@
-"""The fluid resources against hand-computed schedules."""
+"""The fluid prefill and decode resources against hand-computed schedules (the line: test_sim_wan)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from pddlink.sim.hardware import GPU_A, AFigures, InstanceModel
-from pddlink.sim.resources import Clock, DecodeInstance, DecodeSeq, PrefillInstance, WanLine
+from pddlink.sim.resources import Clock, DecodeInstance, DecodeSeq, PrefillInstance
 
 
 def _collect() -> tuple[dict[Any, float], Any]:
@@ -17,40 +17,6 @@ def _collect() -> tuple[dict[Any, float], Any]:
         done[arg] = t
 
     return done, cb
-
-
-def test_line_fair_share_finishes_small_flow_first() -> None:
-    clock = Clock()
-    line = WanLine(clock, rate_bytes_s=100.0, rtt_s=0.0, pool_size=8, flow_cap_bytes_s=1e9)
-    done, cb = _collect()
-    line.send(100, 0.0, cb, "a")
-    line.send(300, 0.0, cb, "b")
-    clock.run()
-    # Two flows at 50 B/s: a done at 2 s (100 B); b has 200 B left alone at 100 B/s: 4 s.
-    assert done["a"] == pytest.approx(2.0) and done["b"] == pytest.approx(4.0)
-    assert line.delivered_bytes == pytest.approx(400)
-
-
-def test_line_connection_cap_and_pool() -> None:
-    clock = Clock()
-    line = WanLine(clock, rate_bytes_s=100.0, rtt_s=0.2, pool_size=2, flow_cap_bytes_s=10.0)
-    done, cb = _collect()
-    for name in "abc":
-        line.send(20, 0.0, cb, name)
-    clock.run()
-    # Three flows on a pool of two 10 B/s connections: 20 B/s shared by three; then +rtt/2.
-    assert all(t == pytest.approx(3.0 + 0.1) for t in done.values())
-    assert line.pool_full_s == pytest.approx(3.0)
-
-
-def test_line_estimate_sees_backlog() -> None:
-    clock = Clock()
-    line = WanLine(clock, rate_bytes_s=100.0, rtt_s=0.0, pool_size=8, flow_cap_bytes_s=1e9)
-    _, cb = _collect()
-    line.send(1000, 0.0, cb, "a")
-    est = line.estimate(5.0)
-    assert est.flows_in_flight == 1 and est.backlog_bytes == 500
-    assert est.transfer_s(100) == pytest.approx(2.0)
 
 
 def test_prefill_batches_share_one_fixed_cost() -> None:
