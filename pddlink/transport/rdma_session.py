@@ -9,8 +9,9 @@ connection. If either side lacks RDMA (no device, no pyverbs, a verbs call faile
 not offer ``rdma/1``, or set-up misses its deadline, the link opens its TCP stripes instead: the
 reason goes to the log (once per reason and process, at WARNING), to the ``pddlink_fallbacks``
 metric (kind ``rdma_<reason>``), to ``link.fast_path`` and to ``LinkStats`` (transport "tcp",
-``extra["rdma"] = 0``). A later RDMA failure (a failed completion, a peer's decline) drops the RDMA
-lane, opens the stripes, and running transfers resume there.
+``extra["rdma"] = 0``). A later RDMA failure (a failed completion, a peer's decline, the control
+connection lost with slot credits in flight) drops the RDMA lane, opens the stripes, and running
+transfers resume there. The link does not go back to RDMA afterwards (a new link does).
 
 Lifecycle: ``RdmaTransport.connect`` returns once the path is decided (at most the set-up timeout
 after the hello); ``RdmaTransport.listen`` decides per accepted link, in the background.
@@ -30,6 +31,7 @@ from typing import Any, ClassVar
 from pddlink import metrics
 from pddlink.errors import ErrorCode, LocalError, PddlinkError
 from pddlink.transport.base import Handlers, LinkOptions, LinkStats, Message
+from pddlink.transport.framing import FrameConnection
 from pddlink.transport.rdma import RdmaChannel, RdmaConfig, rdma_available
 from pddlink.transport.rdma_lanes import Channel, RdmaReceiveLane, RdmaSendLane
 from pddlink.transport.receiving import ReceivingSession
@@ -58,6 +60,7 @@ from pddlink.wire.rdma_setup import (
 log = logging.getLogger(__name__)
 SETUP_MESSAGES = (RdmaSetup, RdmaReady, RdmaDecline)
 FRAME_HEADROOM = 4096  # slot bytes beyond chunk_bytes: the chunk frame's header and body
+CONTROL_LOST = "control connection lost (slot credits in flight may be lost with it)"
 _logged: set[tuple[str, str]] = set()
 
 
@@ -271,6 +274,12 @@ class RdmaLink(TcpLink):
                 self.lanes.remove(self._lane_id)
             self.spawn(self.open_stripes())
 
+    def _lost(self, conn: FrameConnection, lane_id: int | None) -> None:
+        super()._lost(conn, lane_id)
+        if lane_id is None and self._lane is not None and not self.closed:
+            # slot credits in flight may be gone with it: RDMA cannot be trusted to keep flowing
+            self.setup.lane_failed(CONTROL_LOST)
+
     def stats(self) -> LinkStats:
         snap = super().stats()
         lane = self._lane
@@ -338,6 +347,12 @@ class RdmaReceivingSession(ReceivingSession):
             self._lane = None
             if self._lane_id is not None:
                 self.lanes.remove(self._lane_id)
+
+    def detach(self, lane_id: int) -> None:
+        control_lost = self._control is not None and self._conns.get(lane_id) is self._control
+        super().detach(lane_id)
+        if control_lost and self._lane is not None and not self.closed:
+            self.setup.lane_failed(CONTROL_LOST)
 
     def _deliver(self, chunk: Message) -> None:
         if self._lane_id is not None:

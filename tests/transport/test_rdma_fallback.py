@@ -308,6 +308,53 @@ def test_an_rdma_failure_mid_transfer_resumes_on_tcp(pki: Any, run_async: Any) -
     assert fallbacks("rdma_peer_declined") >= 1
 
 
+def test_losing_the_control_connection_under_rdma_moves_the_link_to_tcp(
+    pki: Any, run_async: Any, relay_factory: Any
+) -> None:
+    """Slot credits travel on the control connection: once it is cut, both sides leave RDMA."""
+    impl = memory_transport(MemoryFabric())
+    data = random.Random(7).randbytes(1 << 20)
+
+    async def scenario() -> None:
+        got: list[ReceivedTransfer] = []
+        listener = await impl.listen(
+            "127.0.0.1",
+            0,
+            identity=SERVER,
+            tls=pki[SERVER],
+            handlers=Handlers(on_transfer=got.append),
+            options=OPTIONS,
+        )
+        relay = relay_factory(listener.port)
+        port = await relay.start()
+        link = await impl.connect(
+            "127.0.0.1", port, identity=CLIENT, tls=pki[CLIENT], expected_peer=SERVER,
+            handlers=Handlers(), options=OPTIONS,
+        )  # fmt: skip
+        try:
+            await link.send_transfer(begin(1, len(data)), data, deadline_s=10.0)
+            assert link.fast_path.name == "rdma" and len(relay.pairs) == 1  # control only, no stripes
+            relay.cut(0)
+            result = await link.send_transfer(begin(2, len(data)), data, deadline_s=10.0)
+            assert result.bytes == len(data)
+            await asyncio.sleep(0.05)
+            assert [b"".join(t.chunks) for t in got] == [data, data]
+            assert link.fast_path.name == "tcp" and "control connection lost" in link.fast_path.reason
+            assert len(link.data_connections()) == OPTIONS.streams and link.stats().transport == "tcp"
+            for _ in range(100):  # the control connection comes back after its reconnect backoff
+                if listener.links():
+                    break
+                await asyncio.sleep(0.05)
+            (session,) = listener.links()
+            assert session.fast_path.name == "tcp" and "control connection lost" in session.fast_path.reason
+        finally:
+            await link.close()
+            await listener.close()
+            await relay.close()
+
+    run_async(scenario)
+
+
 def test_a_peer_without_rdma1_gets_plain_tcp_both_ways(pki: Any, run_async: Any) -> None:
     impl = memory_transport(MemoryFabric())
     data = b"kv" * 100_000
