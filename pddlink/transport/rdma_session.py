@@ -1,17 +1,18 @@
 """Transport "rdma": a TCP link whose chunks move by RDMA writes once both sides set RDMA up.
 
 The link is ``tcp``'s: the same control connection, TLS, hello and identity checks. Both sides
-offer ``rdma/1`` in the hello; after it, ``FastPathSetup`` drives ``pddlink.wire.rdma_setup`` on the
-control connection: the receiver (the listening RelayDecode side) sends its queue-pair endpoint,
-the sender answers with its own, each connects its queue pair, and chunks then go through an
-``RdmaSendLane``/``RdmaReceiveLane`` while acks, begin/end and credits stay on the control
-connection. If either side lacks RDMA (no device, no pyverbs, a verbs call failed), the peer does
-not offer ``rdma/1``, or set-up misses its deadline, the link opens its TCP stripes instead: the
-reason goes to the log (once per reason and process, at WARNING), to the ``pddlink_fallbacks``
-metric (kind ``rdma_<reason>``), to ``link.fast_path`` and to ``LinkStats`` (transport "tcp",
-``extra["rdma"] = 0``). A later RDMA failure (a failed completion, a peer's decline, the control
-connection lost with slot credits in flight) drops the RDMA lane, opens the stripes, and running
-transfers resume there. The link does not go back to RDMA afterwards (a new link does).
+offer ``rdma/1`` in the hello; after it, ``FastPathSetup`` drives ``pddlink.wire.rdma_setup`` on
+the control connection: the receiver (the listening RelayDecode side) sends its queue-pair
+endpoint, the sender answers with its own, each connects its queue pair (``rdma_fastpath``), and
+chunks then go through an ``RdmaSendLane``/``RdmaReceiveLane`` (``rdma_lanes``) while acks,
+begin/end and credits stay on the control connection. If either side lacks RDMA (no device, no
+pyverbs, a verbs call failed), the peer does not offer ``rdma/1``, or set-up misses its deadline,
+the link opens its TCP stripes instead: the reason goes to the log (once per reason and process, at
+WARNING), to the ``pddlink_fallbacks`` metric (kind ``rdma_<reason>``), to ``link.fast_path`` and
+to ``LinkStats`` (transport "tcp", ``extra["rdma"] = 0``). A later RDMA failure (a failed
+completion, a peer's decline, the control connection lost with slot credits in flight) drops the
+RDMA lane, opens the stripes, and running transfers resume there. The link does not go back to RDMA
+afterwards (a new link does).
 
 Lifecycle: ``RdmaTransport.connect`` returns once the path is decided (at most the set-up timeout
 after the hello); ``RdmaTransport.listen`` decides per accepted link, in the background.
@@ -20,27 +21,20 @@ after the hello); ``RdmaTransport.listen`` decides per accepted link, in the bac
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
-import logging
-import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from pddlink import metrics
-from pddlink.errors import ErrorCode, LocalError, PddlinkError
+from pddlink.errors import ErrorCode, LocalError
 from pddlink.transport.base import Handlers, LinkOptions, LinkStats, Message
 from pddlink.transport.framing import FrameConnection
-from pddlink.transport.rdma import RdmaChannel, RdmaConfig, rdma_available
-from pddlink.transport.rdma_lanes import Channel, RdmaReceiveLane, RdmaSendLane
+from pddlink.transport.rdma_fastpath import VERBS, FastPathSetup, RdmaProvider
+from pddlink.transport.rdma_lanes import RdmaReceiveLane, RdmaSendLane
 from pddlink.transport.receiving import ReceivingSession
 from pddlink.transport.registry import FastPathChoice
 from pddlink.transport.tcp import Dial, TcpLink, TcpListener
 from pddlink.transport.tcp_conn import SESSION_CAP, Inbox
 from pddlink.transport.tls import PeerIdentity, TlsConfig
 from pddlink.wire import (
-    HEADER_BYTES,
     RDMA_CAPABILITY,
     ChannelRole,
     RdmaCredit,
@@ -49,167 +43,12 @@ from pddlink.wire import (
     RdmaSetup,
 )
 from pddlink.wire.rdma_setup import (
-    ConnectQueuePair,
     Fallback,
     FastPathSelected,
-    LocalRdma,
-    RdmaNegotiation,
-    SetupConfig,
 )
 
-log = logging.getLogger(__name__)
 SETUP_MESSAGES = (RdmaSetup, RdmaReady, RdmaDecline)
-FRAME_HEADROOM = 4096  # slot bytes beyond chunk_bytes: the chunk frame's header and body
 CONTROL_LOST = "control connection lost (slot credits in flight may be lost with it)"
-_logged: set[tuple[str, str]] = set()
-
-
-@dataclass(frozen=True, slots=True)
-class RdmaProvider:
-    """Where channels come from: verbs by default; tests give a memory pair (no device here)."""
-
-    available: Callable[[], tuple[bool, str]]
-    open_channel: Callable[[ChannelRole, RdmaConfig], Channel]
-
-
-VERBS = RdmaProvider(rdma_available, RdmaChannel)
-
-
-def channel_config(options: LinkOptions) -> RdmaConfig:
-    """Slots sized for the link's chunks; as many as the transfer window holds (at most 64)."""
-    slots = max(1, min(64, options.window_bytes // options.chunk_bytes))
-    return RdmaConfig(slots=slots, slot_bytes=options.chunk_bytes + FRAME_HEADROOM)
-
-
-def report(peer: PeerIdentity, outcome: FastPathSelected) -> None:
-    """Log a decision (first time per reason: INFO for RDMA, WARNING for TCP) and count fallbacks."""
-    if outcome.fallback is not None:
-        metrics.FALLBACKS.labels(kind=f"rdma_{outcome.fallback.value}").inc()
-    key = (outcome.path, outcome.fallback.value if outcome.fallback else "")
-    first = key not in _logged
-    _logged.add(key)
-    level = (logging.INFO if outcome.fallback is None else logging.WARNING) if first else logging.DEBUG
-    log.log(level, "fast path to %s: %s (%s)", peer, outcome.path, outcome.reason)
-
-
-class FastPathSetup:
-    """Drives one link's ``RdmaNegotiation`` on the event loop; owns the channel until it is closed."""
-
-    def __init__(
-        self,
-        role: ChannelRole,
-        peer: PeerIdentity,
-        *,
-        peer_offers: bool,
-        provider: RdmaProvider,
-        options: LinkOptions,
-        send: Callable[[Message], object],
-        on_path: Callable[[FastPathSelected], None],
-        timeout_s: float,
-    ) -> None:
-        self.peer, self._send, self._on_path = peer, send, on_path
-        self.channel: Channel | None = None
-        local = self._open(role, provider, channel_config(options)) if peer_offers else None
-        min_slot = options.chunk_bytes + HEADER_BYTES + 64
-        self.machine = RdmaNegotiation(
-            role,
-            peer_offers=peer_offers,
-            local=local or LocalRdma.unavailable("not opened: the peer does not offer RDMA"),
-            now=time.monotonic(),
-            config=SetupConfig(timeout_s=timeout_s, min_slot_bytes=min_slot),
-        )
-        self.decided: asyncio.Future[FastPathSelected] = asyncio.get_running_loop().create_future()
-        self._timer: asyncio.TimerHandle | None = None
-        self._started = False
-
-    def _open(self, role: ChannelRole, provider: RdmaProvider, config: RdmaConfig) -> LocalRdma:
-        ok, reason = provider.available()
-        if not ok:
-            return LocalRdma.unavailable(f"RDMA fast path unavailable: {reason}")
-        try:
-            self.channel = provider.open_channel(role, config)
-            if role is ChannelRole.RECEIVER:
-                self.channel.post_receives(config.slots)
-            return LocalRdma(self.channel.endpoint())
-        except PddlinkError as exc:
-            self.close_channel()
-            return LocalRdma.unavailable(f"RDMA channel could not be opened: {exc.message}")
-
-    @property
-    def started(self) -> bool:
-        return self._started
-
-    def start(self) -> None:
-        self._started = True
-        self._pump()
-
-    def receive(self, message: Message) -> None:
-        self.machine.receive(message, time.monotonic())
-        self._pump()
-
-    def lane_failed(self, reason: str) -> None:
-        self.machine.local_failed(reason, time.monotonic())
-        self._pump()
-
-    def _pump(self) -> None:
-        if not self._started:
-            return  # messages fed before start() are answered at start()
-        m = self.machine
-        while True:
-            for out in m.messages_to_send():
-                with contextlib.suppress(PddlinkError):  # the control loss is the link's to handle
-                    self._send(out)
-            event = m.next_event()
-            if event is None:
-                break
-            if isinstance(event, ConnectQueuePair):
-                self._connect(event)
-            else:
-                self._decided(event)
-        self._arm(m.get_timer())
-
-    def _connect(self, event: ConnectQueuePair) -> None:
-        assert self.channel is not None
-        try:
-            self.channel.connect(event.peer)
-        except PddlinkError as exc:
-            self.machine.local_failed(f"queue pair connect failed: {exc.message}", time.monotonic())
-            return
-        self.machine.endpoint_connected(time.monotonic())
-
-    def _decided(self, outcome: FastPathSelected) -> None:
-        report(self.peer, outcome)
-        if outcome.path == "tcp":
-            self.close_channel()
-        if not self.decided.done():
-            self.decided.set_result(outcome)
-        self._on_path(outcome)
-
-    def _arm(self, when: float | None) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        if when is not None:
-            delay = max(0.0, when - time.monotonic())
-            self._timer = asyncio.get_running_loop().call_later(delay, self._on_timer)
-
-    def _on_timer(self) -> None:
-        self._timer = None
-        self.machine.handle_timer(time.monotonic())
-        self._pump()
-
-    @property
-    def choice(self) -> FastPathChoice | None:
-        o = self.machine.outcome
-        return None if o is None else FastPathChoice(o.path, o.reason, o.path == "rdma")
-
-    def close_channel(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        channel, self.channel = self.channel, None
-        if channel is not None:
-            channel.close()
 
 
 class RdmaLink(TcpLink):
@@ -456,4 +295,4 @@ class RdmaTransport:
         return link
 
 
-__all__ = ["Fallback", "FastPathSetup", "RdmaLink", "RdmaListener", "RdmaReceivingSession", "RdmaTransport"]
+__all__ = ["Fallback", "RdmaLink", "RdmaListener", "RdmaProvider", "RdmaReceivingSession", "RdmaTransport"]

@@ -29,8 +29,8 @@ from typing import Any, ClassVar
 import pytest
 from prometheus_client import REGISTRY
 
-from pddlink.transport import Handlers, LinkOptions, PeerIdentity, ReceivedTransfer, TlsConfig
-from pddlink.transport.api import KVClient, KVServer
+from pddlink.transport import Handlers, LinkOptions, PeerIdentity, ReceivedTransfer, TlsConfig, registry
+from pddlink.transport.api import KVServer
 from pddlink.transport.rdma import RdmaCompletion, RdmaConfig, RdmaError
 from pddlink.transport.rdma_session import RdmaLink, RdmaProvider, RdmaReceivingSession, RdmaTransport
 from pddlink.transport.tcp import TcpListener, TcpTransport
@@ -109,17 +109,16 @@ def test_rdma_requested_here_moves_the_payload_over_tcp_and_says_why(
         caplog.set_level(logging.DEBUG, logger="pddlink.transport.rdma_session")
 
         async def scenario() -> tuple[Any, Any, Any]:
-            client = await KVClient.connect(
+            link = await registry.load("rdma").connect(
                 "127.0.0.1", port, identity=CLIENT, tls=pki[CLIENT], expected_peer=SERVER,
-                transport="rdma", options=OPTIONS,
+                handlers=Handlers(), options=OPTIONS,
             )  # fmt: skip
             try:
-                result = await client.send_transfer(begin(1), data, deadline_s=20.0)
-                link = client._link
                 assert isinstance(link, RdmaLink)
-                return result, link.fast_path, client.stats()
+                result = await link.send_transfer(begin(1), data, deadline_s=20.0)
+                return result, link.fast_path, link.stats()
             finally:
-                await client.close()
+                await link.close()
 
         result, choice, stats = run_async(scenario, 60.0)
         received = json.loads(child.stdout.readline())
