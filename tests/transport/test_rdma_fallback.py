@@ -5,7 +5,7 @@ This machine has no RDMA device, so asking for "rdma" must fall back to TCP for 
 process. The RDMA lane logic (set-up exchange, slot credits, a failure mid-transfer and the resume
 on TCP) is exercised with ``MemoryChannel``, an in-process stand-in for the verbs channel: the one
 part that needs hardware this machine lacks. The control link under it is real TCP in every test.
-The verbs channel itself is tested in test_rdma.py (skipped here: no device).
+The verbs channel is tested in test_rdma.py, the link on verbs below: both skip without a device.
 
 Run as ``python test_rdma_fallback.py serve CERT KEY CA`` it is the receiver process of the first
 test: prints ``{"port": N}``, waits for one transfer, prints what it received and how.
@@ -31,7 +31,7 @@ from prometheus_client import REGISTRY
 
 from pddlink.transport import Handlers, LinkOptions, PeerIdentity, ReceivedTransfer, TlsConfig, registry
 from pddlink.transport.api import KVServer
-from pddlink.transport.rdma import RdmaCompletion, RdmaConfig, RdmaError
+from pddlink.transport.rdma import RdmaCompletion, RdmaConfig, RdmaError, rdma_available
 from pddlink.transport.rdma_session import RdmaLink, RdmaProvider, RdmaReceivingSession, RdmaTransport
 from pddlink.transport.tcp import TcpListener, TcpTransport
 from pddlink.wire import RDMA_CAPABILITY, ChannelRole, KVLayoutSpec, PathMtu, RdmaEndpoint, TransferBegin
@@ -41,6 +41,7 @@ CLIENT = PeerIdentity("p", "p0")
 LAYOUT = KVLayoutSpec("test/model", 2, 2, 64, "bf16", 16)
 OPTIONS = LinkOptions(streams=2, chunk_bytes=256 << 10, window_bytes=2 << 20)
 SIZE = 6 << 20 | 12345  # 25 chunks, the last one partial
+DEVICE = rdma_available()
 pytestmark = pytest.mark.timeout(120)
 
 
@@ -275,6 +276,27 @@ def test_with_rdma_on_both_sides_chunks_take_the_rdma_lane(pki: Any, run_async: 
             await link.close()
             await listener.close()
         assert all(c.closed for c in fabric.channels.values())
+
+    run_async(scenario)
+
+
+@pytest.mark.skipif(not DEVICE[0], reason=f"RDMA fast path unavailable: {DEVICE[1]}")
+def test_with_a_device_chunks_take_the_verbs_lane(pki: Any, run_async: Any) -> None:
+    """The same link on real queue pairs (both ends on this host's device)."""
+    data = random.Random(11).randbytes(SIZE)
+
+    async def scenario() -> None:
+        got: list[ReceivedTransfer] = []
+        listener, link = await open_pair(RdmaTransport, RdmaTransport, pki, got)
+        try:
+            assert link.fast_path.name == "rdma", link.fast_path.reason
+            result = await link.send_transfer(begin(1, len(data)), data, deadline_s=20.0)
+            await asyncio.sleep(0.05)
+            assert result.bytes == len(data) and b"".join(got[0].chunks) == data
+            assert link.stats().extra["rdma_chunks"] == begin(1, len(data)).num_chunks
+        finally:
+            await link.close()
+            await listener.close()
 
     run_async(scenario)
 
