@@ -41,9 +41,12 @@ plaintext TCP for labs; QUIC always needs credentials.
 Transports: ``tcp`` (control connection + ``LinkOptions.streams`` striped data connections,
 BBR per socket, resume on the remaining stripes when one is cut, background reconnect), ``quic``
 (qh3 by default, ``QuicTransport.impl = "aioquic"`` selectable; one stream per transfer),
-``rdma`` (see ``rdma.py``), ``auto`` = ``choose_fast_path()``: RDMA where a device and pyverbs
-exist, else TCP, with the reason logged and returned (``FastPathChoice.rdma_available`` is the
-metric flag).
+``rdma`` (a TCP link whose control connection negotiates an RDMA lane: both hellos offer
+``rdma/1``, the receiver sends its queue-pair endpoint, the sender answers, chunks then go by RDMA
+writes with slot credits; where either side has no device, or set-up misses its deadline, the link
+stays on its TCP stripes and says why in the log and ``pddlink_fallbacks``), ``auto`` =
+``choose_fast_path()``: RDMA where a device and pyverbs exist, else TCP, with the reason logged and
+returned (``FastPathChoice.rdma_available`` is the metric flag).
 
 Modules: ``base`` (the contract: Link, Listener, Transport, LinkOptions, results), ``api`` (the two
 facades), ``registry`` (names, lazy import, ``choose_fast_path`` for "auto"), ``tls`` (TLS 1.3
@@ -51,7 +54,9 @@ mutual auth and the dev PKI), ``session`` / ``receiving`` (control-channel seman
 side), ``transfers`` (driving ``pddlink.transfer`` over lanes), ``assembler`` / ``framing`` /
 ``buffers`` (frames from byte streams, pooled receive buffers), ``tcp_conn`` / ``tcp`` (striped TCP),
 ``quic`` / ``quic_stream`` / ``quic_server`` / ``quic_auth`` (QUIC), ``sockopt`` (congestion
-control, TCP_INFO, buffers), ``rdma`` (pyverbs), ``bench`` (the two processes of
+control, TCP_INFO, buffers), ``rdma`` (pyverbs channel), ``rdma_fastpath`` (drives the sans-I/O
+set-up of ``pddlink.wire.rdma_setup``), ``rdma_lanes`` (chunk lanes with slot credits),
+``rdma_session`` (the rdma link, listener and transport), ``bench`` (the two processes of
 ``pddlink bench link``).
 """
 
