@@ -46,10 +46,12 @@ def test_needs_exactly_one_source() -> None:
 
 @pytest.mark.slow
 def test_skew_json_small(tmp_path: Path) -> None:
-    out = _run("skew", "--rate", "40", "--duration", "60", "--json", "--plots", str(tmp_path))
+    out = _run("skew", "--rate", "40", "--duration", "60", "--seeds", "2", "--json", "--plots", str(tmp_path))
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
     assert data["skewed"]["kv_transfer_s"]["p50"] < data["uniform"]["kv_transfer_s"]["p50"]
+    assert data["seed"] == 1 and data["across_seeds"]["seeds"] == [1, 2]
+    assert len(data["across_seeds"]["p50_ratio"]) == 2 and "pool_full_share" in data["definitions"]
     assert (tmp_path / "kv_transfer_skew.png").exists()
 
 

@@ -64,6 +64,19 @@ def test_fifo_pool_holds_one_connection_per_transfer_and_queues_the_rest() -> No
     assert s.held_s == pytest.approx(6.0) and s.transfers == 3
 
 
+@pytest.mark.parametrize("fifo", [False, True])
+def test_a_small_transfer_behind_a_large_one(fifo: bool) -> None:
+    clock = Clock()
+    line = WanLine(clock, rate_bytes_s=100.0, rtt_s=0.0, pool_size=1, flow_cap_bytes_s=100.0, fifo=fifo)
+    done, cb = _collect()
+    line.send(1000, 0.0, cb, "large")
+    line.send(10, 0.0, cb, "small")
+    clock.run()
+    # Multiplexed, the two share the line (small done at 0.2 s); FIFO, small waits for the pool.
+    assert done["small"] == pytest.approx(10.1 if fifo else 0.2)
+    assert done["large"] == pytest.approx(10.0 if fifo else 10.1)
+
+
 def test_estimate_sees_backlog_and_fifo_waits() -> None:
     clock = Clock()
     line = WanLine(clock, rate_bytes_s=100.0, rtt_s=0.0, pool_size=8, flow_cap_bytes_s=1e9)
