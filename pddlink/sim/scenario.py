@@ -202,7 +202,10 @@ def run_deployments(
 #   skewed one on seeds 2 and 3, as published (25.5 s vs 18.9 s).
 # - What is off: uniform P50 3.3/5.4/13.4 s (published 1.21 s), so the P50 ratio is 13/21/55x, not 5x.
 #   At ~95% line load the uniform case is close to unstable and swings with the seed (its offered
-#   load is also 0.1-4 points above the skewed one's for the same seed: ``wan_utilisation``).
+#   load is also 0.1-4 points above the skewed one's for the same seed: ``wan_utilisation``). And
+#   one connection at 0.12 Gbit/s puts a floor of ~1.9 s under a 27 MB median delta: the published
+#   figures cannot all come from one per-connection rate (at 0.2 Gbit/s x 120: skewed P99 13.5 s,
+#   uniform P50 1.6 s, pool full 32% vs 44%; at 0.3 x 80 the pool contrast is gone, 43% vs 44%).
 # The previous microbenchmark line, 16 connections of 1.2 Gbit/s, gave P50 ratios 7.4/28/134x, pool
 # full 97/91/77% skewed vs 93/92/94% uniform, skewed P50 0.05-0.1 s and P99 4-12 s. The paper
 # scenario keeps 24 x 4 Gbit/s (its P90/P99/BCR calibration): with 200 x 0.12 there, cross-DC PD's
