@@ -134,6 +134,8 @@ def test_every_byte_arrives_and_a_fifo_pool_never_oversubscribes(
     total = sum(n for _, n in sends)
     assert line.stats(clock.now).delivered_bytes == pytest.approx(total, abs=len(sends))
     for i, (_, nbytes) in enumerate(sorted(sends)):
-        assert done[i] - sent_at[i] >= nbytes / 30.0  # never faster than one connection's cap
+        # never faster than one connection's cap (the line settles a transfer within a byte of its
+        # end, so a transfer may finish one byte's time early)
+        assert done[i] - sent_at[i] >= (nbytes - 1) / 30.0
     s = line.stats(clock.now)
     assert s.held_s <= pool * s.busy_s + 1e-9 and s.pool_full_s <= s.busy_s + 1e-9
