@@ -9,7 +9,7 @@ from pddlink.routing import Pipeline
 from pddlink.sim.deploy import Link
 from pddlink.sim.goodput import GeneratedTraffic, RateSearch, attainment, line_load, sustained_goodput
 from pddlink.sim.records import Record, RunRecords, Sla
-from pddlink.sim.scenario import PaperKnobs, paper_deployments, sla_of
+from pddlink.sim.scenario import PaperKnobs, line_test_deployments, paper_deployments, sla_of
 from pddlink.sim.workload import load_workload
 
 SLA = Sla(ttft_s=1.0, tpot_s=0.1)
@@ -47,7 +47,7 @@ def test_a_thin_line_bounds_the_sustained_rate_of_cross_dc_pd() -> None:
     offered KV bytes reach the line, and every probe above the result failed."""
     w = load_workload()
     knobs = PaperKnobs(seed=3)
-    cross = paper_deployments(w, knobs, link=Link(wan_gbps=4.0, pool_size=24, flow_cap_gbps=4.0))[1]
+    cross = line_test_deployments(w, knobs, link=Link(wan_gbps=4.0, pool_size=24, flow_cap_gbps=4.0))[1]
     search = RateSearch(lo_rps=2, hi_rps=40, steps=4, window_s=60, warmup_s=30, prewarm_s=30)
     traffic = GeneratedTraffic(w, knobs.seed, knobs.block_tokens, search.duration_s)
     got = sustained_goodput(cross, traffic, knobs.block_tokens, sla_of(w), search)
