@@ -4,7 +4,9 @@
 file: intra-datacenter PD on 88 A GPUs (40 P + 48 D), cross-datacenter PD and PDD on 43 A + 32 B
 (40 P in A, 3 RLD GPUs in A, 32 MD GPUs of type B in datacenter B) joined by one 20 Gbps line. What
 is published (GPU counts, relative speeds and prices, KV bytes per token, line rate, traffic shape)
-comes from the file; what is not is fitted and listed in ``FITTED`` (printed with every result).
+comes from the file; what is not is fitted and listed in ``FITTED`` (printed with every result). The
+scale is the published one (~9-11 req/s; ``PAPER_FIGURES``); the 80 req/s line tests (skew, bench)
+run the same layout at ``LINE_TEST_FIGURES`` (``line_test_deployments``).
 
 ``run_deployments`` replays one request list through each deployment and reports, per deployment,
 TTFT/TPOT/e2e percentiles at the offered load, SLA goodput (requests per second meeting TTFT and
