@@ -17,14 +17,20 @@ handshake: two sides that hash differently refuse to talk instead of silently mi
 Only full blocks are hashed; a trailing partial block has no identity. Hashes are 128-bit ints,
 independent of ``PYTHONHASHSEED``. The chain is kept in digest (bytes) form inside the loop and each
 hash is turned into an int once, which is what makes a 64K-token prompt hash in a fraction of a ms.
-Pure: no I/O.
+
+Two implementations of the same chain: a list or tuple of ints goes through the optional C extension
+``pddlink.kv._native_hash`` (libxxhash's XXH3_128bits; unboxing, chaining and int creation in one
+loop, about 4x faster on a 64K-token prompt) when it was built at install time (``NATIVE``);
+everything else, and every input where it is not built, takes the pure-Python path (pack the ids
+with ``array``, chain with the ``xxhash`` package). Both give the same hashes and the same typed
+errors (tests/kv/test_kv_native_hash.py). Pure: no I/O.
 """
 
 from __future__ import annotations
 
 import sys
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -33,8 +39,19 @@ import xxhash
 
 from pddlink.errors import ErrorCode, InvalidInput
 
+_NativeChain = Callable[[list[int] | tuple[int, ...], int, bytes], list[int] | None]
+_native_chain: _NativeChain | None
+try:
+    from pddlink.kv._native_hash import chain_u32 as _native_chain
+except ImportError:  # not built (no compiler or no libxxhash headers at install): pure Python
+    _native_chain = None
+
+NATIVE: bool = _native_chain is not None
+"""Whether lists and tuples of token ids are hashed by the C extension (else by pure Python)."""
+
 _U128 = 16
 _TOKEN_BYTES = 4
+_RANGE_ERROR = "token ids must be ints in [0, 2**32)"
 
 
 class HashScheme(IntEnum):
@@ -66,7 +83,7 @@ def token_buffer(token_ids: Sequence[int] | np.ndarray) -> memoryview:
         else:
             packed = array("I", token_ids)
     except (OverflowError, TypeError) as exc:
-        raise InvalidInput(f"token ids must be ints in [0, 2**32): {exc}") from None
+        raise InvalidInput(f"{_RANGE_ERROR}: {exc}") from None
     if packed.itemsize != _TOKEN_BYTES:  # pragma: no cover - no mainstream platform
         return memoryview(np.asarray(token_ids, dtype="<u4").tobytes())
     if sys.byteorder == "big":  # pragma: no cover
@@ -100,20 +117,32 @@ class BlockHasher:
 
     def hash_blocks(self, token_ids: Sequence[int] | np.ndarray, parent: int | None = None) -> list[int]:
         """Hashes of every full block of ``token_ids``, chained from ``parent`` (default: the root)."""
+        if _native_chain is not None and isinstance(token_ids, list | tuple):
+            parent_digest = self._parent_digest(parent)
+            try:
+                hashes = _native_chain(token_ids, self.block_size, parent_digest)
+            except OverflowError as exc:
+                raise InvalidInput(f"{_RANGE_ERROR}: {exc}") from None
+            if hashes is not None:  # None: an item is not an int; the Python path converts or refuses
+                return hashes
         return self.hash_block_bytes(token_buffer(token_ids), parent)
 
+    def _parent_digest(self, parent: int | None) -> bytes:
+        """The digest the chain starts from: the root's, or ``parent``'s 16-byte big-endian form."""
+        if parent is None:
+            return xxhash.xxh3_128_digest(self.namespace)
+        if 0 <= parent < 2 ** (8 * _U128):
+            return parent.to_bytes(_U128, "big")
+        raise InvalidInput("parent hash must be a 128-bit unsigned int")
+
     def hash_block_bytes(self, data: bytes | memoryview, parent: int | None = None) -> list[int]:
-        """As :meth:`hash_blocks`, for tokens already packed as uint32 little-endian bytes."""
+        """As :meth:`hash_blocks`, for tokens already packed as uint32 little-endian bytes (always
+        the pure-Python chain; ``hash_block_bytes(token_buffer(ids))`` is the reference path)."""
         if isinstance(data, memoryview) and data.format != "B":
             data = data.cast("B")
         if len(data) % _TOKEN_BYTES:
             raise InvalidInput(f"token bytes must be a multiple of {_TOKEN_BYTES}, got {len(data)}")
-        if parent is None:
-            d = xxhash.xxh3_128_digest(self.namespace)
-        elif 0 <= parent < 2 ** (8 * _U128):
-            d = parent.to_bytes(_U128, "big")
-        else:
-            raise InvalidInput("parent hash must be a 128-bit unsigned int")
+        d = self._parent_digest(parent)
         step = self.block_size * _TOKEN_BYTES
         end = len(data) - len(data) % step
         digest = xxhash.xxh3_128_digest
