@@ -28,6 +28,13 @@ if ! "$VENV/bin/python" -c 'import torch' 2>/dev/null; then
   fi
 fi
 
+# libxxhash's headers (and a C compiler) before the install, for the optional C extension of block
+# hashing (pddlink/kv/_native_hash.c); without them the install still succeeds and hashing is pure Python.
+if [ ! -f /usr/include/xxhash.h ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  echo "setup: installing libxxhash-dev (native block hashing)"
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libxxhash-dev gcc >/dev/null) \
+    || echo "setup: warning: could not install libxxhash-dev; block hashing will use pure Python"
+fi
 pip_ -e ".[engine,hf,quic-native,dev]"
 "$VENV/bin/python" -m sidecar.rpc  # generate the gRPC stubs now (sidecar and engine link)
 
