@@ -94,7 +94,12 @@ BAD_IDS = [-1, 2**32, 2**64, -(2**70), 2**100, "a", 1.5, None, b"\x01", np.float
 
 
 @needs_native
-@given(st.lists(st.integers(0, 1000), max_size=20), st.integers(0, 20), st.sampled_from(BAD_IDS), st.integers(1, 5))
+@given(
+    st.lists(st.integers(0, 1000), max_size=20),
+    st.integers(0, 20),
+    st.sampled_from(BAD_IDS),
+    st.integers(1, 5),
+)
 def test_bad_ids_give_the_same_typed_error(ids: list[int], at: int, bad: object, block: int) -> None:
     tokens: list[object] = [*ids[:at], bad, *ids[at:]]  # anywhere, trailing partial block included
     hasher = BlockHasher("m", block)
