@@ -65,14 +65,14 @@ read_token(PyObject *item, Py_ssize_t i, uint32_t *out)
     return read_token_slow(item, i, out);
 }
 
-/* Writes a uint32 as 4 little-endian bytes, whatever the host's byte order. */
+/* Writes a uint32 as 4 little-endian bytes, whatever the host's byte order (one store on x86/ARM). */
 static inline void
 put_u32le(unsigned char *p, uint32_t v)
 {
-    p[0] = (unsigned char)v;
-    p[1] = (unsigned char)(v >> 8);
-    p[2] = (unsigned char)(v >> 16);
-    p[3] = (unsigned char)(v >> 24);
+#if !PY_LITTLE_ENDIAN
+    v = (v >> 24) | ((v >> 8) & 0xFF00u) | ((v << 8) & 0xFF0000u) | (v << 24);
+#endif
+    memcpy(p, &v, TOKEN_BYTES);
 }
 
 /* Hashes every full block into `digests` (n_blocks * 16 bytes) and checks the trailing ids.
