@@ -11,7 +11,7 @@ demo: setup
 	.venv/bin/pddlink demo
 
 test: setup lint
-	PDDLINK_REQUIRE_NATIVE=1 .venv/bin/python -m pytest -q
+	.venv/bin/python -m pytest -q
 
 lint:
 	.venv/bin/ruff check .
