@@ -49,6 +49,13 @@ from pddlink.transport.bench.run import run_loopback, run_netlab
     help="event loop of both peers (auto: uvloop for tcp, asyncio for quic)",
 )
 @click.option("--netlab", "netlab_profile", default=None, help="netlab profile (name or TOML file)")
+@click.option(
+    "--line-mbit",
+    type=click.FloatRange(0),
+    default=None,
+    help="the line's rate, as an operator configures it for a leased line: TCP stripes pace to share "
+    "it (0: unpaced) [default: with --netlab, the profile's A->B rate; else 0]",
+)
 @click.option("--deadline-s", type=click.FloatRange(0.1), default=300.0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object on stdout")
 @click.option("--role", type=click.Choice(["receiver", "sender"]), default=None, hidden=True)
@@ -68,6 +75,7 @@ def command(
     quic_impl: str,
     event_loop: str,
     netlab_profile: str | None,
+    line_mbit: float | None,
     deadline_s: float,
     as_json: bool,
     role: str | None,
@@ -91,6 +99,7 @@ def command(
         certs=certs,
         max_datagram_bytes=datagram_bytes,
         event_loop=event_loop,
+        line_rate_bps=_line_mbit(line_mbit, netlab_profile) * 1e6,
     )
     if role == "receiver":
         peer.run_role(peer.receive, spec, listen_addr or "127.0.0.1:0")
@@ -102,6 +111,18 @@ def command(
         return
     result = run_netlab(spec, netlab_profile) if netlab_profile else run_loopback(spec)
     _print(result, as_json)
+
+
+def _line_mbit(given: float | None, netlab_profile: str | None) -> float:
+    """The line rate the stripes pace to: as given, else the netlab profile's A->B rate (the rate
+    the sender's side of that line has, as an operator would configure it), else 0 (unpaced)."""
+    if given is not None:
+        return given
+    if netlab_profile is None:
+        return 0.0
+    from netlab.profile import load_profile
+
+    return float(load_profile(netlab_profile).a_to_b.rate_mbit)
 
 
 def _print(result: dict[str, Any], as_json: bool) -> None:

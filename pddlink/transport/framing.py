@@ -56,8 +56,10 @@ class FrameConnection(asyncio.BufferedProtocol):
         write_high_water_bytes: int = 16 << 20,
         max_payload_bytes: int = 256 << 20,
         idle_timeout_s: float = 60.0,
+        pacing_bytes_per_s: float = 0.0,
     ) -> None:
         self._idle_timeout_s = idle_timeout_s
+        self._pacing = pacing_bytes_per_s
         self._on_message = on_message
         self._on_lost = on_lost
         self._cc = congestion_control
@@ -82,6 +84,8 @@ class FrameConnection(asyncio.BufferedProtocol):
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             self.congestion_control = sockopt.tune_tcp_socket(sock, self._cc, self._idle_timeout_s)
+            if self._pacing > 0:
+                sockopt.set_pacing_rate(sock, self._pacing)
         if not self.connected.done():
             self.connected.set_result(None)
 

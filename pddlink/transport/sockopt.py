@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 _TCP_INFO = struct.Struct("8B24I")
 _RTT_INDEX, _TOTAL_RETRANS_INDEX = 8 + 15, 8 + 23
 _warned: set[str] = set()
+_SO_MAX_PACING_RATE = getattr(socket, "SO_MAX_PACING_RATE", 47)  # asm-generic/socket.h
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +68,26 @@ def tune_tcp_socket(sock: socket.socket, congestion_control: str, idle_timeout_s
         if option is not None:
             sock.setsockopt(socket.IPPROTO_TCP, option, value)
     return set_congestion_control(sock, congestion_control)
+
+
+def set_pacing_rate(sock: socket.socket, bytes_per_s: float) -> bool:
+    """Cap the socket's pacing rate (``SO_MAX_PACING_RATE``; BBR and the kernel's internal pacing
+    honour it). False, logged once, where the kernel refuses."""
+    rate = min(int(bytes_per_s), 2**32 - 1)  # the kernel takes a u32 here (u64 on newer kernels)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, _SO_MAX_PACING_RATE, rate)
+    except OSError as exc:
+        if "pacing" not in _warned:
+            _warned.add("pacing")
+            log.warning("cannot pace TCP stripes (SO_MAX_PACING_RATE: %s); they stay unpaced", exc)
+        return False
+    return True
+
+
+def pacing_rate(sock: socket.socket) -> int:
+    """The socket's pacing cap in bytes/s (``2**32 - 1``: none). The kernel answers a u32, which
+    Python reads as a signed int."""
+    return int(sock.getsockopt(socket.SOL_SOCKET, _SO_MAX_PACING_RATE)) & 0xFFFFFFFF
 
 
 def tcp_info(sock: socket.socket) -> TcpInfo | None:

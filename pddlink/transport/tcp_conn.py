@@ -82,6 +82,7 @@ def new_connection(options: LinkOptions) -> tuple[FrameConnection, Inbox]:
         write_high_water_bytes=options.write_high_water_bytes,
         max_payload_bytes=max(options.chunk_bytes, 64 << 20),  # the sender picks the chunk size
         idle_timeout_s=options.idle_timeout_s,
+        pacing_bytes_per_s=options.stripe_pacing_bytes_per_s,
     )
     conn.tag = inbox
     return conn, inbox

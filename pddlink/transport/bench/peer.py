@@ -56,6 +56,7 @@ class BenchSpec:
     # auto: uvloop for TCP (fewer wakeup costs on large writes); asyncio's loop for QUIC, which was
     # 5-15% faster with qh3 in paired runs here (its timer-driven pacing)
     event_loop: str = "auto"
+    line_rate_bps: float = 0.0  # pace the stripes to this line rate (0: unpaced), LinkOptions.line_rate_bps
 
     def options(self) -> LinkOptions:
         return LinkOptions(
@@ -64,6 +65,7 @@ class BenchSpec:
             chunk_bytes=self.chunk_bytes,
             window_bytes=max(32 << 20, 2 * self.chunk_bytes),
             max_datagram_bytes=self.max_datagram_bytes,
+            line_rate_bps=self.line_rate_bps,
         )
 
     def tls_for(self, identity: PeerIdentity) -> TlsConfig | None:

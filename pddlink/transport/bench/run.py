@@ -62,6 +62,8 @@ def peer_argv(spec: BenchSpec, role: str, addr: str) -> list[str]:
         str(spec.max_datagram_bytes),
         "--loop",
         spec.event_loop,
+        "--line-mbit",
+        str(spec.line_rate_bps / 1e6),
     ]
     if spec.certs is not None:
         argv += ["--certs", str(spec.certs)]
@@ -156,6 +158,7 @@ def merge(spec: BenchSpec, sent: dict[str, Any], received: dict[str, Any]) -> di
         "wire_bytes": sent.get("wire_bytes"),
         "sender_cpu_s": sent["cpu_s"],
         "receiver_cpu_s": received["cpu_s"],
+        "paced_to_line_mbit": spec.line_rate_bps / 1e6 if spec.line_rate_bps else None,
     }
 
 
