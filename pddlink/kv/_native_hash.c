@@ -34,7 +34,8 @@ read_token_slow(PyObject *item, Py_ssize_t i, uint32_t *out)
     unsigned long value = PyLong_AsUnsignedLong(item); /* reads the digits; never calls Python code */
     if ((value == (unsigned long)-1 && PyErr_Occurred()) || value > 0xFFFFFFFFUL) {
         PyErr_Clear();
-        PyErr_Format(PyExc_OverflowError, "token id %R at index %zd is out of range", item, i);
+        /* no %R: repr() could run Python code, fail on its own, or print thousands of digits */
+        PyErr_Format(PyExc_OverflowError, "token id at index %zd is out of range", i);
         return -1;
     }
     *out = (uint32_t)value;
@@ -81,6 +82,16 @@ static int
 hash_chain(PyObject **items, Py_ssize_t n, Py_ssize_t block_size, const unsigned char *parent,
            unsigned char *digests)
 {
+    Py_ssize_t n_blocks = n / block_size;
+    int status = 1;
+    if (n_blocks == 0) { /* no full block: only check the ids (and allocate nothing) */
+        for (Py_ssize_t i = 0; i < n && status == 1; i++) {
+            uint32_t token;
+            status = read_token(items[i], i, &token);
+        }
+        return status;
+    }
+    /* block_size <= n here, so the buffer is no larger than the token list's own storage */
     const size_t block_bytes = (size_t)block_size * TOKEN_BYTES;
     unsigned char *buf = PyMem_Malloc(DIGEST_BYTES + block_bytes); /* d_{i-1} || block i */
     if (buf == NULL) {
@@ -88,8 +99,6 @@ hash_chain(PyObject **items, Py_ssize_t n, Py_ssize_t block_size, const unsigned
         return -1;
     }
     memcpy(buf, parent, DIGEST_BYTES);
-    Py_ssize_t n_blocks = n / block_size;
-    int status = 1;
     for (Py_ssize_t b = 0; b < n_blocks && status == 1; b++) {
         unsigned char *p = buf + DIGEST_BYTES;
         for (Py_ssize_t i = b * block_size; i < (b + 1) * block_size; i++, p += TOKEN_BYTES) {

@@ -33,6 +33,7 @@ from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import cast
 
 import numpy as np
 import xxhash
@@ -51,6 +52,7 @@ NATIVE: bool = _native_chain is not None
 
 _U128 = 16
 _TOKEN_BYTES = 4
+MAX_BLOCK_SIZE = 1 << 20  # tokens per block; engines page at 16-4096, the simulator at 2048
 _RANGE_ERROR = "token ids must be ints in [0, 2**32)"
 
 
@@ -101,8 +103,8 @@ class BlockHasher:
     scheme: HashScheme = HashScheme.XXH3_128_U32LE_V1
 
     def __post_init__(self) -> None:
-        if self.block_size <= 0:
-            raise InvalidInput(f"block_size must be positive, got {self.block_size}")
+        if not 0 < self.block_size <= MAX_BLOCK_SIZE:
+            raise InvalidInput(f"block_size must be 1-{MAX_BLOCK_SIZE} tokens, got {self.block_size}")
         if self.scheme not in SUPPORTED_SCHEMES:
             raise HashSchemeMismatch(f"unknown hash scheme {int(self.scheme)}")
 
@@ -117,10 +119,14 @@ class BlockHasher:
 
     def hash_blocks(self, token_ids: Sequence[int] | np.ndarray, parent: int | None = None) -> list[int]:
         """Hashes of every full block of ``token_ids``, chained from ``parent`` (default: the root)."""
-        if _native_chain is not None and isinstance(token_ids, list | tuple):
+        # exact lists and tuples only: C reads their storage directly, which a subclass's own
+        # __getitem__ would not see
+        exact = isinstance(token_ids, list | tuple) and type(token_ids) in (list, tuple)
+        if _native_chain is not None and exact:
             parent_digest = self._parent_digest(parent)
             try:
-                hashes = _native_chain(token_ids, self.block_size, parent_digest)
+                ids = cast("list[int] | tuple[int, ...]", token_ids)
+                hashes = _native_chain(ids, self.block_size, parent_digest)
             except OverflowError as exc:
                 raise InvalidInput(f"{_RANGE_ERROR}: {exc}") from None
             if hashes is not None:  # None: an item is not an int; the Python path converts or refuses

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import tracemalloc
+from collections.abc import Iterator
 
 import hypothesis.strategies as st
 import numpy as np
@@ -18,7 +19,7 @@ from hypothesis import given
 
 from pddlink.errors import InvalidInput
 from pddlink.kv import hashing
-from pddlink.kv.hashing import BlockHasher, token_buffer
+from pddlink.kv.hashing import MAX_BLOCK_SIZE, BlockHasher, token_buffer
 
 try:
     from pddlink.kv._native_hash import chain_u32
@@ -90,7 +91,15 @@ def test_bools_int_subclasses_and_other_integers_as_in_the_python_path() -> None
     assert chain_u32([1, np.int64(2)], 2, bytes(16)) is None  # type: ignore[list-item]
 
 
-BAD_IDS = [-1, 2**32, 2**64, -(2**70), 2**100, "a", 1.5, None, b"\x01", np.float64(1.0)]
+class BadRepr(int):
+    """An out-of-range id whose repr() fails: the error must not call it."""
+
+    def __repr__(self) -> str:
+        raise RuntimeError("repr called")
+
+
+BAD_IDS = [-1, 2**32, 2**64, -(2**70), 2**100, 10**5000, BadRepr(2**40), "a", 1.5, None, b"\x01"]
+BAD_IDS.append(np.float64(1.0))
 
 
 @needs_native
@@ -115,8 +124,30 @@ def test_bad_ids_give_the_same_typed_error(ids: list[int], at: int, bad: object,
 
 @needs_native
 def test_the_range_error_names_the_position() -> None:
-    with pytest.raises(InvalidInput, match=r"token id 4294967296 at index 3 is out of range"):
+    with pytest.raises(InvalidInput, match=r"token id at index 3 is out of range"):
         BlockHasher("m", 2).hash_blocks([0, 1, 2, 2**32])
+
+
+def test_block_sizes_are_bounded_and_a_block_longer_than_the_ids_hashes_nothing() -> None:
+    for block in (MAX_BLOCK_SIZE + 1, 2**40, 2**63):
+        with pytest.raises(InvalidInput, match="block_size"):
+            BlockHasher("m", block)
+    assert BlockHasher("m", MAX_BLOCK_SIZE).hash_blocks([1, 2, 3]) == []
+    with pytest.raises(InvalidInput):  # the ids of a partial block are still checked
+        BlockHasher("m", MAX_BLOCK_SIZE).hash_blocks([1, 2**32])
+
+
+def test_sequence_subclasses_are_read_through_their_own_methods() -> None:
+    class Shifted(tuple[int, ...]):
+        def __getitem__(self, i: object) -> object:
+            got = tuple.__getitem__(self, i)  # type: ignore[call-overload]
+            return got + 1 if isinstance(got, int) else got
+
+        def __iter__(self) -> Iterator[int]:
+            return (tuple.__getitem__(self, i) + 1 for i in range(len(self)))
+
+    hasher = BlockHasher("m", 2)
+    assert hasher.hash_blocks(Shifted([1, 2, 3, 4])) == hasher.hash_blocks([2, 3, 4, 5])
 
 
 @needs_native
