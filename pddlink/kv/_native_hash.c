@@ -20,6 +20,9 @@
 #include <Python.h>
 #include <string.h>
 #include <xxhash.h>
+#if XXH_VERSION_NUMBER < 800
+#error "libxxhash >= 0.8.0 is needed: XXH3_128bits output is stable only from 0.8.0"
+#endif
 
 #define DIGEST_BYTES 16
 #define TOKEN_BYTES 4
