@@ -37,6 +37,7 @@ Install (see the project report): ``apt-get install libnl-3-dev libnl-route-3-de
 from __future__ import annotations
 
 import ipaddress
+import logging
 import secrets
 import time
 from collections.abc import Callable, Sequence
@@ -44,7 +45,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from pddlink.errors import ConfigError, DeadlineExceeded, ErrorCode, InvalidInput, LocalError, Unavailable
+from pddlink.errors import (
+    ConfigError,
+    DeadlineExceeded,
+    ErrorCode,
+    InvalidInput,
+    LocalError,
+    PddlinkError,
+    Unavailable,
+)
 from pddlink.wire.rdma_messages import MAX_SLOTS, ChannelRole, PathMtu, RdmaEndpoint
 
 __all__ = [
@@ -59,11 +68,17 @@ __all__ = [
     "require_rdma",
 ]
 
+log = logging.getLogger(__name__)
 INFINIBAND_SYSFS: Final = Path("/sys/class/infiniband")
 INSTALL_HINT: Final = (
     "install pyverbs: apt-get install libnl-3-dev libnl-route-3-dev cmake && pip install 'pddlink[rdma]'"
     " (or apt-get install python3-pyverbs for the system Python)"
 )
+HOP_LIMIT: Final = 64
+# libibverbs ABI values (enum ibv_access_flags): what INIT grants both ends of a channel
+IBV_ACCESS_LOCAL_WRITE: Final = 1
+IBV_ACCESS_REMOTE_WRITE: Final = 2
+QP_ACCESS_FLAGS: Final = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE
 NO_DEVICE_HINT: Final = (
     "no RDMA device: needs an RDMA NIC, or Soft-RoCE on a kernel with rdma_rxe"
     " (modprobe rdma_rxe; rdma link add rxe0 type rxe netdev eth0)"
@@ -168,6 +183,17 @@ class RdmaCompletion:
     received: bool  # True on the receiver (RECV_RDMA_WITH_IMM), False for the sender's own write
 
 
+def qp_init_attr(config: RdmaConfig) -> Any:
+    """The pyverbs ``QPAttr`` for RESET -> INIT: port, P_Key index 0 and the access flags
+    (``QP_ACCESS_FLAGS``) without which the queue pair refuses the peer's RDMA writes."""
+    from pyverbs.qp import QPAttr
+
+    attr = QPAttr(port_num=config.port_num)
+    attr.pkey_index = 0
+    attr.qp_access_flags = QP_ACCESS_FLAGS
+    return attr
+
+
 def qp_attr_towards(peer: RdmaEndpoint, config: RdmaConfig, psn: int) -> Any:
     """The pyverbs ``QPAttr`` that takes an RC queue pair to RTS towards ``peer`` (no device needed
     to build it, so a host with pyverbs but no NIC can still check it)."""
@@ -181,7 +207,8 @@ def qp_attr_towards(peer: RdmaEndpoint, config: RdmaConfig, psn: int) -> Any:
     attr.max_dest_rd_atomic = attr.max_rd_atomic = 1
     attr.min_rnr_timer, attr.timeout = config.min_rnr_timer, config.timeout
     attr.retry_cnt, attr.rnr_retry = config.retry_count, config.rnr_retry
-    route = GlobalRoute(dgid=GID(peer.gid_text), sgid_index=config.gid_index)
+    # hop_limit 64: RoCE v2 packets may be routed (pyverbs' default of 1 stops at the first router)
+    route = GlobalRoute(dgid=GID(peer.gid_text), sgid_index=config.gid_index, hop_limit=HOP_LIMIT)
     attr.ah_attr = AHAttr(port_num=config.port_num, is_global=1, gr=route, dlid=peer.lid)
     return attr
 
@@ -206,38 +233,54 @@ class RdmaChannel:
 
     def __init__(self, role: ChannelRole, config: RdmaConfig | None = None) -> None:
         require_rdma()
+        self.role = role
+        self.config = config or RdmaConfig()
+        self._psn = secrets.randbelow(1 << 24)
+        self._peer: RdmaEndpoint | None = None
+        self._in_flight = 0
+        self._opened: list[Any] = []  # verbs objects in creation order; close() undoes them
+        try:
+            self._open()
+        except BaseException:
+            self.close()  # a partly built channel must not keep its context, PD, CQ or MR
+            raise
+
+    def _open(self) -> None:
         import pyverbs.enums as e
         from pyverbs.cq import CQ
         from pyverbs.device import Context
         from pyverbs.mr import MR
         from pyverbs.pd import PD
-        from pyverbs.qp import QP, QPAttr, QPCap, QPInitAttr
+        from pyverbs.qp import QP, QPCap, QPInitAttr
 
-        self.role = role
-        self.config = cfg = config or RdmaConfig()
+        cfg, call = self.config, self._call
         self._e = e
-        name = cfg.device or list_devices_pyverbs()[0]
-        self._ctx = Context(name=name)
-        self._pd = PD(self._ctx)
+        self.device = name = cfg.device or call("list devices", list_devices_pyverbs)[0]
+        self._ctx = self._keep(call(f"open device {name}", Context, name=name))
+        self._pd = self._keep(call("allocate PD", PD, self._ctx))
         depth = cfg.slots + 1
-        self._cq = CQ(self._ctx, 2 * depth, None, None, 0)
+        self._cq = self._keep(call("create CQ", CQ, self._ctx, 2 * depth, None, None, 0))
         access = e.IBV_ACCESS_LOCAL_WRITE
-        if role is ChannelRole.RECEIVER:
+        if self.role is ChannelRole.RECEIVER:
             access |= e.IBV_ACCESS_REMOTE_WRITE
-        self._mr = MR(self._pd, cfg.region_bytes, access)
-        cap = QPCap(max_send_wr=depth, max_recv_wr=depth, max_send_sge=1, max_recv_sge=1)
-        init = QPInitAttr(qp_type=e.IBV_QPT_RC, scq=self._cq, rcq=self._cq, cap=cap, sq_sig_all=1)
-        self._qp = QP(self._pd, init, QPAttr(port_num=cfg.port_num))  # created in INIT
-        self._psn = secrets.randbelow(1 << 24)
-        self._peer: RdmaEndpoint | None = None
-        self._in_flight = 0
-        self.device = name
+        self._mr = self._keep(call("register MR", MR, self._pd, cfg.region_bytes, access))
+
+        def create_qp() -> Any:  # created and moved to INIT with the access a peer's writes need
+            cap = QPCap(max_send_wr=depth, max_recv_wr=depth, max_send_sge=1, max_recv_sge=1)
+            init = QPInitAttr(qp_type=e.IBV_QPT_RC, scq=self._cq, rcq=self._cq, cap=cap, sq_sig_all=1)
+            return QP(self._pd, init, qp_init_attr(cfg))
+
+        self._qp = self._keep(call("create QP", create_qp))
+
+    def _keep(self, obj: Any) -> Any:
+        self._opened.append(obj)
+        return obj
 
     def endpoint(self) -> RdmaEndpoint:
         """This side's set-up parameters, to send over the control link."""
         cfg = self.config
-        port = self._ctx.query_port(cfg.port_num)
-        gid = gid_bytes(str(self._ctx.query_gid(cfg.port_num, cfg.gid_index).gid))
+        port = self._call("query port", self._ctx.query_port, cfg.port_num)
+        gid = gid_bytes(str(self._call("query GID", self._ctx.query_gid, cfg.port_num, cfg.gid_index).gid))
         receiver = self.role is ChannelRole.RECEIVER
         return RdmaEndpoint(
             self.role, int(self._qp.qp_num), self._psn, int(port.lid), cfg.port_num,
@@ -252,7 +295,7 @@ class RdmaChannel:
             raise InvalidInput(f"both ends of an RDMA channel claim the {self.role.name} role")
         if self.role is ChannelRole.SENDER and (peer.slots == 0 or peer.slot_bytes == 0):
             raise InvalidInput("the peer's endpoint describes no landing slots")
-        self._call("modify QP to RTS", self._qp.to_rts, qp_attr_towards(peer, self.config, self._psn))
+        self._call("modify QP to RTS", lambda: self._qp.to_rts(qp_attr_towards(peer, self.config, self._psn)))
         self._peer = peer
 
     def post_receives(self, count: int) -> None:
@@ -261,9 +304,12 @@ class RdmaChannel:
 
         # pyverbs wants one SGE per WR; a write-with-imm lands at the remote address, so the
         # receive's own buffer is empty (length 0), as in C.
-        for _ in range(count):
+        def post_one() -> None:
             empty = SGE(int(self._mr.buf), 0, int(self._mr.lkey))
-            self._call("post_recv", self._qp.post_recv, RecvWR(wr_id=0, num_sge=1, sg=[empty]))
+            self._qp.post_recv(RecvWR(wr_id=0, num_sge=1, sg=[empty]))
+
+        for _ in range(count):
+            self._call("post_recv", post_one)
 
     def write_frame(self, slot: int, parts: Sequence[bytes | memoryview], imm: int) -> None:
         """Sender: copy ``parts`` (a frame's header+body and payload) into staging slot ``slot`` and
@@ -280,11 +326,11 @@ class RdmaChannel:
             raise InvalidInput(f"frame of {n} bytes (imm {imm}) does not fit a {peer.slot_bytes}-byte slot")
         offset = start = slot * self.config.slot_bytes
         for view in views:  # pyverbs copies from bytes only
-            self._mr.write(view.tobytes(), view.nbytes, offset)
+            self._call("write staging slot", self._mr.write, view.tobytes(), view.nbytes, offset)
             offset += view.nbytes
         local = (int(self._mr.buf) + start, n, int(self._mr.lkey))
-        wr = write_request(slot, local, (peer.addr + slot * peer.slot_bytes, peer.rkey), imm)
-        self._call("post_send", self._qp.post_send, wr)
+        remote = (peer.addr + slot * peer.slot_bytes, peer.rkey)
+        self._call("post_send", lambda: self._qp.post_send(write_request(slot, local, remote, imm)))
         self._in_flight += 1
 
     @property
@@ -296,13 +342,13 @@ class RdmaChannel:
         """Receiver: the bytes a completion announced in ``slot``."""
         if not 0 <= slot < self.config.slots or not 0 <= length <= self.config.slot_bytes:
             raise InvalidInput(f"slot {slot} / length {length} outside the landing region")
-        return bytes(self._mr.read(length, slot * self.config.slot_bytes))
+        return bytes(self._call("read landing slot", self._mr.read, length, slot * self.config.slot_bytes))
 
     def poll(self, timeout_s: float, *, max_completions: int = 16) -> list[RdmaCompletion]:
         """Completions available now, waiting up to ``timeout_s`` for the first one (busy poll)."""
         deadline = time.monotonic() + timeout_s
         while True:
-            count, wcs = self._cq.poll(num_entries=max_completions)
+            count, wcs = self._call("poll CQ", self._cq.poll, max_completions)
             if count:
                 return [self._completion(wc) for wc in wcs[:count]]
             if time.monotonic() >= deadline:
@@ -311,12 +357,17 @@ class RdmaChannel:
 
     def poll_nowait(self, max_completions: int = 16) -> list[RdmaCompletion]:
         """Completions available now (possibly none): for an event loop that must not block."""
-        count, wcs = self._cq.poll(num_entries=max_completions)
+        count, wcs = self._call("poll CQ", self._cq.poll, max_completions)
         return [self._completion(wc) for wc in wcs[:count]] if count else []
 
     def close(self) -> None:
-        for obj in (self._qp, self._mr, self._cq, self._pd, self._ctx):
-            obj.close()
+        """Release the verbs objects, newest first (QP, MR, CQ, PD, context); idempotent."""
+        while self._opened:
+            obj = self._opened.pop()
+            try:
+                obj.close()
+            except Exception as exc:  # keep closing the rest; the device may already be gone
+                log.warning("closing RDMA %s failed: %s", type(obj).__name__, exc)
 
     def _completion(self, wc: Any) -> RdmaCompletion:
         e = self._e
@@ -335,10 +386,12 @@ class RdmaChannel:
         return self._peer
 
     @staticmethod
-    def _call(what: str, fn: Callable[..., Any], *args: Any) -> Any:
-        from pyverbs.pyverbs_error import PyverbsError
-
+    def _call(what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args)`` with every failure typed: ``PyverbsError`` (errno and the verbs message)
+        and anything else pyverbs raises (TypeError, ValueError, IndexError...) -> ``RdmaError``."""
         try:
-            return fn(*args)
-        except PyverbsError as exc:  # carries errno and the verbs message
-            raise RdmaError(f"{what} failed: {exc}") from exc
+            return fn(*args, **kwargs)
+        except PddlinkError:
+            raise
+        except Exception as exc:
+            raise RdmaError(f"{what} failed: {type(exc).__name__}: {exc}") from exc

@@ -10,6 +10,7 @@ import pytest
 
 from pddlink.errors import ConfigError, InvalidInput, Unavailable
 from pddlink.transport.rdma import (
+    QP_ACCESS_FLAGS,
     ChannelRole,
     RdmaChannel,
     RdmaConfig,
@@ -17,6 +18,7 @@ from pddlink.transport.rdma import (
     RdmaError,
     gid_bytes,
     qp_attr_towards,
+    qp_init_attr,
     rdma_available,
     require_rdma,
     write_request,
@@ -76,6 +78,12 @@ def test_availability_reasons(tmp_path: Path) -> None:
         require_rdma(lambda: [])
 
 
+def test_the_init_access_flags_are_local_and_remote_write() -> None:
+    """Without pyverbs: the libibverbs ABI values (the pyverbs test below checks them against it;
+    test_rdma_verbs_faults.py checks the channel creates its queue pair with them)."""
+    assert QP_ACCESS_FLAGS == 0b11  # IBV_ACCESS_LOCAL_WRITE (1) | IBV_ACCESS_REMOTE_WRITE (2)
+
+
 def test_the_verbs_requests_we_build_are_accepted_by_pyverbs() -> None:
     """Needs pyverbs but no device: the QP attributes and the write request RdmaChannel posts."""
     pytest.importorskip("pyverbs", reason="pyverbs is not installed (see rdma.INSTALL_HINT)")
@@ -85,6 +93,12 @@ def test_the_verbs_requests_we_build_are_accepted_by_pyverbs() -> None:
     attr = qp_attr_towards(peer, config, psn=5)
     assert (attr.dest_qp_num, attr.rq_psn, attr.sq_psn, attr.path_mtu) == (0x1234, 77, 5, 3)
     assert (attr.retry_cnt, attr.rnr_retry, attr.timeout) == (7, 7, 14)
+    assert attr.ah_attr.hop_limit == 64  # routed RoCE v2 (pyverbs' default is 1)
+    import pyverbs.enums as e
+
+    init = qp_init_attr(config)  # RESET -> INIT: without REMOTE_WRITE the receiver refuses writes
+    assert QP_ACCESS_FLAGS == e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE
+    assert (init.qp_access_flags, init.port_num, init.pkey_index) == (QP_ACCESS_FLAGS, 1, 0)
     assert (
         write_request(2, (0x1000, 100, 11), (peer.addr + 2 * peer.slot_bytes, peer.rkey), imm=2) is not None
     )
