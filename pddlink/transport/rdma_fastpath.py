@@ -20,11 +20,11 @@ from dataclasses import dataclass
 from pddlink import metrics
 from pddlink.errors import PddlinkError
 from pddlink.transport.base import LinkOptions, Message
-from pddlink.transport.rdma import RdmaChannel, RdmaConfig, rdma_available
+from pddlink.transport.rdma import RdmaChannel, RdmaConfig, RdmaError, rdma_available
 from pddlink.transport.rdma_lanes import Channel
 from pddlink.transport.registry import FastPathChoice
 from pddlink.transport.tls import PeerIdentity
-from pddlink.wire import HEADER_BYTES, ChannelRole
+from pddlink.wire import HEADER_BYTES, ChannelRole, RdmaEndpoint
 from pddlink.wire.rdma_setup import (
     ConnectQueuePair,
     FastPathSelected,
@@ -47,6 +47,11 @@ class RdmaProvider:
 
 
 VERBS = RdmaProvider(rdma_available, RdmaChannel)
+
+
+def describe(exc: BaseException) -> str:
+    """A failure as a reason: a typed error's message, else its type and text."""
+    return exc.message if isinstance(exc, PddlinkError) else f"{type(exc).__name__}: {exc}"
 
 
 def channel_config(options: LinkOptions) -> RdmaConfig:
@@ -83,7 +88,9 @@ class FastPathSetup:
     ) -> None:
         self.peer, self._send, self._on_path = peer, send, on_path
         self.channel: Channel | None = None
-        local = self._open(role, provider, channel_config(options)) if peer_offers else None
+        self._timer: asyncio.TimerHandle | None = None
+        self._started = False
+        local = self._open(role, provider, options) if peer_offers else None
         min_slot = options.chunk_bytes + HEADER_BYTES + 64
         self.machine = RdmaNegotiation(
             role,
@@ -93,21 +100,25 @@ class FastPathSetup:
             config=SetupConfig(timeout_s=timeout_s, min_slot_bytes=min_slot),
         )
         self.decided: asyncio.Future[FastPathSelected] = asyncio.get_running_loop().create_future()
-        self._timer: asyncio.TimerHandle | None = None
-        self._started = False
 
-    def _open(self, role: ChannelRole, provider: RdmaProvider, config: RdmaConfig) -> LocalRdma:
-        ok, reason = provider.available()
-        if not ok:
-            return LocalRdma.unavailable(f"RDMA fast path unavailable: {reason}")
+    def _open(self, role: ChannelRole, provider: RdmaProvider, options: LinkOptions) -> LocalRdma:
+        """This side's endpoint, or why there is none. Any failure of the provider (a verbs error,
+        or anything a broken pyverbs raises) is a local one: the link goes on over TCP."""
         try:
+            ok, reason = provider.available()
+            if not ok:
+                return LocalRdma.unavailable(f"RDMA fast path unavailable: {reason}")
+            config = channel_config(options)
             self.channel = provider.open_channel(role, config)
             if role is ChannelRole.RECEIVER:
                 self.channel.post_receives(config.slots)
-            return LocalRdma(self.channel.endpoint())
-        except PddlinkError as exc:
+            endpoint = self.channel.endpoint()
+            if not isinstance(endpoint, RdmaEndpoint) or endpoint.role is not role:
+                raise RdmaError(f"the channel's endpoint is not a {role.name} endpoint: {endpoint!r}")
+            return LocalRdma(endpoint)
+        except Exception as exc:
             self.close_channel()
-            return LocalRdma.unavailable(f"RDMA channel could not be opened: {exc.message}")
+            return LocalRdma.unavailable(f"RDMA channel could not be opened: {describe(exc)}")
 
     @property
     def started(self) -> bool:
@@ -146,8 +157,8 @@ class FastPathSetup:
         assert self.channel is not None
         try:
             self.channel.connect(event.peer)
-        except PddlinkError as exc:
-            self.machine.local_failed(f"queue pair connect failed: {exc.message}", time.monotonic())
+        except Exception as exc:  # any failure here is this side's: decline, go on over TCP
+            self.machine.local_failed(f"queue pair connect failed: {describe(exc)}", time.monotonic())
             return
         self.machine.endpoint_connected(time.monotonic())
 
@@ -183,4 +194,7 @@ class FastPathSetup:
             self._timer = None
         channel, self.channel = self.channel, None
         if channel is not None:
-            channel.close()
+            try:
+                channel.close()
+            except Exception as exc:  # the link is leaving RDMA anyway; do not fail its close
+                log.warning("closing the RDMA channel to %s failed: %s", self.peer, describe(exc))

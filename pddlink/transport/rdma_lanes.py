@@ -6,16 +6,18 @@ stripe, so windows, acks, resume and integrity stay ``pddlink.transfer``'s.
 - ``RdmaSendLane`` (connecting side): a ``Chunk`` is encoded as a frame and RDMA-written, with the
   slot index as immediate, into a free landing slot of the receiver; every other transfer message
   (begin, end, abort) goes on the control connection. A slot is free again when the receiver's
-  ``RdmaCredit`` names it; chunks wait in order for a slot (the transfer window bounds them). A
-  chunk whose frame does not fit a slot goes on the control connection instead.
+  ``RdmaCredit`` names it (a credit for a slot not in use is ignored and counted in
+  ``stray_credits``); chunks wait in order for a slot (the transfer window bounds them). A chunk
+  whose frame does not fit a slot goes on the control connection instead.
 - ``RdmaReceiveLane`` (accepting side): each completion names a slot; the frame in it is decoded
   and handed to the session as if it had come on a stripe, and the slots read are credited back in
   one ``RdmaCredit`` per poll. Acks the transfer machine sends on this lane go on the control
   connection.
 
 Each lane runs one poll task (``run``) on the event loop: a non-blocking CQ poll, then a sleep that
-grows from 50 us to 2 ms while idle. A failed completion or an undecodable frame ends the lane: it
-reports ``on_failed(reason)`` and the session falls back to TCP (the transfers resume there).
+grows from 50 us to 2 ms while idle. A failed completion, an undecodable frame, or the poll task
+ending any other way while the lane is live ends the lane: it reports ``on_failed(reason)`` and
+the session falls back to TCP (the transfers resume there).
 """
 
 from __future__ import annotations
@@ -78,15 +80,28 @@ class _PollingLane:
             self._on_failed(reason)
 
     async def run(self) -> None:
+        """The poll task. However it ends while the lane is live (a typed RDMA error, a bug, an
+        unexpected exception from the channel or a handler), the lane fails and the link falls
+        back to TCP: a dead poll task must never leave a registered lane whose chunks stall."""
+        try:
+            await self._poll()
+        except asyncio.CancelledError:
+            self.fail("the RDMA poll task was cancelled")
+            raise
+        except PddlinkError as exc:
+            self.fail(exc.message)
+        except Exception as exc:
+            log.exception("RDMA poll task failed")
+            self.fail(f"RDMA poll task failed: {type(exc).__name__}: {exc}")
+        finally:
+            self.fail("the RDMA poll task ended")  # no-op once stopped or failed
+
+    async def _poll(self) -> None:
         idle = _IDLE_SLEEP_S[0]
         while not self._lost:
-            try:
-                done = self.channel.poll_nowait()
-                if done:
-                    self.completions(done)
-            except PddlinkError as exc:
-                self.fail(exc.message)
-                return
+            done = self.channel.poll_nowait()
+            if done:
+                self.completions(done)
             idle = _IDLE_SLEEP_S[0] if done else min(idle * 2, _IDLE_SLEEP_S[1])
             await asyncio.sleep(0 if done else idle)
 
@@ -104,6 +119,8 @@ class RdmaSendLane(_PollingLane):
         self.window = min(channel.config.slots, peer.slots)
         self.slot_bytes = min(channel.config.slot_bytes, peer.slot_bytes)
         self._free: deque[int] = deque(range(self.window))
+        self._in_use: set[int] = set()  # written, not yet credited back by the receiver
+        self.stray_credits = 0  # credits for slots not in use (a confused or stale peer): ignored
         self._waiting: deque[tuple[bytes, bytes | memoryview]] = deque()
         self.chunks_written = 0
         self.chunks_on_control = 0
@@ -127,8 +144,12 @@ class RdmaSendLane(_PollingLane):
     def credit(self, slots: Sequence[int]) -> None:
         """The receiver read these slots: they may be written again."""
         for slot in slots:
-            if 0 <= slot < self.window and slot not in self._free:
+            if slot in self._in_use:
+                self._in_use.discard(slot)
                 self._free.append(slot)
+            else:
+                self.stray_credits += 1
+                log.debug("ignored a credit for RDMA slot %d: not in use", slot)
         self._drain()
 
     def completions(self, done: list[RdmaCompletion]) -> None:
@@ -138,6 +159,7 @@ class RdmaSendLane(_PollingLane):
         while self._waiting and self._free and self.channel.in_flight < self.window and not self._lost:
             slot = self._free.popleft()
             head, payload = self._waiting.popleft()
+            self._in_use.add(slot)  # from here on only its credit frees it
             try:
                 self.channel.write_frame(slot, (head, payload), imm=slot)
             except PddlinkError as exc:

@@ -10,9 +10,13 @@ pyverbs, a verbs call failed), the peer does not offer ``rdma/1``, or set-up mis
 the link opens its TCP stripes instead: the reason goes to the log (once per reason and process, at
 WARNING), to the ``pddlink_fallbacks`` metric (kind ``rdma_<reason>``), to ``link.fast_path`` and
 to ``LinkStats`` (transport "tcp", ``extra["rdma"] = 0``). A later RDMA failure (a failed
-completion, a peer's decline, the control connection lost with slot credits in flight) drops the
-RDMA lane, opens the stripes, and running transfers resume there. The link does not go back to RDMA
-afterwards (a new link does).
+completion, a peer's decline, the control connection lost with slot credits in flight, a poll task
+that died) drops the RDMA lane, opens the stripes (a refused dial is retried with the reconnect
+backoff), and running transfers resume there. The link does not go back to RDMA afterwards (a new
+link does). The receiver cannot tell a peer's clean close from a cut control connection: it drops
+its lane at once but reports the failure only if the peer reconnects (a close is no fallback).
+Whatever fails inside the fast path (a provider or pyverbs raising anything) costs RDMA, never the
+link: ``connect`` returns a working link or raises a ``PddlinkError``.
 
 Lifecycle: ``RdmaTransport.connect`` returns once the path is decided (at most the set-up timeout
 after the hello); ``RdmaTransport.listen`` decides per accepted link, in the background.
@@ -22,13 +26,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import Any, ClassVar
+import logging
+from typing import Any, ClassVar, NoReturn
 
-from pddlink.errors import ErrorCode, LocalError
+from pddlink.errors import ErrorCode, LocalError, PddlinkError, Unavailable
 from pddlink.transport.base import Handlers, LinkOptions, LinkStats, Message
 from pddlink.transport.framing import FrameConnection
-from pddlink.transport.rdma_fastpath import VERBS, FastPathSetup, RdmaProvider
-from pddlink.transport.rdma_lanes import RdmaReceiveLane, RdmaSendLane
+from pddlink.transport.rdma import RdmaConfig
+from pddlink.transport.rdma_fastpath import VERBS, FastPathSetup, RdmaProvider, describe
+from pddlink.transport.rdma_lanes import Channel, RdmaReceiveLane, RdmaSendLane
 from pddlink.transport.receiving import ReceivingSession
 from pddlink.transport.registry import FastPathChoice
 from pddlink.transport.tcp import Dial, TcpLink, TcpListener
@@ -42,11 +48,9 @@ from pddlink.wire import (
     RdmaReady,
     RdmaSetup,
 )
-from pddlink.wire.rdma_setup import (
-    Fallback,
-    FastPathSelected,
-)
+from pddlink.wire.rdma_setup import Fallback, FastPathSelected, SetupConfig
 
+log = logging.getLogger(__name__)
 SETUP_MESSAGES = (RdmaSetup, RdmaReady, RdmaDecline)
 CONTROL_LOST = "control connection lost (slot credits in flight may be lost with it)"
 
@@ -111,7 +115,20 @@ class RdmaLink(TcpLink):
             self._lane = None
             if self._lane_id is not None:
                 self.lanes.remove(self._lane_id)
-            self.spawn(self.open_stripes())
+            self.spawn(self._stripes_after_fallback())
+
+    async def _stripes_after_fallback(self) -> None:
+        """Open the TCP stripes; one whose dial fails is retried with the link's reconnect backoff
+        (as a lost stripe is), so one refused dial cannot leave the link without lanes."""
+        results = await asyncio.gather(
+            *(self._open_stripe() for _ in range(self.options.streams)), return_exceptions=True
+        )
+        for result in results:
+            if isinstance(result, PddlinkError) and not self.closed:
+                log.warning("opening a TCP stripe to %s failed: %s; retrying", self.peer, result.message)
+                self.spawn(self._reconnect(control=False))
+            elif isinstance(result, BaseException):
+                raise result
 
     def _lost(self, conn: FrameConnection, lane_id: int | None) -> None:
         super()._lost(conn, lane_id)
@@ -153,6 +170,7 @@ class RdmaReceivingSession(ReceivingSession):
         super().__init__(peer, handlers, options, "rdma")
         self._lane: RdmaReceiveLane | None = None
         self._lane_id: int | None = None
+        self._control_lost_under_rdma = False
         self.setup = FastPathSetup(
             ChannelRole.RECEIVER, peer, peer_offers=peer_offers, provider=provider, options=options,
             send=self.send_control, on_path=self._on_path, timeout_s=timeout_s,
@@ -166,6 +184,9 @@ class RdmaReceivingSession(ReceivingSession):
         super().attach(conn, inbox, control=control)
         if control and not self.setup.started:
             self.setup.start()
+        elif control and self._control_lost_under_rdma:
+            self._control_lost_under_rdma = False  # it came back: the loss was a failure
+            self.setup.lane_failed(CONTROL_LOST)
 
     def on_control(self, message: Message) -> None:
         if isinstance(message, SETUP_MESSAGES):
@@ -191,7 +212,14 @@ class RdmaReceivingSession(ReceivingSession):
         control_lost = self._control is not None and self._conns.get(lane_id) is self._control
         super().detach(lane_id)
         if control_lost and self._lane is not None and not self.closed:
-            self.setup.lane_failed(CONTROL_LOST)
+            # No credit can flow until the peer reconnects the control connection. Whether this
+            # was a failure is only known then: a peer that closed its link never comes back, and
+            # a clean close is no RDMA failure (no metric, no warning).
+            self._lane.stop()
+            self._lane = None
+            if self._lane_id is not None:
+                self.lanes.remove(self._lane_id)
+            self._control_lost_under_rdma = True
 
     def _deliver(self, chunk: Message) -> None:
         if self._lane_id is not None:
@@ -228,12 +256,21 @@ class RdmaListener(TcpListener):
         timeout_s: float,
     ) -> None:
         super().__init__(identity, tls, handlers, options)
+        SetupConfig(timeout_s=timeout_s)  # a bad timeout is the caller's ConfigError, not a link's
         self.provider, self.timeout_s = provider, timeout_s
 
     def new_session(self, peer: PeerIdentity, control: Inbox) -> ReceivingSession:
+        offers = RDMA_CAPABILITY in control.capabilities
+        try:
+            return self._session(peer, self.provider, offers)
+        except Exception as exc:  # never lose the link (or the greeting task) over its fast path
+            log.exception("RDMA set-up for %s failed; the link goes on over TCP", peer)
+            return self._session(peer, unavailable(f"RDMA set-up failed: {describe(exc)}"), offers)
+
+    def _session(self, peer: PeerIdentity, provider: RdmaProvider, offers: bool) -> RdmaReceivingSession:
         return RdmaReceivingSession(
-            peer, self.handlers, self.options, provider=self.provider,
-            peer_offers=RDMA_CAPABILITY in control.capabilities, timeout_s=self.timeout_s,
+            peer, self.handlers, self.options, provider=provider, peer_offers=offers,
+            timeout_s=self.timeout_s,
         )  # fmt: skip
 
 
@@ -282,17 +319,37 @@ class RdmaTransport:
         dial.capabilities = (RDMA_CAPABILITY,)
         conn, inbox, peer = await dial(SESSION_CAP)
         dial.expected_peer = peer
-        link = RdmaLink(
-            peer, handlers, dial, options, provider=cls.provider,
-            peer_offers=RDMA_CAPABILITY in inbox.capabilities, timeout_s=cls.setup_timeout_s,
-        )  # fmt: skip
+        try:
+            link = RdmaLink(
+                peer, handlers, dial, options, provider=cls.provider,
+                peer_offers=RDMA_CAPABILITY in inbox.capabilities, timeout_s=cls.setup_timeout_s,
+            )  # fmt: skip
+        except BaseException as exc:
+            conn.close()  # the control connection must not outlive a link that never was
+            raise_typed(exc)
         link.adopt_control(conn, inbox)
         try:
             await link.start_fast_path()
-        except BaseException:
+        except BaseException as exc:
             await link.close()
-            raise
+            raise_typed(exc)
         return link
+
+
+def raise_typed(exc: BaseException) -> NoReturn:
+    """Re-raise ``exc`` if it is typed (or a cancellation), else a ``LocalError`` naming it."""
+    if isinstance(exc, PddlinkError) or not isinstance(exc, Exception):
+        raise exc
+    raise LocalError(f"RDMA link set-up failed: {describe(exc)}", code=ErrorCode.INTERNAL) from exc
+
+
+def unavailable(reason: str) -> RdmaProvider:
+    """A provider that has no RDMA, for ``reason``."""
+
+    def refuse(role: ChannelRole, config: RdmaConfig) -> Channel:
+        raise Unavailable(reason)
+
+    return RdmaProvider(lambda: (False, reason), refuse)
 
 
 __all__ = ["Fallback", "RdmaLink", "RdmaListener", "RdmaProvider", "RdmaReceivingSession", "RdmaTransport"]
