@@ -131,6 +131,14 @@ class FastPathSelected:
 
 
 SetupEvent = ConnectQueuePair | FastPathSelected
+MAX_REASON_BYTES = 1024  # the wire's REASON field: UTF-8 bytes, not characters
+
+
+def clip_utf8(text: str, max_bytes: int) -> str:
+    """``text`` cut to at most ``max_bytes`` UTF-8 bytes, never inside a character."""
+    return text.encode("utf-8", "replace")[:max_bytes].decode("utf-8", "ignore")
+
+
 _OFFER_NOTE = "(it has no rdma/1 in its hello: an older build or transport 'tcp')"
 
 
@@ -256,7 +264,7 @@ class RdmaNegotiation:
         self._events.append(self.outcome)
 
     def _decline(self, why: Fallback, error: PddlinkError, code: ErrorCode) -> None:
-        self._out.append(RdmaDecline(code, error.message[:1024]))
+        self._out.append(RdmaDecline(code, clip_utf8(error.message, MAX_REASON_BYTES)))
         self._to_tcp(why, error)
 
     def _to_tcp(self, why: Fallback, error: PddlinkError) -> None:

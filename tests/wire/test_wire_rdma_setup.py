@@ -368,3 +368,19 @@ def test_hello_capability_is_plain_text_in_the_hello() -> None:
     """Old peers see an unknown capability string, never an unknown message type."""
     hello = Hello("p-a", "p", 1, 1, ("session:abc", "rdma/1"))
     assert Decoder().feed(encode(hello)) == [hello]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(min_size=1, max_size=1500))
+def test_a_long_non_ascii_reason_is_cut_to_the_wire_limit_in_bytes(text: str) -> None:
+    """REASON holds 1024 UTF-8 bytes: a reason of 1024 characters may be 4096 bytes."""
+    reason = "ошибка verbs: " + text + "é" * 1024  # over the limit in bytes, not in characters
+    rx = side(ChannelRole.RECEIVER)
+    rx.messages_to_send()
+    rx.local_failed(reason, 0.1)
+    (decline,) = rx.messages_to_send()
+    assert isinstance(decline, RdmaDecline) and decline.code is ErrorCode.UNAVAILABLE
+    assert len(decline.reason.encode()) <= 1024 and len(decline.reason.encode()) > 1020
+    assert reason.encode("utf-8", "replace").startswith(decline.reason.encode())
+    assert Decoder().feed(encode(decline)) == [decline]
+    assert rx.state is SetupState.TCP and rx.error is not None and rx.error.message == reason
