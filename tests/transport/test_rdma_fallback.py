@@ -107,7 +107,7 @@ def test_rdma_requested_here_moves_the_payload_over_tcp_and_says_why(
         port = json.loads(child.stdout.readline())["port"]
         data = random.Random(5).randbytes(SIZE)
         before = fallbacks("rdma_local_unavailable")
-        caplog.set_level(logging.DEBUG, logger="pddlink.transport.rdma_session")
+        caplog.set_level(logging.DEBUG, logger="pddlink.transport.rdma_fastpath")  # logs decisions
 
         async def scenario() -> tuple[Any, Any, Any]:
             link = await registry.load("rdma").connect(
