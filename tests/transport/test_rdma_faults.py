@@ -293,3 +293,36 @@ def test_a_connect_that_cannot_build_its_link_raises_typed_and_closes_the_contro
             await listener.close()
 
     run_async(scenario, 60.0)
+
+
+def test_a_listener_that_cannot_build_an_rdma_session_serves_the_link_over_tcp(
+    pki: Any, run_async: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The receiver's fast-path driver raising on construction (forced: no provider fault reaches it
+    any more) must not kill the listener's greeting: the link is served over TCP, with the reason."""
+    import pddlink.transport.rdma_session as session_module
+
+    real = session_module.FastPathSetup
+    broken: list[ChannelRole] = []
+
+    def receiver_breaks_once(role: ChannelRole, *args: Any, **kwargs: Any) -> Any:
+        if role is ChannelRole.RECEIVER and not broken:
+            broken.append(role)
+            raise AttributeError("'NoneType' object has no attribute 'qp_num'")
+        return real(role, *args, **kwargs)
+
+    monkeypatch.setattr(session_module, "FastPathSetup", receiver_breaks_once)
+    impl = memory_transport(MemoryFabric())
+
+    async def scenario() -> None:
+        got: list[ReceivedTransfer] = []
+        listener, link = await open_pair(impl, impl, pki, got)
+        try:
+            assert broken and link.fast_path.name == "tcp"
+            assert "RDMA set-up failed: AttributeError" in link.fast_path.reason
+            await transfer_whole(listener, link, got, 1 << 20)
+        finally:
+            await link.close()
+            await listener.close()
+
+    run_async(scenario, 60.0)
