@@ -51,7 +51,8 @@ returned (``FastPathChoice.rdma_available`` is the metric flag).
 Modules: ``base`` (the contract: Link, Listener, Transport, LinkOptions, results), ``api`` (the two
 facades), ``registry`` (names, lazy import, ``choose_fast_path`` for "auto"), ``tls`` (TLS 1.3
 mutual auth and the dev PKI), ``session`` / ``receiving`` (control-channel semantics, the accepting
-side), ``transfers`` (driving ``pddlink.transfer`` over lanes), ``assembler`` / ``framing`` /
+side), ``transfers`` (driving ``pddlink.transfer`` over lanes), ``machine_timer`` (the one timer of a
+machine's driver), ``assembler`` / ``framing`` /
 ``buffers`` (frames from byte streams, pooled receive buffers), ``tcp_conn`` / ``tcp`` (striped TCP),
 ``quic`` / ``quic_stream`` / ``quic_server`` / ``quic_auth`` (QUIC), ``sockopt`` (congestion
 control, TCP_INFO, buffers), ``rdma`` (pyverbs channel), ``rdma_fastpath`` (drives the sans-I/O

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pddlink import metrics
 from pddlink.errors import PddlinkError
 from pddlink.transport.base import LinkOptions, Message
+from pddlink.transport.machine_timer import MachineTimer
 from pddlink.transport.rdma import RdmaChannel, RdmaConfig, RdmaError, rdma_available
 from pddlink.transport.rdma_lanes import Channel
 from pddlink.transport.registry import FastPathChoice
@@ -88,7 +89,7 @@ class FastPathSetup:
     ) -> None:
         self.peer, self._send, self._on_path = peer, send, on_path
         self.channel: Channel | None = None
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer = MachineTimer(self._on_timer)
         self._started = False
         local = self._open(role, provider, options) if peer_offers else None
         min_slot = options.chunk_bytes + HEADER_BYTES + 64
@@ -151,7 +152,7 @@ class FastPathSetup:
                 self._connect(event)
             else:
                 self._decided(event)
-        self._arm(m.get_timer())
+        self._timer.arm(m.get_timer())
 
     def _connect(self, event: ConnectQueuePair) -> None:
         assert self.channel is not None
@@ -170,17 +171,8 @@ class FastPathSetup:
             self.decided.set_result(outcome)
         self._on_path(outcome)
 
-    def _arm(self, when: float | None) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        if when is not None:
-            delay = max(0.0, when - time.monotonic())
-            self._timer = asyncio.get_running_loop().call_later(delay, self._on_timer)
-
-    def _on_timer(self) -> None:
-        self._timer = None
-        self.machine.handle_timer(time.monotonic())
+    def _on_timer(self, now: float) -> None:
+        self.machine.handle_timer(now)
         self._pump()
 
     @property
@@ -189,9 +181,7 @@ class FastPathSetup:
         return None if o is None else FastPathChoice(o.path, o.reason, o.path == "rdma")
 
     def close_channel(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._timer.cancel()
         channel, self.channel = self.channel, None
         if channel is not None:
             try:

@@ -31,6 +31,7 @@ from pddlink.transfer.receiver import TransferReceiver
 from pddlink.transfer.sender import TransferSender
 from pddlink.transport.base import Message, TransferResult
 from pddlink.transport.framing import ConnectionLost
+from pddlink.transport.machine_timer import MachineTimer
 from pddlink.wire import TransferBegin
 
 log = logging.getLogger(__name__)
@@ -106,7 +107,7 @@ class SendDriver:
         self._on_done = on_done
         loop = asyncio.get_running_loop()
         self.result: asyncio.Future[TransferResult] = loop.create_future()
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer = MachineTimer(self._on_timer)
         self._resumes = 0
         self._started = time.monotonic()
         lanes.watch(self)
@@ -163,22 +164,14 @@ class SendDriver:
         )
 
     def _arm(self, when: float | None) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        if when is not None and not self.result.done():
-            loop = asyncio.get_running_loop()
-            delay = max(0.0, when - time.monotonic())
-            self._timer = loop.call_later(delay, self._on_timer)
+        self._timer.arm(None if self.result.done() else when)
 
-    def _on_timer(self) -> None:
-        self._timer = None
-        self.sender.handle_timer(time.monotonic())
+    def _on_timer(self, now: float) -> None:
+        self.sender.handle_timer(now)
         self._pump()
 
     def _finish(self, result: TransferResult | None = None, error: PddlinkError | None = None) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
+        self._timer.cancel()
         self.lanes.unwatch(self)
         if not self.result.done():
             if error is not None:
@@ -208,7 +201,7 @@ class ReceiveDriver:
         self._on_complete = on_complete
         self._on_failed = on_failed
         self._chunks: dict[int, memoryview] = {}
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer = MachineTimer(self._on_timer)
         self._started = time.monotonic()
         self.finished_at: float | None = None
 
@@ -238,28 +231,17 @@ class ReceiveDriver:
                 self._chunks = {}
                 self._done()
                 self._on_failed(sm.begin, error_of(event))
-        self._arm(sm.get_timer())
+        self._timer.arm(sm.get_timer())
 
     def _done(self) -> None:
         self.finished_at = time.monotonic()
 
-    def _arm(self, when: float | None) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        if when is not None:
-            delay = max(0.0, when - time.monotonic())
-            self._timer = asyncio.get_running_loop().call_later(delay, self._on_timer)
-
-    def _on_timer(self) -> None:
-        self._timer = None
-        self.receiver.handle_timer(time.monotonic())
+    def _on_timer(self, now: float) -> None:
+        self.receiver.handle_timer(now)
         self._pump()
 
     def close(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._timer.cancel()
 
 
 class TransferIds:
