@@ -37,7 +37,7 @@ from pddlink.transport.rdma_fastpath import VERBS, FastPathSetup, RdmaProvider, 
 from pddlink.transport.rdma_lanes import Channel, RdmaReceiveLane, RdmaSendLane
 from pddlink.transport.receiving import ReceivingSession
 from pddlink.transport.registry import FastPathChoice
-from pddlink.transport.tcp import Dial, TcpLink, TcpListener
+from pddlink.transport.tcp import Dial, TcpLink, TcpListener, serve
 from pddlink.transport.tcp_conn import SESSION_CAP, Inbox
 from pddlink.transport.tls import PeerIdentity, TlsConfig
 from pddlink.wire import (
@@ -296,12 +296,7 @@ class RdmaTransport:
         listener = RdmaListener(
             identity, tls, handlers, options, provider=cls.provider, timeout_s=cls.setup_timeout_s
         )
-        ssl_context = None if tls is None else tls.server_context()
-        loop = asyncio.get_running_loop()
-        listener.server = await loop.create_server(
-            listener.connection, host, port, ssl=ssl_context, reuse_address=True, backlog=256
-        )
-        return listener
+        return await serve(listener, host, port, tls)
 
     @classmethod
     async def connect(

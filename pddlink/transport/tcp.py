@@ -26,7 +26,7 @@ import secrets
 import ssl
 import time
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import ClassVar, TypeVar
 
 from pddlink.errors import ErrorCode, LocalError, PddlinkError
 from pddlink.transfer.config import TransferConfig, TransferManifest
@@ -371,6 +371,19 @@ class TcpListener:
             await asyncio.wait_for(self.server.wait_closed(), 5.0)
 
 
+L = TypeVar("L", bound="TcpListener")
+
+
+async def serve(listener: L, host: str, port: int, tls: TlsConfig | None) -> L:
+    """Start accepting connections for ``listener`` (TLS when ``tls`` is given)."""
+    ssl_context = None if tls is None else tls.server_context()
+    loop = asyncio.get_running_loop()
+    listener.server = await loop.create_server(
+        listener.connection, host, port, ssl=ssl_context, reuse_address=True, backlog=256
+    )
+    return listener
+
+
 class TcpTransport:
     """Registry entry "tcp"."""
 
@@ -387,13 +400,7 @@ class TcpTransport:
         handlers: Handlers,
         options: LinkOptions,
     ) -> TcpListener:
-        listener = TcpListener(identity, tls, handlers, options)
-        ssl_context = None if tls is None else tls.server_context()
-        loop = asyncio.get_running_loop()
-        listener.server = await loop.create_server(
-            listener.connection, host, port, ssl=ssl_context, reuse_address=True, backlog=256
-        )
-        return listener
+        return await serve(TcpListener(identity, tls, handlers, options), host, port, tls)
 
     @classmethod
     async def connect(
