@@ -102,6 +102,17 @@ def probe(lab: Lab, script: str, n: int, gap_s: float, port: int = 9977) -> dict
 
 
 def iperf3_mbit(lab: Lab, seconds: float, cc: str = "bbr", port: int = 5201) -> float:
+    """iperf3's goodput from dc-a to dc-b. iperf3 itself now and then hangs after a test on a lossy
+    line (seen once in CI: no output for 20 s while the lab kept forwarding), so one hang is retried
+    on a fresh server; a second one fails the test."""
+    try:
+        return _iperf3_once(lab, seconds, cc, port)
+    except subprocess.TimeoutExpired as exc:
+        print(f"iperf3 hung ({exc}); retrying once")
+        return _iperf3_once(lab, seconds, cc, port + 1)
+
+
+def _iperf3_once(lab: Lab, seconds: float, cc: str, port: int) -> float:
     server = lab.popen("dc-b", ["iperf3", "-s", "-1", "-p", str(port)], stdout=subprocess.DEVNULL)
     try:
         time.sleep(0.3)
