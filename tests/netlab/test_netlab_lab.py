@@ -1,8 +1,9 @@
 """The namespaced lab with real traffic: accuracy, lossy links, outages, bad input, no leftovers.
 
 Needs root (namespaces, TUN) and iperf3; figures are measured with an echo probe (UDP) and iperf3
-(TCP) between the datacenters. Tolerances follow the issue: mean RTT within max(5%, 0.3 ms) (the
-median is asserted strictly, the mean more loosely because CI shares two cores), loss within three
+(TCP) between the datacenters. Tolerances follow the issue: the RTT the profile adds on top of the
+hosts' own path (measured first with no delay) within max(5%, 0.3 ms) (the median is asserted
+strictly, the mean more loosely because CI shares two cores), loss within three
 standard errors, TCP rate within a few percent of the configured IP rate.
 """
 
@@ -134,12 +135,17 @@ def leftovers(name: str) -> list[str]:
 
 
 def test_rtt_loss_and_rate_match_the_profile(probe_script: str) -> None:
-    with Lab.up(parse_profile(profile(5.0, loss=0.02)), name="t-accuracy") as lab:
+    with Lab.up(parse_profile(profile(0.0)), name="t-accuracy") as lab:
         assert lab.addr("dc-a").startswith("198.18.") and lab.addr("dc-b").startswith("198.18.")
+        # the hosts' own path (stacks, TUN, relay) without emulated delay: 0.25-0.4 ms in this VM,
+        # more when its idle vCPUs are slow to wake; the profile's delay must come on top of it
+        base = float(probe(lab, probe_script, 500, 0.001)["rtt_ms_p50"])  # type: ignore[arg-type]
+        assert 0 < base < 1.0
+        lab.set_profile(parse_profile(profile(5.0, loss=0.02)))
         p = probe(lab, probe_script, 1500, 0.001)
         rtt = 10.0
-        assert abs(float(p["rtt_ms_p50"]) - rtt) <= max(0.05 * rtt, 0.3)  # type: ignore[arg-type]
-        assert abs(float(p["rtt_ms_mean"]) - rtt) <= 0.15 * rtt  # type: ignore[arg-type]
+        assert abs(float(p["rtt_ms_p50"]) - base - rtt) <= max(0.05 * rtt, 0.3)  # type: ignore[arg-type]
+        assert abs(float(p["rtt_ms_mean"]) - base - rtt) <= 0.15 * rtt  # type: ignore[arg-type]
         assert lab.status()["release_lag_ms_mean"] < 0.3  # the relay itself releases packets on time
         expected = 1 - (1 - 0.02) ** 2
         loss = 1 - int(p["received"]) / 1500  # type: ignore[call-overload]
