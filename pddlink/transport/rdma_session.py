@@ -40,6 +40,7 @@ from pddlink.transport.registry import FastPathChoice
 from pddlink.transport.tcp import Dial, TcpLink, TcpListener, serve
 from pddlink.transport.tcp_conn import SESSION_CAP, Inbox
 from pddlink.transport.tls import PeerIdentity, TlsConfig
+from pddlink.transport.transfers import Lanes
 from pddlink.wire import (
     RDMA_CAPABILITY,
     ChannelRole,
@@ -53,6 +54,21 @@ from pddlink.wire.rdma_setup import Fallback, FastPathSelected, SetupConfig
 log = logging.getLogger(__name__)
 SETUP_MESSAGES = (RdmaSetup, RdmaReady, RdmaDecline)
 CONTROL_LOST = "control connection lost (slot credits in flight may be lost with it)"
+
+
+def on_path(snap: LinkStats, lane_counters: dict[str, int] | None) -> LinkStats:
+    """A link's stats labelled with the path its chunks take: ``lane_counters`` are the RDMA lane's
+    (None: no RDMA lane, the chunks go by TCP)."""
+    extra = {"rdma": 0.0 if lane_counters is None else 1.0}
+    extra |= {name: float(value) for name, value in (lane_counters or {}).items()}
+    return dataclasses.replace(snap, transport="tcp" if lane_counters is None else "rdma", extra=extra)
+
+
+def stop_lane(lane: RdmaSendLane | RdmaReceiveLane, lane_id: int | None, lanes: Lanes) -> None:
+    """Stop an RDMA lane and take it out of the link's lanes."""
+    lane.stop()
+    if lane_id is not None:
+        lanes.remove(lane_id)
 
 
 class RdmaLink(TcpLink):
@@ -111,10 +127,8 @@ class RdmaLink(TcpLink):
             self._lane_id = self.lanes.add(self._lane)
             self.spawn(self._lane.run())
         elif self._lane is not None:  # RDMA was in use: fall back to stripes, transfers resume there
-            self._lane.stop()
+            stop_lane(self._lane, self._lane_id, self.lanes)
             self._lane = None
-            if self._lane_id is not None:
-                self.lanes.remove(self._lane_id)
             self.spawn(self._stripes_after_fallback())
 
     async def _stripes_after_fallback(self) -> None:
@@ -137,15 +151,11 @@ class RdmaLink(TcpLink):
             self.setup.lane_failed(CONTROL_LOST)
 
     def stats(self) -> LinkStats:
-        snap = super().stats()
         lane = self._lane
-        extra = {"rdma": 1.0 if lane is not None else 0.0}
+        counters = None
         if lane is not None:
-            extra |= {
-                "rdma_chunks": float(lane.chunks_written),
-                "control_chunks": float(lane.chunks_on_control),
-            }
-        return dataclasses.replace(snap, transport="rdma" if lane is not None else "tcp", extra=extra)
+            counters = {"rdma_chunks": lane.chunks_written, "control_chunks": lane.chunks_on_control}
+        return on_path(super().stats(), counters)
 
     async def close(self) -> None:
         if self._lane is not None:
@@ -203,10 +213,8 @@ class RdmaReceivingSession(ReceivingSession):
             self._lane_id = self.lanes.add(lane)
             self.spawn(lane.run())
         elif self._lane is not None:
-            self._lane.stop()
+            stop_lane(self._lane, self._lane_id, self.lanes)
             self._lane = None
-            if self._lane_id is not None:
-                self.lanes.remove(self._lane_id)
 
     def detach(self, lane_id: int) -> None:
         control_lost = self._control is not None and self._conns.get(lane_id) is self._control
@@ -215,10 +223,8 @@ class RdmaReceivingSession(ReceivingSession):
             # No credit can flow until the peer reconnects the control connection. Whether this
             # was a failure is only known then: a peer that closed its link never comes back, and
             # a clean close is no RDMA failure (no metric, no warning).
-            self._lane.stop()
+            stop_lane(self._lane, self._lane_id, self.lanes)
             self._lane = None
-            if self._lane_id is not None:
-                self.lanes.remove(self._lane_id)
             self._control_lost_under_rdma = True
 
     def _deliver(self, chunk: Message) -> None:
@@ -226,12 +232,8 @@ class RdmaReceivingSession(ReceivingSession):
             self.receive(chunk, self._lane_id)
 
     def stats(self) -> LinkStats:
-        snap = super().stats()
         lane = self._lane
-        extra = {"rdma": 1.0 if lane is not None else 0.0}
-        if lane is not None:
-            extra["rdma_chunks"] = float(lane.frames_received)
-        return dataclasses.replace(snap, transport="rdma" if lane is not None else "tcp", extra=extra)
+        return on_path(super().stats(), None if lane is None else {"rdma_chunks": lane.frames_received})
 
     async def close(self) -> None:
         if self._lane is not None:
