@@ -31,6 +31,7 @@ from sidecar.grpc_tls import bind, new_server
 from sidecar.http import Request, Response, error_response, json_response, serve_http
 from sidecar.router import Router, RouterConfig
 from sidecar.rpc import stubs
+from sidecar.sampling_pb import sampling_from_pb
 
 pb2, pb2_grpc = stubs()
 
@@ -184,16 +185,8 @@ class RouterService(pb2_grpc.RouterServicer):  # type: ignore[misc,name-defined]
         self.router = router
 
     async def Generate(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
-        s = request.sampling
         try:
-            sampling = SamplingParams(
-                seed=int(s.seed),
-                temperature=float(s.temperature),
-                top_k=int(s.top_k),
-                top_p=float(s.top_p) if s.top_p else 1.0,
-                max_tokens=int(s.max_tokens) or 16,
-                stop_token_ids=tuple(int(t) for t in s.stop_token_ids),
-            )
+            sampling = sampling_from_pb(request.sampling)
             gen = self.router.generate(
                 list(request.prompt),
                 sampling,
