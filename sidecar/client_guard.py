@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -115,21 +116,24 @@ class ClientGuard:
     # -- how much -------------------------------------------------------------------------------
 
     def admit(self, client: str, now: float) -> Refusal | None:
-        """Take one request slot for ``client`` (``release`` gives it back) or refuse at once."""
+        """Take one request slot for ``client`` (``release`` gives it back) or refuse at once.
+        A refused request costs the client nothing from its rate."""
         cfg = self.cfg
+        bucket = None
         if cfg.rate_per_client_s > 0:
-            b = self.buckets.get(client)
-            if b is None:
-                b = self.buckets[client] = _Bucket(float(cfg.rate_burst), now)
+            bucket = self.buckets.get(client)
+            if bucket is None:
                 self._forget_full(now)
-            b.tokens = min(float(cfg.rate_burst), b.tokens + (now - b.at) * cfg.rate_per_client_s)
-            b.at = now
-            if b.tokens < 1.0:
-                wait = max(1, int((1.0 - b.tokens) / cfg.rate_per_client_s + 0.999))
+                bucket = self.buckets[client] = _Bucket(float(cfg.rate_burst), now)
+            bucket.tokens = min(
+                float(cfg.rate_burst), bucket.tokens + (now - bucket.at) * cfg.rate_per_client_s
+            )
+            bucket.at = now
+            if bucket.tokens < 1.0:
+                wait = max(1, math.ceil((1.0 - bucket.tokens) / cfg.rate_per_client_s))
                 return Refusal(
                     429, f"rate limit: {cfg.rate_per_client_s:g} requests/s", "RateLimitError", wait
                 )
-            b.tokens -= 1.0
         if self.active >= cfg.max_concurrent_requests:
             return Refusal(
                 503,
@@ -137,6 +141,8 @@ class ClientGuard:
                 "ServiceUnavailableError",
                 cfg.retry_after_s,
             )
+        if bucket is not None:
+            bucket.tokens -= 1.0
         self.active += 1
         return None
 
