@@ -1,0 +1,89 @@
+"""docs/deploy.md, followed literally: the loopback section's commands run in order in a scratch
+directory (with the repository's examples/), the long-running ones (blocks starting `# terminal N`)
+as background processes that must print READY, and the section's Python client must end with a
+streaming completion that has text, usage and finish_reason "length".
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DOC = ROOT / "docs" / "deploy.md"
+
+
+def loopback_blocks() -> list[tuple[str, str]]:
+    text = DOC.read_text()
+    section = text.split("## Loopback: four processes on 127.0.0.1", 1)[1].split("\n## ", 1)[0]
+    return [(lang, body) for lang, body in re.findall(r"```(sh|python)\n(.*?)```", section, re.S)]
+
+
+def test_the_documented_steps_are_there() -> None:
+    blocks = loopback_blocks()
+    terminals = [b for lang, b in blocks if lang == "sh" and b.startswith("# terminal")]
+    assert len(terminals) == 4 and sum(lang == "python" for lang, _ in blocks) == 1
+
+
+@pytest.mark.timeout(400)
+def test_hand_deployment_from_the_docs(tmp_path: Path) -> None:
+    shutil.copytree(ROOT / "examples", tmp_path / "examples")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        for lang, body in loopback_blocks():
+            if lang == "python":
+                out = subprocess.run(
+                    [sys.executable, "-c", body],
+                    cwd=tmp_path,
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    timeout=120,
+                )
+                assert out.returncode == 0, out.stdout + out.stderr
+                assert "['tiny']" in out.stdout and re.search(r"' length \d+ 12$", out.stdout, re.M), (
+                    out.stdout
+                )
+                continue
+            if body.startswith("# terminal"):
+                cmd = body.splitlines()[1]
+                log = open(tmp_path / f"{len(procs)}.log", "w")  # noqa: SIM115 (closed with the process)
+                p = subprocess.Popen(
+                    cmd, shell=True, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=log, text=True,
+                    start_new_session=True,
+                )  # fmt: skip
+                procs.append(p)
+                assert p.stdout is not None
+                line = p.stdout.readline()
+                assert line.startswith("READY"), (
+                    cmd,
+                    line,
+                    (tmp_path / f"{len(procs) - 1}.log").read_text()[-2000:],
+                )
+                continue
+            out = subprocess.run(
+                ["bash", "-ec", body], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+            )
+            assert out.returncode == 0, out.stdout + out.stderr
+        assert (tmp_path / "run" / "api-keys").stat().st_mode & 0o077 == 0
+    finally:
+        for p in reversed(procs):
+            with_group = os.getpgid(p.pid)
+            os.killpg(with_group, signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        for p in procs:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(os.getpgid(p.pid), signal.SIGKILL)
+                p.wait()
