@@ -143,14 +143,14 @@ def diff(a: Any, b: Any, path: str = "") -> list[str]:
 
 def raw(call: Callable[..., Any], **kw: Any) -> tuple[int, Any]:
     try:
-        r = call.with_raw_response(**kw)  # type: ignore[attr-defined]
+        r = call.with_raw_response.create(**kw)  # type: ignore[attr-defined]
         return r.http_response.status_code, r.http_response.json()
     except openai.APIStatusError as exc:
         return exc.status_code, exc.response.json()
 
 
 def stream(call: Callable[..., Any], **kw: Any) -> list[dict[str, Any]]:
-    return [c.model_dump(exclude_unset=True) for c in call(stream=True, **kw)]
+    return [c.model_dump(exclude_unset=True) for c in call.create(stream=True, **kw)]
 
 
 def stream_parts(chunks: list[dict[str, Any]]) -> dict[str, Any]:
@@ -172,7 +172,7 @@ MSG = [{"role": "user", "content": "prefill decode relay"}]
 
 
 def calls(c: Any) -> dict[str, tuple[str, Callable[[], Any]]]:
-    cmpl, chat = c.completions.create, c.chat.completions.create
+    cmpl, chat = c.completions, c.chat.completions
     tid = {"extra_body": {"return_token_ids": True}}
     return {
         "models": ("json", lambda: (200, c.models.list().model_dump(exclude_unset=True))),
@@ -226,7 +226,7 @@ def _stop_id_call(c: Any) -> tuple[int, Any]:
     first = c.completions.create(prompt=IDS, max_tokens=3, extra_body={"return_token_ids": True}, **G)
     stop = first.choices[0].token_ids[2]
     return raw(
-        c.completions.create,
+        c.completions,
         prompt=IDS,
         max_tokens=12,
         extra_body={"stop_token_ids": [stop], "return_token_ids": True},
@@ -265,6 +265,33 @@ def _semantics(name: str, status: int, body: Any) -> list[str]:
     return problems
 
 
+def _compare(name: str, kind: str, vcall: Any, pcall: Any, vc: Any, pc: Any) -> dict[str, Any]:
+    if kind == "stop_id":
+        (vs, vb), (ps, pb) = _stop_id_call(vc), _stop_id_call(pc)
+    elif kind == "stream":
+        vb, pb = stream_parts(vcall()), stream_parts(pcall())
+        vs = ps = 200
+    else:
+        (vs, vb), (ps, pb) = vcall(), pcall()
+    if name in DIFFERENT:
+        ok = ps == 400 and name.split("_")[0] in pb["error"]["message"] and vs == 200
+        return {"call": name, "matched": "documented difference: pddlink 400, vLLM 200", "ok": ok}
+    problems = diff(shape(vb), shape(pb))
+    if kind != "stream":
+        problems += [f"vllm: {p}" for p in _semantics(name, vs, vb)]
+        problems += [f"pddlink: {p}" for p in _semantics(name, ps, pb)]
+    else:
+        vf, pf = vb["finish"]["choices"][0], pb["finish"]["choices"][0]
+        if vf["finish_reason"] != pf["finish_reason"] and "stop_string" not in name:
+            problems.append(f"finish_reason {vf['finish_reason']} vs {pf['finish_reason']}")
+        if ("usage" in vb) != ("usage" in pb):
+            problems.append("usage chunk present in one only")
+    what = "status, fields and types" + (
+        "" if kind == "stream" else ", finish_reason/usage/refusal semantics"
+    )
+    return {"call": name, "matched": what if not problems else "; ".join(problems[:4]), "ok": not problems}
+
+
 @pytest.mark.timeout(600)
 def test_openai_conformance(clients: tuple[Any, Any]) -> None:
     vc, pc = clients
@@ -272,33 +299,11 @@ def test_openai_conformance(clients: tuple[Any, Any]) -> None:
     report = []
     for name, (kind, vcall) in vcalls.items():
         pcall = pcalls[name][1]
-        if kind == "stop_id":
-            (vs, vb), (ps, pb) = _stop_id_call(vc), _stop_id_call(pc)
-        elif kind == "stream":
-            vb, pb = stream_parts(vcall()), stream_parts(pcall())
-            vs = ps = 200
-        else:
-            (vs, vb), (ps, pb) = vcall(), pcall()
-        if name in DIFFERENT:
-            ok = ps == 400 and name.split("_")[0] in pb["error"]["message"] and vs == 200
-            report.append({"call": name, "matched": "documented difference: pddlink 400, vLLM 200", "ok": ok})
-            continue
-        problems = diff(shape(vb), shape(pb))
-        if kind != "stream":
-            problems += [f"vllm: {p}" for p in _semantics(name, vs, vb)]
-            problems += [f"pddlink: {p}" for p in _semantics(name, ps, pb)]
-        else:
-            vf, pf = vb["finish"]["choices"][0], pb["finish"]["choices"][0]
-            if vf["finish_reason"] != pf["finish_reason"] and "stop_string" not in name:
-                problems.append(f"finish_reason {vf['finish_reason']} vs {pf['finish_reason']}")
-            if ("usage" in vb) != ("usage" in pb):
-                problems.append("usage chunk present in one only")
-        what = "status, fields and types" + (
-            "" if kind == "stream" else ", finish_reason/usage/refusal semantics"
-        )
-        report.append(
-            {"call": name, "matched": what if not problems else "; ".join(problems[:4]), "ok": not problems}
-        )
+        try:
+            row = _compare(name, kind, vcall, pcall, vc, pc)
+        except Exception as exc:  # recorded, so that one broken call does not hide the others
+            row = {"call": name, "matched": f"raised {type(exc).__name__}: {exc}"[:300], "ok": False}
+        report.append(row)
     width = max(len(r["call"]) for r in report)
     print(
         "\n"
