@@ -223,13 +223,15 @@ class Responder:
     def _usage(self, full: bool) -> dict[str, Any]:
         prompt = sum(len(c.prompt) for c in self.choices)
         completion = sum(len(c.tokens) for c in self.choices)
+        cached = sum(c.cached_tokens for c in self.choices)
         usage: dict[str, Any] = {
             "prompt_tokens": prompt,
             "total_tokens": prompt + completion,
             "completion_tokens": completion,
-            "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in self.choices)},
+            "prompt_tokens_details": {"cached_tokens": cached, "created_cache_tokens": prompt - cached},
         }
         if full:
+            usage["prompt_tokens_details"]["multimodal_tokens"] = None
             usage["completion_tokens_details"] = None
         return usage
 
@@ -250,7 +252,8 @@ class Responder:
             choice = self._stream_choice(c, d, first=c.index not in sent_first)
             sent_first.add(c.index)
             if d.text or d.tokens or d.done:
-                yield _sse(self._chunk(rid, obj, [choice]))
+                extra = {"system_fingerprint": FINGERPRINT} if d.done else {}
+                yield _sse(self._chunk(rid, obj, [choice], **extra))
         else:
             if self.job.include_usage:
                 yield _sse(
