@@ -230,6 +230,8 @@ class Responder:
             "completion_tokens": completion,
             "prompt_tokens_details": {"cached_tokens": cached, "created_cache_tokens": prompt - cached},
         }
+        if not full and not self.chat:  # vLLM's streamed completion usage counts cached tokens only
+            del usage["prompt_tokens_details"]["created_cache_tokens"]
         if full:
             usage["prompt_tokens_details"]["multimodal_tokens"] = None
             usage["completion_tokens_details"] = None
@@ -252,7 +254,8 @@ class Responder:
             choice = self._stream_choice(c, d, first=c.index not in sent_first)
             sent_first.add(c.index)
             if d.text or d.tokens or d.done:
-                extra = {"system_fingerprint": FINGERPRINT} if d.done else {}
+                # vLLM: the fingerprint rides on the last chunk, or on the usage chunk when one follows
+                extra = {"system_fingerprint": FINGERPRINT} if d.done and not self.job.include_usage else {}
                 yield _sse(self._chunk(rid, obj, [choice], **extra))
         else:
             if self.job.include_usage:
