@@ -6,10 +6,13 @@ streaming completion that has text, usage and finish_reason "length".
 
 from __future__ import annotations
 
+import http.client
 import os
 import re
 import shutil
 import signal
+import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -25,6 +28,24 @@ def loopback_blocks() -> list[tuple[str, str]]:
     text = DOC.read_text()
     section = text.split("## Loopback: four processes on 127.0.0.1", 1)[1].split("\n## ", 1)[0]
     return [(lang, body) for lang, body in re.findall(r"```(sh|python)\n(.*?)```", section, re.S)]
+
+
+def _refuses_anonymous(port: int) -> bool:
+    """A TLS client without a certificate (and a plaintext one) gets nothing from ``port``."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+    for wrap in (True, False):
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
+                s = ctx.wrap_socket(raw) if wrap else raw
+                s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\0" * 64)
+                if s.recv(4096) and not wrap:
+                    return False  # plaintext got an answer
+                if wrap and s.recv(4096):
+                    return False
+        except (ssl.SSLError, ConnectionError, TimeoutError, OSError):
+            continue
+    return True
 
 
 def test_the_documented_steps_are_there() -> None:
@@ -76,6 +97,12 @@ def test_hand_deployment_from_the_docs(tmp_path: Path) -> None:
             )
             assert out.returncode == 0, out.stdout + out.stderr
         assert (tmp_path / "run" / "api-keys").stat().st_mode & 0o077 == 0
+        for port in (27440, 27450, 27441, 27451, 27442, 27443):
+            assert _refuses_anonymous(port), f"port {port} served a client without a certificate"
+        conn = http.client.HTTPConnection("127.0.0.1", 28000, timeout=10)
+        conn.request("GET", "/v1/models")
+        assert conn.getresponse().status == 401
+        conn.close()
     finally:
         for p in reversed(procs):
             with_group = os.getpgid(p.pid)
