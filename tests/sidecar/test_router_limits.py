@@ -269,3 +269,46 @@ def test_forty_large_uploads_keep_the_router_small() -> None:
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+@pytest.mark.timeout(60)
+def test_http_mtls_refuses_a_client_without_a_certificate(tmp_path: Path) -> None:
+    """With ``api.http_mtls`` the HTTP port takes TLS 1.3 and only clients holding a certificate
+    of the deployment's CA; a client with one gets the API."""
+    import ssl
+
+    from pddlink.transport import PeerIdentity, load_or_create_peer
+
+    pki = tmp_path / "pki"
+
+    async def main() -> None:
+        router = Router(RouterConfig(**NOWHERE, tls_dir=str(pki)))
+        api = RouterApi(router, ApiConfig(http_mtls=True))
+        assert router.tls is not None
+        servers = await serve_http(api.http, host="127.0.0.1", port=0, tls=router.tls.server_context())
+        port = servers[0].sockets[0].getsockname()[1]
+        me = load_or_create_peer(pki, PeerIdentity("client", "c1"))
+
+        def call(with_cert: bool) -> int:
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+            ctx.check_hostname = False
+            ctx.load_verify_locations(str(me.ca_file))
+            if with_cert:
+                ctx.load_cert_chain(str(me.cert_file), str(me.key_file))
+            conn = http.client.HTTPSConnection("127.0.0.1", port, timeout=10, context=ctx)
+            try:
+                conn.request("GET", "/v1/models")
+                return conn.getresponse().status
+            finally:
+                conn.close()
+
+        try:
+            with pytest.raises((ssl.SSLError, ConnectionError)):
+                await asyncio.to_thread(call, False)
+            assert await asyncio.to_thread(call, True) == 200
+        finally:
+            for s in servers:
+                s.close()
+            await router.close()
+
+    asyncio.run(main())
