@@ -24,10 +24,62 @@ ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "deploy.md"
 
 
-def loopback_blocks() -> list[tuple[str, str]]:
+def section_blocks(title: str) -> list[tuple[str, str]]:
     text = DOC.read_text()
-    section = text.split("## Loopback: four processes on 127.0.0.1", 1)[1].split("\n## ", 1)[0]
+    section = text.split(f"## {title}", 1)[1].split("\n## ", 1)[0]
     return [(lang, body) for lang, body in re.findall(r"```(sh|python)\n(.*?)```", section, re.S)]
+
+
+def loopback_blocks() -> list[tuple[str, str]]:
+    return section_blocks("Loopback: four processes on 127.0.0.1")
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
+    return env
+
+
+def run_blocks(blocks: list[tuple[str, str]], cwd: Path, procs: list[subprocess.Popen[str]]) -> str:
+    """Run the documented blocks in order; returns the Python block's output."""
+    env, printed = _env(), ""
+    for lang, body in blocks:
+        if lang == "python":
+            out = subprocess.run(
+                [sys.executable, "-c", body], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
+            )
+            assert out.returncode == 0, out.stdout + out.stderr
+            printed += out.stdout
+            continue
+        if body.startswith("# terminal"):
+            log_path = cwd / f"{len(procs)}.log"
+            log = open(log_path, "w")  # noqa: SIM115 (closed with the process)
+            p = subprocess.Popen(
+                ["bash", "-ec", body], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=log, text=True,
+                start_new_session=True,
+            )  # fmt: skip
+            procs.append(p)
+            assert p.stdout is not None
+            line = p.stdout.readline()
+            assert line.startswith("READY"), (body, line, log_path.read_text()[-2000:])
+            continue
+        out = subprocess.run(
+            ["bash", "-ec", body], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
+        )
+        assert out.returncode == 0, out.stdout + out.stderr
+    return printed
+
+
+def stop_all(procs: list[subprocess.Popen[str]]) -> None:
+    for p in reversed(procs):
+        os.killpg(os.getpgid(p.pid), signal.SIGTERM)
+    deadline = time.monotonic() + 15
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(os.getpgid(p.pid), signal.SIGKILL)
+            p.wait()
 
 
 def _refuses_anonymous(port: int) -> bool:
@@ -57,45 +109,10 @@ def test_the_documented_steps_are_there() -> None:
 @pytest.mark.timeout(400)
 def test_hand_deployment_from_the_docs(tmp_path: Path) -> None:
     shutil.copytree(ROOT / "examples", tmp_path / "examples")
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
-    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
     procs: list[subprocess.Popen[str]] = []
     try:
-        for lang, body in loopback_blocks():
-            if lang == "python":
-                out = subprocess.run(
-                    [sys.executable, "-c", body],
-                    cwd=tmp_path,
-                    env=env,
-                    capture_output=True,
-                    text=True,
-                    timeout=120,
-                )
-                assert out.returncode == 0, out.stdout + out.stderr
-                assert "['tiny']" in out.stdout and re.search(r"' length \d+ 12$", out.stdout, re.M), (
-                    out.stdout
-                )
-                continue
-            if body.startswith("# terminal"):
-                cmd = body.splitlines()[1]
-                log = open(tmp_path / f"{len(procs)}.log", "w")  # noqa: SIM115 (closed with the process)
-                p = subprocess.Popen(
-                    cmd, shell=True, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=log, text=True,
-                    start_new_session=True,
-                )  # fmt: skip
-                procs.append(p)
-                assert p.stdout is not None
-                line = p.stdout.readline()
-                assert line.startswith("READY"), (
-                    cmd,
-                    line,
-                    (tmp_path / f"{len(procs) - 1}.log").read_text()[-2000:],
-                )
-                continue
-            out = subprocess.run(
-                ["bash", "-ec", body], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
-            )
-            assert out.returncode == 0, out.stdout + out.stderr
+        printed = run_blocks(loopback_blocks(), tmp_path, procs)
+        assert "['tiny']" in printed and re.search(r"' length \d+ 12$", printed, re.M), printed
         assert (tmp_path / "run" / "api-keys").stat().st_mode & 0o077 == 0
         for port in (27440, 27450, 27441, 27451, 27442, 27443):
             assert _refuses_anonymous(port), f"port {port} served a client without a certificate"
@@ -104,13 +121,20 @@ def test_hand_deployment_from_the_docs(tmp_path: Path) -> None:
         assert conn.getresponse().status == 401
         conn.close()
     finally:
-        for p in reversed(procs):
-            with_group = os.getpgid(p.pid)
-            os.killpg(with_group, signal.SIGTERM)
-        deadline = time.monotonic() + 15
-        for p in procs:
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(os.getpgid(p.pid), signal.SIGKILL)
-                p.wait()
+        stop_all(procs)
+
+
+@pytest.mark.root
+@pytest.mark.netlab
+@pytest.mark.timeout(400)
+def test_netns_hand_deployment_from_the_docs(tmp_path: Path) -> None:
+    """The network-namespace section, literally: step 1 of the loopback section, then its blocks."""
+    shutil.copytree(ROOT / "examples", tmp_path / "examples")
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        run_blocks(loopback_blocks()[:1], tmp_path, procs)
+        printed = run_blocks(section_blocks("Network namespaces (root)"), tmp_path, procs)
+        assert re.search(r"' length 12$", printed, re.M), printed
+    finally:
+        stop_all(procs)
+        subprocess.run(["pddlink", "lab", "net", "down", "--name", "deploy-ns"], env=_env(), timeout=60)
