@@ -312,3 +312,34 @@ def test_http_mtls_refuses_a_client_without_a_certificate(tmp_path: Path) -> Non
             await router.close()
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(60)
+def test_grpc_over_the_cap_is_refused_at_once_with_retry_after() -> None:
+    pb2, pb2_grpc = stubs()
+
+    async def main() -> None:
+        router = Router(RouterConfig(**NOWHERE))
+        guard = ClientGuard(ApiConfig(max_concurrent_requests=1, retry_after_s=2))
+        server = grpc.aio.server()
+        pb2_grpc.add_RouterServicer_to_server(RouterService(router, guard), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        assert guard.admit("other", time.monotonic()) is None  # the one slot is taken
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                stub = pb2_grpc.RouterStub(ch)
+                req = pb2.GenerateRequest(prompt=[1, 2], sampling=pb2.Sampling(max_tokens=2), deadline_s=20.0)
+                t0 = time.monotonic()
+                call = stub.Generate(req, timeout=30)
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    async for _ in call:
+                        pass
+                assert err.value.code() is grpc.StatusCode.UNAVAILABLE and time.monotonic() - t0 < 3.0
+                assert dict(await call.trailing_metadata())["retry-after"] == "2"
+            assert guard.active == 1 and router.in_flight == {}
+        finally:
+            await server.stop(0)
+            await router.close()
+
+    asyncio.run(main())
