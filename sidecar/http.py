@@ -281,9 +281,9 @@ async def serve_http(
 
     servers = []
     if port is not None:
-        servers.append(await asyncio.start_server(on_client, host or None, port, limit=1 << 20, ssl=tls))
+        servers.append(await asyncio.start_server(on_client, host or None, port, limit=1 << 16, ssl=tls))
     if unix:
-        servers.append(await asyncio.start_unix_server(on_client, unix, limit=1 << 20))
+        servers.append(await asyncio.start_unix_server(on_client, unix, limit=1 << 16))
     return servers
 
 
