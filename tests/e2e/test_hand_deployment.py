@@ -7,6 +7,7 @@ streaming completion that has text, usage and finish_reason "length".
 from __future__ import annotations
 
 import http.client
+import json
 import os
 import re
 import shutil
@@ -120,8 +121,32 @@ def test_hand_deployment_from_the_docs(tmp_path: Path) -> None:
         conn.request("GET", "/v1/models")
         assert conn.getresponse().status == 401
         conn.close()
+        _stop_string_cancels(f"Bearer {(tmp_path / 'run' / 'api-keys').read_text().strip()}")
     finally:
         stop_all(procs)
+
+
+def _stop_string_cancels(auth: str) -> None:
+    """A stop string ends the choice and the router's request with it: nothing stays in flight."""
+
+    def call(method: str, path: str, body: dict[str, object] | None = None) -> dict[str, object]:
+        conn = http.client.HTTPConnection("127.0.0.1", 28000, timeout=60)
+        conn.request(method, path, json.dumps(body) if body else None, {"authorization": auth})
+        out: dict[str, object] = json.loads(conn.getresponse().read())
+        conn.close()
+        return out
+
+    for prompt in ("prefill decode", "relay main wan", "token stream"):
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 400, "stop": [" "], "temperature": 0}
+        answer = call("POST", "/v1/completions", body)
+        choice = answer["choices"][0]  # type: ignore[index]
+        if choice["stop_reason"] == " ":
+            assert choice["finish_reason"] == "stop" and " " not in choice["text"]
+            assert answer["usage"]["completion_tokens"] < 400  # type: ignore[index]
+            time.sleep(0.5)
+            assert call("GET", "/status")["in_flight"] == {}
+            return
+    pytest.fail("no stop string met in three prompts")
 
 
 @pytest.mark.root
