@@ -404,4 +404,4 @@ def generate_job(fields: dict[str, Any], limits: Limits) -> Job:
     )
 
 
-_ = Pipeline  # the Literal above spells Pipeline's values; tests check they agree
+_ = Pipeline  # the Literals above spell Pipeline's values (test_schema_pipelines_are_the_routing_pipelines)

@@ -136,3 +136,14 @@ def test_string_prompt_is_bytes_and_defaults() -> None:
     )
     assert job.prompts == ((66, 67),) and job.sampling.max_tokens == 16 and job.stream
     assert job.deadline_s == 0.0 and job.pipeline == "" and job.sampling.temperature == 1.0
+
+
+def test_schema_pipelines_are_the_routing_pipelines() -> None:
+    import typing
+
+    from pddlink.routing import Pipeline
+    from sidecar.openai_schema import CompletionBody, GenerateBody
+
+    for model in (CompletionBody, GenerateBody):
+        allowed = set(typing.get_args(model.model_fields["pipeline"].annotation))
+        assert allowed == {"", *(p.value for p in Pipeline)}
