@@ -277,17 +277,21 @@ def test_http_mtls_refuses_a_client_without_a_certificate(tmp_path: Path) -> Non
     of the deployment's CA; a client with one gets the API."""
     import ssl
 
-    from pddlink.transport import PeerIdentity, load_or_create_peer
+    from pddlink.transport import PeerIdentity, load_or_create_pki
 
     pki = tmp_path / "pki"
+    router_id, client_id = PeerIdentity("router", "router0"), PeerIdentity("client", "c1")
+    creds = load_or_create_pki(pki, [router_id, client_id])
+    me = creds[client_id]
+    # one shared directory (CA and peers together), or one node directory per identity
+    tls_dir = node_dir if (node_dir := pki / "router-router0").is_dir() else pki
 
     async def main() -> None:
-        router = Router(RouterConfig(**NOWHERE, tls_dir=str(pki)))
+        router = Router(RouterConfig(**NOWHERE, tls_dir=str(tls_dir)))
         api = RouterApi(router, ApiConfig(http_mtls=True))
         assert router.tls is not None
         servers = await serve_http(api.http, host="127.0.0.1", port=0, tls=router.tls.server_context())
         port = servers[0].sockets[0].getsockname()[1]
-        me = load_or_create_peer(pki, PeerIdentity("client", "c1"))
 
         def call(with_cert: bool) -> int:
             ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
