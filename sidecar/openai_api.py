@@ -16,7 +16,7 @@ import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from engines_adapter import SamplingParams
 from sidecar.openai_schema import Endpoint, Job
@@ -25,16 +25,25 @@ from sidecar.openai_text import ChoiceText, TextCodec
 FINGERPRINT = "pddlink-0.1"
 
 
-class Generator(Protocol):
-    def generate(
-        self,
-        prompt: list[int],
-        sampling: SamplingParams,
-        *,
-        deadline_s: float = 0.0,
-        pipeline: str = "",
-        request_id: str = "",
-    ) -> AsyncIterator[dict[str, Any]]: ...
+Events = AsyncIterator[dict[str, Any]]  # one router request: token dicts, then the closing one
+
+
+async def primed(gen: Events) -> Events:
+    """``gen`` with its first event already taken: whatever the router refuses before any work
+    (``InvalidInput``; admission) raises here, before an answer has begun."""
+    first = await gen.__anext__()
+
+    async def chained() -> Events:
+        try:
+            yield first
+            async for ev in gen:
+                yield ev
+        finally:
+            aclose = getattr(gen, "aclose", None)
+            if aclose is not None:
+                await aclose()  # a stop string (or a client gone) cancels the request at the router
+
+    return chained()
 
 
 @dataclass(slots=True)
@@ -70,9 +79,8 @@ class Delta:
     done: bool = False
 
 
-async def run_choice(router: Generator, job: Job, choice: Choice, eos: int | None) -> AsyncIterator[Delta]:
+async def run_choice(gen: Events, job: Job, choice: Choice, eos: int | None) -> AsyncIterator[Delta]:
     s = job.sampling
-    gen = router.generate(list(choice.prompt), s, deadline_s=job.deadline_s, pipeline=job.pipeline)
     try:
         async for ev in gen:
             if ev.get("done"):
@@ -112,22 +120,24 @@ def _finish(choice: Choice, s: SamplingParams, eos: int | None) -> None:
         choice.finish_reason = "stop"
 
 
-async def merged(router: Generator, job: Job, choices: list[Choice], eos: int | None) -> AsyncIterator[Delta]:
+async def merged(
+    gens: list[Events], job: Job, choices: list[Choice], eos: int | None
+) -> AsyncIterator[Delta]:
     """Every choice's deltas as they come (one task per choice); all cancelled if the reader leaves."""
     if len(choices) == 1:
-        async for d in run_choice(router, job, choices[0], eos):
+        async for d in run_choice(gens[0], job, choices[0], eos):
             yield d
         return
     queue: asyncio.Queue[Delta | None] = asyncio.Queue()
 
-    async def pump(c: Choice) -> None:
+    async def pump(gen: Events, c: Choice) -> None:
         try:
-            async for d in run_choice(router, job, c, eos):
+            async for d in run_choice(gen, job, c, eos):
                 await queue.put(d)
         finally:
             await queue.put(None)
 
-    tasks = [asyncio.ensure_future(pump(c)) for c in choices]
+    tasks = [asyncio.ensure_future(pump(g, c)) for g, c in zip(gens, choices, strict=True)]
     try:
         left = len(tasks)
         while left:
@@ -146,7 +156,7 @@ async def merged(router: Generator, job: Job, choices: list[Choice], eos: int | 
 class Responder:
     """Builds one job's answer: ``body()`` (non-streaming) or ``events()`` (SSE)."""
 
-    router: Generator
+    gens: list[Events]  # one primed router request per prompt
     job: Job
     model: str
     codec: TextCodec | None
@@ -171,7 +181,7 @@ class Responder:
         return ("chatcmpl-" if self.chat else "cmpl-") + rid
 
     async def body(self) -> tuple[int, dict[str, Any]]:
-        async for _ in merged(self.router, self.job, self.choices, self.eos):
+        async for _ in merged(self.gens, self.job, self.choices, self.eos):
             pass
         failed = [c for c in self.choices if c.error]
         if failed:
@@ -241,7 +251,7 @@ class Responder:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         sent_first: set[int] = set()
         rid = ""
-        async for d in merged(self.router, self.job, self.choices, self.eos):
+        async for d in merged(self.gens, self.job, self.choices, self.eos):
             c = d.choice
             rid = rid or self.response_id
             if c.error:

@@ -16,6 +16,7 @@ import http.client
 import json
 import os
 import random
+from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -191,9 +192,15 @@ def _codec() -> TextCodec:
 
 
 @pytest.fixture(scope="module")
-def api() -> RouterApi:
+def api() -> Iterator[RouterApi]:
+    loop = asyncio.new_event_loop()  # the router's gRPC channels belong to a loop (never run here)
+    asyncio.set_event_loop(loop)
     cfg = RouterConfig(p="127.0.0.1:9", rld="127.0.0.1:9", md="127.0.0.1:9")
-    return RouterApi(Router(cfg), codec=_codec())
+    router = Router(cfg)
+    yield RouterApi(router, codec=_codec())
+    loop.run_until_complete(router.close())
+    asyncio.set_event_loop(None)
+    loop.close()
 
 
 @pytest.mark.timeout(600)
