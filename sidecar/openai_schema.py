@@ -8,6 +8,10 @@ API that pddlink does not implement are accepted only at their neutral value (``
 silently different answer. Bounds that depend on the deployment (vocabulary, prompt and output
 limits) come from ``Limits`` and are checked in ``completion_job`` / ``generate_job``.
 
+Defaults follow vLLM's: ``temperature`` 1 (a random seed unless ``seed`` is given), ``max_tokens``
+16 (also for chat, where vLLM would use the rest of the context), the model's EOS ends a choice
+unless ``ignore_eos``.
+
 Parsing uses pydantic's JSON parser (jiter): nesting deeper than its recursion limit, NaN,
 infinities and numbers out of range are invalid JSON, never an exception of another kind.
 """
