@@ -3,7 +3,8 @@
 A ``Deployment`` is frozen configuration: the P pool, the decode pool (D inside datacenter A for
 intra-datacenter PD, MainDecode in datacenter B otherwise), the RelayDecode pool (PDD only), the WAN
 line and fast path, the per-GPU prefix-cache capacity on the decode side, the routing policy (the
-real ``pddlink.routing`` one) and the price of the line. Its ``cost`` is what BCR divides by.
+real ``pddlink.routing`` one) the price of the line, and the request deadline admission checks against (none by default). Its
+``cost`` is what BCR divides by.
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ class Deployment:
     drc_tokens_per_gpu: int = 32_000_000
     line_price: float = 0.33  # the line's cost in A-GPU units over the same period
     balance_tpot_s: float | None = None  # decode routing avoids instances whose step time reached this
+    deadline_s: float | None = None  # admission: reject what no option ends within (None: admit all)
 
     def __post_init__(self) -> None:
         if self.kind is Kind.PDD and self.relay is None:
