@@ -116,6 +116,7 @@ class OptionInputs:
     """``RoutingInputs`` plus what the option choice needs. Times are seconds from now.
 
     ``deadline_s``: time left until the request must have ended (None: no deadline).
+    ``ttft_deadline_s``: time left until its first token must be out (None: no bound).
     ``p_prefill_s``: P's queue plus this prompt's prefill. ``fast_s``: the whole KV to RLD on the
     fast path. ``md_prefill``: None where MD cannot recompute. ``md_tpot_s``: MD's time per token.
     ``extend_s``: MD's extend step at a token-id handoff.
@@ -123,6 +124,7 @@ class OptionInputs:
 
     routing: RoutingInputs
     deadline_s: float | None = None
+    ttft_deadline_s: float | None = None
     p_prefill_s: float = 0.0
     fast_s: float = 0.0
     md_prefill: MdPrefill | None = None
@@ -131,6 +133,7 @@ class OptionInputs:
 
     def __post_init__(self) -> None:
         _require(self.deadline_s is None or self.deadline_s > 0, "deadline_s must be > 0 or None")
+        _require(self.ttft_deadline_s is None or self.ttft_deadline_s > 0, "ttft_deadline_s must be > 0")
         for name in ("p_prefill_s", "fast_s", "extend_s"):
             _require(getattr(self, name) >= 0, f"{name} must be >= 0")
         _require(self.md_tpot_s > 0, "md_tpot_s must be > 0")
@@ -146,8 +149,10 @@ class OptionEstimate:
     finish_s: float
     rld_tokens: float  # expected tokens produced on RLD
 
-    def meets(self, deadline_s: float | None) -> bool:
-        return deadline_s is None or self.finish_s <= deadline_s
+    def meets(self, deadline_s: float | None, ttft_deadline_s: float | None = None) -> bool:
+        """Ends by the deadline and, where one is given, has its first token out by the TTFT one."""
+        ends = deadline_s is None or self.finish_s <= deadline_s
+        return ends and (ttft_deadline_s is None or self.ttft_s <= ttft_deadline_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,15 +221,15 @@ def choose_option(inputs: OptionInputs, policy: RoutingPolicy) -> OptionDecision
     r = inputs.routing
     wan_s = r.link.transfer_s(r.wan_bytes)
     every = estimate_options(inputs, policy)
-    fits = {e.option: e for e in every if e.meets(inputs.deadline_s)}
+    fits = {e.option: e for e in every if e.meets(inputs.deadline_s, inputs.ttft_deadline_s)}
 
     def take(option: Option, reason: DecisionReason) -> OptionDecision:
         shipped = r.wan_bytes if option.ships_kv else 0
         return OptionDecision(option, reason, shipped, wan_s, every)
 
     if not fits:
-        late = min((e.finish_s for e in every), default=math.inf)
-        retry = max(1.0, late - (inputs.deadline_s or 0.0)) if math.isfinite(late) else 5.0
+        late = min((_overshoot_s(e, inputs) for e in every), default=math.inf)
+        retry = max(1.0, late) if math.isfinite(late) else 5.0
         why = RejectReason.DEADLINE_UNREACHABLE if every else RejectReason.NO_OPTION
         return OptionDecision(None, why, 0, wan_s, every, retry_after_s=min(retry, 60.0))
     direct = [fits[o] for o in (Option.SHIP, Option.RECOMPUTE) if o in fits]
@@ -254,6 +259,16 @@ def choose_option(inputs: OptionInputs, policy: RoutingPolicy) -> OptionDecision
         best = min(relays, key=lambda e: (e.md_ready_s, e.option is Option.RELAY_RECOMPUTE))
         return take(best.option, DecisionReason.LARGE_DELTA)
     return _direct_or(best_direct, fits, take, DecisionReason.RLD_BUSY)
+
+
+def _overshoot_s(e: OptionEstimate, inputs: OptionInputs) -> float:
+    """How far past its deadline (either one) an option would end: the retry hint's basis."""
+    over = 0.0
+    if inputs.deadline_s is not None:
+        over = max(over, e.finish_s - inputs.deadline_s)
+    if inputs.ttft_deadline_s is not None:
+        over = max(over, e.ttft_s - inputs.ttft_deadline_s)
+    return over
 
 
 def _md_wait_s(e: OptionEstimate, inputs: OptionInputs, wan_s: float) -> float:

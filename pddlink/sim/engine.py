@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
-
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from pddlink.routing import (
     HandoffMode,
@@ -37,6 +35,7 @@ from pddlink.routing import (
 )
 from pddlink.sim.cache import DecodeCache
 from pddlink.sim.deploy import Deployment, Kind
+from pddlink.sim.md_lane import MdPrefillLane
 from pddlink.sim.records import Record, RunRecords
 from pddlink.sim.resources import Clock, DecodeInstance, DecodeSeq, PrefillInstance
 from pddlink.sim.trace import TraceRequest
@@ -60,7 +59,7 @@ class _Req:
     tip: int | None
     pipeline: Pipeline
     option: Option
-    md_lane: PrefillInstance | None = None
+    md_lane: MdPrefillLane | None = None
     rld: DecodeInstance | None = None
     rld_seq: DecodeSeq | None = None
     rld_done: bool = False
@@ -92,13 +91,11 @@ class Simulation:
             else []
         )
         self.rld_capacity = sum(r.max_seqs for r in self.relay)
-        # MainDecode's own prefill lane (recompute), one per decode instance, at MD's prefill speed;
-        # its batches stall that instance's decoding (the same chips)
+        # MainDecode's own prefill lane (recompute), one per decode instance, at MD's prefill speed,
+        # on the share of its chips that decoding leaves within the TPOT bound (``sim.md_lane``)
+        tpot_bound = d.balance_tpot_s or 0.03
         self.md_lanes = (
-            [
-                PrefillInstance(self.clock, x.model, f"{x.name}-prefill", on_batch=x.stall)
-                for x in self.decode
-            ]
+            [MdPrefillLane(self.clock, x, tpot_bound) for x in self.decode]
             if d.crosses_wan and d.policy.recompute_enabled
             else []
         )
@@ -229,12 +226,12 @@ class Simulation:
             md_prefill = None
             if self.md_lanes:
                 lane = self.md_lanes[i]
-                work = lane.model.prefill_s(missing, matched)
-                queue = lane.backlog_s(now) + lane.model.fig.prefill_batch_s
-                md_prefill = MdPrefill(missing / max(work, 1e-9), queue)
+                took = lane.work_s(missing, matched) / lane.share()
+                md_prefill = MdPrefill(missing / max(took, 1e-9), lane.backlog_s(now))
             inputs = OptionInputs(
                 routing,
-                deadline_s=d.deadline_s,
+                deadline_s=d.deadline_for(r.max_tokens),
+                ttft_deadline_s=d.ttft_deadline_s,
                 p_prefill_s=p_backlog_s + p_model.fig.prefill_batch_s + p_model.prefill_s(missing, matched),
                 fast_s=d.link.fast_s(r.prompt_tokens * d.kv_bytes_per_token),
                 md_prefill=md_prefill,

@@ -118,7 +118,8 @@ class DecodeInstance:
     def __init__(self, clock: Clock, model: InstanceModel, name: str) -> None:
         self.clock, self.model, self.name = clock, model, name
         self.max_seqs, self._kv_capacity = model.max_seqs, model.kv_capacity_tokens
-        self._step_s = model.step_s
+        self._slow = 1.0  # > 1 while the instance's chips also prefill (``slow_down``)
+        self._model_step_s = model.step_s
         self._v = 0.0  # iterations done
         self._t = 0.0
         self._running: list[tuple[float, int, DecodeSeq]] = []  # heap of (finish_v, id, seq)
@@ -147,6 +148,20 @@ class DecodeInstance:
         self._advance(now)
         self._t = max(self._t, now) + seconds
         self._arm()
+
+    def _step_s(self, seqs: int, context_tokens: int) -> float:
+        return self._model_step_s(seqs, context_tokens) * self._slow
+
+    def slow_down(self, now: float, factor: float) -> None:
+        """From ``now`` on every iteration takes ``factor`` times its time (the chips also run a
+        prefill: MainDecode recomputing prompts); 1 restores full speed."""
+        self._advance(now)
+        self._slow = factor
+        self._arm()
+
+    def base_step_s(self) -> float:
+        """The step time without any prefill sharing the chips."""
+        return self.model.step_s(self._n or 1, self._context)
 
     def _advance(self, now: float) -> None:
         if now <= self._t:  # inside a stall (or no time passed)

@@ -108,6 +108,7 @@ def option_inputs(draw: st.DrawFn) -> OptionInputs:
     return OptionInputs(
         r,
         deadline_s=draw(st.none() | st.floats(0.01, 120)),
+        ttft_deadline_s=draw(st.none() | st.floats(0.01, 30)),
         p_prefill_s=draw(st.floats(0, 10)),
         fast_s=draw(st.floats(0, 1)),
         md_prefill=md,
@@ -132,10 +133,12 @@ def test_never_misses_the_deadline_when_an_option_meets_it(
     inputs: OptionInputs, policy: RoutingPolicy
 ) -> None:
     d = choose_option(inputs, policy)
-    meets = [e for e in estimate_options(inputs, policy) if e.meets(inputs.deadline_s)]
+    meets = [
+        e for e in estimate_options(inputs, policy) if e.meets(inputs.deadline_s, inputs.ttft_deadline_s)
+    ]
     if meets:
         chosen = d.estimate(d.option) if d.option is not None else None
-        assert chosen is not None and chosen.meets(inputs.deadline_s)
+        assert chosen is not None and chosen.meets(inputs.deadline_s, inputs.ttft_deadline_s)
     else:
         assert d.option is None and d.retry_after_s > 0
 
@@ -165,7 +168,7 @@ def test_without_recompute_or_deadline_it_is_choose_pipeline(
 ) -> None:
     from dataclasses import replace
 
-    plain = replace(inputs, deadline_s=None, md_prefill=None)
+    plain = replace(inputs, deadline_s=None, ttft_deadline_s=None, md_prefill=None)
     d = choose_option(plain, policy)
     old = choose_pipeline(inputs.routing, policy)
     assert d.option is not None and d.option.pipeline is old.pipeline and d.reason is old.reason
