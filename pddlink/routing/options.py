@@ -234,9 +234,6 @@ def choose_option(inputs: OptionInputs, policy: RoutingPolicy) -> OptionDecision
         return OptionDecision(None, why, 0, wan_s, every, retry_after_s=min(retry, 60.0))
     direct = [fits[o] for o in (Option.SHIP, Option.RECOMPUTE) if o in fits]
     best_direct = min(direct, key=lambda e: (e.md_ready_s, e.option is Option.RECOMPUTE), default=None)
-    if not policy.relay_enabled:
-        assert best_direct is not None  # relay disabled: only the direct options exist
-        return take(best_direct.option, DecisionReason.RELAY_DISABLED)
     threshold = policy.relay_min_wan_s
     if r.ttft_target_s is not None:
         threshold = min(threshold, r.ttft_target_s)
@@ -248,7 +245,10 @@ def choose_option(inputs: OptionInputs, policy: RoutingPolicy) -> OptionDecision
     ):
         e = fits.get(option)
         if e is not None and _md_wait_s(e, inputs, wan_s) < threshold:
-            return take(option, reason)
+            return take(option, DecisionReason.RELAY_DISABLED if not policy.relay_enabled else reason)
+    if not policy.relay_enabled:
+        assert best_direct is not None  # relay disabled: only the direct options exist
+        return take(best_direct.option, DecisionReason.RELAY_DISABLED)
     if not r.rld_available:
         return _direct_or(best_direct, fits, take, DecisionReason.RLD_UNAVAILABLE)
     singular = fits.get(Option.SINGULAR)

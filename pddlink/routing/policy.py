@@ -42,6 +42,7 @@ class DecisionReason(StrEnum):
     RLD_BUSY = "rld_busy"  # RelayDecode above its load ceiling
     SHORT_OUTPUT = "short_output"  # singular: RLD finishes before the WAN transfer would
     LARGE_DELTA = "large_delta"  # hide the WAN transfer behind RelayDecode
+    FORCED = "forced"  # the client named the pipeline
     RECOMPUTE = "recompute_sooner"  # MD prefills the suffix itself sooner than the WAN ships it
 
 
