@@ -33,7 +33,6 @@ from pddlink.routing import (
     LinkModel,
     Option,
     OptionDecision,
-    Pipeline,
     RoutingInputs,
     RoutingPolicy,
 )
@@ -42,7 +41,7 @@ from sidecar.admission import Overloaded
 from sidecar.backlog import POLL_INTERVAL_S, follow_backlog
 from sidecar.grpc_tls import CallerCheck, open_channel
 from sidecar.recompute import PrefillBook
-from sidecar.router_options import decide_option, forced_option, option_trace
+from sidecar.router_options import FORCEABLE, decide_option, forced_option, option_trace
 from sidecar.router_run import RequestRun, RunInput
 from sidecar.rpc import stubs
 
@@ -200,7 +199,7 @@ class Router:
             rld_tpot_s=self.cfg.rld_tpot_s,
         )
         if forced:
-            return forced_option(routing, Pipeline(forced), self.policy), matched
+            return forced_option(routing, forced, self.policy), matched
         return decide_option(self, routing, deadline_s), matched
 
     # -- what the runs report back (``sidecar.router_legs.Cluster``) -------------------------------
@@ -225,10 +224,8 @@ class Router:
             raise InvalidInput(f"max_tokens {sampling.max_tokens} exceeds the limit {cfg.max_tokens_limit}")
         if not 0 < deadline_s <= 600:
             raise InvalidInput(f"deadline_s must be in (0, 600], got {deadline_s}")
-        if pipeline and pipeline not in {p.value for p in Pipeline}:
-            raise InvalidInput(
-                f"pipeline must be one of {', '.join(p.value for p in Pipeline)}, got {pipeline!r}"
-            )
+        if pipeline and pipeline not in FORCEABLE:
+            raise InvalidInput(f"pipeline must be one of {', '.join(FORCEABLE)}, got {pipeline!r}")
 
     async def generate(
         self,

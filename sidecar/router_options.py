@@ -53,12 +53,17 @@ def decide_option(router: RouterState, routing: RoutingInputs, deadline_s: float
     return choose_option(inputs, router.policy)
 
 
-_FORCED = {Pipeline.P_MD: Option.SHIP, Pipeline.P_RLD_MD: Option.RELAY, Pipeline.SINGULAR: Option.SINGULAR}
+FORCEABLE = {
+    Pipeline.P_MD.value: Option.SHIP,
+    Pipeline.P_RLD_MD.value: Option.RELAY,
+    Pipeline.SINGULAR.value: Option.SINGULAR,
+    **{o.value: o for o in Option},
+}
 
 
-def forced_option(routing: RoutingInputs, pipeline: Pipeline, policy: RoutingPolicy) -> OptionDecision:
-    """The client named the pipeline: its KV-shipping option, admitted as asked."""
-    option = _FORCED[pipeline]
+def forced_option(routing: RoutingInputs, forced: str, policy: RoutingPolicy) -> OptionDecision:
+    """The client named the pipeline (its KV-shipping option) or the option: admitted as asked."""
+    option = FORCEABLE[forced]
     shipped = routing.wan_bytes if option.ships_kv else 0
     return OptionDecision(
         option, DecisionReason.FORCED, shipped, routing.link.transfer_s(routing.wan_bytes), ()
