@@ -31,7 +31,6 @@ from pddlink.errors import InvalidInput, NotFound
 from pddlink.kv.hashing import BlockHasher
 from pddlink.routing import (
     LinkModel,
-    Option,
     OptionDecision,
     RoutingInputs,
     RoutingPolicy,
@@ -268,8 +267,7 @@ class Router:
             self.link.start_flow(flow, decision.wan_bytes, now)
         if option.recomputes:
             self.md_book.start(rid, len(prompt) - matched)
-        if option is not Option.RECOMPUTE:
-            self.p_book.start(rid, len(prompt) - matched)
+        self.p_book.start(rid, len(prompt) - matched)  # recompute too: P warms its own cache
         try:
             async for tok in run.run():
                 yield {"position": tok.position, "token_id": tok.token_id, "source": tok.source}

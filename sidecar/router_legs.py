@@ -218,11 +218,13 @@ class RunLegs:
             self.rld_stream_alive = True
             self.c.rld_active += 1
             self._spawn(f"rld{self.legs}", self._stream("rld", self.c.rld, leg))
-        if leg.recompute is RecomputeMode.AND_DECODE:
-            leg.md_ok = True  # MD prefills and streams itself: P is not involved
-            return leg
         ships = use_md and leg.recompute is RecomputeMode.NONE
-        self._spawn(f"p{self.legs}", self._prefill(leg, ships, use_rld, pipeline is Pipeline.P_MD))
+        if leg.recompute is RecomputeMode.AND_DECODE:
+            # MD prefills and streams itself; P prefills too, shipping nothing, so its own prefix
+            # cache keeps seeing every prompt (P's and MD's caches stay aligned)
+            leg.md_ok = True
+        t0_to_md = pipeline is Pipeline.P_MD and ships
+        self._spawn(f"p{self.legs}", self._prefill(leg, ships, use_rld, t0_to_md))
         return leg
 
     async def _linger(
