@@ -203,6 +203,10 @@ class Decoder:
             await self.end(seq, f"failed:{seq.import_error}")
             return
         seq.imported.set()
+        if seq.ended:  # released while prefilling: its end() found nothing to free yet
+            with contextlib.suppress(PddlinkError):
+                await self.loop.call("release", engine.release, seq.request_id, cache_prefix=True)
+            return
         seq.events.put_nowait({"ready": True, "recompute_seconds": took, "cached_tokens": cached})
         if mode is RecomputeMode.AND_DECODE and not seq.ended:
             self._take(seq, out)

@@ -314,6 +314,12 @@ class Router:
                 "flows_in_flight": est.flows_in_flight,
                 "backlog_bytes": est.backlog_bytes,
             },
+            "prefill_books": {  # what the option policy assumes about P's and MD's prefill
+                "p_tokens_per_s": self.p_book.tokens_per_s,
+                "p_queued_tokens": self.p_book.queued_tokens,
+                "md_tokens_per_s": self.md_book.tokens_per_s,
+                "md_queued_tokens": self.md_book.queued_tokens,
+            },
         }
 
 

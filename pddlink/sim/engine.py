@@ -4,15 +4,19 @@ Lifecycle of a request (DESIGN.md, "Roles and one request's path"), as simulated
 
 1. Arrival: the router matches the prompt's full blocks against every decode instance's DRC (the
    real ``pddlink.drc.PrefixIndex``; the sim's mirror is always fresh), picks the best-matching
-   instance among the not-overloaded ones and the least-backlogged P, and - for PDD - calls the real
-   ``pddlink.routing.choose_pipeline`` with the line's state.
+   instance among the not-overloaded ones and the least-backlogged P, and calls the real
+   ``pddlink.routing.choose_option`` with the line's state (its backlog included), P's queue, MD's
+   recompute lane and RLD's load: ship, relay, recompute, relay + recompute or singular, or - when
+   the deployment has deadlines and none meets them - rejected at once (counted apart).
 2. P prefills the missing suffix (P's own prefix cache is taken to be aligned with the chosen decode
    instance's, which is what "a normal request always ends on MD" preserves), then ships KV: the
    missing suffix over the fast path (intra-datacenter) or the WAN (after a reservation round trip),
-   and for a relayed or singular request the whole KV to RLD over the fast path.
-3. RLD decodes at once. When the WAN transfer lands, ``choose_handoff_mode`` (RLD's load) picks
-   one-shot (RLD stops; MD stalls for one extend of the generated ids) or catch-up (RLD keeps decoding
-   while MD extends, MD takes over after one more iteration).
+   and for a relayed or singular request the whole KV to RLD over the fast path. On recompute the
+   token ids cross instead and MD prefills the suffix on its own lane (``sim.md_lane``: MD's
+   prefill speed, on the TPOT headroom its decoding leaves).
+3. RLD decodes at once. When the WAN transfer lands (or MD's recompute is done), ``choose_handoff_mode``
+   (RLD's load) picks one-shot (RLD stops; MD stalls for one extend of the generated ids) or catch-up
+   (RLD keeps decoding while MD extends, MD takes over after one more iteration).
 4. MD finishes, unpins and inserts the prompt into its DRC. Singular requests finish on RLD and
    leave MD's cache alone.
 """
