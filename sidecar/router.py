@@ -65,6 +65,7 @@ class RouterConfig:
     max_prompt_tokens: int = 8000
     vocab_size: int = 2048
     kv_bytes_per_token: int = 2048
+    wan_links: int = 8  # P's WAN connection pool toward MD (a transfer holds one link)
     recompute: bool = True  # MD may prefill the missing suffix itself (ship or recompute)
     admission: bool = True  # reject at once what no option can end before its deadline
     p_prefill_tokens_per_s: float = 3300.0  # starting figures; the replies refine them
@@ -79,7 +80,10 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if self.rld_capacity < 1 or self.line_mbit <= 0 or self.rtt_ms < 0 or self.deadline_s <= 0:
             raise InvalidInput("router: rld_capacity >= 1, line_mbit > 0, rtt_ms >= 0, deadline_s > 0")
-        if min(self.p_prefill_tokens_per_s, self.md_prefill_tokens_per_s, self.md_tpot_s) <= 0:
+        if (
+            self.wan_links < 1
+            or min(self.p_prefill_tokens_per_s, self.md_prefill_tokens_per_s, self.md_tpot_s) <= 0
+        ):
             raise InvalidInput("router: prefill speeds and md_tpot_s must be > 0")
         for ident in (self.p_identity, self.rld_identity, self.md_identity):
             PeerIdentity.parse(ident)
@@ -115,7 +119,7 @@ class Router:
         self.mirror = Mirror(gap_timeout_s=2.0)
         self.hasher: BlockHasher | None = None
         self.root = 0
-        self.link = LinkModel(cfg.line_mbit * 1e6 / 8, cfg.rtt_ms / 1e3)
+        self.link = LinkModel(cfg.line_mbit * 1e6 / 8, cfg.rtt_ms / 1e3, pool_size=cfg.wan_links)
         self.policy = RoutingPolicy(
             relay_enabled=cfg.relay_enabled,
             relay_min_wan_s=cfg.relay_min_wan_s,
