@@ -23,7 +23,7 @@ import grpc
 
 from pddlink.routing import BacklogReport, LinkModel
 
-POLL_INTERVAL_S = 0.2
+POLL_INTERVAL_S = 0.5
 
 
 @dataclass(slots=True)

@@ -118,7 +118,7 @@ class LinkModel:
     flow_cap_bytes_per_s: float = float("inf")
     ewma_weight: float = 0.2
     min_fraction: float = 0.05
-    report_fresh_s: float = 1.0
+    report_fresh_s: float = 1.5
     _goodput: float = field(init=False)
     _flows: dict[str, _Flow] = field(init=False, default_factory=dict)
     _report: BacklogReport | None = field(init=False, default=None)
