@@ -36,6 +36,7 @@ from pddlink.routing import (
     RoutingInputs,
     choose_handoff_mode,
     choose_option,
+    choose_pipeline,
 )
 from pddlink.sim.cache import DecodeCache
 from pddlink.sim.deploy import Deployment, Kind
@@ -51,6 +52,11 @@ from pddlink.sim.wan import LineStats, WanLine
 # sequence of an instance shares its step time, so one instance loaded past the TPOT bound by
 # affinity puts all of its sequences over it.
 BALANCE_QUEUE = 16
+_SHIPPING_OPTION = {
+    Pipeline.P_MD: Option.SHIP,
+    Pipeline.P_RLD_MD: Option.RELAY,
+    Pipeline.SINGULAR: Option.SINGULAR,
+}
 
 
 @dataclass(slots=True)
@@ -223,25 +229,26 @@ class Simulation:
             rld_tpot_s=tpot if math.isfinite(tpot) else 0.03,
         )
         if d.deadline_s is None and not self.md_lanes:
-            inputs = OptionInputs(routing)  # exactly ``choose_pipeline``
-        else:
-            missing = r.prompt_tokens - matched
-            p_model, md = self.prefill[0].model, self.decode[i]
-            md_prefill = None
-            if self.md_lanes:
-                lane = self.md_lanes[i]
-                took = lane.work_s(missing, matched) / lane.share()
-                md_prefill = MdPrefill(missing / max(took, 1e-9), lane.backlog_s(now))
-            inputs = OptionInputs(
-                routing,
-                deadline_s=d.deadline_for(r.max_tokens),
-                ttft_deadline_s=d.ttft_deadline_s,
-                p_prefill_s=p_backlog_s + p_model.fig.prefill_batch_s + p_model.prefill_s(missing, matched),
-                fast_s=d.link.fast_s(r.prompt_tokens * d.kv_bytes_per_token),
-                md_prefill=md_prefill,
-                md_tpot_s=md.tpot_s(),
-                extend_s=md.model.extend_s(16),
-            )
+            # no deadline, no recompute: ``choose_option`` is exactly ``choose_pipeline`` (a property
+            # test says so), which is cheaper: the calibrated scenarios run millions of these
+            return _SHIPPING_OPTION[choose_pipeline(routing, policy).pipeline]
+        missing = r.prompt_tokens - matched
+        p_model, md = self.prefill[0].model, self.decode[i]
+        md_prefill = None
+        if self.md_lanes:
+            lane = self.md_lanes[i]
+            took = lane.work_s(missing, matched) / lane.share()
+            md_prefill = MdPrefill(missing / max(took, 1e-9), lane.backlog_s(now))
+        inputs = OptionInputs(
+            routing,
+            deadline_s=d.deadline_for(r.max_tokens),
+            ttft_deadline_s=d.ttft_deadline_s,
+            p_prefill_s=p_backlog_s + p_model.fig.prefill_batch_s + p_model.prefill_s(missing, matched),
+            fast_s=d.link.fast_s(r.prompt_tokens * d.kv_bytes_per_token),
+            md_prefill=md_prefill,
+            md_tpot_s=md.tpot_s(),
+            extend_s=md.model.extend_s(16),
+        )
         return choose_option(inputs, policy).option
 
     # -- after prefill ---------------------------------------------------------------------------
