@@ -25,6 +25,8 @@ REQUESTS_IN_FLIGHT = Gauge(
 )
 TOKENS = Counter("pddlink_output_tokens", "Output tokens streamed to clients, by producing role", ["source"])
 FALLBACKS = Counter("pddlink_fallbacks", "Fallbacks taken, by kind", ["kind"])
+DECISIONS = Counter("pddlink_router_decisions", "Requests per routing option (or rejected)", ["option"])
+REJECTED = Counter("pddlink_router_rejected", "Requests refused at admission, by reason", ["reason"])
 CLIENT_ERRORS = Counter("pddlink_client_errors", "Malformed client requests refused, by API", ["api"])
 
 # --- data plane ----------------------------------------------------------------------------------

@@ -46,6 +46,8 @@ class ClusterSpec:
     rld_capacity: int = 6
     rld_tpot_s: float = 0.02
     relay_min_wan_s: float = 0.15
+    recompute: bool = False  # the router may let MD prefill the missing suffix itself
+    admission: bool = False  # the router rejects what no option ends before its deadline
     deadline_s: float = 30.0
     tls: bool = True
     start_timeout_s: float = 120.0
@@ -197,6 +199,8 @@ class Cluster:
             str(s.deadline_s),
             "--tls-dir",
             str(self.pki_dir) if s.tls else "",
+            "--recompute" if s.recompute else "--no-recompute",
+            "--admission" if s.admission else "--no-admission",
         ]
         return [*argv, "--no-relay"] if not s.relay else argv
 

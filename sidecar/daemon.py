@@ -202,7 +202,10 @@ class Sidecar:
         if self.decoder is not None:
             out["pipelines"] = self.decoder.status()
         if self.prefiller is not None:
-            out["transfers"] = {"in_flight": self.prefiller.in_flight}
+            out["transfers"] = {
+                "in_flight": self.prefiller.in_flight,
+                "wan": self.prefiller.wan_book.to_json(),
+            }
             out["links"] = [p.stats() for p in self.peers if isinstance(p, KVPeer)]
         out["grpc_tls"] = self.caller_check.status() if self.caller_check is not None else None
         if self.drc is not None:

@@ -27,11 +27,13 @@ from netlab.lab import Lab
 from netlab.profile import parse_profile
 from sidecar.cluster import Cluster, ClusterSpec
 from sidecar.demo_load import RequestResult, replay
+from sidecar.demo_overload import offered_suffix_bytes_s, overload_line_mbit
 from sidecar.demo_report import document, plot, summarize, table
 from sidecar.demo_workload import DemoRequest, build_trace, demo_requests
 from sidecar.http import fetch
 
 VOCAB = 2048  # the reference engine's tiny preset
+KV_BYTES_PER_TOKEN = 2048
 
 
 def say(msg: str) -> None:
@@ -151,11 +153,9 @@ def main(
     rtt_ms: float,
     warmup: int,
     engine_mode: str = "thread",
+    scenario: str = "default",
 ) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="pddlink-demo-"))
-    spec = ClusterSpec(
-        work / "baseline", relay=False, line_mbit=line_mbit, rtt_ms=rtt_ms, engine_mode=engine_mode
-    )
     every = demo_requests(
         build_trace(
             requests=requests + warmup, rate_rps=rate_rps, seed=seed, workload=workload, trace_file=trace
@@ -166,6 +166,15 @@ def main(
     t_first = reqs[0].arrival_s
     reqs = [replace(r, index=i, arrival_s=r.arrival_s - t_first) for i, r in enumerate(reqs)]
     mean_prompt = sum(len(r.prompt) for r in reqs) / len(reqs)
+    overload = scenario == "wan-overload"
+    suffix_bytes_s = offered_suffix_bytes_s(warm, reqs, KV_BYTES_PER_TOKEN)
+    if overload:  # the line carries half of what the missing suffixes need
+        line_mbit = overload_line_mbit(suffix_bytes_s)
+    spec = ClusterSpec(
+        work / "baseline", relay=False, line_mbit=line_mbit, rtt_ms=rtt_ms, engine_mode=engine_mode
+    )
+    wan_load = suffix_bytes_s * 8 / 1e6 / line_mbit
+    say(f"scenario {scenario}: missing suffixes offer {wan_load:.2f}x the line's rate")
     say(
         f"workload: {len(reqs)} requests over {reqs[-1].arrival_s:.0f} s, mean prompt {mean_prompt:.0f}"
         f" tokens, {sum(r.sampling.max_tokens for r in reqs)} output tokens; "
@@ -181,9 +190,8 @@ def main(
     lab = Lab.up(parse_profile(wan_profile(spec), name="pddlink-demo"), name=f"demo{os.getpid() % 100000}")
     try:
         base_results, base_counters = run_once(lab, spec, warm, reqs, "P->MD baseline")
-        pdd_results, pdd_counters = run_once(
-            lab, replace(spec, run_dir=work / "pdd", relay=True), warm, reqs, "PDD"
-        )
+        pdd_spec = replace(spec, run_dir=work / "pdd", relay=True, recompute=overload, admission=overload)
+        pdd_results, pdd_counters = run_once(lab, pdd_spec, warm, reqs, "PDD")
     finally:
         lab.down()
     say("reference: one engine generating every request alone (separate process, float64)")
@@ -199,6 +207,10 @@ def main(
         "rate_rps": rate_rps,
         "engine_mode": engine_mode,
         "work_dir": str(work),
+        "scenario": scenario,
+        "wan_load": round(wan_load, 3),
+        "pdd_recompute": overload,
+        "pdd_admission": overload,
     }
     doc = document(base, pdd, setting)
     print(table(doc))

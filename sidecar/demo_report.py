@@ -24,12 +24,15 @@ def summarize(
     """One run's figures. Bytes and DRC hits come from the sidecars' own counters (``counters``:
     differences over the measured phase), so shipments that outlive their request count too."""
     ok = [r for r in results if r.outcome == "finished"]
+    rejected = sum(r.outcome == "rejected" for r in results)
     ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
     tokens = {"rld": 0, "md": 0}
     handoffs = {"one_shot": 0, "catch_up": 0}
     pipelines: dict[str, int] = {}
     fallbacks: dict[str, int] = {}
     prompt_tokens = cached = 0
+    p_blocks_tokens = p_cached = 0
+    decisions = {o: 0 for o in ("ship", "relay", "recompute", "relay_recompute", "singular", "rejected")}
     for r in results:
         for src, n in r.sources.items():
             tokens[src] = tokens.get(src, 0) + n
@@ -42,13 +45,22 @@ def summarize(
         if "md_cached_tokens" in t:
             prompt_tokens += t.get("prompt_tokens", 0)
             cached += t["md_cached_tokens"]
+        option = t.get("option", "ship" if t.get("pipeline") == "p_md" else t.get("pipeline", "?"))
+        option = {"p_rld_md": "relay"}.get(option, option)
+        decisions[option] = decisions.get(option, 0) + 1
+        if "p_cached_tokens" in t:  # P prefilled it: its own prefix cache's hit, in full blocks
+            p_blocks_tokens += t.get("prompt_tokens", 0) // 16 * 16
+            p_cached += t["p_cached_tokens"]
     mismatches = sum(1 for r in ok if r.tokens != reference[r.index])
     decode_s = sum(max(r.e2e_s - (r.ttft_s or 0.0), 1e-9) for r in ok)
     out_tokens = sum(len(r.tokens) for r in ok)
+    produced = tokens.get("rld", 0) + tokens.get("md", 0)
     return {
         "requests": len(results),
-        "failed": len(results) - len(ok),
-        "failures": sorted({r.reason for r in results if r.outcome != "finished"})[:5],
+        "failed": len(results) - len(ok) - rejected,
+        "rejected": rejected,
+        "decisions": decisions,
+        "failures": sorted({r.reason for r in results if r.outcome == "failed"})[:5],
         "token_mismatches": mismatches,
         "ttft_s": percentiles(ttft),
         "ttft_values": ttft,
@@ -63,6 +75,8 @@ def summarize(
         "drc_hit_rate": counters.get("drc_hit_blocks", 0.0)
         / max(counters.get("drc_lookup_blocks", 0.0), 1.0),
         "reservation_hit_rate": cached / prompt_tokens if prompt_tokens else 0.0,
+        "p_prefix_hit_rate": p_cached / p_blocks_tokens if p_blocks_tokens else 0.0,
+        "rld_token_share": tokens.get("rld", 0) / produced if produced else 0.0,
     }
 
 
@@ -114,6 +128,10 @@ def table(doc: dict[str, Any]) -> str:
         ("WAN bytes (MB)", f"{b['wan_bytes'] / 1e6:.1f}", f"{p['wan_bytes'] / 1e6:.1f}"),
         ("fast-path bytes (MB)", f"{b['fast_bytes'] / 1e6:.1f}", f"{p['fast_bytes'] / 1e6:.1f}"),
         ("DRC hit rate (MD's blocks)", f"{b['drc_hit_rate']:.3f}", f"{p['drc_hit_rate']:.3f}"),
+        ("P's prefix hit rate", f"{b['p_prefix_hit_rate']:.3f}", f"{p['p_prefix_hit_rate']:.3f}"),
+        ("RLD token share", f"{b['rld_token_share']:.1%}", f"{p['rld_token_share']:.1%}"),
+        ("decisions", _kv(b["decisions"]), _kv(p["decisions"])),
+        ("rejected (at once, by admission)", b["rejected"], p["rejected"]),
         ("failed", b["failed"], p["failed"]),
         ("token mismatches vs one engine alone", b["token_mismatches"], p["token_mismatches"]),
     ]

@@ -30,6 +30,7 @@ from pddlink.handoff import HandoffMode, HandoffSlice
 from pddlink.kv.hashing import BlockHasher
 from pddlink.transport import KVClient
 from pddlink.wire import KVLayoutSpec, Reserve, ReserveAnswer, TransferBegin
+from sidecar.backlog import WanBook
 from sidecar.engine_loop import EngineLoop
 from sidecar.handoff_wire import slice_to_wire
 from sidecar.peers import DecoderPeer, KVPeer, KVPeerPool
@@ -69,13 +70,17 @@ class Prefiller:
         layout = loop.engine.layout
         self.hasher = BlockHasher(layout.model_id, layout.block_size)
         self.in_flight = 0
+        self.wan_book = WanBook()  # what is queued toward MD (the router's link estimate reads it)
 
     async def prefill(self, job: PrefillJob) -> dict[str, Any]:
         self.in_flight += 1
+        if job.ship_to_md:
+            self.wan_book.will_ship(job.request_id)
         try:
             return await self._prefill(job)
         finally:
             self.in_flight -= 1
+            self.wan_book.ended(job.request_id)
 
     async def _prefill(self, job: PrefillJob) -> dict[str, Any]:
         now = time.monotonic()
@@ -200,11 +205,16 @@ class Prefiller:
         deadline: float,
         reply: dict[str, Any],
     ) -> None:
+        picked: KVPeer | None = None
+        payload = memoryview(b"")
         try:
             cached_blocks = await reservation
             reply["md_cached_tokens"] = cached_blocks * kv.layout.block_size
             begin, payload = self._begin(job, kv, cached_blocks, hashes, deadline)
+            self.wan_book.started(job.request_id, begin.total_bytes)
             link = self.md_kv.pick()
+            link.in_flight_bytes += len(payload)  # so the next transfer picks another link
+            picked = link
             client = await link.client(deadline)
             before = client.stats().retransmits
             result = await self._send(link, begin, payload, deadline)
@@ -227,6 +237,10 @@ class Prefiller:
                 reservation.cancel()
             reply["md_error"] = _reason(exc)
             metrics.TRANSFER_ABORTS.labels(reason=_reason_code(exc)).inc()
+        finally:
+            self.wan_book.ended(job.request_id)
+            if picked is not None:
+                picked.in_flight_bytes -= len(payload)
 
 
 def _reason_code(exc: BaseException) -> str:

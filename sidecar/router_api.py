@@ -27,6 +27,7 @@ import grpc
 from engines_adapter import SamplingParams
 from pddlink import metrics
 from pddlink.errors import InvalidInput
+from sidecar.admission import Overloaded, grpc_rejection, http_rejection, primed
 from sidecar.grpc_tls import bind, new_server
 from sidecar.http import Request, Response, error_response, json_response, serve_http
 from sidecar.router import Router, RouterConfig
@@ -123,6 +124,10 @@ class RouterApi:
             metrics.CLIENT_ERRORS.labels(api="http").inc()
             return error_response(400, exc.message)
         gen = self.router.generate(prompt, sampling, deadline_s=deadline_s, pipeline=pipeline)
+        try:
+            gen = await primed(gen)  # admission happens before the first event
+        except Overloaded as exc:
+            return http_rejection(exc)
         created = int(time.time())
         if stream:
             return Response(200, self._sse(gen, created), "text/event-stream")
@@ -198,6 +203,9 @@ class RouterService(pb2_grpc.RouterServicer):  # type: ignore[misc,name-defined]
         except InvalidInput as exc:
             metrics.CLIENT_ERRORS.labels(api="grpc").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.message)
+            return
+        except Overloaded as exc:
+            await grpc_rejection(context, exc)
             return
         ev = first
         while True:

@@ -24,6 +24,14 @@ import click
     "plot_path",
     help="TTFT plot (PNG) [next to --json FILE, else out/pddlink-demo-ttft.png].",
 )
+@click.option(
+    "--scenario",
+    type=click.Choice(["default", "wan-overload"]),
+    default="default",
+    show_default=True,
+    help="wan-overload: the line sized to carry half of what the missing suffixes need (PDD with "
+    "recompute and admission); any --trace/--workload replays in that regime.",
+)
 @click.option("--seed", default=1, show_default=True, help="Workload seed.")
 @click.option("--line-mbit", default=16.0, show_default=True, help="WAN line rate.")
 @click.option("--rtt-ms", default=20.0, show_default=True, help="WAN round-trip time.")
@@ -42,6 +50,7 @@ def command(
     workload: str | None,
     json_path: str | None,
     plot_path: str | None,
+    scenario: str,
     seed: int,
     line_mbit: float,
     rtt_ms: float,
@@ -75,4 +84,5 @@ def command(
         rtt_ms=rtt_ms,
         warmup=warmup,
         engine_mode=engine_mode,
+        scenario=scenario,
     )

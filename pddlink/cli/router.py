@@ -58,6 +58,17 @@ def _load(config_path: str | None, flags: dict[str, Any]) -> tuple[Any, dict[str
     "--no-relay", is_flag=True, default=None, help="Cross-datacenter PD baseline: every request P->MD."
 )
 @click.option("--relay-min-wan-s", type=float, help="Relay when the WAN estimate is longer [0.15].")
+@click.option(
+    "--recompute/--no-recompute", default=None, help="MD may prefill the missing suffix itself [on]."
+)
+@click.option(
+    "--admission/--no-admission",
+    default=None,
+    help="Reject at once (503 / RESOURCE_EXHAUSTED) what no option ends before its deadline [on].",
+)
+@click.option("--md-prefill-tokens-per-s", type=float, help="MD's prefill speed to start from [3300].")
+@click.option("--p-prefill-tokens-per-s", type=float, help="P's prefill speed to start from [3300].")
+@click.option("--md-tpot-s", type=float, help="MD's time per output token, for deadlines [0.02].")
 @click.option("--rld-capacity", type=int, help="Requests at which RLD's load is 1.0 [8].")
 @click.option("--rld-tpot-s", type=float, help="RLD's time per output token, for the singular test [0.02].")
 @click.option("--singular-max-tokens", type=int, help="Only outputs this short may end on RLD [4].")
