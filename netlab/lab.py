@@ -177,14 +177,16 @@ class Lab:
         """The network namespace of ``dc`` ('' in loopback mode)."""
         return self._state.netns.get(_check_dc(dc), "")
 
-    def endpoint(self, dc: str, port: int, proto: str = "tcp") -> tuple[str, int]:
-        """Where the *other* datacenter reaches ``dc``'s ``port`` across the WAN."""
+    def endpoint(self, dc: str, port: int, proto: str = "tcp", listen_port: int = 0) -> tuple[str, int]:
+        """Where the *other* datacenter reaches ``dc``'s ``port`` across the WAN (loopback mode: a
+        relay port, ``listen_port`` if given)."""
         _check_dc(dc)
         if self.mode == "netns":
             return self.addr(dc), port
         key = (dc, port, proto)
         if key not in self._forward_cache:
-            reply = self._control({"op": "forward", "dc": dc, "port": port, "proto": proto})
+            req = {"op": "forward", "dc": dc, "port": port, "proto": proto, "listen_port": listen_port}
+            reply = self._control(req)
             self._forward_cache[key] = int(reply["listen_port"])
         return "127.0.0.1", self._forward_cache[key]
 

@@ -74,11 +74,11 @@ class DelayLine:
 class UdpForward:
     """127.0.0.1:listen_port -> 127.0.0.1:port, datagram by datagram through the model."""
 
-    def __init__(self, relay: LoopbackRelay, dc: str, port: int) -> None:
+    def __init__(self, relay: LoopbackRelay, dc: str, port: int, listen_port: int = 0) -> None:
         self.relay, self.port = relay, port
         self.req_dir, self.rep_dir = toward(dc)
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.sock.bind(("127.0.0.1", 0))
+        self.sock.bind(("127.0.0.1", listen_port))
         self.sock.setblocking(False)
         self.listen_port: int = self.sock.getsockname()[1]
         self.sessions: dict[tuple[str, int], socket.socket] = {}
@@ -113,10 +113,10 @@ class UdpForward:
 class TcpForward:
     """127.0.0.1:listen_port -> 127.0.0.1:port, each connection's byte stream shaped both ways."""
 
-    def __init__(self, relay: LoopbackRelay, dc: str, port: int) -> None:
+    def __init__(self, relay: LoopbackRelay, dc: str, port: int, listen_port: int = 0) -> None:
         self.relay, self.port = relay, port
         self.req_dir, self.rep_dir = toward(dc)
-        self.sock = socket.create_server(("127.0.0.1", 0), backlog=128)
+        self.sock = socket.create_server(("127.0.0.1", listen_port), backlog=128)
         self.listen_port = self.sock.getsockname()[1]
         self.tasks: set[asyncio.Task[None]] = set()
         relay.spawn(asyncio.start_server(self._accepted, sock=self.sock, limit=TCP_CHUNK_BYTES))
@@ -150,12 +150,17 @@ class LoopbackRelay:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def forward(self, proto: str, dc: str, port: int) -> int:
+    def forward(self, proto: str, dc: str, port: int, listen_port: int = 0) -> int:
+        """The relay port for ``(proto, dc, port)``: ``listen_port`` when given (pinned, so that
+        configuration files can name it), any free port otherwise."""
         key = (proto, dc, port)
         if key not in self.forwards:
             cls = UdpForward if proto == "udp" else TcpForward
-            self.forwards[key] = cls(self, dc, port)
-        return self.forwards[key].listen_port
+            self.forwards[key] = cls(self, dc, port, listen_port)
+        have = self.forwards[key].listen_port
+        if listen_port and have != listen_port:
+            raise ValueError(f"{proto}:{dc}:{port} is already relayed on port {have}")
+        return have
 
     def pass_datagram(self, direction: str, data: bytes, send: Callable[[bytes], object]) -> None:
         now = self.loop.time()
@@ -221,7 +226,15 @@ def loopback_handler(relay: LoopbackRelay, base: Callable[[dict[str, Any]], dict
             return {"ok": False, "error": "forward needs proto tcp|udp and dc dc-a|dc-b"}
         if not isinstance(port, int) or not 0 < port < 65536:
             return {"ok": False, "error": f"forward port {port!r} must be 1-65535"}
-        return {"ok": True, "listen_port": relay.forward(proto, dc, port)}
+        listen = req.get("listen_port", 0)
+        if not isinstance(listen, int) or not 0 <= listen < 65536:
+            return {"ok": False, "error": f"forward listen_port {listen!r} must be 0-65535"}
+        try:
+            return {"ok": True, "listen_port": relay.forward(proto, dc, port, listen)}
+        except OSError as exc:
+            return {"ok": False, "error": f"relay port {listen}: {exc.strerror}"}
+        except ValueError as exc:
+            return {"ok": False, "error": str(exc)}
 
     return handle
 

@@ -1,7 +1,15 @@
 """A small HTTP/1.1 server on asyncio streams (h11 does the protocol): admin endpoints and the
 router's OpenAI-style API. A handler gets a ``Request`` and returns a ``Response`` whose body is
 bytes or an async iterator of bytes (sent chunked: server-sent events). One request per connection
-at a time; keep-alive supported; every read has a timeout.
+at a time; keep-alive supported.
+
+Bounded by ``HttpLimits``: the whole request head must arrive within ``header_timeout_s`` and the
+whole body within ``body_timeout_s`` (total deadlines, not per read, so a client that trickles a
+byte at a time is cut off); a body larger than ``max_body_bytes`` is refused with 413 as soon as
+its ``Content-Length`` (or the bytes read so far) say so; request bodies buffered at once over
+all connections stay under ``body_budget_bytes`` (503 with ``Retry-After`` beyond it), so many large
+slow uploads cannot grow memory without bound. An optional ``gate`` admits or refuses each new
+connection (caps per client and in total).
 """
 
 from __future__ import annotations
@@ -11,6 +19,7 @@ import contextlib
 import http.client
 import json
 import socket
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +28,17 @@ import h11
 
 MAX_BODY_BYTES = 8 << 20
 READ_TIMEOUT_S = 30.0
+MAX_HEAD_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class HttpLimits:
+    max_body_bytes: int = MAX_BODY_BYTES
+    body_budget_bytes: int = 256 << 20
+    header_timeout_s: float = READ_TIMEOUT_S
+    body_timeout_s: float = READ_TIMEOUT_S
+    idle_timeout_s: float = 60.0
+    retry_after_s: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +47,14 @@ class Request:
     path: str
     query: str
     body: bytes
+    headers: tuple[tuple[str, str], ...] = ()  # names in lower case
+    peer: str = ""  # the client's address ("" on a unix socket)
+
+    def header(self, name: str) -> str | None:
+        for k, v in self.headers:
+            if k == name:
+                return v
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,28 +66,64 @@ class Response:
 
 
 Handler = Callable[[Request], Awaitable[Response]]
+Gate = Callable[[str], "Response | None"]
 
 
-def json_response(status: int, obj: Any) -> Response:
-    return Response(status, json.dumps(obj).encode() + b"\n")
+def json_response(status: int, obj: Any, headers: tuple[tuple[str, str], ...] = ()) -> Response:
+    return Response(status, json.dumps(obj).encode() + b"\n", headers=headers)
 
 
-def error_response(status: int, message: str, kind: str = "invalid_request_error") -> Response:
-    return json_response(status, {"error": {"message": message, "type": kind, "code": status}})
+def error_response(
+    status: int, message: str, kind: str = "invalid_request_error", retry_after_s: int = 0
+) -> Response:
+    headers = (("retry-after", str(retry_after_s)),) if retry_after_s else ()
+    return json_response(status, {"error": {"message": message, "type": kind, "code": status}}, headers)
+
+
+class _Refused(Exception):
+    """Ends a connection after answering ``response`` (a limit was hit while reading)."""
+
+    def __init__(self, response: Response) -> None:
+        self.response = response
+
+
+@dataclass(slots=True)
+class _Budget:
+    """Body bytes buffered now, over every connection of one server."""
+
+    limit: int
+    used: int = 0
+
+    def take(self, n: int) -> bool:
+        if self.used + n > self.limit:
+            return False
+        self.used += n
+        return True
+
+    def give(self, n: int) -> None:
+        self.used -= n
 
 
 class _Conn:
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, handler: Handler) -> None:
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        handler: Handler,
+        limits: HttpLimits,
+        budget: _Budget,
+        peer: str,
+    ) -> None:
         self.reader, self.writer, self.handler = reader, writer, handler
-        self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=64 * 1024)
+        self.limits, self.budget, self.peer = limits, budget, peer
+        self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
 
     async def _next_event(self) -> Any:
         while True:
             ev = self.h11.next_event()
             if ev is not h11.NEED_DATA:
                 return ev
-            data = await asyncio.wait_for(self.reader.read(65536), READ_TIMEOUT_S)
-            self.h11.receive_data(data)
+            self.h11.receive_data(await self.reader.read(65536))
 
     async def _send(self, ev: Any) -> None:
         data = self.h11.send(ev)
@@ -67,37 +131,96 @@ class _Conn:
             self.writer.write(data)
             await self.writer.drain()
 
+    async def _head(self) -> Any:
+        lim = self.limits
+        if not self.h11.trailing_data[0]:  # idle keep-alive: wait for the next request's first byte
+            data = await asyncio.wait_for(self.reader.read(65536), lim.idle_timeout_s)
+            self.h11.receive_data(data)
+        async with asyncio.timeout(lim.header_timeout_s):
+            return await self._next_event()
+
+    async def _body(self, ev: h11.Request) -> bytearray:
+        lim = self.limits
+        length = dict(ev.headers).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > lim.max_body_bytes:
+            raise _Refused(error_response(413, f"request body too large (limit {lim.max_body_bytes} bytes)"))
+        body = bytearray()
+        try:
+            async with asyncio.timeout(lim.body_timeout_s):
+                while True:
+                    part = await self._next_event()
+                    if isinstance(part, h11.EndOfMessage):
+                        return body
+                    if not isinstance(part, h11.Data):
+                        raise _Refused(error_response(400, "malformed request body"))
+                    if len(body) + len(part.data) > lim.max_body_bytes:
+                        raise _Refused(
+                            error_response(413, f"request body too large (limit {lim.max_body_bytes} bytes)")
+                        )
+                    if not self.budget.take(len(part.data)):
+                        raise _Refused(
+                            error_response(
+                                503,
+                                "the server is buffering too many request bodies",
+                                "server_busy",
+                                lim.retry_after_s,
+                            )
+                        )
+                    body += part.data
+        except BaseException:
+            self.budget.give(len(body))
+            raise
+
     async def serve(self) -> None:
         while True:
-            ev = await self._next_event()
-            if isinstance(ev, h11.ConnectionClosed) or ev is h11.PAUSED:
-                return
+            ev = await self._head()  # TimeoutError: the connection closes without an answer
             if not isinstance(ev, h11.Request):
                 return
-            body = bytearray()
-            while True:
-                part = await self._next_event()
-                if isinstance(part, h11.Data):
-                    body += part.data
-                    if len(body) > MAX_BODY_BYTES:
-                        await self._respond(error_response(413, "request body too large"))
-                        return
-                elif isinstance(part, h11.EndOfMessage):
-                    break
-                else:
-                    return
-            target = ev.target.decode("latin-1")
-            path, _, query = target.partition("?")
             try:
-                resp = await self.handler(Request(ev.method.decode(), path, query, bytes(body)))
-            except Exception as exc:  # a handler bug answers 500 instead of dropping the connection
-                resp = error_response(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
-            await self._respond(resp)
+                body = await self._body(ev)
+            except _Refused as refused:
+                await self._respond(refused.response)
+                await self._discard()
+                return
+            except TimeoutError:
+                await self._respond(error_response(408, "request body not received in time"))
+                return
+            try:
+                await self._dispatch(ev, bytes(body))
+            finally:
+                self.budget.give(len(body))
             if self.h11.our_state is h11.MUST_CLOSE:
                 return
             self.h11.start_next_cycle()
 
+    async def _discard(self) -> None:
+        """After refusing a body: read (and drop) what the client still sends, briefly, so that
+        closing does not reset the connection before the client has read the answer."""
+        with contextlib.suppress(TimeoutError, ConnectionError, OSError):
+            async with asyncio.timeout(1.0):
+                left = 16 << 20
+                while left > 0 and (data := await self.reader.read(65536)):
+                    left -= len(data)
+
+    async def refuse(self, resp: Response) -> None:
+        """Answer the first request with ``resp`` without reading its body, then close."""
+        if isinstance(await self._head(), h11.Request):
+            await self._respond(resp)
+
+    async def _dispatch(self, ev: h11.Request, body: bytes) -> None:
+        target = ev.target.decode("latin-1")
+        path, _, query = target.partition("?")
+        headers = tuple((k.decode("latin-1").lower(), v.decode("latin-1")) for k, v in ev.headers)
+        req = Request(ev.method.decode("latin-1"), path, query, body, headers, self.peer)
+        try:
+            resp = await self.handler(req)
+        except Exception as exc:  # a handler bug answers 500 instead of dropping the connection
+            resp = error_response(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
+        await self._respond(resp)
+
     async def _respond(self, resp: Response) -> None:
+        if self.h11.our_state is not h11.SEND_RESPONSE:
+            return  # the head was never read whole: nothing to answer on this connection
         headers = [("content-type", resp.content_type), *resp.headers]
         if isinstance(resp.body, bytes):
             headers.append(("content-length", str(len(resp.body))))
@@ -107,31 +230,60 @@ class _Conn:
         else:
             headers.append(("cache-control", "no-cache"))
             await self._send(h11.Response(status_code=resp.status, headers=headers))
-            async for chunk in resp.body:
-                await self._send(h11.Data(data=chunk))
+            body = resp.body
+            try:
+                async for chunk in body:
+                    await self._send(h11.Data(data=chunk))
+            finally:
+                aclose = getattr(body, "aclose", None)
+                if aclose is not None:
+                    await aclose()  # the client left mid-stream: the generator cancels its request
         await self._send(h11.EndOfMessage())
 
 
 async def serve_http(
-    handler: Handler, *, host: str = "", port: int | None = None, unix: str = ""
+    handler: Handler,
+    *,
+    host: str = "",
+    port: int | None = None,
+    unix: str = "",
+    limits: HttpLimits | None = None,
+    tls: ssl.SSLContext | None = None,
+    gate: Gate | None = None,
+    ungate: Callable[[str], None] | None = None,
 ) -> list[asyncio.Server]:
-    """Listen on ``host:port`` (if port is not None; 0: any free port) and on the unix socket ``unix``."""
+    """Listen on ``host:port`` (if port is not None; 0: any free port) and on the unix socket ``unix``.
+    ``tls`` applies to the TCP port; ``gate(peer)`` may refuse a new TCP connection with a response."""
+    lim = limits or HttpLimits()
+    budget = _Budget(lim.body_budget_bytes)
 
     async def on_client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        addr = writer.get_extra_info("peername")
+        peer = addr[0] if isinstance(addr, tuple) else ""
+        gated = False
         try:
-            await _Conn(reader, writer, handler).serve()
-        except (TimeoutError, ConnectionError, h11.ProtocolError):
+            conn = _Conn(reader, writer, handler, lim, budget, peer)
+            if gate is not None and peer:
+                refused = gate(peer)
+                if refused is not None:
+                    await conn.refuse(refused)
+                    return
+                gated = True
+            await conn.serve()
+        except (TimeoutError, ConnectionError, h11.ProtocolError, ssl.SSLError):
             pass
         finally:
+            if gated and ungate is not None:
+                ungate(peer)
             writer.close()
-            with contextlib.suppress(OSError, TimeoutError):
-                await asyncio.wait_for(writer.wait_closed(), READ_TIMEOUT_S)
+            with contextlib.suppress(OSError, TimeoutError, ssl.SSLError):
+                await asyncio.wait_for(writer.wait_closed(), 5.0)
 
     servers = []
     if port is not None:
-        servers.append(await asyncio.start_server(on_client, host or None, port, limit=1 << 20))
+        servers.append(await asyncio.start_server(on_client, host or None, port, limit=1 << 16, ssl=tls))
     if unix:
-        servers.append(await asyncio.start_unix_server(on_client, unix, limit=1 << 20))
+        servers.append(await asyncio.start_unix_server(on_client, unix, limit=1 << 16))
     return servers
 
 

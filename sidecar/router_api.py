@@ -1,14 +1,20 @@
-"""The router's client APIs: gRPC ``Router.Generate`` (server streaming) and an HTTP endpoint in
-the style of OpenAI's completions API (``POST /v1/completions``, ``"stream": true`` for server-sent
-events), plus GET /metrics, /healthz, /status. Malformed requests get a 4xx with a message naming
-the problem and change nothing (no request id is taken, no sidecar is contacted).
+"""The router's client APIs: gRPC ``Router.Generate`` (server streaming) and an HTTP API in the
+shape of vLLM's OpenAI-compatible server (``/v1/completions``, ``/v1/chat/completions``,
+``/v1/models``; ``"stream": true`` for server-sent events), plus GET /metrics, /healthz, /status.
+
+Every request is validated whole by one schema (``sidecar.openai_schema``) before any work starts:
+a bad field gets 400 (gRPC ``INVALID_ARGUMENT``) naming it, and nothing changes (no request id is
+taken, no sidecar is contacted). Then ``ClientGuard`` (``[api]`` settings) admits it or refuses it at
+once: 401 without a valid API key (gRPC ``UNAUTHENTICATED``), 429 over the client's rate, 503 when
+the router runs its limit of concurrent requests (gRPC ``RESOURCE_EXHAUSTED`` / ``UNAVAILABLE``),
+with ``Retry-After``. Responses are built by ``sidecar.openai_api``.
 
 With ``tls_dir`` the gRPC port takes mutual TLS 1.3 (clients hold a certificate of the
-deployment's CA); the unix socket (``--unix``) stays plaintext for local clients, guarded by its
-file mode (0600); the HTTP endpoint is plaintext.
+deployment's CA) and, with ``api.http_mtls``, so does the HTTP port. The unix sockets (``--unix``)
+stay plaintext and keyless for local clients, guarded by their file mode (0600).
 
-Prompts are token ids (a list of ints, as the OpenAI API allows); a string prompt is taken as
-UTF-8 bytes, one token per byte (id = byte + 1): there is no tokenizer in the reference engine.
+Prompts are token ids or text; text needs ``api.tokenizer`` (a model directory), else it is taken
+as UTF-8 bytes, one token per byte (id = byte + 1), and ``text`` in the answers stays empty.
 """
 
 from __future__ import annotations
@@ -24,218 +30,279 @@ from typing import Any
 
 import grpc
 
-from engines_adapter import SamplingParams
 from pddlink import metrics
-from pddlink.errors import InvalidInput
-from sidecar.admission import Overloaded, grpc_rejection, http_rejection, primed
+from pddlink.errors import ConfigError, InvalidInput
+from sidecar.admission import Overloaded, grpc_rejection, http_rejection
+from sidecar.client_guard import ApiConfig, ClientGuard, Refusal
 from sidecar.grpc_tls import bind, new_server
-from sidecar.http import Request, Response, error_response, json_response, serve_http
+from sidecar.http import HttpLimits, Request, Response, json_response, serve_http
+from sidecar.openai_api import Responder, error_body, models_body
+from sidecar.openai_schema import Endpoint, Job, Limits, RequestRefused, completion_job, generate_job
+from sidecar.openai_text import TextCodec
 from sidecar.router import Router, RouterConfig
 from sidecar.rpc import stubs
-from sidecar.sampling_pb import sampling_from_pb
 
 pb2, pb2_grpc = stubs()
 
-COMPLETION_FIELDS = {
-    "model",
-    "prompt",
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "seed",
-    "stop_token_ids",
-    "stream",
-    "deadline_s",
-    "pipeline",
-    "user",
-}
+PATHS = {"/v1/completions": Endpoint.COMPLETIONS, "/v1/chat/completions": Endpoint.CHAT}
 
 
-def parse_completion(body: bytes) -> tuple[list[int], SamplingParams, bool, float, str]:
-    """(prompt ids, sampling, stream, deadline_s, pipeline) from a request body; ``InvalidInput`` else."""
-    try:
-        obj = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise InvalidInput(f"body is not valid JSON: {exc}") from None
-    if not isinstance(obj, dict):
-        raise InvalidInput("body must be a JSON object")
-    unknown = set(obj) - COMPLETION_FIELDS
-    if unknown:
-        raise InvalidInput(f"unknown field(s): {', '.join(sorted(unknown))}")
-    prompt = obj.get("prompt")
-    if isinstance(prompt, str):
-        ids = [b + 1 for b in prompt.encode()]
-    elif isinstance(prompt, list) and all(type(t) is int for t in prompt):
-        ids = list(prompt)
-    else:
-        raise InvalidInput('"prompt" is required: a string or a list of token ids (ints)')
-    if not ids:
-        raise InvalidInput('"prompt" must not be empty')
+def limits_of(cfg: RouterConfig) -> Limits:
+    return Limits(cfg.vocab_size, cfg.max_prompt_tokens, cfg.max_tokens_limit)
 
-    def num(name: str, kind: type, default: Any) -> Any:
-        v = obj.get(name, default)
-        if kind is float and type(v) is int:
-            v = float(v)
-        if type(v) is not kind:
-            raise InvalidInput(f'"{name}" must be {kind.__name__}, got {v!r}')
-        return v
 
-    stops = obj.get("stop_token_ids", [])
-    if not isinstance(stops, list) or not all(type(t) is int for t in stops):
-        raise InvalidInput('"stop_token_ids" must be a list of ints')
-    sampling = SamplingParams(
-        seed=num("seed", int, 0),
-        temperature=num("temperature", float, 0.0),
-        top_k=num("top_k", int, 0),
-        top_p=num("top_p", float, 1.0),
-        max_tokens=num("max_tokens", int, 16),
-        stop_token_ids=tuple(stops),
-    )
-    stream = num("stream", bool, False)
-    deadline_s = num("deadline_s", float, 0.0)
-    pipeline = num("pipeline", str, "")
-    return ids, sampling, stream, deadline_s, pipeline
+def _error(
+    status: int, message: str, kind: str, param: str | None = None, retry_after_s: int = 0
+) -> Response:
+    headers = (("retry-after", str(retry_after_s)),) if retry_after_s else ()
+    return json_response(status, error_body(message, kind, status, param or None), headers)
+
+
+def _refused(r: Refusal) -> Response:
+    extra = (("www-authenticate", "Bearer"),) if r.status == 401 else ()
+    resp = _error(r.status, r.message, r.kind, retry_after_s=r.retry_after_s)
+    return Response(resp.status, resp.body, resp.content_type, resp.headers + extra)
 
 
 class RouterApi:
-    def __init__(self, router: Router) -> None:
+    def __init__(
+        self,
+        router: Router,
+        api: ApiConfig | None = None,
+        codec: TextCodec | None = None,
+        guard: ClientGuard | None = None,
+    ) -> None:
         self.router = router
+        self.api = api or ApiConfig()
+        self.codec = codec
+        self.guard = guard or ClientGuard(self.api)
+        self.limits = limits_of(router.cfg)
+        self.eos = codec.eos_token_id if codec is not None else None
+        self.created = int(time.time())
+
+    def http_limits(self) -> HttpLimits:
+        a = self.api
+        return HttpLimits(
+            a.max_body_bytes,
+            a.body_budget_bytes,
+            a.header_timeout_s,
+            a.body_timeout_s,
+            a.idle_timeout_s,
+            a.retry_after_s,
+        )
+
+    def gate(self, peer: str) -> Response | None:
+        refusal = self.guard.open_connection(peer)
+        return None if refusal is None else _refused(refusal)
 
     async def http(self, req: Request) -> Response:
+        if req.method == "GET" and req.path == "/healthz":
+            return json_response(200, {"ok": True})
+        client = self.guard.authenticate(req.header("authorization"), req.peer) if req.peer else "local"
+        if isinstance(client, Refusal):
+            metrics.CLIENT_ERRORS.labels(api="http").inc()
+            return _refused(client)
         if req.method == "GET" and req.path == "/metrics":
             body, ctype = metrics.render()
             return Response(200, body, ctype)
-        if req.method == "GET" and req.path == "/healthz":
-            return json_response(200, {"ok": True})
         if req.method == "GET" and req.path == "/status":
             return json_response(200, self.router.status())
-        if req.path == "/v1/completions":
+        if req.path == "/v1/models":
+            if req.method != "GET":
+                return _error(405, "use GET for /v1/models", "MethodNotAllowed")
+            cfg = self.router.cfg
+            root = self.api.tokenizer or self.api.model
+            return json_response(
+                200,
+                models_body(self.api.model, root, cfg.max_prompt_tokens + cfg.max_tokens_limit, self.created),
+            )
+        endpoint = PATHS.get(req.path)
+        if endpoint is not None:
             if req.method != "POST":
-                return error_response(405, "use POST for /v1/completions")
-            return await self._completion(req)
-        return error_response(404, f"no such endpoint: {req.method} {req.path}")
+                return _error(405, f"use POST for {req.path}", "MethodNotAllowed")
+            return await self._generate(req, endpoint, client)
+        return _error(404, f"no such endpoint: {req.method} {req.path}", "NotFoundError")
 
-    async def _completion(self, req: Request) -> Response:
+    def parse(self, body: bytes, endpoint: Endpoint) -> Job:
+        """The validated job, or ``RequestRefused`` / ``InvalidInput`` (both answer 400)."""
+        job = completion_job(body, endpoint, self.limits, self.codec, self.eos)
+        deadline_s = job.deadline_s or self.router.cfg.deadline_s
+        for prompt in job.prompts:
+            self.router.validate(list(prompt), job.sampling, deadline_s, job.pipeline)
+        return job
+
+    async def _generate(self, req: Request, endpoint: Endpoint, client: str) -> Response:
         try:
-            prompt, sampling, stream, deadline_s, pipeline = parse_completion(req.body)
-            self.router.validate(prompt, sampling, deadline_s or self.router.cfg.deadline_s, pipeline)
+            job = self.parse(req.body, endpoint)
         except InvalidInput as exc:
             metrics.CLIENT_ERRORS.labels(api="http").inc()
-            return error_response(400, exc.message)
-        gen = self.router.generate(prompt, sampling, deadline_s=deadline_s, pipeline=pipeline)
+            return _error(400, exc.message, "BadRequestError", getattr(exc, "param", None))
+        if job.model and job.model != self.api.model:
+            return _error(
+                404,
+                f"The model `{job.model}` does not exist. Valid aliases: {self.api.model}.",
+                "NotFoundError",
+                "model",
+            )
+        refusal = self.guard.admit(client, time.monotonic())
+        if refusal is not None:
+            return _refused(refusal)
+        responder = Responder(self.router, job, self.api.model, self.codec, self.eos)
         try:
-            gen = await primed(gen)  # admission happens before the first event
+            await responder.admit()  # the router's admission answers before any byte of the reply
         except Overloaded as exc:
+            self.guard.release()
             return http_rejection(exc)
-        created = int(time.time())
-        if stream:
-            return Response(200, self._sse(gen, created), "text/event-stream")
-        tokens: list[int] = []
-        final: dict[str, Any] = {}
-        async for ev in gen:
-            if ev.get("done"):
-                final = ev
-            else:
-                tokens.append(ev["token_id"])
-        status = 200 if final.get("outcome") == "finished" else 503
-        return json_response(
-            status,
-            {
-                "id": final.get("request_id"),
-                "object": "text_completion",
-                "created": created,
-                "model": "pddlink",
-                "choices": [{"index": 0, "token_ids": tokens, "text": "", "finish_reason": _finish(final)}],
-                "pddlink": final.get("trace", {}),
-            },
-        )
+        except BaseException:
+            self.guard.release()
+            raise
+        if job.stream:
+            return Response(200, self._released(responder.events()), "text/event-stream")
+        try:
+            status, obj = await responder.body()
+        finally:
+            self.guard.release()
+        return json_response(status, obj)
 
-    async def _sse(self, gen: AsyncIterator[dict[str, Any]], created: int) -> AsyncIterator[bytes]:
-        async for ev in gen:
-            if ev.get("done"):
-                chunk = {
-                    "id": ev["request_id"],
-                    "object": "text_completion",
-                    "created": created,
-                    "choices": [{"index": 0, "text": "", "token_ids": [], "finish_reason": _finish(ev)}],
-                    "pddlink": ev["trace"],
-                }
-                yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
-                yield b"data: [DONE]\n\n"
-                return
-            chunk = {
-                "object": "text_completion",
-                "created": created,
-                "choices": [
-                    {
-                        "index": 0,
-                        "text": "",
-                        "token_ids": [ev["token_id"]],
-                        "position": ev["position"],
-                        "source": ev["source"],
-                        "finish_reason": None,
-                    }
-                ],
-            }
-            yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
+    async def _released(self, events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in events:
+                yield chunk
+        finally:
+            await events.aclose()  # type: ignore[attr-defined]
+            self.guard.release()
 
 
-def _finish(final: dict[str, Any]) -> str:
-    return "stop" if final.get("outcome") == "finished" else f"error: {final.get('reason', '')}"
+_GRPC_REFUSAL = {401: grpc.StatusCode.UNAUTHENTICATED, 429: grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 
 class RouterService(pb2_grpc.RouterServicer):  # type: ignore[misc,name-defined]
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: Router, guard: ClientGuard | None = None) -> None:
         self.router = router
+        self.guard = guard or ClientGuard(ApiConfig())
+        self.limits = limits_of(router.cfg)
+
+    async def _who(self, context: grpc.aio.ServicerContext[Any, Any]) -> str | None:
+        """The client id, or None after aborting with UNAUTHENTICATED (unix-socket callers are local)."""
+        peer = context.peer() or ""
+        if peer.startswith("unix:"):
+            return "local"
+        meta = dict(context.invocation_metadata() or ())
+        client = self.guard.authenticate(meta.get("authorization"), peer.rpartition(":")[0])
+        if isinstance(client, Refusal):
+            metrics.CLIENT_ERRORS.labels(api="grpc").inc()
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, client.message)
+            return None
+        return client
 
     async def Generate(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
+        client = await self._who(context)
+        if client is None:
+            return
         try:
-            sampling = sampling_from_pb(request.sampling)
-            gen = self.router.generate(
-                list(request.prompt),
-                sampling,
-                deadline_s=request.deadline_s,
-                pipeline=request.pipeline,
-                request_id=request.request_id,
-            )
-            first = await gen.__anext__()  # validation happens before the first event
-        except InvalidInput as exc:
+            job = generate_job(_generate_fields(request), self.limits)
+        except RequestRefused as exc:
             metrics.CLIENT_ERRORS.labels(api="grpc").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.message)
             return
-        except Overloaded as exc:
-            await grpc_rejection(context, exc)
+        refusal = self.guard.admit(client, time.monotonic())
+        if refusal is not None:
+            context.set_trailing_metadata((("retry-after", str(refusal.retry_after_s)),))
+            await context.abort(
+                _GRPC_REFUSAL.get(refusal.status, grpc.StatusCode.UNAVAILABLE), refusal.message
+            )
             return
-        ev = first
-        while True:
-            if ev.get("done"):
-                yield pb2.GenerateEvent(
-                    done=True, outcome=ev["outcome"], reason=ev["reason"], trace_json=json.dumps(ev["trace"])
-                )
+        try:
+            gen = self.router.generate(
+                list(job.prompts[0]),
+                job.sampling,
+                deadline_s=job.deadline_s,
+                pipeline=job.pipeline,
+                request_id=job.request_id,
+            )
+            try:
+                first = await gen.__anext__()  # the router's own checks happen before the first event
+            except InvalidInput as exc:
+                metrics.CLIENT_ERRORS.labels(api="grpc").inc()
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.message)
                 return
-            yield pb2.GenerateEvent(position=ev["position"], token_id=ev["token_id"], source=ev["source"])
-            ev = await gen.__anext__()
+            except Overloaded as exc:
+                await grpc_rejection(context, exc)
+                return
+            ev = first
+            while True:
+                if ev.get("done"):
+                    yield pb2.GenerateEvent(
+                        done=True,
+                        outcome=ev["outcome"],
+                        reason=ev["reason"],
+                        trace_json=json.dumps(ev["trace"]),
+                    )
+                    return
+                yield pb2.GenerateEvent(position=ev["position"], token_id=ev["token_id"], source=ev["source"])
+                ev = await gen.__anext__()
+        finally:
+            self.guard.release()
 
     async def Status(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        if await self._who(context) is None:
+            return pb2.StatusReply()
         return pb2.StatusReply(json=json.dumps(self.router.status()))
 
 
-async def serve_router(cfg: RouterConfig, *, host: str, grpc_port: int, http_port: int, unix: str) -> None:
+def _generate_fields(r: Any) -> dict[str, Any]:
+    s = r.sampling
+    return {
+        "request_id": r.request_id,
+        "prompt": list(r.prompt),
+        "seed": int(s.seed),
+        "temperature": float(s.temperature),
+        "top_k": int(s.top_k),
+        "top_p": float(s.top_p),
+        "max_tokens": int(s.max_tokens),
+        "stop_token_ids": [int(t) for t in s.stop_token_ids],
+        "deadline_s": float(r.deadline_s),
+        "pipeline": r.pipeline,
+    }
+
+
+def load_codec(api: ApiConfig) -> TextCodec | None:
+    return TextCodec.load(api.tokenizer) if api.tokenizer else None
+
+
+async def serve_router(
+    cfg: RouterConfig, *, host: str, grpc_port: int, http_port: int, unix: str, api: ApiConfig | None = None
+) -> None:
+    api = api or ApiConfig()
+    codec = load_codec(api)  # before binding anything: a bad tokenizer directory is a config error
+    guard = ClientGuard.from_config(api)
     router = Router(cfg)
+    if api.http_mtls and router.tls is None:
+        raise ConfigError("api.http_mtls needs tls_dir (the deployment's PKI)")
     await router.start()
     server, router.caller_check = new_server(router.tls, local_plaintext=bool(unix))
-    pb2_grpc.add_RouterServicer_to_server(RouterService(router), server)
+    pb2_grpc.add_RouterServicer_to_server(RouterService(router, guard), server)
     bound = bind(server, f"{host}:{grpc_port}", router.tls)
     if unix:  # local clients (the demo, outside the lab's namespaces): guarded by file permissions
         bind(server, f"unix:{unix}.grpc", None)
     await server.start()
     if unix:
         os.chmod(f"{unix}.grpc", 0o600)
-    api = RouterApi(router)
-    http = await serve_http(api.http, host=host, port=http_port or None, unix=unix)
+    rapi = RouterApi(router, api, codec, guard)
+    tls = router.tls.server_context() if api.http_mtls and router.tls is not None else None
+    http = await serve_http(
+        rapi.http,
+        host=host,
+        port=http_port or None,
+        unix=unix,
+        limits=rapi.http_limits(),
+        tls=tls,
+        gate=rapi.gate,
+        ungate=guard.close_connection,
+    )
+    http_bound = http[0].sockets[0].getsockname()[1] if http_port else 0
     sys.stdout.write(
-        "READY " + json.dumps({"role": "router", "grpc_port": bound, "http_port": http_port}) + "\n"
+        "READY " + json.dumps({"role": "router", "grpc_port": bound, "http_port": http_bound}) + "\n"
     )
     sys.stdout.flush()
     stop = asyncio.Event()

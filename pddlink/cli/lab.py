@@ -35,7 +35,8 @@ relays on 127.0.0.1 ports forward to services on 127.0.0.1. Loopback limits: the
 every impairment per datagram; the TCP relay terminates TCP and applies only delay, rate and
 outages to the byte stream (no loss, reordering, duplication or corruption: TCP would hide them);
 both are single-threaded Python (roughly up to a few hundred Mbit/s); forwards are declared with
---forward PROTO:DC:PORT (dc-a processes reach dc-b's PORT through the printed relay port).
+--forward PROTO:DC:PORT[=RELAY] (dc-a processes reach dc-b's PORT through the printed relay port;
+=RELAY pins it, so that configuration files can name it once).
 """
 
 
@@ -47,14 +48,18 @@ def _emit(obj: dict[str, Any], as_json: bool) -> None:
             click.echo(f"{key}: {json.dumps(value)}")
 
 
-def _parse_forward(spec: str) -> tuple[str, str, int]:
+def _parse_forward(spec: str) -> tuple[str, str, int, int]:
+    """PROTO:DC:PORT[=LISTEN]: LISTEN pins the relay port (configuration files can then name it)."""
     try:
-        proto, dc, port = spec.split(":")
+        head, _, listen = spec.partition("=")
+        proto, dc, port = head.split(":")
         if proto not in ("tcp", "udp") or dc not in ("dc-a", "dc-b"):
             raise ValueError
-        return proto, dc, int(port)
+        return proto, dc, int(port), int(listen or 0)
     except ValueError:
-        raise InvalidInput(f"--forward {spec!r}: use PROTO:DC:PORT, e.g. udp:dc-b:4433") from None
+        raise InvalidInput(
+            f"--forward {spec!r}: use PROTO:DC:PORT[=RELAY_PORT], e.g. udp:dc-b:4433 or tcp:dc-b:7440=17440"
+        ) from None
 
 
 def _hostport(endpoint: tuple[str, int]) -> str:
@@ -80,7 +85,13 @@ def net() -> None:
 @NAME_OPTION
 @click.option("--mode", type=click.Choice(["auto", "netns", "loopback"]), default="auto", show_default=True)
 @click.option("--loopback", is_flag=True, help="Same as --mode loopback.")
-@click.option("--forward", "forwards", multiple=True, metavar="PROTO:DC:PORT", help="Loopback relay port.")
+@click.option(
+    "--forward",
+    "forwards",
+    multiple=True,
+    metavar="PROTO:DC:PORT[=RELAY]",
+    help="Loopback relay for DC's PORT; =RELAY pins the relay's port (configs can name it).",
+)
 @click.option("--timeout", "timeout_s", type=float, default=30.0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def up(
@@ -100,11 +111,10 @@ def up(
         )
         try:
             out = lab.describe()
-            if wanted:
-                if lab.mode != "loopback":
-                    raise InvalidInput("--forward is for loopback mode; in netns mode use the dc addresses")
+            if wanted:  # netns mode: no relay ports, the dc's own address (ready-made peer addresses)
                 out["forwards"] = {
-                    f"{p}:{dc}:{port}": _hostport(lab.endpoint(dc, port, p)) for p, dc, port in wanted
+                    f"{p}:{dc}:{port}": _hostport(lab.endpoint(dc, port, p, listen))
+                    for p, dc, port, listen in wanted
                 }
         except BaseException:
             lab.down()

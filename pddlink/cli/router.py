@@ -14,15 +14,56 @@ from pddlink.errors import ConfigError
 _SERVE = {"host": str, "grpc_port": int, "http_port": int, "unix": str}
 
 
-def _load(config_path: str | None, flags: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-    from sidecar.router import RouterConfig
+_API_FLAGS = ("model", "tokenizer", "api_keys_file", "http_mtls")
 
+
+def _api(table: dict[str, Any], flags: dict[str, Any]) -> Any:
+    """The ``[api]`` table (``sidecar.client_guard.ApiConfig``), flags overriding it."""
+    from sidecar.client_guard import ApiConfig
+
+    api = table.pop("api", {})
+    if not isinstance(api, dict):
+        raise ConfigError("router config: [api] must be a table")
+    api.update({k: flags.pop(k) for k in _API_FLAGS if flags.get(k) is not None})
+    known = set(ApiConfig.__dataclass_fields__)
+    unknown = set(api) - known
+    if unknown:
+        raise ConfigError(f"router config [api]: unknown key(s) {', '.join(sorted(unknown))}")
+    for key, value in api.items():
+        want = ApiConfig.__dataclass_fields__[key].type
+        kinds: dict[str, Any] = {"int": int, "float": (int, float), "str": str, "bool": bool}
+        ok = kinds[str(want)]
+        if not isinstance(value, ok) or (want != "bool" and isinstance(value, bool)):
+            raise ConfigError(f"router config [api]: {key} must be {want}, got {value!r}")
+    for key in _API_FLAGS:
+        flags.pop(key, None)
+    fields = ApiConfig.__dataclass_fields__
+    kwargs: dict[str, Any] = {k: float(v) if fields[k].type == "float" else v for k, v in api.items()}
+    return ApiConfig(**kwargs)
+
+
+def load_router_config(config_path: str | None, flags: dict[str, Any]) -> tuple[Any, dict[str, Any], Any]:
+    """(RouterConfig, serving options, ApiConfig) from the TOML file and flags."""
     table: dict[str, Any] = {}
     if config_path:
         try:
             table = tomllib.loads(Path(config_path).read_text())
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise ConfigError(f"router config {config_path}: {exc}") from None
+    flags = dict(flags)
+    api = _api(table, flags)
+    cfg, serve = _load_table(table, flags)
+    return cfg, serve, api
+
+
+def _load(config_path: str | None, flags: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    cfg, serve, _ = load_router_config(config_path, flags)
+    return cfg, serve
+
+
+def _load_table(table: dict[str, Any], flags: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    from sidecar.router import RouterConfig
+
     table.update({k: v for k, v in flags.items() if v is not None})
     if table.pop("no_relay", False):
         table["relay_enabled"] = False
@@ -80,16 +121,22 @@ def _load(config_path: str | None, flags: dict[str, Any]) -> tuple[Any, dict[str
 @click.option(
     "--tls-dir", help="Dev PKI directory: mutual TLS 1.3 to the sidecars and on --grpc-port ('' = plaintext)."
 )
+@click.option("--model", help="Model name the OpenAI API serves (/v1/models) [pddlink].")
+@click.option("--tokenizer", help="Model directory with tokenizer.json (+ chat template): text in and out.")
+@click.option("--api-keys-file", help="Bearer API keys, one per line: clients must send one.")
+@click.option(
+    "--http-mtls/--no-http-mtls", default=None, help="HTTP port takes TLS with client certificates (tls_dir)."
+)
 def command(config_path: str | None, **flags: Any) -> None:
     """Run the router. Prints `READY {json}` once it serves; stops on SIGTERM or Ctrl-C."""
     import asyncio
 
     from sidecar.router_api import serve_router
 
-    cfg, serve = _load(config_path, flags)
+    cfg, serve, api = load_router_config(config_path, flags)
     try:
         import uvloop
 
-        uvloop.run(serve_router(cfg, **serve))
+        uvloop.run(serve_router(cfg, **serve, api=api))
     except ImportError:
-        asyncio.run(serve_router(cfg, **serve))
+        asyncio.run(serve_router(cfg, **serve, api=api))

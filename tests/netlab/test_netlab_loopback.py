@@ -142,3 +142,24 @@ def test_cli_loopback_up_prints_forwards_and_down_removes_it() -> None:
     finally:
         assert cli("down", "--name", "t-cli-loop").returncode == 0
     assert not relay_pids("t-cli-loop") and not (run_root() / "t-cli-loop").exists()
+
+
+def test_cli_loopback_up_pins_relay_ports() -> None:
+    """``--forward PROTO:DC:PORT=RELAY`` listens on RELAY, so configuration files can name it."""
+    import socket as _socket
+
+    from sidecar.cluster import free_port
+
+    pinned = free_port()
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["pddlink", "lab", "net", *args], capture_output=True, text=True, timeout=60)
+
+    up = cli("up", "--loopback", "--name", "t-cli-pin", "--forward", f"tcp:dc-b:4435={pinned}", "--json")
+    try:
+        assert up.returncode == 0, up.stderr
+        assert json.loads(up.stdout)["forwards"]["tcp:dc-b:4435"] == f"127.0.0.1:{pinned}"
+        with _socket.create_connection(("127.0.0.1", pinned), timeout=5):
+            pass  # the relay accepts on the pinned port
+    finally:
+        assert cli("down", "--name", "t-cli-pin").returncode == 0

@@ -10,14 +10,16 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import time
 from typing import Any
 
 import grpc
 import pytest
 
 from sidecar.http import serve_http
+from sidecar.openai_schema import Endpoint, Limits, completion_job
 from sidecar.router import Router, RouterConfig
-from sidecar.router_api import RouterApi, RouterService, parse_completion
+from sidecar.router_api import RouterApi, RouterService
 from sidecar.rpc import stubs
 
 BAD_BODIES = [
@@ -29,10 +31,21 @@ BAD_BODIES = [
     (b'{"max_tokens": 4}', '"prompt" is required'),
     (b'{"prompt": [1, 2], "max_tokens": 10000000}', "max_tokens"),
     (b'{"prompt": [1, 2], "max_tokens": 5000}', "exceeds the limit 4096"),
-    (b'{"prompt": [1, 2], "max_tokens": "8"}', '"max_tokens" must be int'),
+    (b'{"prompt": [1, 2], "max_tokens": "8"}', '"max_tokens": Input should be a valid integer'),
     (b'{"prompt": [1, 99999]}', "token ids must be in"),
     (b'{"prompt": [1, 2], "temperature": -1}', "temperature"),
-    (b'{"prompt": [1, 2], "pipeline": "fastest"}', "pipeline must be one of"),
+    (b'{"prompt": [1, 2], "pipeline": "fastest"}', '"pipeline": Input should be'),
+    # issue 16, case 1: these passed the router's checks and hung until the deadline (503)
+    (b'{"prompt": [1, 2, 3], "max_tokens": 4, "stop_token_ids": [-5]}', '"stop_token_ids.0"'),
+    (b'{"prompt": [1, 2, 3], "max_tokens": 4, "stop_token_ids": [1099511627776]}', '"stop_token_ids.0"'),
+    (b'{"prompt": [1, 2, 3], "max_tokens": 4, "top_k": 1099511627776}', '"top_k"'),
+    (b'{"prompt": [1, 2, 3], "stop_token_ids": [' + b"7," * 99_999 + b"7]}", '"stop_token_ids"'),
+    (b'{"prompt": [1, 2, 3], "stop": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "recursion limit"),
+    (b"[" * 100_000 + b"]" * 100_000, "recursion limit"),
+    (b'{"prompt": [1, 2], "temperature": NaN}', '"temperature": Input should be a finite number'),
+    (b'{"prompt": [1, 2], "n": 2}', "n > 1"),
+    (b'{"prompt": [1, 2], "best_of": 2}', "best_of"),
+    (b'{"prompt": [1, 2], "stop": [' + b", ".join([b'"s"'] * 17) + b"]}", '"stop"'),
 ]
 
 
@@ -54,9 +67,11 @@ def test_malformed_requests_get_400_and_change_nothing() -> None:
         ids_before = next(router.ids)
         try:
             for body, needle in BAD_BODIES:
+                t0 = time.monotonic()
                 status, answer = await asyncio.to_thread(_post, port, body)
-                assert status == 400, (body, answer)
-                assert needle in answer["error"]["message"], (body, answer)
+                assert status == 400, (body[:80], answer)
+                assert needle in answer["error"]["message"], (body[:80], answer)
+                assert time.monotonic() - t0 < 5.0  # refused at once, not at the deadline
             status, _ = await asyncio.to_thread(_post, port, b"", "/v1/completions", "GET")
             assert status == 405
             status, _ = await asyncio.to_thread(_post, port, b"", "/nope", "GET")
@@ -84,15 +99,29 @@ def test_grpc_generate_refuses_bad_request() -> None:
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
                 stub = pb2_grpc.RouterStub(ch)
-                for prompt, max_tokens in (([], 4), ([1, 2], 100000)):
-                    call = stub.Generate(
-                        pb2.GenerateRequest(prompt=prompt, sampling=pb2.Sampling(max_tokens=max_tokens)),
-                        timeout=5,
-                    )
+                bad = [
+                    pb2.GenerateRequest(prompt=[], sampling=pb2.Sampling(max_tokens=4)),
+                    pb2.GenerateRequest(prompt=[1, 2], sampling=pb2.Sampling(max_tokens=100000)),
+                    # issue 16, case 1: these failed inside P instead of being refused here
+                    pb2.GenerateRequest(
+                        request_id="r" * 300, prompt=[1, 2], sampling=pb2.Sampling(max_tokens=4)
+                    ),
+                    pb2.GenerateRequest(prompt=[1, 2], sampling=pb2.Sampling(stop_token_ids=[7] * 100_000)),
+                    pb2.GenerateRequest(prompt=[1, 2], sampling=pb2.Sampling(top_k=2**31)),
+                    pb2.GenerateRequest(prompt=[1, 2], sampling=pb2.Sampling(stop_token_ids=[2**31])),
+                    pb2.GenerateRequest(request_id="a b\n", prompt=[1, 2]),
+                ]
+                for req in bad:
+                    t0 = time.monotonic()
+                    call = stub.Generate(req, timeout=10)
                     with pytest.raises(grpc.aio.AioRpcError) as err:
                         async for _ in call:
                             pass
-                    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+                    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT, (
+                        req.request_id[:20],
+                        err.value,
+                    )
+                    assert time.monotonic() - t0 < 5.0
             assert router.in_flight == {}
         finally:
             await server.stop(0)
@@ -102,5 +131,19 @@ def test_grpc_generate_refuses_bad_request() -> None:
 
 
 def test_string_prompt_is_bytes_and_defaults() -> None:
-    ids, sampling, stream, deadline_s, pipeline = parse_completion(b'{"prompt": "AB", "stream": true}')
-    assert ids == [66, 67] and sampling.max_tokens == 16 and stream and deadline_s == 0.0 and pipeline == ""
+    job = completion_job(
+        b'{"prompt": "AB", "stream": true}', Endpoint.COMPLETIONS, Limits(2048, 8000, 4096), None
+    )
+    assert job.prompts == ((66, 67),) and job.sampling.max_tokens == 16 and job.stream
+    assert job.deadline_s == 0.0 and job.pipeline == "" and job.sampling.temperature == 1.0
+
+
+def test_schema_pipelines_are_the_routing_pipelines() -> None:
+    import typing
+
+    from pddlink.routing import Pipeline
+    from sidecar.openai_schema import CompletionBody, GenerateBody
+
+    for model in (CompletionBody, GenerateBody):
+        allowed = set(typing.get_args(model.model_fields["pipeline"].annotation))
+        assert allowed == {"", *(p.value for p in Pipeline)}
