@@ -91,8 +91,16 @@ class Cluster:
 
     @property
     def pki_dir(self) -> Path:
-        """The deployment's dev PKI (CA and one certificate per process), when ``spec.tls``."""
+        """The deployment's dev PKI when ``spec.tls``: the CA in ``pki/ca`` (no process reads it) and
+        one node directory per process (``pddlink.transport.pki.load_or_create_pki``)."""
         return self.spec.run_dir / "pki"
+
+    def tls_dir(self, role: str) -> str:
+        """``role``'s --tls-dir: its own key and certificate and ca.pem; "" (plaintext) without TLS."""
+        from pddlink.transport import PeerIdentity
+        from pddlink.transport.pki import node_dir
+
+        return str(node_dir(self.pki_dir, PeerIdentity(role, f"{role}0"))) if self.spec.tls else ""
 
     def admin_socket(self, role: str) -> str:
         return str(self.spec.run_dir / f"{role}.admin.sock")
@@ -107,7 +115,9 @@ class Cluster:
         base = [sys.executable, "-m", "pddlink.cli.main"]
         common = ["--dtype", s.dtype, "--preset", s.preset, "--admin-unix", self.admin_socket(role)]
         common += ["--engine-mode", s.engine_mode]
-        common += ["--tls-dir", str(self.pki_dir) if s.tls else ""]  # "": plaintext, said explicitly
+        common += ["--tls-dir", self.tls_dir(role)]  # "": plaintext, said explicitly
+        if not s.tls:  # namespace addresses are not loopback: plaintext there is an explicit choice
+            common.append("--allow-plaintext-non-loopback")
         if role == "md":
             return [
                 *base,
@@ -196,8 +206,10 @@ class Cluster:
             "--deadline-s",
             str(s.deadline_s),
             "--tls-dir",
-            str(self.pki_dir) if s.tls else "",
+            self.tls_dir("router"),
         ]
+        if not s.tls:
+            argv.append("--allow-plaintext-non-loopback")
         return [*argv, "--no-relay"] if not s.relay else argv
 
     def _launch(self, role: str) -> None:

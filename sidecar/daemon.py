@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import signal
 import sys
 import time
@@ -41,7 +42,7 @@ from pddlink.transport import (
     ReceivedTransfer,
     TlsConfig,
     choose_fast_path,
-    load_or_create_peer,
+    load_node,
 )
 from pddlink.transport.tls import identity_from_certificate
 from pddlink.wire import Release, Reserve, ReserveAnswer
@@ -72,9 +73,7 @@ class Sidecar:
         self.cfg = cfg
         self.started = time.time()
         self.identity = PeerIdentity(cfg.role, cfg.name)
-        self.tls: TlsConfig | None = (
-            load_or_create_peer(Path(cfg.tls_dir), self.identity) if cfg.tls_dir else None
-        )
+        self.tls: TlsConfig | None = load_node(Path(cfg.tls_dir), self.identity) if cfg.tls_dir else None
         self.engine = engine if engine is not None else build_engine(cfg)
         self.loop = EngineLoop(self.engine, cfg.decode.max_batch)
         self.drc: DrcHost | None = None
@@ -303,6 +302,8 @@ class Sidecar:
             sys.stderr.write("sidecar: plaintext gRPC and KV data plane (tls_dir ''): tests and labs only\n")
         await server.start()
         admin = await serve_http(self.admin, host=cfg.host, port=cfg.admin_port or None, unix=cfg.admin_unix)
+        if cfg.admin_unix:  # owner only (the CLI's umask already made it so; this says it exactly)
+            os.chmod(cfg.admin_unix, 0o600)
         ports["admin_port"] = cfg.admin_port
         sys.stdout.write("READY " + json.dumps(ports) + "\n")
         sys.stdout.flush()

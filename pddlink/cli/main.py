@@ -84,6 +84,7 @@ TOP_COMMANDS: dict[str, tuple[str, str]] = {
         "Run an engine process that attaches to its sidecar over the engine link.",
     ),
     "router": ("pddlink.cli.router:command", "Run the router: client API, pipeline policy, stream merging."),
+    "pki": ("pddlink.cli.pki:group", "The dev PKI: a CA kept apart, one key and certificate per node."),
     "ping": ("pddlink.cli.diag:ping", "Ping a running sidecar: RTT, bandwidth, wire version, TLS identity."),
     "status": (
         "pddlink.cli.diag:status",
@@ -123,6 +124,14 @@ def main() -> None:
         sys.exit(exc.exit_code)
     except PddlinkError as exc:
         click.echo(f"error: {exc.message}", err=True)
+        sys.exit(2)
+    except (OSError, RuntimeError) as exc:  # one that slipped past the command's preflight checks
+        from pddlink.cli.preflight import explain
+
+        friendly = explain(exc)
+        if friendly is None:
+            raise
+        click.echo(f"error: {friendly.message}", err=True)
         sys.exit(2)
 
 

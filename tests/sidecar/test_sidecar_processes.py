@@ -14,6 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engines_adapter import SamplingParams, load_engine
+from pddlink.transport import PeerIdentity, load_or_create_pki
 from sidecar.cluster import Cluster, ClusterSpec, NoWan
 from sidecar.demo_load import RequestResult, replay
 from sidecar.demo_workload import DemoRequest
@@ -138,13 +139,17 @@ def test_ping_and_status_commands(cluster: Cluster) -> None:
 
     runner = CliRunner()
     md = f"127.0.0.1:{cluster.ports['md_grpc']}"
-    res = runner.invoke(ping, [md, "--count", "3", "--json", "--tls-dir", str(cluster.pki_dir)])
+    diag = cluster.pki_dir / "diag-ping"
+    res = runner.invoke(ping, [md, "--count", "3", "--tls-dir", str(diag)])
+    assert res.exit_code != 0 and not (diag / "diag-ping.key").exists()  # ping never mints an identity
+    load_or_create_pki(cluster.pki_dir, [PeerIdentity("diag", "ping")])  # the operator issues one
+    res = runner.invoke(ping, [md, "--count", "3", "--json", "--tls-dir", str(diag)])
     assert res.exit_code == 0, res.output
     doc = json.loads(res.output)
     assert doc["role"] == "md" and doc["wire_version"] >= 1 and doc["hash_scheme"] == 1
     # the cluster runs gRPC and the data plane with mutual TLS 1.3: the identity seen in the handshake
     assert (doc["tls_identity"], doc["tls_version"]) == ("pddlink://md/md0", "TLSv1.3")
-    res = runner.invoke(ping, [md, "--tls-dir", str(cluster.pki_dir), "--expect", "rld/rld0"])
+    res = runner.invoke(ping, [md, "--tls-dir", str(diag), "--expect", "rld/rld0"])
     assert res.exit_code != 0 and "expected peer pddlink://rld/rld0" in str(res.exception or res.output)
     assert doc["rtt_ms"]["min"] > 0 and doc["bandwidth_mbit_per_s"] > 0
     res = runner.invoke(
