@@ -283,6 +283,26 @@ class Cluster:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(5)
 
+    def restart(self, role: str) -> None:
+        """Start ``role`` again on its ports (killing it first if it still runs): what a supervisor
+        does after a crash (the chaos suite)."""
+        self.kill(role)
+        old = self.logs.pop(role, None)
+        if old is not None:
+            old.close()
+        self._launch(role)
+        self._wait_ready((role,), self.spec.start_timeout_s)
+
+    def pids(self, role: str) -> list[int]:
+        """The role's process and its children (an engine process), for RSS sampling."""
+        proc = self.procs.get(role)
+        if proc is None or proc.poll() is not None:
+            return []
+        out = [proc.pid]
+        with contextlib.suppress(OSError):
+            out += [int(p) for p in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
+        return out
+
     def stop(self, timeout_s: float = 8.0) -> None:
         for proc in self.procs.values():
             if proc.poll() is None:

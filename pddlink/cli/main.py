@@ -66,6 +66,10 @@ TOP_COMMANDS: dict[str, tuple[str, str]] = {
         "pddlink.cli.demo:command",
         "Run P, RLD, MD and the router across an emulated WAN; compare PDD with P->MD.",
     ),
+    "chaos": (
+        "pddlink.cli.chaos:command",
+        "Faults under a bounded streaming load (kills, WAN outages); check the invariants.",
+    ),
     "lab": (
         "pddlink.cli.lab:group",
         "The netlab WAN emulator: bring two datacenters up, run commands in them.",

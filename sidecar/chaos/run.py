@@ -1,0 +1,274 @@
+"""``pddlink chaos``: a deployment as ``pddlink demo`` brings it up (P, RLD, MD and the router as
+separate processes across a netlab WAN, mutual TLS between all of them), a bounded streaming load,
+a fault schedule applied while it runs, then the invariants.
+
+Lifecycle: lab up -> deployment up -> warm-up (P->MD, caches warm, RSS sampled) -> load and faults
+together (a fault fires once its share of the load has ended; a killed role is restarted on its
+ports, as a supervisor would) -> 10 s of quiet, then what every process still holds and its RSS ->
+deployment and lab down -> reference pass (one engine alone, separate process) -> invariants,
+table, JSON, PNG timeline. Progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from engines_adapter import SamplingParams
+from netlab.lab import Lab
+from netlab.profile import parse_profile
+from pddlink.errors import PddlinkError
+from sidecar.chaos.invariants import FaultRecord, evaluate
+from sidecar.chaos.load import StreamResult, drive
+from sidecar.chaos.report import table, timeline
+from sidecar.chaos.schedule import Fault, FaultKind, default_schedule
+from sidecar.cluster import Cluster, ClusterSpec
+from sidecar.demo import VOCAB, reference_tokens, wan_profile
+from sidecar.demo_workload import DemoRequest, build_trace, demo_requests
+from sidecar.http import fetch
+
+QUIET_S = 10.0  # after the load: what is still held then must be 0
+RESTART_SETTLE_S = 8.0  # a restarted process's RSS baseline is taken this long after it is ready
+PIPELINES = ("", "p_md", "p_rld_md", "singular")
+SINGULAR_MAX_TOKENS = 4
+
+
+def say(msg: str) -> None:
+    sys.stderr.write(msg + "\n")
+    sys.stderr.flush()
+
+
+def workload(requests: int, seed: int, max_output: int) -> list[tuple[DemoRequest, str]]:
+    """Mixed pipelines, half greedy and half seeded sampling, agentic-v1 prompts (shared prefixes)."""
+    trace = build_trace(requests=requests, rate_rps=50.0, seed=seed, workload=None, trace_file=None)
+    out = []
+    rng = random.Random(seed)
+    for i, r in enumerate(demo_requests(trace, vocab_size=VOCAB, max_output=max_output)):
+        pipeline = PIPELINES[i % len(PIPELINES)]
+        s = r.sampling
+        tokens = min(s.max_tokens, SINGULAR_MAX_TOKENS) if pipeline == "singular" else s.max_tokens
+        greedy = rng.random() < 0.5
+        sampling = SamplingParams(
+            seed=s.seed, temperature=0.0 if greedy else s.temperature, top_k=s.top_k, max_tokens=tokens
+        )
+        out.append((replace(r, index=i, sampling=sampling), pipeline))
+    return out
+
+
+def rss_bytes(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class RssBook:
+    """Each process's RSS after warm-up (a restarted one: RESTART_SETTLE_S after it came back)."""
+
+    def __init__(self) -> None:
+        self.base: dict[int, tuple[str, int]] = {}
+
+    def sample(self, cluster: Cluster, roles: Sequence[str]) -> None:
+        for role in roles:
+            for pid in cluster.pids(role):
+                rss = rss_bytes(pid)
+                if rss:
+                    self.base[pid] = (role, rss)
+
+    def growth(self, cluster: Cluster) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for role in ("p", "rld", "md", "router"):
+            for pid in cluster.pids(role):
+                if pid in self.base and rss_bytes(pid):
+                    key = f"{role}:{pid}"
+                    out[key] = rss_bytes(pid) / self.base[pid][1]
+        return out
+
+
+def admin_status(target: str) -> dict[str, Any]:
+    try:
+        code, body = fetch(target, "GET", "/status", timeout_s=5.0)
+    except OSError as exc:
+        return {"error": str(exc)}
+    doc: dict[str, Any] = json.loads(body) if code == 200 else {"error": f"HTTP {code}"}
+    return doc
+
+
+def held_now(cluster: Cluster) -> dict[str, Any]:
+    """kv_blocks: blocks MD's DRC pins for requests; leases: its live reservations; waiting: entries
+    the decoders hold, requests the engines still run, P's transfers and the router's requests."""
+    docs = {role: admin_status("unix:" + cluster.admin_socket(role)) for role in ("p", "rld", "md")}
+    docs["router"] = admin_status("unix:" + cluster.router_unix)
+    drc = docs["md"].get("drc", {})
+    waiting = sum(int(docs[r].get("state", {}).get("held", {}).get("requests", 0)) for r in ("rld", "md"))
+    waiting += sum(int(docs[r].get("engine_active", 0)) for r in ("p", "rld", "md"))
+    waiting += int(docs["p"].get("transfers", {}).get("in_flight", 0))
+    waiting += sum(int(n) for n in docs["router"].get("in_flight", {}).values())
+    errors = {r: d["error"] for r, d in docs.items() if "error" in d}
+    return {
+        "kv_blocks": int(drc.get("pinned_blocks", 0)),
+        "leases": int(drc.get("reservations", 0)),
+        "waiting": waiting,
+        **({"unreachable": errors} if errors else {}),
+    }
+
+
+class FaultRunner:
+    def __init__(self, lab: Lab, cluster: Cluster, rss: RssBook, t0: float) -> None:
+        self.lab, self.cluster, self.rss, self.t0 = lab, cluster, rss, t0
+        self.records: list[FaultRecord] = []
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    def apply(self, fault: Fault) -> None:
+        start = self.now()
+        note = ""
+        say(f"[chaos] {start:6.1f} s  fault {fault.name}")
+        if fault.kind is FaultKind.KILL_RESTART:
+            self.cluster.kill(fault.target)
+            time.sleep(fault.duration_s)
+            try:
+                self.cluster.restart(fault.target)
+                note = f"restarted after {self.now() - start:.1f} s"
+            except PddlinkError as exc:  # recorded in the report; the run goes on
+                note = f"restart failed: {exc.message}"
+        elif fault.kind is FaultKind.WAN_OUTAGE:
+            self.lab.outage(fault.duration_s)
+            time.sleep(fault.duration_s)
+        elif fault.kind is FaultKind.ONE_WAY_CUT:
+            self.lab.outage(fault.duration_s, direction="a_to_b")
+            time.sleep(fault.duration_s)
+        self.records.append(FaultRecord(fault.name, fault.kind.value, fault.target, start, self.now(), note))
+        say(f"[chaos] {self.now():6.1f} s  fault {fault.name} over {note}")
+        if fault.kind is FaultKind.KILL_RESTART and not note.startswith("restart failed"):
+            time.sleep(RESTART_SETTLE_S)
+            self.rss.sample(self.cluster, (fault.target,))
+
+
+async def load_and_faults(
+    cluster: Cluster,
+    faults: FaultRunner,
+    reqs: list[tuple[DemoRequest, str]],
+    schedule: Sequence[Fault],
+    *,
+    concurrency: int,
+    deadline_s: float,
+) -> list[StreamResult]:
+    done = 0
+    progress = asyncio.Event()
+
+    def on_done(r: StreamResult) -> None:
+        nonlocal done
+        done += 1
+        progress.set()
+        if done % 50 == 0 or done == len(reqs):
+            say(f"[chaos] {faults.now():6.1f} s  {done}/{len(reqs)} ended")
+
+    async def fire() -> None:
+        nonlocal done
+        for fault in sorted(schedule, key=lambda f: f.at_share):
+            while done < fault.at_share * len(reqs):
+                progress.clear()
+                await progress.wait()
+            await asyncio.to_thread(faults.apply, fault)
+
+    load = asyncio.ensure_future(
+        drive(
+            cluster.router_target,
+            reqs,
+            concurrency=concurrency,
+            deadline_s=deadline_s,
+            t0=faults.t0,
+            on_done=on_done,
+        )
+    )
+    firing = asyncio.ensure_future(fire())
+    results = await load
+    if not firing.done():
+        say("[chaos] the load ended before every fault fired")
+        firing.cancel()
+    return results
+
+
+def main(
+    *,
+    requests: int,
+    concurrency: int,
+    deadline_s: float,
+    json_path: str | None,
+    plot_path: str,
+    seed: int,
+    line_mbit: float,
+    rtt_ms: float,
+    max_output: int,
+    schedule: Sequence[Fault] | None = None,
+) -> dict[str, Any]:
+    work = Path(tempfile.mkdtemp(prefix="pddlink-chaos-"))
+    spec = ClusterSpec(
+        work / "run", relay=True, line_mbit=line_mbit, rtt_ms=rtt_ms, deadline_s=deadline_s, tls=True
+    )
+    faults = list(default_schedule(deadline_s) if schedule is None else schedule)
+    reqs = workload(requests, seed, max_output)
+    warm = [(replace(r, index=i), "p_md") for i, (r, _) in enumerate(workload(8, seed + 1, 16))]
+    say(f"chaos: {len(reqs)} requests, {concurrency} at once, deadline {deadline_s:g} s, faults: "
+        + ", ".join(f.name for f in faults))  # fmt: skip
+    lab = Lab.up(parse_profile(wan_profile(spec), name="pddlink-chaos"), name=f"chaos{os.getpid() % 100000}")
+    rss = RssBook()
+    try:
+        with Cluster(lab, spec) as cluster:
+            say(f"[chaos] deployment up ({lab.mode} lab, mutual TLS between all roles)")
+            asyncio.run(
+                drive(cluster.router_target, warm, concurrency=4, deadline_s=deadline_s, t0=time.monotonic())
+            )
+            rss.sample(cluster, ("p", "rld", "md", "router"))
+            runner = FaultRunner(lab, cluster, rss, time.monotonic())
+            results = asyncio.run(
+                load_and_faults(cluster, runner, reqs, faults, concurrency=concurrency, deadline_s=deadline_s)
+            )
+            say(f"[chaos] load over; {QUIET_S:g} s of quiet, then what is still held")
+            time.sleep(QUIET_S)
+            held = held_now(cluster)
+            growth = rss.growth(cluster)
+    finally:
+        lab.down()
+    say("reference: one engine generating every request alone (separate process, float64)")
+    reference = reference_tokens([r for r, _ in reqs], spec, work)
+    doc = evaluate(
+        results, reference, [len(r.prompt) for r, _ in reqs], runner.records, deadline_s=deadline_s
+    )
+    doc["held_after_s10"] = held
+    doc["rss_growth_max"] = max(growth.values(), default=0.0)
+    doc["rss_growth"] = growth
+    doc["setting"] = {
+        "concurrency": concurrency,
+        "deadline_s": deadline_s,
+        "line_mbit": line_mbit,
+        "rtt_ms": rtt_ms,
+        "lab_mode": lab.mode,
+        "max_output_tokens": max_output,
+        "work_dir": str(work),
+    }
+    with open(work / "requests.jsonl", "w") as f:  # per-request records, for diagnosis
+        for r in results:
+            row = {"index": r.index, "pipeline": r.pipeline, "start": r.started_s, "end": r.ended_s}
+            row |= {"outcome": r.outcome, "reason": r.reason, "sources": r.sources, "trace": r.trace}
+            f.write(json.dumps(row) + "\n")
+    print(table(doc))
+    timeline(results, runner.records, Path(plot_path))
+    say(f"timeline: {plot_path}; logs: {work}")
+    if json_path:
+        Path(json_path).write_text(json.dumps(doc, indent=1))
+    return doc
