@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,15 +85,22 @@ async def drive(
     deadline_s: float,
     t0: float,
     on_done: Callable[[StreamResult], None] | None = None,
+    admit: Callable[[int], Awaitable[None]] | None = None,
 ) -> list[StreamResult]:
-    """Every (request, pipeline) once, ``concurrency`` at a time (closed loop), results in order."""
+    """Every (request, pipeline) once, ``concurrency`` at a time (closed loop), results in order.
+    ``admit(k)`` is awaited before the k-th request (in start order) is sent."""
     pb2, pb2_grpc = stubs()
-    gate = asyncio.Semaphore(concurrency)
+    slots = asyncio.Semaphore(concurrency)
+    issued = 0
     async with grpc.aio.insecure_channel(target) as channel:
         stub = pb2_grpc.RouterStub(channel)
 
         async def run(req: DemoRequest, pipeline: str) -> StreamResult:
-            async with gate:
+            nonlocal issued
+            async with slots:
+                k, issued = issued, issued + 1
+                if admit is not None:
+                    await admit(k)
                 res = await _one(stub, pb2, req, pipeline, deadline_s, t0)
             if on_done is not None:
                 on_done(res)

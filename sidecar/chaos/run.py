@@ -2,7 +2,7 @@
 separate processes across a netlab WAN, mutual TLS between all of them), a bounded streaming load,
 a fault schedule applied while it runs, then the invariants.
 
-Lifecycle: lab up -> deployment up -> warm-up (P->MD, caches warm, RSS sampled) -> load and faults
+Lifecycle: lab up -> deployment up -> warm-up (the same mix; RSS sampled after it) -> load and faults
 together (a fault fires once its share of the load has ended; a killed role is restarted on its
 ports, as a supervisor would) -> 10 s of quiet, then what every process still holds and its RSS ->
 deployment and lab down -> reference pass (one engine alone, separate process) -> invariants,
@@ -17,6 +17,7 @@ import os
 import random
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import replace
@@ -36,8 +37,11 @@ from sidecar.demo import VOCAB, reference_tokens, wan_profile
 from sidecar.demo_workload import DemoRequest, build_trace, demo_requests
 from sidecar.http import fetch
 
+WARMUP_MIN = 40  # requests before the RSS baseline (allocators and caches reach their size)
 QUIET_S = 10.0  # after the load: what is still held then must be 0
-RESTART_SETTLE_S = 8.0  # a restarted process's RSS baseline is taken this long after it is ready
+RESTART_SETTLE_S = 8.0
+RESTART_ESTIMATE_S = 10.0  # a killed role is back (engine loaded, READY) in about this long
+FAULT_GAP_S = 3.0  # a restarted process's RSS baseline is taken this long after it is ready
 PIPELINES = ("", "p_md", "p_rld_md", "singular")
 SINGULAR_MAX_TOKENS = 4
 
@@ -125,6 +129,17 @@ def held_now(cluster: Cluster) -> dict[str, Any]:
     }
 
 
+def schedule_span_s(schedule: Sequence[Fault]) -> float:
+    """How long the load must last so that each fault (with its restart and a gap) is over before
+    the next one's share of the load has ended."""
+    shares = [f.at_share for f in schedule] + [1.0]
+    span = 0.0
+    for f, next_share in zip(schedule, shares[1:], strict=False):
+        took = f.duration_s + FAULT_GAP_S + (RESTART_ESTIMATE_S if f.kind is FaultKind.KILL_RESTART else 0.0)
+        span = max(span, took / max(next_share - f.at_share, 0.01))
+    return span
+
+
 class FaultRunner:
     def __init__(self, lab: Lab, cluster: Cluster, rss: RssBook, t0: float) -> None:
         self.lab, self.cluster, self.rss, self.t0 = lab, cluster, rss, t0
@@ -154,8 +169,9 @@ class FaultRunner:
         self.records.append(FaultRecord(fault.name, fault.kind.value, fault.target, start, self.now(), note))
         say(f"[chaos] {self.now():6.1f} s  fault {fault.name} over {note}")
         if fault.kind is FaultKind.KILL_RESTART and not note.startswith("restart failed"):
-            time.sleep(RESTART_SETTLE_S)
-            self.rss.sample(self.cluster, (fault.target,))
+            timer = threading.Timer(RESTART_SETTLE_S, self.rss.sample, (self.cluster, (fault.target,)))
+            timer.daemon = True
+            timer.start()
 
 
 async def load_and_faults(
@@ -169,6 +185,13 @@ async def load_and_faults(
 ) -> list[StreamResult]:
     done = 0
     progress = asyncio.Event()
+    ordered = sorted(schedule, key=lambda f: f.at_share)
+    span_s = schedule_span_s(ordered)
+
+    async def admit(k: int) -> None:
+        """Pace the load over at least the schedule's span: a small load (CI) still has requests
+        in flight through every fault; a large one is bound by ``concurrency`` alone."""
+        await asyncio.sleep(max(0.0, faults.t0 + span_s * k / len(reqs) - time.monotonic()))
 
     def on_done(r: StreamResult) -> None:
         nonlocal done
@@ -178,8 +201,7 @@ async def load_and_faults(
             say(f"[chaos] {faults.now():6.1f} s  {done}/{len(reqs)} ended")
 
     async def fire() -> None:
-        nonlocal done
-        for fault in sorted(schedule, key=lambda f: f.at_share):
+        for fault in ordered:
             while done < fault.at_share * len(reqs):
                 progress.clear()
                 await progress.wait()
@@ -193,6 +215,7 @@ async def load_and_faults(
             deadline_s=deadline_s,
             t0=faults.t0,
             on_done=on_done,
+            admit=admit,
         )
     )
     firing = asyncio.ensure_future(fire())
@@ -222,7 +245,7 @@ def main(
     )
     faults = list(default_schedule(deadline_s) if schedule is None else schedule)
     reqs = workload(requests, seed, max_output)
-    warm = [(replace(r, index=i), "p_md") for i, (r, _) in enumerate(workload(8, seed + 1, 16))]
+    warm = workload(max(WARMUP_MIN, 2 * concurrency), seed + 1, max_output)  # the same mix
     say(f"chaos: {len(reqs)} requests, {concurrency} at once, deadline {deadline_s:g} s, faults: "
         + ", ".join(f.name for f in faults))  # fmt: skip
     lab = Lab.up(parse_profile(wan_profile(spec), name="pddlink-chaos"), name=f"chaos{os.getpid() % 100000}")
@@ -231,7 +254,13 @@ def main(
         with Cluster(lab, spec) as cluster:
             say(f"[chaos] deployment up ({lab.mode} lab, mutual TLS between all roles)")
             asyncio.run(
-                drive(cluster.router_target, warm, concurrency=4, deadline_s=deadline_s, t0=time.monotonic())
+                drive(
+                    cluster.router_target,
+                    warm,
+                    concurrency=concurrency,
+                    deadline_s=deadline_s,
+                    t0=time.monotonic(),
+                )
             )
             rss.sample(cluster, ("p", "rld", "md", "router"))
             runner = FaultRunner(lab, cluster, rss, time.monotonic())
