@@ -7,7 +7,9 @@ What a sidecar keeps between calls, and what ends it when nobody else does:
                               -> ended (engine and DRC released, waiters woken), then forgotten
     orphan entry              never attached ``orphan_s`` after the sweep first saw it, or made for
                               a request that already ended here (a late transfer): ended at once
-    DRC reservation (MD)      its lease (``PrefixIndex.handle_timer``)
+    DRC reservation (MD)      its lease (``PrefixIndex.handle_timer``); released at once when its
+                              request already ended here (a Reserve that arrived late, or whose
+                              transfer never came)
 
 ``verdict`` decides per entry (pure, time passed in); ``Sweeper`` runs it every ``interval_s``,
 applies it through the decoder, expires DRC leases in the engine thread, and publishes what is
@@ -112,6 +114,10 @@ class DecoderEntries:
             seq.imported.set()
         self.forget(request_id)
 
+    def ended_ids(self) -> set[str]:
+        """Requests that ended here and hold no entry any more."""
+        return set(self.decoder.ended_recently) - set(self.decoder.seqs)
+
     def forget(self, request_id: str) -> None:
         d = self.decoder
         seq = d.seqs.pop(request_id, None)
@@ -121,6 +127,14 @@ class DecoderEntries:
 
 
 RunInEngine = Callable[..., Awaitable[Any]]  # EngineLoop.call
+
+
+def release_ended(drc: Any, ended: set[str]) -> int:
+    """Engine thread: drop the reservations of requests that already ended; returns how many."""
+    gone = [rid for rid in drc.index.reserved() if rid in ended]
+    for rid in gone:
+        drc.release(rid)
+    return len(gone)
 
 
 class Sweeper:
@@ -139,7 +153,7 @@ class Sweeper:
         self.engine, self.on_engine_dead = engine, on_engine_dead
         self.policy = policy or SweepPolicy()
         self.first_unattached: dict[str, float] = {}
-        self.swept: dict[str, int] = {"ended": 0, "forgotten": 0, "leases": 0}
+        self.swept: dict[str, int] = {"ended": 0, "forgotten": 0, "leases": 0, "leases_of_ended": 0}
         self.engine_dead = ""
         self._task: asyncio.Task[None] | None = None
 
@@ -147,9 +161,12 @@ class Sweeper:
         if self.entries is not None:
             await self._sweep_entries(now)
         if self.drc is not None and self.run_in_engine is not None:
+            ended = self.entries.ended_ids() if self.entries is not None else set()
             with contextlib.suppress(PddlinkError):
                 expired = await self.run_in_engine("drc", self.drc.index.handle_timer, now)
                 self._count("leases", len(expired))
+                released = await self.run_in_engine("drc", release_ended, self.drc, ended)
+                self._count("leases_of_ended", released)
         self._watch_engine()
         for kind, value in self.held().as_dict().items():
             metrics.SIDECAR_HELD.labels(kind=kind).set(value)

@@ -17,7 +17,6 @@ from typing import Any
 from sidecar.chaos.load import StreamResult
 
 HUNG_SLACK_S = 1.0
-RLD_PIPELINES = ("p_rld_md", "singular")
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,18 +49,19 @@ def is_hung(r: StreamResult, deadline_s: float) -> bool:
     return r.outcome in ("", "hung") or r.e2e_s > deadline_s + HUNG_SLACK_S
 
 
-def had_rld(r: StreamResult) -> bool:
-    """RelayDecode was there for it: an RLD pipeline (the router's choice, else the one asked for)
-    whose KV reached RLD (no ``rld_error``)."""
-    pipeline = r.trace.get("pipeline") or r.pipeline
-    return pipeline in RLD_PIPELINES and not r.trace.get("rld_error")
+def had_rld(r: StreamResult, rld_down: Sequence[FaultRecord]) -> bool:
+    """RelayDecode was there for it: no kill of RLD overlapped the request's lifetime."""
+    return not any(f.start_s < r.ended_s and r.started_s < f.end_s for f in rld_down)
 
 
-def outage_share(results: Sequence[StreamResult], outage: FaultRecord | None) -> tuple[float, int]:
-    """(share finished, how many) of the requests with RelayDecode in flight when ``outage`` began."""
+def outage_share(
+    results: Sequence[StreamResult], outage: FaultRecord | None, rld_down: Sequence[FaultRecord] = ()
+) -> tuple[float, int]:
+    """(share finished, how many) of the requests in flight when ``outage`` began that had
+    RelayDecode available (0.0, 0 when there were none)."""
     if outage is None:
         return 0.0, 0
-    stranded = [r for r in outage.in_flight(results) if had_rld(r)]
+    stranded = [r for r in outage.in_flight(results) if had_rld(r, rld_down)]
     if not stranded:
         return 0.0, 0
     return sum(r.outcome == "finished" for r in stranded) / len(stranded), len(stranded)
@@ -104,7 +104,8 @@ def evaluate(
         g, d = stream_gaps(r, prompt_lengths[r.index])
         gaps, dups = gaps + g, dups + d
     long_outage = next((f for f in faults if f.name == "wan_outage_long"), None)
-    share, stranded = outage_share(results, long_outage)
+    rld_down = [f for f in faults if f.kind == "kill_restart" and f.target == "rld"]
+    share, stranded = outage_share(results, long_outage, rld_down)
     reasons: dict[str, int] = {}
     for r in results:
         if r.outcome != "finished":

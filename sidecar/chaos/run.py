@@ -19,7 +19,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -129,17 +129,6 @@ def held_now(cluster: Cluster) -> dict[str, Any]:
     }
 
 
-def schedule_span_s(schedule: Sequence[Fault]) -> float:
-    """How long the load must last so that each fault (with its restart and a gap) is over before
-    the next one's share of the load has ended."""
-    shares = [f.at_share for f in schedule] + [1.0]
-    span = 0.0
-    for f, next_share in zip(schedule, shares[1:], strict=False):
-        took = f.duration_s + FAULT_GAP_S + (RESTART_ESTIMATE_S if f.kind is FaultKind.KILL_RESTART else 0.0)
-        span = max(span, took / max(next_share - f.at_share, 0.01))
-    return span
-
-
 class FaultRunner:
     def __init__(self, lab: Lab, cluster: Cluster, rss: RssBook, t0: float) -> None:
         self.lab, self.cluster, self.rss, self.t0 = lab, cluster, rss, t0
@@ -174,6 +163,48 @@ class FaultRunner:
             timer.start()
 
 
+class Phases:
+    """The load split at the faults' shares. Fault i fires once its phase's first ``concurrency``
+    requests are in flight (and fault i-1 is over); phase i+1 starts only after fault i is over.
+    So every fault meets a full set of requests in flight, whatever the load's size (CI) or the
+    machine's speed, and requests keep arriving during a fault while its phase lasts."""
+
+    def __init__(self, schedule: Sequence[Fault], requests: int, concurrency: int) -> None:
+        self.faults = sorted(schedule, key=lambda f: f.at_share)
+        self.bounds = [round(f.at_share * requests) for f in self.faults] + [requests]
+        self.concurrency = concurrency
+        self.admitted = 0
+        self.over = 0  # faults over
+        self.changed = asyncio.Event()
+
+    def phase(self, k: int) -> int:
+        """-1 before the first fault's share, else the index of the fault whose phase k is in."""
+        return sum(1 for b in self.bounds[:-1] if b <= k) - 1
+
+    async def _until(self, ready: Callable[[], bool]) -> None:
+        while not ready():
+            self.changed.clear()
+            await self.changed.wait()
+
+    async def admit(self, k: int) -> None:
+        p = self.phase(k)
+        await self._until(lambda: p <= self.over)  # fault p-1 is over
+        self.admitted += 1
+        self.changed.set()
+
+    def due(self, i: int) -> bool:
+        full = min(self.bounds[i] + self.concurrency, self.bounds[i + 1])
+        return self.over >= i and self.admitted >= full
+
+    async def fire(self, apply: Callable[[Fault], None]) -> None:
+        for i, fault in enumerate(self.faults):
+            await self._until(lambda i=i: self.due(i))
+            await asyncio.sleep(0.3)  # the admitted requests' streams are open
+            await asyncio.to_thread(apply, fault)
+            self.over += 1
+            self.changed.set()
+
+
 async def load_and_faults(
     cluster: Cluster,
     faults: FaultRunner,
@@ -183,29 +214,14 @@ async def load_and_faults(
     concurrency: int,
     deadline_s: float,
 ) -> list[StreamResult]:
+    phases = Phases(schedule, len(reqs), concurrency)
     done = 0
-    progress = asyncio.Event()
-    ordered = sorted(schedule, key=lambda f: f.at_share)
-    span_s = schedule_span_s(ordered)
-
-    async def admit(k: int) -> None:
-        """Pace the load over at least the schedule's span: a small load (CI) still has requests
-        in flight through every fault; a large one is bound by ``concurrency`` alone."""
-        await asyncio.sleep(max(0.0, faults.t0 + span_s * k / len(reqs) - time.monotonic()))
 
     def on_done(r: StreamResult) -> None:
         nonlocal done
         done += 1
-        progress.set()
         if done % 50 == 0 or done == len(reqs):
             say(f"[chaos] {faults.now():6.1f} s  {done}/{len(reqs)} ended")
-
-    async def fire() -> None:
-        for fault in ordered:
-            while done < fault.at_share * len(reqs):
-                progress.clear()
-                await progress.wait()
-            await asyncio.to_thread(faults.apply, fault)
 
     load = asyncio.ensure_future(
         drive(
@@ -215,10 +231,10 @@ async def load_and_faults(
             deadline_s=deadline_s,
             t0=faults.t0,
             on_done=on_done,
-            admit=admit,
+            admit=phases.admit,
         )
     )
-    firing = asyncio.ensure_future(fire())
+    firing = asyncio.ensure_future(phases.fire(faults.apply))
     results = await load
     if not firing.done():
         say("[chaos] the load ended before every fault fired")

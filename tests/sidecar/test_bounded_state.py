@@ -159,3 +159,37 @@ def test_a_dead_engine_child_makes_the_sidecar_unhealthy_and_leave(tmp_path: Pat
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
+
+
+def test_a_reservation_for_a_request_that_already_ended_is_released_at_once(
+    md: tuple[subprocess.Popen[str], dict[str, Any], str],
+) -> None:
+    """A Reserve that reaches MD after its request ended there (late on the WAN, or its transfer
+    never came) pins blocks for its whole lease unless the sweep releases it."""
+    import grpc
+
+    from sidecar.rpc import stubs
+
+    _, ready, admin = md
+    pb2, pb2_grpc = stubs()
+
+    async def scenario() -> list[Any]:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{ready['grpc_port']}") as channel:
+            stub = pb2_grpc.SidecarStub(channel)
+            req = pb2.AttachRequest(request_id="gone", prompt=list(range(1, 40)), deadline_s=0.3)
+            req.sampling.max_tokens = 4
+            events = [ev async for ev in stub.Attach(req, timeout=10.0)]  # no KV: its deadline ends it
+        client = await KVClient.connect(
+            "127.0.0.1", ready["kv_port"], identity=PeerIdentity("p", "p0"), tls=None
+        )
+        try:
+            await client.request(Reserve("gone", (11, 12, 13), 60_000), timeout_s=10.0)  # a 60 s lease
+        finally:
+            await client.close()
+        return events
+
+    events = asyncio.run(scenario())
+    assert events and events[-1].end == "failed:deadline_exceeded"
+    t0 = time.monotonic()
+    assert wait_for(lambda: status(admin)["state"]["held"]["reservations"] == 0, 10.0)
+    assert time.monotonic() - t0 < 10.0 and status(admin)["state"]["swept"]["leases_of_ended"] == 1

@@ -9,6 +9,7 @@ import asyncio
 import json
 import random
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -163,3 +164,22 @@ def test_ping_and_status_commands(cluster: Cluster) -> None:
     )
     res = runner.invoke(status, ["unix:/nonexistent.sock"])
     assert res.exit_code == 1 and "unreachable" in res.output
+
+
+def test_every_role_runs_mutual_tls_with_its_own_node_directory(cluster: Cluster) -> None:
+    """What the demo brings up (same Cluster): each process gets a node directory without the CA
+    key, and the callers each sidecar saw were authenticated by certificate (router, P, RLD)."""
+    for role in ("p", "rld", "md", "router"):
+        argv = cluster._argv(role)
+        tls_dir = argv[argv.index("--tls-dir") + 1]
+        assert sorted(p.name for p in Path(tls_dir).iterdir()) == [
+            "ca.pem",
+            f"{role}-{role}0.key",
+            f"{role}-{role}0.pem",
+        ]
+    callers = {}
+    for role in ("p", "rld", "md"):
+        _, body = fetch("unix:" + cluster.admin_socket(role), "GET", "/status")
+        callers[role] = set(json.loads(body)["grpc_tls"]["callers"])
+    assert "pddlink://router/router0" in callers["p"] & callers["rld"] & callers["md"]
+    assert {"pddlink://p/p0"} <= callers["md"] and "local" not in callers["md"]
