@@ -11,9 +11,10 @@ Engine: ``engine.mode = "thread"`` runs it in a worker thread of this process; `
 anything else starts, and is stopped after everything else; the role logic sees the same
 ``EngineAdapter`` either way (``RemoteEngine``), driven by the same ``EngineLoop``.
 
-Admin HTTP: GET /metrics (Prometheus), /healthz (the process serves), /readyz (engine loaded and
-attached: 503 once an engine process is gone; peers configured), /status (JSON), /drc/stats (JSON),
-/drc/snapshot (bytes), POST /drc/match.
+Admin HTTP: GET /metrics (Prometheus), /healthz (the process serves with a live engine: 503 once
+an engine process is gone, and the sidecar then stops: ``sidecar.sweep``), /readyz (engine loaded
+and attached), /status (JSON; ``state``: what the sidecar holds, what the sweep ended), /drc/stats
+(JSON), /drc/snapshot (bytes), POST /drc/match.
 """
 
 from __future__ import annotations

@@ -113,7 +113,7 @@ def explain(exc: BaseException) -> ConfigError | None:
         if exc.errno in _NOT_LOCAL:
             return AddressNotLocal(f"{where}: not an address of this machine ({_why(exc)})")
         if exc.errno in _NO_WRITE:
-            return NotWritable(f"{where}: cannot write: {_why(exc)}")
+            return NotWritable(f"{where}: cannot write or read: {_why(exc)}")
         return None
     if isinstance(exc, RuntimeError) and "Failed to bind" in str(exc):  # grpc's add_*_port
         return PortInUse(f"{str(exc).splitlines()[0]} (port in use or address not local)")
