@@ -17,6 +17,13 @@ import click
 @click.option("--line-mbit", default=100.0, show_default=True, help="WAN line rate.")
 @click.option("--rtt-ms", default=20.0, show_default=True, help="WAN round-trip time.")
 @click.option("--max-output", default=48, show_default=True, help="Longest output, tokens.")
+@click.option(
+    "--engine-mode",
+    type=click.Choice(["thread", "process"]),
+    default="process",
+    show_default=True,
+    help="Each sidecar's engine: a child process (its kill is a fault of the schedule) or a thread.",
+)
 def command(
     requests: int,
     concurrency: int,
@@ -27,10 +34,12 @@ def command(
     line_mbit: float,
     rtt_ms: float,
     max_output: int,
+    engine_mode: str,
 ) -> None:
     """Bring up P, RLD, MD and the router across an emulated WAN, drive a bounded streaming load
     (mixed pipelines, greedy and seeded), and run the fault schedule meanwhile: kill -9 and restart
-    of MD and RelayDecode, WAN outages shorter and longer than the deadline, a one-way cut. Then
+    of MD, RelayDecode, P and MD's engine process, WAN outages shorter and longer than the deadline,
+    a one-way cut, corrupted packets on the WAN, a burst of 4x the concurrency. Then
     check the invariants (no hung request, exact tokens, no gaps or duplicates, typed failures,
     nothing held 10 s after, flat RSS) and print a table, a JSON report and a PNG timeline."""
     from pddlink.cli.preflight import check_output_file, check_writable
@@ -57,4 +66,5 @@ def command(
         line_mbit=line_mbit,
         rtt_ms=rtt_ms,
         max_output=max_output,
+        engine_mode=engine_mode,
     )

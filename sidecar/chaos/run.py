@@ -15,11 +15,13 @@ import asyncio
 import json
 import os
 import random
+import signal
+import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -40,6 +42,8 @@ from sidecar.http import fetch
 WARMUP_MIN = 40  # requests before the RSS baseline (allocators and caches reach their size)
 QUIET_S = 10.0  # after the load: what is still held then must be 0
 RESTART_SETTLE_S = 8.0
+BURST_FACTOR = 3  # a burst adds this many times the concurrency at once: 4x in flight
+ENGINE_DEATH_EXIT_S = 10.0  # a sidecar whose engine died has stopped by then
 RESTART_ESTIMATE_S = 10.0  # a killed role is back (engine loaded, READY) in about this long
 FAULT_GAP_S = 3.0  # a restarted process's RSS baseline is taken this long after it is ready
 PIPELINES = ("", "p_md", "p_rld_md", "singular")
@@ -130,8 +134,9 @@ def held_now(cluster: Cluster) -> dict[str, Any]:
 
 
 class FaultRunner:
-    def __init__(self, lab: Lab, cluster: Cluster, rss: RssBook, t0: float) -> None:
+    def __init__(self, lab: Lab, cluster: Cluster, rss: RssBook, t0: float, profile: str) -> None:
         self.lab, self.cluster, self.rss, self.t0 = lab, cluster, rss, t0
+        self.profile = profile  # the WAN's own profile (TOML), restored after a corruption
         self.records: list[FaultRecord] = []
 
     def now(self) -> float:
@@ -139,28 +144,51 @@ class FaultRunner:
 
     def apply(self, fault: Fault) -> None:
         start = self.now()
-        note = ""
         say(f"[chaos] {start:6.1f} s  fault {fault.name}")
-        if fault.kind is FaultKind.KILL_RESTART:
-            self.cluster.kill(fault.target)
-            time.sleep(fault.duration_s)
-            try:
-                self.cluster.restart(fault.target)
-                note = f"restarted after {self.now() - start:.1f} s"
-            except PddlinkError as exc:  # recorded in the report; the run goes on
-                note = f"restart failed: {exc.message}"
-        elif fault.kind is FaultKind.WAN_OUTAGE:
-            self.lab.outage(fault.duration_s)
-            time.sleep(fault.duration_s)
-        elif fault.kind is FaultKind.ONE_WAY_CUT:
-            self.lab.outage(fault.duration_s, direction="a_to_b")
-            time.sleep(fault.duration_s)
-        self.records.append(FaultRecord(fault.name, fault.kind.value, fault.target, start, self.now(), note))
-        say(f"[chaos] {self.now():6.1f} s  fault {fault.name} over {note}")
-        if fault.kind is FaultKind.KILL_RESTART and not note.startswith("restart failed"):
+        note = self._do(fault)
+        self.record(fault, start, note)
+        if fault.kind in (FaultKind.KILL_RESTART, FaultKind.KILL_ENGINE) and note.startswith("restarted"):
             timer = threading.Timer(RESTART_SETTLE_S, self.rss.sample, (self.cluster, (fault.target,)))
             timer.daemon = True
             timer.start()
+
+    def record(self, fault: Fault, start: float, note: str) -> None:
+        self.records.append(FaultRecord(fault.name, fault.kind.value, fault.target, start, self.now(), note))
+        say(f"[chaos] {self.now():6.1f} s  fault {fault.name} over {note}")
+
+    def _do(self, fault: Fault) -> str:
+        start = self.now()
+        if fault.kind is FaultKind.KILL_RESTART:
+            self.cluster.kill(fault.target)
+            time.sleep(fault.duration_s)
+            return self._restart(fault.target, start)
+        if fault.kind is FaultKind.KILL_ENGINE:
+            engines = self.cluster.pids(fault.target)[1:]
+            if not engines:
+                return "skipped: the engine runs in a thread (--engine-mode process to kill it)"
+            os.kill(engines[0], signal.SIGKILL)
+            proc = self.cluster.procs[fault.target]
+            try:  # the sidecar notices, reports /healthz 503 and stops by itself
+                code = proc.wait(ENGINE_DEATH_EXIT_S)
+                gone = f"sidecar exited ({code}) {self.now() - start:.1f} s after its engine; "
+            except subprocess.TimeoutExpired:
+                gone = f"sidecar still running {ENGINE_DEATH_EXIT_S:g} s after its engine died; "
+            return gone + self._restart(fault.target, start)
+        if fault.kind in (FaultKind.WAN_OUTAGE, FaultKind.ONE_WAY_CUT):
+            self.lab.outage(fault.duration_s, "both" if fault.kind is FaultKind.WAN_OUTAGE else "a_to_b")
+            time.sleep(fault.duration_s)
+        elif fault.kind is FaultKind.CORRUPT:
+            self.lab.set_profile(parse_profile(self.profile + "corrupt = 0.01\n", name="chaos-corrupt"))
+            time.sleep(fault.duration_s)
+            self.lab.set_profile(parse_profile(self.profile, name="pddlink-chaos"))
+        return ""
+
+    def _restart(self, role: str, start: float) -> str:
+        try:
+            self.cluster.restart(role)
+        except PddlinkError as exc:  # recorded in the report; the run goes on
+            return f"restart failed: {exc.message}"
+        return f"restarted after {self.now() - start:.1f} s"
 
 
 class Phases:
@@ -196,11 +224,14 @@ class Phases:
         full = min(self.bounds[i] + self.concurrency, self.bounds[i + 1])
         return self.over >= i and self.admitted >= full
 
-    async def fire(self, apply: Callable[[Fault], None]) -> None:
+    async def fire(self, apply: Callable[[Fault], None], burst: Callable[[Fault], Awaitable[None]]) -> None:
         for i, fault in enumerate(self.faults):
             await self._until(lambda i=i: self.due(i))
             await asyncio.sleep(0.3)  # the admitted requests' streams are open
-            await asyncio.to_thread(apply, fault)
+            if fault.kind is FaultKind.BURST:
+                await burst(fault)
+            else:
+                await asyncio.to_thread(apply, fault)
             self.over += 1
             self.changed.set()
 
@@ -213,9 +244,23 @@ async def load_and_faults(
     *,
     concurrency: int,
     deadline_s: float,
+    extra: list[tuple[DemoRequest, str]],
 ) -> list[StreamResult]:
+    """The load (``reqs``, ``concurrency`` at once) with the faults; a burst fault sends ``extra``
+    all at once on top of it."""
     phases = Phases(schedule, len(reqs), concurrency)
     done = 0
+    burst_results: list[StreamResult] = []
+
+    async def burst(fault: Fault) -> None:
+        start = faults.now()
+        say(f"[chaos] {start:6.1f} s  fault {fault.name}: {len(extra)} requests on top")
+        burst_results.extend(
+            await drive(
+                cluster.router_target, extra, concurrency=len(extra), deadline_s=deadline_s, t0=faults.t0
+            )
+        )
+        faults.record(fault, start, f"{len(extra)} extra requests at once")
 
     def on_done(r: StreamResult) -> None:
         nonlocal done
@@ -234,12 +279,10 @@ async def load_and_faults(
             admit=phases.admit,
         )
     )
-    firing = asyncio.ensure_future(phases.fire(faults.apply))
+    firing = asyncio.ensure_future(phases.fire(faults.apply, burst))
     results = await load
-    if not firing.done():
-        say("[chaos] the load ended before every fault fired")
-        firing.cancel()
-    return results
+    await firing  # every fault has begun (the phases see to it); the last one may still run
+    return results + burst_results
 
 
 def main(
@@ -253,14 +296,22 @@ def main(
     line_mbit: float,
     rtt_ms: float,
     max_output: int,
+    engine_mode: str = "process",
     schedule: Sequence[Fault] | None = None,
 ) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="pddlink-chaos-"))
     spec = ClusterSpec(
-        work / "run", relay=True, line_mbit=line_mbit, rtt_ms=rtt_ms, deadline_s=deadline_s, tls=True
+        work / "run",
+        relay=True,
+        line_mbit=line_mbit,
+        rtt_ms=rtt_ms,
+        deadline_s=deadline_s,
+        tls=True,
+        engine_mode=engine_mode,
     )
     faults = list(default_schedule(deadline_s) if schedule is None else schedule)
-    reqs = workload(requests, seed, max_output)
+    bursts = sum(f.kind is FaultKind.BURST for f in faults)
+    reqs = workload(requests + bursts * BURST_FACTOR * concurrency, seed, max_output)
     warm = workload(max(WARMUP_MIN, 2 * concurrency), seed + 1, max_output)  # the same mix
     say(f"chaos: {len(reqs)} requests, {concurrency} at once, deadline {deadline_s:g} s, faults: "
         + ", ".join(f.name for f in faults))  # fmt: skip
@@ -279,9 +330,17 @@ def main(
                 )
             )
             rss.sample(cluster, ("p", "rld", "md", "router"))
-            runner = FaultRunner(lab, cluster, rss, time.monotonic())
+            runner = FaultRunner(lab, cluster, rss, time.monotonic(), wan_profile(spec))
             results = asyncio.run(
-                load_and_faults(cluster, runner, reqs, faults, concurrency=concurrency, deadline_s=deadline_s)
+                load_and_faults(
+                    cluster,
+                    runner,
+                    reqs[:requests],
+                    faults,
+                    concurrency=concurrency,
+                    deadline_s=deadline_s,
+                    extra=reqs[requests:],
+                )
             )
             say(f"[chaos] load over; {QUIET_S:g} s of quiet, then what is still held")
             time.sleep(QUIET_S)
@@ -304,6 +363,7 @@ def main(
         "rtt_ms": rtt_ms,
         "lab_mode": lab.mode,
         "max_output_tokens": max_output,
+        "engine_mode": engine_mode,
         "work_dir": str(work),
     }
     with open(work / "requests.jsonl", "w") as f:  # per-request records, for diagnosis

@@ -67,6 +67,10 @@ def test_the_default_schedule_has_the_issue_faults() -> None:
         "kill_restart:rld",
         "wan_outage_long",
         "one_way_cut",
+        "kill_restart:p",
+        "kill_engine:md",
+        "wan_corrupt",
+        "burst_4x",
     ]
     by = {f.name: f for f in default_schedule(10.0)}
     assert by["wan_outage_short"].duration_s < 10.0 < by["wan_outage_long"].duration_s
