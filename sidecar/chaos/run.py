@@ -41,7 +41,6 @@ from sidecar.http import fetch
 
 WARMUP_MIN = 40  # requests before the RSS baseline (allocators and caches reach their size)
 QUIET_S = 10.0  # after the load: what is still held then must be 0
-RESTART_SETTLE_S = 8.0
 BURST_FACTOR = 3  # a burst adds this many times the concurrency at once: 4x in flight
 ENGINE_DEATH_EXIT_S = 10.0  # a sidecar whose engine died has stopped by then
 RESTART_ESTIMATE_S = 10.0  # a killed role is back (engine loaded, READY) in about this long
@@ -83,10 +82,27 @@ def rss_bytes(pid: int) -> int:
 
 
 class RssBook:
-    """Each process's RSS after warm-up (a restarted one: RESTART_SETTLE_S after it came back)."""
+    """Each process's RSS after warm-up; a restarted one's once WARMUP_MIN more requests have ended
+    after it came back (its own warm-up)."""
 
     def __init__(self) -> None:
         self.base: dict[int, tuple[str, int]] = {}
+        self.ended = 0
+        self.pending: dict[str, int] = {}  # role -> requests ended at which to take its baseline
+        self._lock = threading.Lock()
+
+    def restarted(self, role: str) -> None:
+        with self._lock:
+            self.pending[role] = self.ended + WARMUP_MIN
+
+    def on_done(self, cluster: Cluster) -> None:
+        with self._lock:
+            self.ended += 1
+            due = [role for role, at in self.pending.items() if self.ended >= at]
+            for role in due:
+                del self.pending[role]
+        if due:
+            self.sample(cluster, due)
 
     def sample(self, cluster: Cluster, roles: Sequence[str]) -> None:
         for role in roles:
@@ -95,13 +111,13 @@ class RssBook:
                 if rss:
                     self.base[pid] = (role, rss)
 
-    def growth(self, cluster: Cluster) -> dict[str, float]:
-        out: dict[str, float] = {}
+    def growth(self, cluster: Cluster) -> dict[str, float | None]:
+        """End RSS / baseline per process ("role:pid"); None: restarted too late for a baseline."""
+        out: dict[str, float | None] = {}
         for role in ("p", "rld", "md", "router"):
             for pid in cluster.pids(role):
-                if pid in self.base and rss_bytes(pid):
-                    key = f"{role}:{pid}"
-                    out[key] = rss_bytes(pid) / self.base[pid][1]
+                now = rss_bytes(pid)
+                out[f"{role}:{pid}"] = now / self.base[pid][1] if pid in self.base and now else None
         return out
 
 
@@ -147,10 +163,8 @@ class FaultRunner:
         say(f"[chaos] {start:6.1f} s  fault {fault.name}")
         note = self._do(fault)
         self.record(fault, start, note)
-        if fault.kind in (FaultKind.KILL_RESTART, FaultKind.KILL_ENGINE) and note.startswith("restarted"):
-            timer = threading.Timer(RESTART_SETTLE_S, self.rss.sample, (self.cluster, (fault.target,)))
-            timer.daemon = True
-            timer.start()
+        if "restarted after" in note:
+            self.rss.restarted(fault.target)
 
     def record(self, fault: Fault, start: float, note: str) -> None:
         self.records.append(FaultRecord(fault.name, fault.kind.value, fault.target, start, self.now(), note))
@@ -265,6 +279,7 @@ async def load_and_faults(
     def on_done(r: StreamResult) -> None:
         nonlocal done
         done += 1
+        faults.rss.on_done(cluster)
         if done % 50 == 0 or done == len(reqs):
             say(f"[chaos] {faults.now():6.1f} s  {done}/{len(reqs)} ended")
 
@@ -354,7 +369,7 @@ def main(
         results, reference, [len(r.prompt) for r, _ in reqs], runner.records, deadline_s=deadline_s
     )
     doc["held_after_s10"] = held
-    doc["rss_growth_max"] = max(growth.values(), default=0.0)
+    doc["rss_growth_max"] = max((g for g in growth.values() if g is not None), default=0.0)
     doc["rss_growth"] = growth
     doc["setting"] = {
         "concurrency": concurrency,
