@@ -53,6 +53,14 @@ DRC_ENGINE_EVICTED_BLOCKS = Counter(
 )
 DRC_EVENTS = Counter("pddlink_drc_events", "DRC change events published, by kind", ["kind"])
 
+# --- sidecar state (sidecar.sweep) --------------------------------------------------------------
+SIDECAR_HELD = Gauge(
+    "pddlink_sidecar_held", "Entries a sidecar holds (requests, waiting_kv, reservations)", ["kind"]
+)
+SIDECAR_SWEPT = Counter(
+    "pddlink_sidecar_swept", "Entries the sweep ended past their deadline, by kind", ["kind"]
+)
+
 # --- engine ----------------------------------------------------------------------------------------
 ENGINE_STEP_SECONDS = Histogram(
     "pddlink_engine_step_seconds",

@@ -35,7 +35,7 @@ from pddlink.routing import (
     RoutingInputs,
     RoutingPolicy,
 )
-from pddlink.transport import PeerIdentity, TlsConfig, load_or_create_peer
+from pddlink.transport import PeerIdentity, TlsConfig, load_node
 from sidecar.admission import Overloaded
 from sidecar.backlog import POLL_INTERVAL_S, follow_backlog
 from sidecar.grpc_tls import CallerCheck, open_channel
@@ -94,8 +94,8 @@ class RouterConfig:
         return PeerIdentity("router", self.name)
 
     def load_tls(self) -> TlsConfig | None:
-        """This router's credentials from ``tls_dir`` (created in a dev PKI where missing)."""
-        return load_or_create_peer(Path(self.tls_dir), self.identity) if self.tls_dir else None
+        """This router's credentials from its node directory ``tls_dir`` (read only, never minted)."""
+        return load_node(Path(self.tls_dir), self.identity) if self.tls_dir else None
 
 
 class Router:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import click
@@ -64,14 +65,18 @@ def command(
     as cross-datacenter PD (P->MD only) and once with PDD, checks every token against one engine
     generating alone, and prints the table. Progress and logs go to stderr.
     """
+    from pddlink.cli.preflight import check_output_file, check_writable
     from sidecar.demo import main
 
     if requests < 1:
         raise click.BadParameter("must be >= 1", param_hint="--requests")
     if plot_path is None:
         plot = Path(json_path).with_suffix(".png") if json_path else Path("out") / "pddlink-demo-ttft.png"
-        plot.parent.mkdir(parents=True, exist_ok=True)
         plot_path = str(plot)
+    # before the lab and four processes come up (minutes): every place the demo writes
+    check_output_file(json_path, "demo --json")
+    check_output_file(plot_path, "demo --plot")
+    check_writable(tempfile.gettempdir(), "demo run directory (TMPDIR)")
     main(
         requests=requests,
         rate_rps=rate_rps,

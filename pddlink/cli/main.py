@@ -66,6 +66,10 @@ TOP_COMMANDS: dict[str, tuple[str, str]] = {
         "pddlink.cli.demo:command",
         "Run P, RLD, MD and the router across an emulated WAN; compare PDD with P->MD.",
     ),
+    "chaos": (
+        "pddlink.cli.chaos:command",
+        "Faults under a bounded streaming load (kills, WAN outages); check the invariants.",
+    ),
     "lab": (
         "pddlink.cli.lab:group",
         "The netlab WAN emulator: bring two datacenters up, run commands in them.",
@@ -84,6 +88,7 @@ TOP_COMMANDS: dict[str, tuple[str, str]] = {
         "Run an engine process that attaches to its sidecar over the engine link.",
     ),
     "router": ("pddlink.cli.router:command", "Run the router: client API, pipeline policy, stream merging."),
+    "pki": ("pddlink.cli.pki:group", "The dev PKI: a CA kept apart, one key and certificate per node."),
     "ping": ("pddlink.cli.diag:ping", "Ping a running sidecar: RTT, bandwidth, wire version, TLS identity."),
     "status": (
         "pddlink.cli.diag:status",
@@ -123,6 +128,14 @@ def main() -> None:
         sys.exit(exc.exit_code)
     except PddlinkError as exc:
         click.echo(f"error: {exc.message}", err=True)
+        sys.exit(2)
+    except (OSError, RuntimeError) as exc:  # one that slipped past the command's preflight checks
+        from pddlink.cli.preflight import explain
+
+        friendly = explain(exc)
+        if friendly is None:
+            raise
+        click.echo(f"error: {friendly.message}", err=True)
         sys.exit(2)
 
 

@@ -409,6 +409,9 @@ def generate_cmd(
     block_tokens: int | None, context_tokens: int | None, max_output_tokens: int | None, time_scale: float,
 ) -> None:  # fmt: skip
     """Write an agentic trace (JSONL) from the workload file, optionally scaled for one machine."""
+    from pddlink.cli.preflight import check_output_file
+
+    check_output_file(str(out), "sim generate --out")
     workload = load_workload(workload_path)
     trace = generate_trace(
         workload, GeneratorConfig(rate_rps=rate, requests=count, seed=seed, uniform_hits=uniform)

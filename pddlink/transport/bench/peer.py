@@ -26,7 +26,8 @@ from pddlink.kv.codec import ParallelCodec
 from pddlink.transport.api import KVClient, KVServer
 from pddlink.transport.base import LinkOptions, ReceivedTransfer, TransferResult
 from pddlink.transport.bench import kvcodec
-from pddlink.transport.tls import PeerIdentity, TlsConfig, load_or_create_peer
+from pddlink.transport.pki import load_or_create_peer
+from pddlink.transport.tls import PeerIdentity, TlsConfig
 from pddlink.wire.transfer_messages import KVLayoutSpec, TransferBegin
 
 log = logging.getLogger("pddlink.bench.link")
