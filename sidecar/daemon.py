@@ -55,6 +55,7 @@ from sidecar.peers import DecoderPeer, KVPeer, KVPeerPool
 from sidecar.prefill import Prefiller
 from sidecar.rpc import stubs
 from sidecar.service import SidecarService
+from sidecar.wan_codec import WanCodec
 
 
 def build_engine(cfg: SidecarConfig) -> EngineAdapter:
@@ -155,6 +156,11 @@ class Sidecar:
                 rld=rld,
                 chunk_bytes=cfg.data_plane.chunk_bytes,
                 lease_s=cfg.data_plane.reserve_lease_s,
+                wan_codec=WanCodec(
+                    cfg.data_plane.wan_codec,
+                    line_mbit=cfg.data_plane.wan_line_mbit,
+                    pool_size=cfg.data_plane.wan_links,
+                ),
             )
 
     # -- the KV server's callbacks (RLD, MD) -----------------------------------------------------
@@ -203,6 +209,7 @@ class Sidecar:
             out["pipelines"] = self.decoder.status()
         if self.prefiller is not None:
             out["transfers"] = {"in_flight": self.prefiller.in_flight}
+            out["wan_codec"] = self.prefiller.wan_codec.status_json(time.monotonic())
             out["links"] = [p.stats() for p in self.peers if isinstance(p, KVPeer)]
         out["grpc_tls"] = self.caller_check.status() if self.caller_check is not None else None
         if self.drc is not None:
