@@ -7,7 +7,8 @@ They also apply the KV codec a transfer names (``TransferBegin.codec``, ``pddlin
 ``KVClient.send_transfer`` encodes the payload on a thread pool before the first byte leaves
 (``total_bytes`` becomes the encoded size; the result says the codec, the KV bytes before it and
 the time spent), ``KVServer`` decodes a verified transfer the same way before its ``on_transfer``
-sees it (``ReceivedTransfer.wire_bytes`` keeps what crossed); a payload that does not decode goes
+sees it: one chunk of KV, ``begin.total_bytes`` set to its length (``begin.codec`` still names the
+codec) and ``ReceivedTransfer.wire_bytes`` keeping what crossed; a payload that does not decode goes
 to ``on_transfer_failed`` with code INTEGRITY. RAW transfers pass through untouched, as before.
 Transports used directly (``listen``/``connect``) move the payload as it is.
 """
@@ -95,6 +96,7 @@ def _decoding(handlers: Handlers) -> Handlers:
         received.release()  # the decoded copy is all that is viewed from here on
         decoded = dataclasses.replace(
             received,
+            begin=dataclasses.replace(begin, total_bytes=len(data)),  # what the consumer holds now
             chunks=[data],
             seconds=received.seconds + time.perf_counter() - t0,
             wire_bytes=wire_bytes,

@@ -61,7 +61,8 @@ def test_kv_crosses_a_real_link_in_either_codec_and_arrives_byte_for_byte(
     if codec is CodecId.RAW:
         assert result.bytes == len(KV) and received.wire_bytes is None
     else:
-        assert received.wire_bytes == result.bytes == received.begin.total_bytes
+        assert received.wire_bytes == result.bytes < len(KV)
+        assert received.begin.total_bytes == len(KV)  # the begin as delivered describes the KV held
         assert len(KV) / result.bytes > 1.3  # Gaussian bf16: the exponent plane halves
         assert result.codec_seconds > 0
 
