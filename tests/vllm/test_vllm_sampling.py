@@ -23,8 +23,8 @@ import pytest
 pytestmark = pytest.mark.vllm
 
 PROMPTS = [[(7 * i + 13 * j) % 1000 + 3 for j in range(n)] for i, n in enumerate((5, 31, 33, 70, 97, 130))]
-MAX_TOKENS = 24
-SPLITS = (1, 7, 23)
+MAX_TOKENS = 16
+SPLITS = (1, 6, 15)
 SEEDED = {"temperature": 0.8, "top_p": 0.95}
 
 
