@@ -85,7 +85,7 @@ class WanCodec:
         if result is None:
             return
         if result.codec is not CodecId.RAW:
-            self.chooser.observe(dtype, result.kv_bytes, result.bytes)
+            self.chooser.observe(dtype, result.kv_bytes, result.bytes, result.codec_seconds or None)
         wire_s = result.seconds
         if result.bytes > 0 and wire_s > 0:
             sample = result.bytes / wire_s

@@ -167,9 +167,9 @@ class LinkCodecChooser:
         clock: Callable[[], float] = time.perf_counter,
     ) -> CodecSample:  # fmt: skip
         kind = KVDtype.parse(dtype)
-        sample = measure_sample(
-            synthetic_kv(kind, sample_bytes), kind, sample_bytes=sample_bytes, clock=clock
-        )
+        data = synthetic_kv(kind, sample_bytes)
+        decode_chunk(encode_chunk(data[: 64 << 10], kind))  # this thread's zstd contexts, made untimed
+        sample = measure_sample(data, kind, sample_bytes=sample_bytes, clock=clock)
         self.samples[kind] = sample
         return sample
 
@@ -192,12 +192,19 @@ class LinkCodecChooser:
             sample = self.samples[kind] = measure_sample(data, kind, clock=clock)
         return self.policy.choose(kind, link_bytes_per_s * 8 / GB, sample)
 
-    def observe(self, dtype: KVDtype | str, raw_bytes: int, wire_bytes: int) -> None:
-        """A compressed transfer's result: ``raw_bytes`` of KV travelled as ``wire_bytes``."""
+    def observe(
+        self, dtype: KVDtype | str, raw_bytes: int, wire_bytes: int, compress_s: float | None = None
+    ) -> None:
+        """A compressed transfer's result: ``raw_bytes`` of KV travelled as ``wire_bytes``, encoded in
+        ``compress_s`` seconds on ``policy.threads`` threads (when known: the speed follows too)."""
         kind = KVDtype.parse(dtype)
         sample = self.samples.get(kind)
         if sample is None or raw_bytes <= 0 or wire_bytes <= 0:
             return
         w = self.ratio_weight
         ratio = (1 - w) * sample.ratio + w * (raw_bytes / wire_bytes)
-        self.samples[kind] = replace(sample, ratio=ratio)
+        speed = sample.compress_gb_per_s
+        if compress_s is not None and compress_s > 0:
+            measured = raw_bytes / compress_s / GB / self.policy.threads
+            speed = (1 - w) * speed + w * measured
+        self.samples[kind] = replace(sample, ratio=ratio, compress_gb_per_s=speed)

@@ -240,6 +240,9 @@ def test_link_chooser_measures_at_start_then_follows_achieved_ratios() -> None:
     assert chooser.choose("bfloat16", 2e6).codec is CodecId.PLANES_ZSTD  # 16 Mbit/s: slower than zstd
     assert chooser.choose("bfloat16", 1e12).codec is CodecId.RAW  # 8 Tbit/s: faster than any thread
     assert chooser.choose("float64", 2e6).codec is CodecId.RAW
+    speed = chooser.samples[KVDtype.bfloat16].compress_gb_per_s
+    chooser.observe("bfloat16", 10**9, 6 * 10**8, compress_s=0.5)  # 2 GB/s on its one thread
+    assert chooser.samples[KVDtype.bfloat16].compress_gb_per_s == pytest.approx(0.7 * speed + 0.3 * 2.0)
     for _ in range(20):  # real KV turns out incompressible: the chooser stops compressing
         chooser.observe("bfloat16", 1000, 1000)
     assert chooser.samples[KVDtype.bfloat16].ratio < 1.01
