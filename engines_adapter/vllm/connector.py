@@ -124,6 +124,7 @@ class _Producing:
 class _Consuming:
     params: TransferParams
     first_block: int = 0
+    computed: int = 0  # vLLM's own prefix hit when the load was planned (block aligned)
     load: LoadSpec | None = None
 
 
@@ -139,6 +140,8 @@ class PddlinkConnector(KVConnectorBase_V1):
         if not sock:
             raise ValueError("PddlinkConnector needs kv_connector_extra_config.control_socket")
         self.control = ControlClient(Path(sock))
+        dump = cfg.get_from_extra_config("kv_dump_dir", None)  # tests: the KV bytes each side held
+        self.dump_dir = Path(dump) if dump else None
         self.num_blocks = kv_cache_config.num_blocks
         mc, par = vllm_config.model_config, vllm_config.parallel_config
         self.layout = {
@@ -198,7 +201,7 @@ class PddlinkConnector(KVConnectorBase_V1):
         todo = prompt_len - computed
         if todo <= 0:
             return self._recompute(rid, params, "nothing_to_load")
-        self._consuming[rid] = _Consuming(params, first)
+        self._consuming[rid] = _Consuming(params, first, computed)
         return todo, True
 
     def _recompute(self, rid: str, params: TransferParams, reason: str) -> tuple[int, bool]:
@@ -215,8 +218,9 @@ class PddlinkConnector(KVConnectorBase_V1):
         if self.producer or c is None or num_external_tokens <= 0 or c.load is not None:
             return
         ids = blocks.get_block_ids()[0]
-        start = request.num_computed_tokens // self.block_size
-        end = -(-(request.num_computed_tokens + num_external_tokens) // self.block_size)
+        # request.num_computed_tokens is set only after this hook: use the hit recorded before
+        start = c.computed // self.block_size
+        end = -(-(c.computed + num_external_tokens) // self.block_size)
         c.load = LoadSpec(
             request.request_id, c.params.transfer, start, tuple(ids[start:end]), c.params.deadline_at
         )
@@ -310,7 +314,10 @@ class PddlinkConnector(KVConnectorBase_V1):
         answer = self.control.call(Op.ALLOC, transfer=save.transfer, num_blocks=n, bytes_per_block=per_block)
         first = min(int(answer["first_block"]), n)
         slot = Slot(int(answer["offset"]), int(answer["nbytes"]))
-        self._kv.gather(save.block_ids[first:], self._mapped().buffer(slot))
+        buf = self._mapped().buffer(slot)
+        self._kv.gather(save.block_ids[first:], buf)
+        if self.dump_dir is not None:
+            (self.dump_dir / f"P-{save.transfer}-{first}.bin").write_bytes(buf)
         self.control.call(
             Op.COMMIT,
             transfer=save.transfer,
@@ -368,6 +375,10 @@ class PddlinkConnector(KVConnectorBase_V1):
             return False
         slot = Slot(int(state["offset"]) + skip * per_block, need * per_block)
         self._kv.scatter(load.block_ids, self._mapped().buffer(slot))
+        if self.dump_dir is not None:  # read back what vLLM's blocks now hold
+            out = bytearray(need * per_block)
+            self._kv.gather(load.block_ids, memoryview(out))
+            (self.dump_dir / f"MD-{load.transfer}-{load.first_block}.bin").write_bytes(out)
         return True
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:

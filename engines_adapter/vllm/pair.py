@@ -67,6 +67,7 @@ class PairSpec:
     md_kv_port: int = 0
     kv_load_failure_policy: str = "fail"
     extra_args: tuple[str, ...] = ()
+    kv_dump_dir: Path | None = None
 
 
 class VllmPair:
@@ -102,6 +103,7 @@ class VllmPair:
             block_size=s.block_size,
             kv_load_failure_policy=s.kv_load_failure_policy,
             extra_args=s.extra_args,
+            kv_dump_dir=s.kv_dump_dir,
         )
         self.md = VllmServer(
             replace(

@@ -38,6 +38,7 @@ class VllmServerSpec:
     kv_load_failure_policy: str = "fail"
     kv_events_endpoint: str = ""  # "ipc:///path" to publish KV-cache events
     num_gpu_blocks: int = 0  # >0: cap the KV pool (a small cache that evicts)
+    kv_dump_dir: Path | None = None  # tests: the connector writes the KV bytes each side held
     extra_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
 
@@ -70,6 +71,8 @@ class VllmServerSpec:
                 "kv_load_failure_policy": self.kv_load_failure_policy,
                 "kv_connector_extra_config": {"control_socket": str(self.control_socket)},
             }
+            if self.kv_dump_dir is not None:
+                cfg["kv_connector_extra_config"]["kv_dump_dir"] = str(self.kv_dump_dir)
             args += ["--kv-transfer-config", json.dumps(cfg)]
         if self.kv_events_endpoint:
             ev = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": self.kv_events_endpoint}

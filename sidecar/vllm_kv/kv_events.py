@@ -38,9 +38,16 @@ class KvEventFeed:
         self.counts = {"batches": 0, "stored": 0, "removed": 0, "cleared": 0, "orphans": 0, "gaps": 0}
         self._seq: int | None = None
         self.last_event_at = 0.0
+        self.error = ""
 
     def start(self, endpoint: str) -> None:
         self._task = asyncio.ensure_future(self._run(endpoint))
+        self._task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            self.error = repr(task.exception())
+            log.error("vLLM KV event feed ended: %s", self.error)
 
     async def _run(self, endpoint: str) -> None:
         import msgspec
@@ -116,7 +123,7 @@ class KvEventFeed:
         return chain
 
     def stats(self) -> dict[str, Any]:
-        return {**self.counts, "blocks": len(self.index), "mapped": len(self._ours)}
+        return {**self.counts, "blocks": len(self.index), "mapped": len(self._ours), "error": self.error}
 
     async def close(self) -> None:
         if self._task is not None:
