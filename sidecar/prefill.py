@@ -31,6 +31,7 @@ from engines_adapter import KVBlocks, SamplingParams, StepOutput
 from pddlink import metrics
 from pddlink.errors import ErrorCode, PddlinkError, Unavailable
 from pddlink.handoff import HandoffMode, HandoffSlice
+from pddlink.kv.codec import CodecId
 from pddlink.kv.hashing import BlockHasher
 from pddlink.transport import KVClient
 from pddlink.wire import KVLayoutSpec, Reserve, ReserveAnswer, TransferBegin
@@ -158,7 +159,7 @@ class Prefiller:
             first_block=first_block,
             num_tokens=len(job.prompt) - first_block * layout.block_size,
             block_hashes=tuple(hashes[first_block:]),
-            codec=0,
+            codec=CodecId.RAW,  # the WAN leg picks its codec in _ship_md
             total_bytes=len(payload),
             chunk_bytes=self.chunk_bytes,
             deadline_ms=max(1, int((deadline - time.monotonic()) * 1000)),
