@@ -30,7 +30,17 @@ REJECTED = Counter("pddlink_router_rejected", "Requests refused at admission, by
 CLIENT_ERRORS = Counter("pddlink_client_errors", "Malformed client requests refused, by API", ["api"])
 
 # --- data plane ----------------------------------------------------------------------------------
-KV_BYTES = Counter("pddlink_kv_bytes", "KV bytes shipped, by path (wan, fast)", ["path"])
+KV_BYTES = Counter("pddlink_kv_bytes", "KV bytes shipped (before any codec), by path (wan, fast)", ["path"])
+KV_WIRE_BYTES = Counter(
+    "pddlink_kv_wire_bytes",
+    "KV payload bytes on the wire (after the codec), by path and codec",
+    ["path", "codec"],
+)
+KV_CODEC_RAW_BYTES = Counter(
+    "pddlink_kv_codec_raw_bytes",
+    "KV bytes before the codec, by path and the codec they travelled in",
+    ["path", "codec"],
+)
 HANDOFF_BYTES = Counter("pddlink_handoff_bytes", "Token-id handoff bytes on the wire")
 HANDOFFS = Counter("pddlink_handoffs", "Handoffs RLD -> MD completed, by mode", ["mode"])
 HANDOFF_SLICES = Counter("pddlink_handoff_slices", "Handoff slices sent, by mode", ["mode"])

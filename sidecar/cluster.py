@@ -178,6 +178,8 @@ class Cluster:
                 f"{a}:{p['rld_kv']}",
                 "--num-blocks",
                 "4096",
+                "--wan-line-mbit",
+                str(s.line_mbit),
                 *common,
             ]
         argv = [

@@ -25,6 +25,9 @@ md_identity = "md/md0"; rld_identity = "rld/rld0"   # who answers there (checked
 [data_plane]
 wan_transport = "tcp"; fast_transport = "auto"; wan_links = 8; wan_streams = 1; chunk_bytes = 1048576
 reserve_lease_s = 10.0
+wan_codec = "auto"       # auto: compress bf16/fp16 KV when the line is slower than the codec (measured,
+                         # sidecar.wan_codec); raw | planes_zstd force one
+wan_line_mbit = 0.0      # the WAN line's rate for that decision (0: unknown, measured from transfers)
 
 [decode]
 max_batch = 32; capacity = 8; catch_up_below_load = 0.5; slice_tokens = 64
@@ -109,8 +112,16 @@ class DataPlaneConfig:
     wan_links: int = 8  # links in the WAN connection pool (a transfer takes the least loaded)
     chunk_bytes: int = 1 << 20
     reserve_lease_s: float = 10.0
+    wan_codec: str = "auto"  # auto | raw | planes_zstd (sidecar.wan_codec)
+    wan_line_mbit: float = 0.0  # 0: unknown
 
     def __post_init__(self) -> None:
+        if self.wan_codec not in ("auto", "raw", "planes_zstd"):
+            raise ConfigError(
+                f"data_plane.wan_codec must be auto, raw or planes_zstd, got {self.wan_codec!r}"
+            )
+        if self.wan_line_mbit < 0:
+            raise ConfigError(f"data_plane.wan_line_mbit must be >= 0, got {self.wan_line_mbit}")
         if self.wan_transport not in ("tcp", "quic"):
             raise ConfigError(f"data_plane.wan_transport must be tcp or quic, got {self.wan_transport!r}")
         if self.fast_transport not in ("tcp", "quic", "rdma", "auto"):

@@ -58,6 +58,7 @@ from sidecar.prefill import Prefiller
 from sidecar.rpc import stubs
 from sidecar.service import SidecarService
 from sidecar.sweep import Sweeper
+from sidecar.wan_codec import WanCodec
 
 ENGINE_DEAD_LINGER_S = 1.0  # streams end with their typed reason before the sidecar goes
 
@@ -164,6 +165,11 @@ class Sidecar:
                 rld=rld,
                 chunk_bytes=cfg.data_plane.chunk_bytes,
                 lease_s=cfg.data_plane.reserve_lease_s,
+                wan_codec=WanCodec(
+                    cfg.data_plane.wan_codec,
+                    line_mbit=cfg.data_plane.wan_line_mbit,
+                    pool_size=cfg.data_plane.wan_links,
+                ),
             )
 
     # -- the KV server's callbacks (RLD, MD) -----------------------------------------------------
@@ -215,6 +221,7 @@ class Sidecar:
                 "in_flight": self.prefiller.in_flight,
                 "wan": self.prefiller.wan_book.to_json(),
             }
+            out["wan_codec"] = self.prefiller.wan_codec.status_json(time.monotonic())
             out["links"] = [p.stats() for p in self.peers if isinstance(p, KVPeer)]
         out["grpc_tls"] = self.caller_check.status() if self.caller_check is not None else None
         if self.sweeper is not None:

@@ -111,6 +111,12 @@ def sidecar_counters(cluster: Cluster) -> dict[str, float]:
             for sample in fam.samples:
                 if role == "p" and sample.name == "pddlink_kv_bytes_total":
                     out[f"kv_bytes_{sample.labels['path']}"] = sample.value
+                if role == "p" and sample.name in (
+                    "pddlink_kv_wire_bytes_total",
+                    "pddlink_kv_codec_raw_bytes_total",
+                ):
+                    kind = "wire" if "wire" in sample.name else "raw"
+                    out[f"codec_{kind}_{sample.labels['path']}_{sample.labels['codec']}"] = sample.value
                 if role == "md" and sample.name in (
                     "pddlink_drc_hit_blocks_total",
                     "pddlink_drc_lookup_blocks_total",

@@ -71,12 +71,38 @@ def summarize(
         "pipelines": pipelines,
         "fallbacks": fallbacks,
         "wan_bytes": int(counters.get("kv_bytes_wan", 0)),
+        "codec": codec_summary(counters),
         "fast_bytes": int(counters.get("kv_bytes_fast", 0)),
         "drc_hit_rate": counters.get("drc_hit_blocks", 0.0)
         / max(counters.get("drc_lookup_blocks", 0.0), 1.0),
         "reservation_hit_rate": cached / prompt_tokens if prompt_tokens else 0.0,
         "p_prefix_hit_rate": p_cached / p_blocks_tokens if p_blocks_tokens else 0.0,
         "rld_token_share": tokens.get("rld", 0) / produced if produced else 0.0,
+    }
+
+
+def codec_summary(counters: dict[str, float], path: str = "wan") -> dict[str, Any]:
+    """The codec on one path from P's counters: the codec that carried most KV, the ratio over all
+    of it (KV bytes before the codec / bytes on the wire), bytes saved, and the split by codec."""
+    by: dict[str, dict[str, float]] = {}
+    for key, value in counters.items():
+        for kind in ("raw", "wire"):
+            prefix = f"codec_{kind}_{path}_"
+            if key.startswith(prefix):
+                by.setdefault(key[len(prefix) :], {"raw": 0.0, "wire": 0.0})[kind] += value
+    raw = sum(v["raw"] for v in by.values())
+    wire = sum(v["wire"] for v in by.values())
+    carried = {name: v for name, v in by.items() if v["raw"] > 0}
+    name = max(carried, key=lambda n: carried[n]["raw"]) if carried else "raw"
+    return {
+        "name": name,
+        "ratio": raw / wire if wire else 1.0,
+        "bytes_saved": int(raw - wire),
+        "kv_bytes": int(raw),
+        "wire_bytes": int(wire),
+        "by_codec": {
+            n: {"kv_bytes": int(v["raw"]), "wire_bytes": int(v["wire"])} for n, v in carried.items()
+        },
     }
 
 
@@ -93,6 +119,7 @@ def document(base: dict[str, Any], pdd: dict[str, Any], setting: dict[str, Any])
         "singular": pdd["singular"],
         "wan_bytes": {"baseline": base["wan_bytes"], "pdd": pdd["wan_bytes"]},
         "drc_hit_rate": pdd["drc_hit_rate"],
+        "codec": pdd["codec"],
         "p90_ratio": pdd["ttft_s"]["p90"] / base["ttft_s"]["p90"] if base["ttft_s"]["p90"] else None,
         "output_tokens_per_s": {
             "baseline": base["tokens_per_s_per_request"],
@@ -102,6 +129,10 @@ def document(base: dict[str, Any], pdd: dict[str, Any], setting: dict[str, Any])
         "baseline": {k: v for k, v in base.items() if k != "ttft_values"},
         "pdd": strip,
     }
+
+
+def _codec(c: dict[str, Any]) -> str:
+    return f"{c['name']}, {c['ratio']:.2f}x, {c['bytes_saved'] / 1e6:.1f}"
 
 
 def table(doc: dict[str, Any]) -> str:
@@ -126,6 +157,7 @@ def table(doc: dict[str, Any]) -> str:
         ("pipelines", _kv(b["pipelines"]), _kv(p["pipelines"])),
         ("fallbacks", _kv(b["fallbacks"]) or "-", _kv(p["fallbacks"]) or "-"),
         ("WAN bytes (MB)", f"{b['wan_bytes'] / 1e6:.1f}", f"{p['wan_bytes'] / 1e6:.1f}"),
+        ("WAN codec, ratio, MB saved", _codec(b["codec"]), _codec(p["codec"])),
         ("fast-path bytes (MB)", f"{b['fast_bytes'] / 1e6:.1f}", f"{p['fast_bytes'] / 1e6:.1f}"),
         ("DRC hit rate (MD's blocks)", f"{b['drc_hit_rate']:.3f}", f"{p['drc_hit_rate']:.3f}"),
         ("P's prefix hit rate", f"{b['p_prefix_hit_rate']:.3f}", f"{p['p_prefix_hit_rate']:.3f}"),

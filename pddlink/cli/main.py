@@ -53,6 +53,10 @@ BENCH_COMMANDS: dict[str, tuple[str, str]] = {
         "Prefill, decode and extend speed of the reference engine.",
     ),
     "codec": ("pddlink.cli.bench_codec:command", "Lossless KV codec ratio and speed against plain zstd."),
+    "extend": (
+        "engines_adapter.vllm.bench_extend:command",
+        "On vLLM: extend(100) with the prompt cached against 100 decode steps, one instance, one run.",
+    ),
     "link": (
         "pddlink.cli.bench_link:command",
         "Goodput of a transport between two processes (loopback or netlab).",

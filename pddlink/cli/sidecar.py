@@ -37,6 +37,14 @@ import click
 )
 @click.option("--capacity", type=int, help="Decode capacity in requests (load 1.0).")
 @click.option("--slice-tokens", type=int, help="Catch-up handoff slice size in tokens.")
+@click.option(
+    "--wan-codec",
+    type=click.Choice(["auto", "raw", "planes_zstd"]),
+    help="P: KV codec on the WAN leg (auto: when the line is slower than the compressor).",
+)
+@click.option(
+    "--wan-line-mbit", type=float, help="P: the WAN line's rate for the codec decision (0: measure)."
+)
 def command(config_path: str | None, **flags: Any) -> None:
     """Run the sidecar daemon for one role (p, rld or md) beside a reference engine.
 
@@ -66,6 +74,8 @@ def command(config_path: str | None, **flags: Any) -> None:
         "engine_mode": "engine.mode",
         "capacity": "decode.capacity",
         "slice_tokens": "decode.slice_tokens",
+        "wan_codec": "data_plane.wan_codec",
+        "wan_line_mbit": "data_plane.wan_line_mbit",
     }
     overrides = {keys[k]: v for k, v in flags.items() if v is not None}
     cfg = load_config(config_path, overrides)

@@ -27,7 +27,9 @@ codec and chunk size are used; generation and deadline are the link's) or a
 (a sequence of buffers is joined once). ``deadline_s`` is relative seconds from the call. A transfer
 ends in a ``TransferResult`` or raises a ``PddlinkError`` whose ``code`` says why
 (DEADLINE_EXCEEDED, PEER_UNREACHABLE, AUTH, INTEGRITY, CANCELLED, ...); the receiver sees its side's
-reason through ``on_transfer_failed``. ``ReceivedTransfer.chunks`` are the payload buffers in
+reason through ``on_transfer_failed``. ``begin.codec`` (``pddlink.kv.codec.CodecId``) names the
+KV codec: ``KVClient`` encodes the payload in it and ``KVServer`` decodes it before ``on_transfer``
+(see ``api``). ``ReceivedTransfer.chunks`` are the payload buffers in
 order; call ``received.release()`` once nothing views them any more and they are reused (a fresh
 MiB buffer costs a thousand page faults). Several transfers may run at once on one link.
 
