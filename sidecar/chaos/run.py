@@ -12,6 +12,7 @@ table, JSON, PNG timeline. Progress goes to stderr.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import random
@@ -240,7 +241,7 @@ class Phases:
 
     async def fire(self, apply: Callable[[Fault], None], burst: Callable[[Fault], Awaitable[None]]) -> None:
         for i, fault in enumerate(self.faults):
-            await self._until(lambda i=i: self.due(i))
+            await self._until(functools.partial(self.due, i))
             await asyncio.sleep(0.3)  # the admitted requests' streams are open
             if fault.kind is FaultKind.BURST:
                 await burst(fault)
