@@ -33,6 +33,12 @@ STATE_ROOT = Path("/run/pddlink-compose")
 ENGINE_DIR = STATE_ROOT / "engine"
 DATA_ROOT = Path("/var/lib/pddlink-compose")
 SYSTEM_SOCKET = "/var/run/docker.sock"
+# Real-time CPU time for the engine's containers (cgroup v1 with RT group scheduling): the relay
+# container gets RELAY_RT_RUNTIME_US of it, so that it releases delayed packets on time (as the
+# namespaced lab's relay does with SCHED_FIFO) even on a busy machine.
+RT_RUNTIME_FILE = Path("/sys/fs/cgroup/cpu/cpu.rt_runtime_us")
+ENGINE_RT_RUNTIME_US = 900_000
+RELAY_RT_RUNTIME_US = 400_000
 INSTALL_HINT = "apt-get install docker.io docker-compose debootstrap"
 
 
@@ -50,6 +56,11 @@ class Engine:
     socket: str
     own: bool
     tools: Tools
+
+    @property
+    def relay_rt_runtime_us(self) -> int:
+        """Real-time runtime a relay container may ask for (0: none; the machine's own engine)."""
+        return RELAY_RT_RUNTIME_US if self.own and RT_RUNTIME_FILE.exists() else 0
 
     @property
     def env(self) -> dict[str, str]:
@@ -186,6 +197,11 @@ def _start(tools: Tools, timeout_s: float) -> Engine:
         "--userland-proxy=false",
         "--storage-driver=overlay2",
     ]
+    if RT_RUNTIME_FILE.exists():
+        argv.append(f"--cpu-rt-runtime={ENGINE_RT_RUNTIME_US}")
+    cgroups = ENGINE_DIR / "cgroups.before"
+    if not cgroups.exists():
+        cgroups.write_text("\n".join(str(p) for p in _engine_cgroups()))
     with open(ENGINE_DIR / "dockerd.log", "ab") as log:
         proc = subprocess.Popen(
             argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True
@@ -219,6 +235,7 @@ def _stop_own(timeout_s: float = 30.0) -> list[str]:
                 os.kill(pid, signal.SIGKILL)
             _wait_gone(pid, 5.0)
     _cleanup_leftovers()
+    _remove_new_cgroups()
     restored: list[str] = []
     snap = ENGINE_DIR / "host.json"
     if snap.exists():
@@ -253,6 +270,26 @@ def _cleanup_leftovers() -> None:
             (ENGINE_DIR / name).unlink()
 
 
+def _engine_cgroups() -> list[Path]:
+    return sorted(Path("/sys/fs/cgroup").glob("*/docker")) + sorted(Path("/sys/fs/cgroup").glob("docker"))
+
+
+def _remove_new_cgroups() -> None:
+    """The cgroups the own dockerd created (``docker`` under each hierarchy), once they are empty."""
+    record = ENGINE_DIR / "cgroups.before"
+    if not record.exists():
+        return
+    before = set(record.read_text().split())
+    for group in _engine_cgroups():
+        if str(group) not in before:
+            for sub in sorted((p for p in group.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+                with contextlib.suppress(OSError):
+                    sub.rmdir()
+            with contextlib.suppress(OSError):
+                group.rmdir()
+    record.unlink()
+
+
 def _processes_naming(text: str) -> list[int]:
     found = []
     for entry in Path("/proc").iterdir():
@@ -275,4 +312,7 @@ def leftovers() -> list[str]:
     out += [f"mount {m}" for m in _mounts_under(str(ENGINE_DIR))]
     if (ENGINE_DIR / "exec").exists():
         out.append(f"directory {ENGINE_DIR / 'exec'}")
+    if not own_pid() and (ENGINE_DIR / "cgroups.before").exists():
+        before = set((ENGINE_DIR / "cgroups.before").read_text().split())
+        out += [f"cgroup {g}" for g in _engine_cgroups() if str(g) not in before]
     return out

@@ -45,6 +45,7 @@ Log = Callable[[str], None]
 @dataclass(frozen=True, slots=True)
 class BuildResult:
     base: str
+    deps: str
     image: str
     image_id: str
     seconds: float
@@ -238,20 +239,31 @@ def _sync(src: Path, dst: Path) -> None:
             shutil.copy2(path, target)
 
 
+def ensure_deps(engine: Engine, base: str, house: Path, log: Log, repo: Path = REPO) -> str:
+    """The dependency image for this wheelhouse (built once per set of pins)."""
+    tag = f"pddlink-deps:{house.name}"
+    if image_exists(engine, tag):
+        return tag
+    ctx = DATA_ROOT / "context-deps"
+    _sync(house, ctx / "wheels")
+    shutil.copy2(repo / "docker" / "Dockerfile.deps", ctx / "Dockerfile")
+    log(f"dependency image {tag}: docker build on {base} (once per set of pins)")
+    engine.docker(["build", "--build-arg", f"BASE={base}", "-t", tag, str(ctx)], timeout_s=1800)
+    return tag
+
+
 def build(engine: Engine, log: Log, repo: Path = REPO) -> BuildResult:
-    """Build (or find cached) ``pddlink-base`` and ``pddlink:lab``."""
+    """Build (or find cached) ``pddlink-base``, ``pddlink-deps`` and ``pddlink:lab``."""
     t0 = time.monotonic()
     base, base_made = ensure_base(engine, log)
     house, wheels_made = ensure_wheels(log)
+    deps = ensure_deps(engine, base, house, log, repo)
     ctx = DATA_ROOT / "context"
-    _sync(house, ctx / "wheels")
     checkout = build_checkout_wheel(DATA_ROOT / "checkout-wheel", repo)
     _sync(checkout.parent, ctx / "pddlink-wheel")
     for name in ("Dockerfile", "entrypoint.sh"):
         shutil.copy2(repo / "docker" / name, ctx / name)
-    log(f"image {IMAGE}: docker build on {base}")
-    engine.docker(
-        ["build", "--network", "host", "--build-arg", f"BASE={base}", "-t", IMAGE, str(ctx)], timeout_s=1800
-    )
+    log(f"image {IMAGE}: docker build on {deps}")
+    engine.docker(["build", "--build-arg", f"DEPS={deps}", "-t", IMAGE, str(ctx)], timeout_s=600)
     image_id = engine.docker(["image", "inspect", "-f", "{{.Id}}", IMAGE]).stdout.decode().strip()
-    return BuildResult(base, IMAGE, image_id, time.monotonic() - t0, base_made, wheels_made)
+    return BuildResult(base, deps, IMAGE, image_id, time.monotonic() - t0, base_made, wheels_made)

@@ -318,6 +318,7 @@ class ComposeLab:
             "PDDLINK_BRIDGE_A": r.bridge("dc-a"),
             "PDDLINK_BRIDGE_B": r.bridge("dc-b"),
             "PDDLINK_IMAGE": IMAGE,
+            "PDDLINK_RELAY_RT": f"{self.engine.relay_rt_runtime_us}us",
         }
 
     def _compose(
