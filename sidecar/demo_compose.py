@@ -158,7 +158,8 @@ def open_lab(
         raise
     say(
         f"compose lab {name}: WAN measured inside it: RTT {wan.rtt_ms:.2f} ms"
-        f" (profile {wan.rtt_ms_profile:g}), rate {wan.rate_mbit:.2f} Mbit/s of IP bytes (profile {wan.rate_mbit_profile:g})"
+        f" (profile {wan.rtt_ms_profile:g}), rate {wan.rate_mbit:.2f} Mbit/s of IP bytes"
+        f" (profile {wan.rate_mbit_profile:g})"
     )
     figures = {"wan_measured": {**asdict(wan), "within_5_percent": wan.within(0.05)}}
     return lab, ComposeDeployment, {**figures, "image_build_s": round(result.seconds, 1)}

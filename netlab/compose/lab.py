@@ -48,8 +48,9 @@ COMPOSE_FILE = REPO / "docker" / "compose.yaml"
 DEFAULT_CONFIG = REPO / "docker" / "config"
 LABS = STATE_ROOT / "labs"
 ROLES = ("md", "rld", "p", "router")
-ROLE_DC = {"p": "dc-a", "rld": "dc-a", "router": "dc-a", "md": "dc-b"}
-HOST_NUMBER = {"relay": 2, "p": 10, "rld": 11, "router": 20, "md": 10}
+ROLE_DC = {"p": "dc-a", "rld": "dc-a", "router": "dc-a", "md": "dc-b", "probe-a": "dc-a", "probe-b": "dc-b"}
+PROBES = ("probe-a", "probe-b")
+HOST_NUMBER = {"relay": 2, "p": 10, "rld": 11, "router": 20, "md": 10, "probe-a": 30, "probe-b": 30}
 IDENTITY = {"p": "p0", "rld": "rld0", "md": "md0", "router": "router0"}
 ROLE_UID = 10001  # the image's pddlink user
 MAX_SLOTS = 8
@@ -284,16 +285,24 @@ class ComposeLab:
         return _profile_source(self.record.directory / "profile.toml").profile
 
     def measure_wan(self, pings: int = 200, iperf_s: int = 8) -> WanMeasurement:
-        """RTT with ping and rate with iperf3 (TCP, first 2 s omitted), from p's container to md's."""
-        md = self.addr("md")
-        out = self._run(self.exec_argv("p", ["ping", "-q", "-n", "-c", str(pings), "-i", "0.01", md]), 60)
+        """RTT with ping and rate with iperf3 (TCP, first 2 s omitted) from a probe container in dc-a to
+        one in dc-b, across the relay like the roles' traffic; the probes are removed afterwards."""
+        self._compose(["up", "-d", "--no-color", "--no-deps", *PROBES], timeout_s=60)
+        try:
+            return self._measure(self.addr("probe-b"), pings, iperf_s)
+        finally:
+            self._compose(["rm", "-s", "-f", "-v", *PROBES], timeout_s=60, check=False)
+
+    def _measure(self, far: str, pings: int, iperf_s: int) -> WanMeasurement:
+        ping = ["ping", "-q", "-n", "-c", str(pings), "-i", "0.01", far]
+        out = self._run(self.exec_argv("probe-a", ping), 60)
         rtt = re.search(r"= [\d.]+/([\d.]+)/", out)
         if rtt is None:
-            raise LocalError(f"ping from p to md gave no RTT: {out.strip()[-200:]}")
-        self._run(self.exec_argv("md", ["iperf3", "-s", "-1", "-p", "5299"], detach=True), 20)
+            raise LocalError(f"ping across the WAN gave no RTT: {out.strip()[-200:]}")
+        self._run(self.exec_argv("probe-b", ["iperf3", "-s", "-1", "-p", "5299"], detach=True), 20)
         time.sleep(0.5)
-        argv = ["iperf3", "-c", md, "-p", "5299", "-t", str(iperf_s + 2), "-O", "2", "-J"]
-        result = json.loads(self._run(self.exec_argv("p", argv), iperf_s + 40))
+        argv = ["iperf3", "-c", far, "-p", "5299", "-t", str(iperf_s + 2), "-O", "2", "-J"]
+        result = json.loads(self._run(self.exec_argv("probe-a", argv), iperf_s + 40))
         goodput = float(result["end"]["sum_received"]["bits_per_second"]) / 1e6
         mss = int(result["start"].get("tcp_mss_default") or 1448)
         prof = self.profile()
@@ -303,7 +312,7 @@ class ComposeLab:
             pings=pings,
             goodput_mbit=goodput,
             rate_mbit=goodput * (mss + 52) / mss,  # + IP (20) and TCP (20 + 12 timestamps) headers
-            rate_mbit_profile=prof.a_to_b.rate_mbit or None,  # p -> md is a_to_b
+            rate_mbit_profile=prof.a_to_b.rate_mbit or None,  # probe-a -> probe-b is a_to_b
         )
 
     # ---- internals ---------------------------------------------------------------------------
@@ -380,7 +389,7 @@ class ComposeLab:
     def save_logs(self) -> None:
         logs = self.record.directory / "logs"
         logs.mkdir(exist_ok=True)
-        for service in ("relay", *ROLES):
+        for service in ("relay", *ROLES):  # (the probes' logs are of no interest)
             out = self._compose(["logs", "--no-color", service], check=False)
             (logs / f"{service}.log").write_bytes(out.stdout)
 
