@@ -201,8 +201,12 @@ class ComposeLab:
             for sock in (f"{role}.admin.sock", "router.sock", "router.sock.grpc"):
                 (self.run_dir / sock).unlink(missing_ok=True)
         self._config_dir = config_dir.resolve()
-        self._compose(["up", "-d", "--no-color", "--no-deps", "--force-recreate", *ROLES], timeout_s=120)
-        self._wait_roles(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        # the sidecars first, then the router (as sidecar.cluster does): a router that dialed a
+        # sidecar before it listened would wait out gRPC's reconnect backoff
+        for group in (("md", "rld", "p"), ("router",)):
+            self._compose(["up", "-d", "--no-color", "--no-deps", "--force-recreate", *group], timeout_s=120)
+            self._wait_roles(group, deadline)
 
     def undeploy(self) -> None:
         """Stop and remove the role containers (their logs are kept in the lab's ``logs/``)."""
@@ -360,9 +364,8 @@ class ComposeLab:
                 raise LocalError(f"the relay container exited: {self._tail('relay')}")
             time.sleep(0.2)
 
-    def _wait_roles(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        pending = set(ROLES)
+    def _wait_roles(self, roles: tuple[str, ...], deadline: float) -> None:
+        pending = set(roles)
         while pending:
             for role in sorted(pending):
                 path = "/healthz" if role == "router" else "/readyz"
@@ -372,7 +375,7 @@ class ComposeLab:
                 elif self._exited(role):
                     raise LocalError(f"{role}'s container exited: {self._tail(role)}")
             if pending and time.monotonic() > deadline:
-                raise DeadlineExceeded(f"{sorted(pending)} not ready after {timeout_s:.0f} s")
+                raise DeadlineExceeded(f"{sorted(pending)} not ready in time")
             time.sleep(0.3)
 
     def _exited(self, service: str) -> bool:
