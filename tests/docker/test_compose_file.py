@@ -77,7 +77,7 @@ def test_addresses_follow_the_slot_and_stay_in_the_benchmark_range(resolved: dic
         assert ipaddress.ip_network(cfg["subnet"]) == ipaddress.ip_network(f"{record.net(name)}.0/24")
         assert ipaddress.ip_network(cfg["subnet"]).subnet_of(LAB_RANGE)  # type: ignore[arg-type]
     for service, svc in resolved["services"].items():
-        for dc, net in svc["networks"].items():
+        for net in svc["networks"].values():
             addr = net["ipv4_address"]
             assert ipaddress.ip_address(addr) in LAB_RANGE
             if service != "relay":
