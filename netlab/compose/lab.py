@@ -167,6 +167,7 @@ class ComposeLab:
                 if not free:
                     raise InvalidInput(f"{MAX_SLOTS} compose labs are up already")
                 record = LabRecord(name, free[0])
+                _remove_project(engine, name)  # leftovers of a run whose engine died under it
                 _make_directory(record, source)
         except BaseException:
             if not _records():
@@ -289,8 +290,9 @@ class ComposeLab:
         return _profile_source(self.record.directory / "profile.toml").profile
 
     def measure_wan(self, pings: int = 200, iperf_s: int = 8) -> WanMeasurement:
-        """RTT with ping and rate with iperf3 (TCP, first 2 s omitted) from a probe container in dc-a to
-        one in dc-b, across the relay like the roles' traffic; the probes are removed afterwards."""
+        """RTT with ping and rate with iperf3 (TCP, BBR where the kernel has it, first 2 s omitted)
+        from a probe container in dc-a to one in dc-b, across the relay like the roles' traffic; the
+        probes are removed afterwards."""
         self._compose(["up", "-d", "--no-color", "--no-deps", *PROBES], timeout_s=60)
         try:
             return self._measure(self.addr("probe-b"), pings, iperf_s)
@@ -306,6 +308,8 @@ class ComposeLab:
         self._run(self.exec_argv("probe-b", ["iperf3", "-s", "-1", "-p", "5299"], detach=True), 20)
         time.sleep(0.5)
         argv = ["iperf3", "-c", far, "-p", "5299", "-t", str(iperf_s + 2), "-O", "2", "-J"]
+        if "bbr" in Path("/proc/sys/net/ipv4/tcp_available_congestion_control").read_text().split():
+            argv += ["-C", "bbr"]  # as the netlab check: the link's rate, not loss-driven backoff
         result = json.loads(self._run(self.exec_argv("probe-a", argv), iperf_s + 40))
         goodput = float(result["end"]["sum_received"]["bits_per_second"]) / 1e6
         mss = int(result["start"].get("tcp_mss_default") or 1448)
@@ -444,17 +448,7 @@ def teardown(name: str, engine: Engine | None = None) -> dict[str, Any]:
     with _labs_lock():
         record = next((r for r in _records() if r.name == name), None)
         if engine is not None:
-            label = f"label=com.docker.compose.project=pddlink-{name}"
-            ids = engine.docker(["ps", "-aq", "--filter", label], check=False).stdout.decode().split()
-            if ids:
-                engine.docker(["stop", "-t", "5", *ids], timeout_s=60, check=False)
-                engine.docker(["rm", "-f", "-v", *ids], timeout_s=60, check=False)
-            nets = (
-                engine.docker(["network", "ls", "-q", "--filter", label], check=False).stdout.decode().split()
-            )
-            if nets:
-                engine.docker(["network", "rm", *nets], timeout_s=60, check=False)
-            removed = {"containers": len(ids), "networks": len(nets)}
+            removed = _remove_project(engine, name)
         if record is not None:
             _bridge_rules(record, False)
             shutil.rmtree(record.directory, ignore_errors=True)
@@ -463,6 +457,19 @@ def teardown(name: str, engine: Engine | None = None) -> dict[str, Any]:
         removed["host_restored"] = engines.stop_engine()
         removed["engine_stopped"] = True
     return removed
+
+
+def _remove_project(engine: Engine, name: str) -> dict[str, Any]:
+    """Stop and remove the containers and networks labelled with lab ``name``'s compose project."""
+    label = f"label=com.docker.compose.project=pddlink-{name}"
+    ids = engine.docker(["ps", "-aq", "--filter", label], check=False).stdout.decode().split()
+    if ids:
+        engine.docker(["stop", "-t", "5", *ids], timeout_s=60, check=False)
+        engine.docker(["rm", "-f", "-v", *ids], timeout_s=60, check=False)
+    nets = engine.docker(["network", "ls", "-q", "--filter", label], check=False).stdout.decode().split()
+    if nets:
+        engine.docker(["network", "rm", *nets], timeout_s=60, check=False)
+    return {"containers": len(ids), "networks": len(nets)}
 
 
 def _unix_get(path: str, target: str, timeout_s: float = 2.0) -> int:
