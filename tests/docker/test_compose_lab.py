@@ -114,11 +114,14 @@ def test_a_request_crosses_the_relay_with_mtls(state: dict[str, Any]) -> None:
     before = lab.status()["wan"]["stats"]["a_to_b"]["delivered"]
     prompt = list(range(1, 200))
     code, reply = unix_request(
-        str(lab.run_dir / "router.sock"), "POST", "/v1/completions", {"prompt": prompt, "max_tokens": 8}
+        str(lab.run_dir / "router.sock"),
+        "POST",
+        "/v1/completions",
+        {"prompt": prompt, "max_tokens": 8, "pipeline": "p_md"},
     )
     assert code == 200, reply
     assert len(reply["choices"][0]["token_ids"]) == 8
-    assert reply["pddlink"]["wan_bytes"] > 0  # KV went to MD across the WAN
+    assert reply["pddlink"]["pipeline"] == "p_md" and reply["pddlink"]["wan_bytes"] > 0  # KV crossed the WAN
     assert lab.status()["wan"]["stats"]["a_to_b"]["delivered"] > before
     logs = lab.engine.docker(["logs", lab.container("md")]).stdout.decode()
     assert '"tls_identity": "pddlink://md/md0"' in logs
