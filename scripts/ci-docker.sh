@@ -9,7 +9,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
-scripts/setup.sh >/dev/null
+VENV=${PDDLINK_VENV:-.venv}
+[ -x "$VENV/bin/pddlink" ] || scripts/setup.sh >/dev/null  # (CI's `make test` has set it up already)
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   if ! command -v dockerd >/dev/null || ! command -v docker-compose >/dev/null || ! command -v debootstrap >/dev/null; then
     echo "ci-docker: installing docker.io docker-compose debootstrap"
@@ -21,6 +22,6 @@ else
 fi
 export PDDLINK_CI_DOCKER=1
 if [ "$(id -u)" = 0 ] && command -v dockerd >/dev/null && command -v debootstrap >/dev/null; then
-  timeout 900 .venv/bin/pddlink lab compose build --json
+  timeout 900 "$VENV/bin/pddlink" lab compose build --json
 fi
-timeout 900 .venv/bin/python -m pytest -q -m docker tests/docker -p no:cacheprovider
+timeout 900 "$VENV/bin/python" -m pytest -q -m docker tests/docker -p no:cacheprovider

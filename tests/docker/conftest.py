@@ -39,5 +39,5 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         reason = engine_unavailable()
     if reason:
         for item in items:
-            if "docker" in item.keywords:
+            if item.get_closest_marker("docker") is not None:
                 item.add_marker(pytest.mark.skip(reason=reason))
