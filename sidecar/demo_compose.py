@@ -20,7 +20,7 @@ from typing import Any
 
 from netlab.compose import engine as engines
 from netlab.compose import images
-from netlab.compose.lab import ComposeLab
+from netlab.compose.lab import ComposeLab, list_labs
 from netlab.profile import Profile
 from sidecar.cluster import ClusterSpec
 
@@ -146,7 +146,7 @@ def open_lab(
     try:
         result = images.build(engine, say)
     except BaseException:
-        if engine.own:
+        if engine.own and not list_labs():  # (another lab may be using this engine)
             engines.stop_engine()
         raise
     say(f"images: {result.image} in {result.seconds:.1f} s (base made: {result.base_made})")
