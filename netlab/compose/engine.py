@@ -39,6 +39,12 @@ SYSTEM_SOCKET = "/var/run/docker.sock"
 RT_RUNTIME_FILE = Path("/sys/fs/cgroup/cpu/cpu.rt_runtime_us")
 ENGINE_RT_RUNTIME_US = 900_000
 RELAY_RT_RUNTIME_US = 400_000
+# cgroup v1 weighs all of the engine's containers together (its ``docker`` group) like one thread of
+# the host, so on a busy machine the lab's roles would get far less CPU than the same processes in
+# the namespaced lab, where every thread weighs 1024. The own engine's group weighs as many threads
+# as the lab's roles busy at once (router, P, RLD, MD and their I/O and engine threads).
+CPU_GROUP = Path("/sys/fs/cgroup/cpu/docker")
+CPU_GROUP_SHARES = 10 * 1024
 INSTALL_HINT = "apt-get install docker.io docker-compose debootstrap"
 
 
@@ -202,6 +208,9 @@ def _start(tools: Tools, timeout_s: float) -> Engine:
     cgroups = ENGINE_DIR / "cgroups.before"
     if not cgroups.exists():
         cgroups.write_text("\n".join(str(p) for p in _engine_cgroups()))
+    if CPU_GROUP.parent.is_dir() and not CPU_GROUP.exists():  # removed again by _remove_new_cgroups
+        CPU_GROUP.mkdir()
+        (CPU_GROUP / "cpu.shares").write_text(str(CPU_GROUP_SHARES))
     with open(ENGINE_DIR / "dockerd.log", "ab") as log:
         proc = subprocess.Popen(
             argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True
