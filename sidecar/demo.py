@@ -49,10 +49,15 @@ def wan_profile(spec: ClusterSpec) -> str:
 
 
 def run_once(
-    lab: Lab, spec: ClusterSpec, warmup: list[DemoRequest], requests: list[DemoRequest], label: str
+    lab: Any,
+    spec: ClusterSpec,
+    warmup: list[DemoRequest],
+    requests: list[DemoRequest],
+    label: str,
+    deployment: Any = Cluster,  # Cluster, or sidecar.demo_compose.ComposeDeployment
 ) -> tuple[list[RequestResult], dict[str, float]]:
     t0 = time.monotonic()
-    with Cluster(lab, spec) as cluster:
+    with deployment(lab, spec) as cluster:
         say(f"[{label}] deployment up in {time.monotonic() - t0:.1f} s ({lab.mode} lab)")
         if warmup:
             t1 = time.monotonic()
@@ -100,7 +105,7 @@ def run_once(
     return results, {k: after[k] - before.get(k, 0.0) for k in after}
 
 
-def sidecar_counters(cluster: Cluster) -> dict[str, float]:
+def sidecar_counters(cluster: Any) -> dict[str, float]:
     """WAN/fast-path KV bytes from P's /metrics and DRC lookups from MD's, as counters to diff."""
     out: dict[str, float] = {}
     for role in ("p", "md"):
@@ -160,6 +165,7 @@ def main(
     warmup: int,
     engine_mode: str = "thread",
     scenario: str = "default",
+    lab_kind: str = "auto",
 ) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="pddlink-demo-"))
     every = demo_requests(
@@ -193,11 +199,20 @@ def main(
         f"{mean_prompt * 2048 * 8 / (line_mbit * 1e6):.2f} s on the line: the WAN is the bottleneck "
         "for low-hit requests, as in the published setting"
     )
-    lab = Lab.up(parse_profile(wan_profile(spec), name="pddlink-demo"), name=f"demo{os.getpid() % 100000}")
+    profile, lab_name = parse_profile(wan_profile(spec), name="pddlink-demo"), f"demo{os.getpid() % 100000}"
+    lab: Any
+    deployment: Any
+    lab_figures: dict[str, Any]
+    if lab_kind == "compose":  # every role in its own container, the WAN a netlab relay container
+        from sidecar.demo_compose import open_lab
+
+        lab, deployment, lab_figures = open_lab(profile, lab_name, say)
+    else:
+        lab, deployment, lab_figures = Lab.up(profile, name=lab_name, mode=lab_kind), Cluster, {}
     try:
-        base_results, base_counters = run_once(lab, spec, warm, reqs, "P->MD baseline")
+        base_results, base_counters = run_once(lab, spec, warm, reqs, "P->MD baseline", deployment)
         pdd_spec = replace(spec, run_dir=work / "pdd", relay=True, recompute=overload, admission=overload)
-        pdd_results, pdd_counters = run_once(lab, pdd_spec, warm, reqs, "PDD")
+        pdd_results, pdd_counters = run_once(lab, pdd_spec, warm, reqs, "PDD", deployment)
     finally:
         lab.down()
     say("reference: one engine generating every request alone (separate process, float64)")
@@ -217,6 +232,7 @@ def main(
         "wan_load": round(wan_load, 3),
         "pdd_recompute": overload,
         "pdd_admission": overload,
+        **lab_figures,
     }
     doc = document(base, pdd, setting)
     print(table(doc))

@@ -44,6 +44,15 @@ import click
     show_default=True,
     help="Each sidecar's engine: a worker thread, or a child process over the engine link.",
 )
+@click.option(
+    "--lab",
+    "lab_kind",
+    type=click.Choice(["auto", "netns", "loopback", "compose"]),
+    default="auto",
+    show_default=True,
+    help="netlab lab: auto (netns as root, else loopback), or compose: every role in a container"
+    " (root, docker.io; builds the images first, cached).",
+)
 def command(
     requests: int,
     rate_rps: float,
@@ -57,6 +66,7 @@ def command(
     rtt_ms: float,
     warmup: int,
     engine_mode: str,
+    lab_kind: str,
 ) -> None:
     """Run P, RLD, MD and the router across an emulated WAN; compare PDD with the P->MD baseline.
 
@@ -90,4 +100,5 @@ def command(
         warmup=warmup,
         engine_mode=engine_mode,
         scenario=scenario,
+        lab_kind=lab_kind,
     )
