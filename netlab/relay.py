@@ -136,25 +136,33 @@ def run_netns(state: LabState, lab_dir: Path) -> bool:
     control = ControlServer(state.control_path)
     handler = ControlHandler(model, relay, clock)
     owner = owner_fd(state)
-    watch = [*relay.fds, control.fileno(), *([owner] if owner is not None else [])]
     print("ready", flush=True)
     try:
-        while not handler.stopping:
-            readable, _, _ = select.select(watch, [], [], relay.timeout_s(clock()))
-            for fd in readable:
-                if fd == owner:
-                    return True
-                if fd == control.fileno():
-                    control.serve_one(handler)
-                else:
-                    relay.on_readable(fd)
-            relay.flush()
+        return serve(relay, control, handler, owner)
     except StopRelay:
-        pass
+        return False
     finally:
         control.close()
         for fd in fds.values():
             os.close(fd)
+
+
+def serve(relay: TunRelay, control: ControlServer, handler: ControlHandler, owner: int | None) -> bool:
+    """Move packets and answer control requests until ``stop``; True when the owner died.
+
+    Shared by the namespaced lab and the compose lab's relay container (``netlab.compose.relay``)."""
+    clock = relay.clock
+    watch = [*relay.fds, control.fileno(), *([owner] if owner is not None else [])]
+    while not handler.stopping:
+        readable, _, _ = select.select(watch, [], [], relay.timeout_s(clock()))
+        for fd in readable:
+            if fd == owner:
+                return True
+            if fd == control.fileno():
+                control.serve_one(handler)
+            else:
+                relay.on_readable(fd)
+        relay.flush()
     return False
 
 

@@ -25,10 +25,22 @@ REQUESTS_IN_FLIGHT = Gauge(
 )
 TOKENS = Counter("pddlink_output_tokens", "Output tokens streamed to clients, by producing role", ["source"])
 FALLBACKS = Counter("pddlink_fallbacks", "Fallbacks taken, by kind", ["kind"])
+DECISIONS = Counter("pddlink_router_decisions", "Requests per routing option (or rejected)", ["option"])
+REJECTED = Counter("pddlink_router_rejected", "Requests refused at admission, by reason", ["reason"])
 CLIENT_ERRORS = Counter("pddlink_client_errors", "Malformed client requests refused, by API", ["api"])
 
 # --- data plane ----------------------------------------------------------------------------------
-KV_BYTES = Counter("pddlink_kv_bytes", "KV bytes shipped, by path (wan, fast)", ["path"])
+KV_BYTES = Counter("pddlink_kv_bytes", "KV bytes shipped (before any codec), by path (wan, fast)", ["path"])
+KV_WIRE_BYTES = Counter(
+    "pddlink_kv_wire_bytes",
+    "KV payload bytes on the wire (after the codec), by path and codec",
+    ["path", "codec"],
+)
+KV_CODEC_RAW_BYTES = Counter(
+    "pddlink_kv_codec_raw_bytes",
+    "KV bytes before the codec, by path and the codec they travelled in",
+    ["path", "codec"],
+)
 HANDOFF_BYTES = Counter("pddlink_handoff_bytes", "Token-id handoff bytes on the wire")
 HANDOFFS = Counter("pddlink_handoffs", "Handoffs RLD -> MD completed, by mode", ["mode"])
 HANDOFF_SLICES = Counter("pddlink_handoff_slices", "Handoff slices sent, by mode", ["mode"])
@@ -50,6 +62,14 @@ DRC_ENGINE_EVICTED_BLOCKS = Counter(
     "Blocks MD's engine dropped on its own (pool short); the DRC forgot them and what hung below",
 )
 DRC_EVENTS = Counter("pddlink_drc_events", "DRC change events published, by kind", ["kind"])
+
+# --- sidecar state (sidecar.sweep) --------------------------------------------------------------
+SIDECAR_HELD = Gauge(
+    "pddlink_sidecar_held", "Entries a sidecar holds (requests, waiting_kv, reservations)", ["kind"]
+)
+SIDECAR_SWEPT = Counter(
+    "pddlink_sidecar_swept", "Entries the sweep ended past their deadline, by kind", ["kind"]
+)
 
 # --- engine ----------------------------------------------------------------------------------------
 ENGINE_STEP_SECONDS = Histogram(

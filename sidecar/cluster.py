@@ -46,6 +46,8 @@ class ClusterSpec:
     rld_capacity: int = 6
     rld_tpot_s: float = 0.02
     relay_min_wan_s: float = 0.15
+    recompute: bool = False  # the router may let MD prefill the missing suffix itself
+    admission: bool = False  # the router rejects what no option ends before its deadline
     deadline_s: float = 30.0
     tls: bool = True
     start_timeout_s: float = 120.0
@@ -91,8 +93,16 @@ class Cluster:
 
     @property
     def pki_dir(self) -> Path:
-        """The deployment's dev PKI (CA and one certificate per process), when ``spec.tls``."""
+        """The deployment's dev PKI when ``spec.tls``: the CA in ``pki/ca`` (no process reads it) and
+        one node directory per process (``pddlink.transport.pki.load_or_create_pki``)."""
         return self.spec.run_dir / "pki"
+
+    def tls_dir(self, role: str) -> str:
+        """``role``'s --tls-dir: its own key and certificate and ca.pem; "" (plaintext) without TLS."""
+        from pddlink.transport import PeerIdentity
+        from pddlink.transport.pki import node_dir
+
+        return str(node_dir(self.pki_dir, PeerIdentity(role, f"{role}0"))) if self.spec.tls else ""
 
     def admin_socket(self, role: str) -> str:
         return str(self.spec.run_dir / f"{role}.admin.sock")
@@ -107,7 +117,9 @@ class Cluster:
         base = [sys.executable, "-m", "pddlink.cli.main"]
         common = ["--dtype", s.dtype, "--preset", s.preset, "--admin-unix", self.admin_socket(role)]
         common += ["--engine-mode", s.engine_mode]
-        common += ["--tls-dir", str(self.pki_dir) if s.tls else ""]  # "": plaintext, said explicitly
+        common += ["--tls-dir", self.tls_dir(role)]  # "": plaintext, said explicitly
+        if not s.tls:  # namespace addresses are not loopback: plaintext there is an explicit choice
+            common.append("--allow-plaintext-non-loopback")
         if role == "md":
             return [
                 *base,
@@ -166,6 +178,8 @@ class Cluster:
                 f"{a}:{p['rld_kv']}",
                 "--num-blocks",
                 "4096",
+                "--wan-line-mbit",
+                str(s.line_mbit),
                 *common,
             ]
         argv = [
@@ -196,8 +210,12 @@ class Cluster:
             "--deadline-s",
             str(s.deadline_s),
             "--tls-dir",
-            str(self.pki_dir) if s.tls else "",
+            self.tls_dir("router"),
+            "--recompute" if s.recompute else "--no-recompute",
+            "--admission" if s.admission else "--no-admission",
         ]
+        if not s.tls:
+            argv.append("--allow-plaintext-non-loopback")
         return [*argv, "--no-relay"] if not s.relay else argv
 
     def _launch(self, role: str) -> None:
@@ -270,6 +288,26 @@ class Cluster:
         if proc is not None and proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(5)
+
+    def restart(self, role: str) -> None:
+        """Start ``role`` again on its ports (killing it first if it still runs): what a supervisor
+        does after a crash (the chaos suite)."""
+        self.kill(role)
+        old = self.logs.pop(role, None)
+        if old is not None:
+            old.close()
+        self._launch(role)
+        self._wait_ready((role,), self.spec.start_timeout_s)
+
+    def pids(self, role: str) -> list[int]:
+        """The role's process and its children (an engine process), for RSS sampling."""
+        proc = self.procs.get(role)
+        if proc is None or proc.poll() is not None:
+            return []
+        out = [proc.pid]
+        with contextlib.suppress(OSError):
+            out += [int(p) for p in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
+        return out
 
     def stop(self, timeout_s: float = 8.0) -> None:
         for proc in self.procs.values():

@@ -6,8 +6,10 @@ host = "127.0.0.1"       # address the sidecar binds
 grpc_port = 7440         # router- and peer-facing gRPC (Sidecar service)
 kv_port = 7450           # KV transport server (RLD and MD)
 admin_port = 7460        # admin HTTP (0: off); admin_unix = "/run/x.sock" also serves it on a socket
-tls_dir = ""             # dev PKI directory (pddlink.transport.load_or_create_peer): TLS 1.3 with mutual
-                         # authentication on gRPC and the KV data plane; "" = plaintext everywhere
+tls_dir = ""             # this node's PKI directory (pddlink pki issue): its key, its certificate and ca.pem,
+                         # never the CA key; TLS 1.3 with mutual authentication on gRPC and the KV data
+                         # plane; "" = plaintext everywhere (refused on a non-loopback host unless
+allow_plaintext_non_loopback = false   # is set: an explicit operator choice)
 
 [engine]                 # the engine beside this sidecar
 name = "torch_ref"; preset = "tiny"; dtype = "float64"; block_size = 16; num_blocks = 8192; seed = 0
@@ -23,6 +25,9 @@ md_identity = "md/md0"; rld_identity = "rld/rld0"   # who answers there (checked
 [data_plane]
 wan_transport = "tcp"; fast_transport = "auto"; wan_links = 8; wan_streams = 1; chunk_bytes = 1048576
 reserve_lease_s = 10.0
+wan_codec = "auto"       # auto: compress bf16/fp16 KV when the line is slower than the codec (measured,
+                         # sidecar.wan_codec); raw | planes_zstd force one
+wan_line_mbit = 0.0      # the WAN line's rate for that decision (0: unknown, measured from transfers)
 
 [decode]
 max_batch = 32; capacity = 8; catch_up_below_load = 0.5; slice_tokens = 64
@@ -36,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from pddlink.errors import ConfigError, InvalidInput
+from pddlink.listen_policy import check_plaintext_exposure
 from pddlink.transport import PeerIdentity
 
 ROLES = ("p", "rld", "md")
@@ -106,8 +112,16 @@ class DataPlaneConfig:
     wan_links: int = 8  # links in the WAN connection pool (a transfer takes the least loaded)
     chunk_bytes: int = 1 << 20
     reserve_lease_s: float = 10.0
+    wan_codec: str = "auto"  # auto | raw | planes_zstd (sidecar.wan_codec)
+    wan_line_mbit: float = 0.0  # 0: unknown
 
     def __post_init__(self) -> None:
+        if self.wan_codec not in ("auto", "raw", "planes_zstd"):
+            raise ConfigError(
+                f"data_plane.wan_codec must be auto, raw or planes_zstd, got {self.wan_codec!r}"
+            )
+        if self.wan_line_mbit < 0:
+            raise ConfigError(f"data_plane.wan_line_mbit must be >= 0, got {self.wan_line_mbit}")
         if self.wan_transport not in ("tcp", "quic"):
             raise ConfigError(f"data_plane.wan_transport must be tcp or quic, got {self.wan_transport!r}")
         if self.fast_transport not in ("tcp", "quic", "rdma", "auto"):
@@ -144,6 +158,7 @@ class SidecarConfig:
     admin_port: int = 0
     admin_unix: str = ""
     tls_dir: str = ""
+    allow_plaintext_non_loopback: bool = False  # plaintext on a non-loopback host: said explicitly
     engine: EngineConfig = field(default_factory=EngineConfig)
     peers: PeersConfig = field(default_factory=PeersConfig)
     data_plane: DataPlaneConfig = field(default_factory=DataPlaneConfig)
@@ -155,6 +170,9 @@ class SidecarConfig:
         for f in ("grpc_port", "kv_port", "admin_port"):
             if not 0 <= getattr(self, f) < 65536:
                 raise ConfigError(f"{f} must be in [0, 65535]")
+        check_plaintext_exposure(
+            self.host, tls=bool(self.tls_dir), allowed=self.allow_plaintext_non_loopback, who="sidecar"
+        )
         if self.role == "p" and not (self.peers.md_kv and self.peers.md_grpc):
             raise ConfigError("role p needs peers.md_kv and peers.md_grpc")
         if self.role == "rld" and not self.peers.md_grpc:

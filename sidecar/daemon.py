@@ -11,9 +11,10 @@ Engine: ``engine.mode = "thread"`` runs it in a worker thread of this process; `
 anything else starts, and is stopped after everything else; the role logic sees the same
 ``EngineAdapter`` either way (``RemoteEngine``), driven by the same ``EngineLoop``.
 
-Admin HTTP: GET /metrics (Prometheus), /healthz (the process serves), /readyz (engine loaded and
-attached: 503 once an engine process is gone; peers configured), /status (JSON), /drc/stats (JSON),
-/drc/snapshot (bytes), POST /drc/match.
+Admin HTTP: GET /metrics (Prometheus), /healthz (the process serves with a live engine: 503 once
+an engine process is gone, and the sidecar then stops: ``sidecar.sweep``), /readyz (engine loaded
+and attached), /status (JSON; ``state``: what the sidecar holds, what the sweep ended), /drc/stats
+(JSON), /drc/snapshot (bytes), POST /drc/match.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import signal
 import sys
 import time
@@ -32,7 +34,7 @@ from cryptography import x509
 from engines_adapter import EngineAdapter, load_engine
 from pddlink import metrics
 from pddlink.drc.inspect import match_json, stats_json
-from pddlink.errors import InvalidInput, PddlinkError
+from pddlink.errors import InvalidInput, PddlinkError, Unavailable
 from pddlink.routing import RoutingPolicy
 from pddlink.transport import (
     KVServer,
@@ -41,7 +43,7 @@ from pddlink.transport import (
     ReceivedTransfer,
     TlsConfig,
     choose_fast_path,
-    load_or_create_peer,
+    load_node,
 )
 from pddlink.transport.tls import identity_from_certificate
 from pddlink.wire import Release, Reserve, ReserveAnswer
@@ -55,6 +57,14 @@ from sidecar.peers import DecoderPeer, KVPeer, KVPeerPool
 from sidecar.prefill import Prefiller
 from sidecar.rpc import stubs
 from sidecar.service import SidecarService
+from sidecar.sweep import Sweeper
+from sidecar.wan_codec import WanCodec
+
+ENGINE_DEAD_LINGER_S = 1.0  # streams end with their typed reason before the sidecar goes
+
+
+class EngineDied(Unavailable):
+    """The engine process beside this sidecar died: the sidecar stops (its supervisor restarts it)."""
 
 
 def build_engine(cfg: SidecarConfig) -> EngineAdapter:
@@ -72,9 +82,7 @@ class Sidecar:
         self.cfg = cfg
         self.started = time.time()
         self.identity = PeerIdentity(cfg.role, cfg.name)
-        self.tls: TlsConfig | None = (
-            load_or_create_peer(Path(cfg.tls_dir), self.identity) if cfg.tls_dir else None
-        )
+        self.tls: TlsConfig | None = load_node(Path(cfg.tls_dir), self.identity) if cfg.tls_dir else None
         self.engine = engine if engine is not None else build_engine(cfg)
         self.loop = EngineLoop(self.engine, cfg.decode.max_batch)
         self.drc: DrcHost | None = None
@@ -84,6 +92,8 @@ class Sidecar:
         self.peers: list[Any] = []
         self.fast_path = choose_fast_path() if cfg.data_plane.fast_transport == "auto" else None
         self.caller_check: CallerCheck | None = None
+        self.sweeper: Sweeper | None = None
+        self._stop: asyncio.Event | None = None
 
     def _options(self, wan: bool) -> LinkOptions:
         dp = self.cfg.data_plane
@@ -155,6 +165,11 @@ class Sidecar:
                 rld=rld,
                 chunk_bytes=cfg.data_plane.chunk_bytes,
                 lease_s=cfg.data_plane.reserve_lease_s,
+                wan_codec=WanCodec(
+                    cfg.data_plane.wan_codec,
+                    line_mbit=cfg.data_plane.wan_line_mbit,
+                    pool_size=cfg.data_plane.wan_links,
+                ),
             )
 
     # -- the KV server's callbacks (RLD, MD) -----------------------------------------------------
@@ -202,9 +217,15 @@ class Sidecar:
         if self.decoder is not None:
             out["pipelines"] = self.decoder.status()
         if self.prefiller is not None:
-            out["transfers"] = {"in_flight": self.prefiller.in_flight}
+            out["transfers"] = {
+                "in_flight": self.prefiller.in_flight,
+                "wan": self.prefiller.wan_book.to_json(),
+            }
+            out["wan_codec"] = self.prefiller.wan_codec.status_json(time.monotonic())
             out["links"] = [p.stats() for p in self.peers if isinstance(p, KVPeer)]
         out["grpc_tls"] = self.caller_check.status() if self.caller_check is not None else None
+        if self.sweeper is not None:
+            out["state"] = self.sweeper.status()
         if self.drc is not None:
             out["drc"] = stats_json(self.drc.index, top=3, block_size=self.engine.layout.block_size)
         return out
@@ -214,9 +235,10 @@ class Sidecar:
             body, ctype = metrics.render()
             return Response(200, body, ctype)
         if req.method == "GET" and req.path == "/healthz":
-            return json_response(200, {"ok": True})
+            dead = self._engine_dead()
+            return json_response(503 if dead else 200, {"ok": not dead, **({"error": dead} if dead else {})})
         if req.method == "GET" and req.path == "/readyz":
-            ready = bool(getattr(self.engine, "alive", True))  # RemoteEngine: is the link up
+            ready = not self._engine_dead()
             return json_response(200 if ready else 503, {"ready": ready, "role": self.cfg.role})
         if req.method == "GET" and req.path == "/status":
             return json_response(200, self.status())
@@ -244,6 +266,17 @@ class Sidecar:
                 return error_response(400, str(exc))
         return error_response(404, f"no such endpoint: {req.method} {req.path}")
 
+    def _engine_dead(self) -> str:
+        """Why the engine is gone ("" while it serves). RemoteEngine: is its process and link up."""
+        if self.sweeper is not None and self.sweeper.engine_dead:
+            return self.sweeper.engine_dead
+        return "" if bool(getattr(self.engine, "alive", True)) else "the engine process is gone"
+
+    def _on_engine_dead(self, why: str) -> None:
+        sys.stderr.write(f"sidecar: {why}: not ready; stopping so the supervisor restarts this sidecar\n")
+        if self._stop is not None:
+            asyncio.get_running_loop().call_later(ENGINE_DEAD_LINGER_S, self._stop.set)
+
     def _certificate_identity(self) -> str:
         """The identity this sidecar's certificate names (what peers verify), "" without TLS."""
         if self.tls is None:
@@ -255,8 +288,17 @@ class Sidecar:
 
     async def serve(self, stop: asyncio.Event) -> None:
         cfg = self.cfg
+        self._stop = stop
         self.loop.start()
         self._build_role()
+        self.sweeper = Sweeper(
+            decoder=self.decoder,
+            drc=self.drc,
+            run_in_engine=self.loop.call,
+            engine=self.engine,
+            on_engine_dead=self._on_engine_dead,
+        )
+        self.sweeper.start()
         ports: dict[str, Any] = {
             "role": cfg.role,
             "peer_id": cfg.name,
@@ -303,12 +345,15 @@ class Sidecar:
             sys.stderr.write("sidecar: plaintext gRPC and KV data plane (tls_dir ''): tests and labs only\n")
         await server.start()
         admin = await serve_http(self.admin, host=cfg.host, port=cfg.admin_port or None, unix=cfg.admin_unix)
+        if cfg.admin_unix:  # owner only (the CLI's umask already made it so; this says it exactly)
+            os.chmod(cfg.admin_unix, 0o600)
         ports["admin_port"] = cfg.admin_port
         sys.stdout.write("READY " + json.dumps(ports) + "\n")
         sys.stdout.flush()
         try:
             await stop.wait()
         finally:
+            await self.sweeper.close()
             for s in admin:
                 s.close()
             await server.stop(grace=0.5)
@@ -319,6 +364,8 @@ class Sidecar:
                 with contextlib.suppress(TimeoutError, OSError, PddlinkError):
                     await asyncio.wait_for(p.drop() if isinstance(p, KVPeer) else p.close(), 2.0)
             await self.loop.close()
+        if self.sweeper.engine_dead:
+            raise EngineDied(f"sidecar {cfg.role}/{cfg.name} stopped: {self.sweeper.engine_dead}")
 
 
 async def _main(cfg: SidecarConfig) -> None:

@@ -4,6 +4,7 @@ One request on a decoder (``DecodeSeq``), whatever the order its inputs arrive i
 
     Attach (router: prompt, sampling, deadline; opens the token stream)
     KV transfer (P, over the fast path or the WAN)     -> import_kv once both are here
+      or, on MD, recompute (Attach says so): prefill the prompt here, then a ``ready`` event
     Handoff slices (P's first token, RLD's tokens, or the router's on a fallback)
         -> extend in one forward pass; the final slice starts decoding here
     decode steps (batched with the other requests)    -> tokens streamed with their positions
@@ -32,6 +33,7 @@ from pddlink.transport import ReceivedTransfer
 from sidecar.drc_host import DrcHost
 from sidecar.engine_loop import EngineLoop
 from sidecar.handoff_wire import slice_from_wire, slice_to_wire
+from sidecar.recompute import RecomputeMode
 
 SendHandoff = Callable[[bytes, float], Awaitable[int]]  # (wire Handoff frame, timeout_s) -> MD's level
 
@@ -100,11 +102,19 @@ class Decoder:
     # -- inputs ----------------------------------------------------------------------------------
 
     async def attach(
-        self, request_id: str, prompt: tuple[int, ...], sampling: SamplingParams, deadline_s: float
+        self,
+        request_id: str,
+        prompt: tuple[int, ...],
+        sampling: SamplingParams,
+        deadline_s: float,
+        recompute: RecomputeMode = RecomputeMode.NONE,
     ) -> AsyncIterator[dict[str, Any]]:
         seq = self._seq(request_id)
         seq.prompt, seq.sampling = prompt, sampling
         seq.deadline = time.monotonic() + deadline_s
+        if recompute is not RecomputeMode.NONE:
+            seq.importing = True  # no KV comes: this decoder prefills the prompt itself
+            asyncio.get_running_loop().create_task(self._recompute(seq, recompute))
         self._maybe_import(seq)
         try:
             while True:
@@ -169,6 +179,40 @@ class Decoder:
             await self.end(seq, f"failed:{seq.import_error}")
         finally:
             seq.imported.set()
+
+    async def _recompute(self, seq: DecodeSeq, mode: RecomputeMode) -> None:
+        """Ship or recompute: prefill the prompt from its token ids, reusing this engine's own
+        prefix cache (the DRC reservation counts the lookup as P's would), then say ``ready``;
+        with AND_DECODE also stream the first token and decode, else wait for RLD's handoff."""
+        assert seq.sampling is not None
+        engine, prompt = self.loop.engine, list(seq.prompt)
+        try:
+            cached = await self.loop.call("cached", engine.cached_prefix_tokens, prompt)
+            if self.drc is not None:
+                hashes = self.drc.hasher.hash_blocks(prompt)
+                _, events = await self.loop.call("drc", self.drc.reserve, seq.request_id, hashes, 30.0)
+                self.drc.publish(events)
+            t0 = time.perf_counter()
+            out = await self.loop.call("prefill", engine.prefill, seq.request_id, prompt, seq.sampling)
+            took = time.perf_counter() - t0
+            if self.drc is not None:
+                self.drc.publish(await self.loop.call("drc", self.drc.commit, seq.request_id, seq.prompt))
+        except PddlinkError as exc:
+            seq.import_error = f"recompute_failed: {exc.message}"
+            seq.imported.set()
+            await self.end(seq, f"failed:{seq.import_error}")
+            return
+        seq.imported.set()
+        if seq.ended:  # released while prefilling: its end() found nothing to free yet
+            with contextlib.suppress(PddlinkError):
+                await self.loop.call("release", engine.release, seq.request_id, cache_prefix=True)
+            return
+        seq.events.put_nowait({"ready": True, "recompute_seconds": took, "cached_tokens": cached})
+        if mode is RecomputeMode.AND_DECODE and not seq.ended:
+            self._take(seq, out)
+            if not seq.finished:
+                seq.decoding = True
+                self.loop.decode_in_batch(seq.request_id, lambda o: self._take(seq, o))
 
     async def handoff(self, frame: bytes, *, emit_given: bool, sender_finished: bool) -> int:
         """A slice for this decoder: extend with it; the final one starts decoding here."""

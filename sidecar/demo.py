@@ -27,11 +27,13 @@ from netlab.lab import Lab
 from netlab.profile import parse_profile
 from sidecar.cluster import Cluster, ClusterSpec
 from sidecar.demo_load import RequestResult, replay
+from sidecar.demo_overload import offered_suffix_bytes_s, overload_line_mbit
 from sidecar.demo_report import document, plot, summarize, table
 from sidecar.demo_workload import DemoRequest, build_trace, demo_requests
 from sidecar.http import fetch
 
 VOCAB = 2048  # the reference engine's tiny preset
+KV_BYTES_PER_TOKEN = 2048
 
 
 def say(msg: str) -> None:
@@ -47,10 +49,15 @@ def wan_profile(spec: ClusterSpec) -> str:
 
 
 def run_once(
-    lab: Lab, spec: ClusterSpec, warmup: list[DemoRequest], requests: list[DemoRequest], label: str
+    lab: Any,
+    spec: ClusterSpec,
+    warmup: list[DemoRequest],
+    requests: list[DemoRequest],
+    label: str,
+    deployment: Any = Cluster,  # Cluster, or sidecar.demo_compose.ComposeDeployment
 ) -> tuple[list[RequestResult], dict[str, float]]:
     t0 = time.monotonic()
-    with Cluster(lab, spec) as cluster:
+    with deployment(lab, spec) as cluster:
         say(f"[{label}] deployment up in {time.monotonic() - t0:.1f} s ({lab.mode} lab)")
         if warmup:
             t1 = time.monotonic()
@@ -98,7 +105,7 @@ def run_once(
     return results, {k: after[k] - before.get(k, 0.0) for k in after}
 
 
-def sidecar_counters(cluster: Cluster) -> dict[str, float]:
+def sidecar_counters(cluster: Any) -> dict[str, float]:
     """WAN/fast-path KV bytes from P's /metrics and DRC lookups from MD's, as counters to diff."""
     out: dict[str, float] = {}
     for role in ("p", "md"):
@@ -109,6 +116,12 @@ def sidecar_counters(cluster: Cluster) -> dict[str, float]:
             for sample in fam.samples:
                 if role == "p" and sample.name == "pddlink_kv_bytes_total":
                     out[f"kv_bytes_{sample.labels['path']}"] = sample.value
+                if role == "p" and sample.name in (
+                    "pddlink_kv_wire_bytes_total",
+                    "pddlink_kv_codec_raw_bytes_total",
+                ):
+                    kind = "wire" if "wire" in sample.name else "raw"
+                    out[f"codec_{kind}_{sample.labels['path']}_{sample.labels['codec']}"] = sample.value
                 if role == "md" and sample.name in (
                     "pddlink_drc_hit_blocks_total",
                     "pddlink_drc_lookup_blocks_total",
@@ -151,11 +164,10 @@ def main(
     rtt_ms: float,
     warmup: int,
     engine_mode: str = "thread",
+    scenario: str = "default",
+    lab_kind: str = "auto",
 ) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="pddlink-demo-"))
-    spec = ClusterSpec(
-        work / "baseline", relay=False, line_mbit=line_mbit, rtt_ms=rtt_ms, engine_mode=engine_mode
-    )
     every = demo_requests(
         build_trace(
             requests=requests + warmup, rate_rps=rate_rps, seed=seed, workload=workload, trace_file=trace
@@ -166,6 +178,15 @@ def main(
     t_first = reqs[0].arrival_s
     reqs = [replace(r, index=i, arrival_s=r.arrival_s - t_first) for i, r in enumerate(reqs)]
     mean_prompt = sum(len(r.prompt) for r in reqs) / len(reqs)
+    overload = scenario == "wan-overload"
+    suffix_bytes_s = offered_suffix_bytes_s(warm, reqs, KV_BYTES_PER_TOKEN)
+    if overload:  # the line carries half of what the missing suffixes need
+        line_mbit = overload_line_mbit(suffix_bytes_s)
+    spec = ClusterSpec(
+        work / "baseline", relay=False, line_mbit=line_mbit, rtt_ms=rtt_ms, engine_mode=engine_mode
+    )
+    wan_load = suffix_bytes_s * 8 / 1e6 / line_mbit
+    say(f"scenario {scenario}: missing suffixes offer {wan_load:.2f}x the line's rate")
     say(
         f"workload: {len(reqs)} requests over {reqs[-1].arrival_s:.0f} s, mean prompt {mean_prompt:.0f}"
         f" tokens, {sum(r.sampling.max_tokens for r in reqs)} output tokens; "
@@ -178,12 +199,20 @@ def main(
         f"{mean_prompt * 2048 * 8 / (line_mbit * 1e6):.2f} s on the line: the WAN is the bottleneck "
         "for low-hit requests, as in the published setting"
     )
-    lab = Lab.up(parse_profile(wan_profile(spec), name="pddlink-demo"), name=f"demo{os.getpid() % 100000}")
+    profile, lab_name = parse_profile(wan_profile(spec), name="pddlink-demo"), f"demo{os.getpid() % 100000}"
+    lab: Any
+    deployment: Any
+    lab_figures: dict[str, Any]
+    if lab_kind == "compose":  # every role in its own container, the WAN a netlab relay container
+        from sidecar.demo_compose import open_lab
+
+        lab, deployment, lab_figures = open_lab(profile, lab_name, say)
+    else:
+        lab, deployment, lab_figures = Lab.up(profile, name=lab_name, mode=lab_kind), Cluster, {}
     try:
-        base_results, base_counters = run_once(lab, spec, warm, reqs, "P->MD baseline")
-        pdd_results, pdd_counters = run_once(
-            lab, replace(spec, run_dir=work / "pdd", relay=True), warm, reqs, "PDD"
-        )
+        base_results, base_counters = run_once(lab, spec, warm, reqs, "P->MD baseline", deployment)
+        pdd_spec = replace(spec, run_dir=work / "pdd", relay=True, recompute=overload, admission=overload)
+        pdd_results, pdd_counters = run_once(lab, pdd_spec, warm, reqs, "PDD", deployment)
     finally:
         lab.down()
     say("reference: one engine generating every request alone (separate process, float64)")
@@ -199,6 +228,11 @@ def main(
         "rate_rps": rate_rps,
         "engine_mode": engine_mode,
         "work_dir": str(work),
+        "scenario": scenario,
+        "wan_load": round(wan_load, 3),
+        "pdd_recompute": overload,
+        "pdd_admission": overload,
+        **lab_figures,
     }
     doc = document(base, pdd, setting)
     print(table(doc))

@@ -27,7 +27,7 @@ class RequestResult:
     e2e_s: float = 0.0
     tokens: list[int] = field(default_factory=list)
     sources: dict[str, int] = field(default_factory=dict)
-    outcome: str = "failed"
+    outcome: str = "failed"  # "finished" | "failed" | "rejected" (admission, at once)
     reason: str = ""
     trace: dict[str, Any] = field(default_factory=dict)
 
@@ -57,6 +57,9 @@ async def _one(stub: Any, pb2: Any, req: DemoRequest, deadline_s: float, pipelin
             res.sources[ev.source] = res.sources.get(ev.source, 0) + 1
     except grpc.aio.AioRpcError as exc:
         res.reason = f"grpc {exc.code().name}: {exc.details()}"
+        if exc.code() is grpc.StatusCode.RESOURCE_EXHAUSTED:  # admission said no at once
+            res.outcome = "rejected"
+            res.trace = {"option": "rejected"}
     res.e2e_s = time.monotonic() - t0
     return res
 

@@ -24,12 +24,15 @@ def summarize(
     """One run's figures. Bytes and DRC hits come from the sidecars' own counters (``counters``:
     differences over the measured phase), so shipments that outlive their request count too."""
     ok = [r for r in results if r.outcome == "finished"]
+    rejected = sum(r.outcome == "rejected" for r in results)
     ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
     tokens = {"rld": 0, "md": 0}
     handoffs = {"one_shot": 0, "catch_up": 0}
     pipelines: dict[str, int] = {}
     fallbacks: dict[str, int] = {}
     prompt_tokens = cached = 0
+    p_blocks_tokens = p_cached = 0
+    decisions = {o: 0 for o in ("ship", "relay", "recompute", "relay_recompute", "singular", "rejected")}
     for r in results:
         for src, n in r.sources.items():
             tokens[src] = tokens.get(src, 0) + n
@@ -42,13 +45,22 @@ def summarize(
         if "md_cached_tokens" in t:
             prompt_tokens += t.get("prompt_tokens", 0)
             cached += t["md_cached_tokens"]
+        option = t.get("option", "ship" if t.get("pipeline") == "p_md" else t.get("pipeline", "?"))
+        option = {"p_rld_md": "relay"}.get(option, option)
+        decisions[option] = decisions.get(option, 0) + 1
+        if "p_cached_tokens" in t:  # P prefilled it: its own prefix cache's hit, in full blocks
+            p_blocks_tokens += t.get("prompt_tokens", 0) // 16 * 16
+            p_cached += t["p_cached_tokens"]
     mismatches = sum(1 for r in ok if r.tokens != reference[r.index])
     decode_s = sum(max(r.e2e_s - (r.ttft_s or 0.0), 1e-9) for r in ok)
     out_tokens = sum(len(r.tokens) for r in ok)
+    produced = tokens.get("rld", 0) + tokens.get("md", 0)
     return {
         "requests": len(results),
-        "failed": len(results) - len(ok),
-        "failures": sorted({r.reason for r in results if r.outcome != "finished"})[:5],
+        "failed": len(results) - len(ok) - rejected,
+        "rejected": rejected,
+        "decisions": decisions,
+        "failures": sorted({r.reason for r in results if r.outcome == "failed"})[:5],
         "token_mismatches": mismatches,
         "ttft_s": percentiles(ttft),
         "ttft_values": ttft,
@@ -59,10 +71,38 @@ def summarize(
         "pipelines": pipelines,
         "fallbacks": fallbacks,
         "wan_bytes": int(counters.get("kv_bytes_wan", 0)),
+        "codec": codec_summary(counters),
         "fast_bytes": int(counters.get("kv_bytes_fast", 0)),
         "drc_hit_rate": counters.get("drc_hit_blocks", 0.0)
         / max(counters.get("drc_lookup_blocks", 0.0), 1.0),
         "reservation_hit_rate": cached / prompt_tokens if prompt_tokens else 0.0,
+        "p_prefix_hit_rate": p_cached / p_blocks_tokens if p_blocks_tokens else 0.0,
+        "rld_token_share": tokens.get("rld", 0) / produced if produced else 0.0,
+    }
+
+
+def codec_summary(counters: dict[str, float], path: str = "wan") -> dict[str, Any]:
+    """The codec on one path from P's counters: the codec that carried most KV, the ratio over all
+    of it (KV bytes before the codec / bytes on the wire), bytes saved, and the split by codec."""
+    by: dict[str, dict[str, float]] = {}
+    for key, value in counters.items():
+        for kind in ("raw", "wire"):
+            prefix = f"codec_{kind}_{path}_"
+            if key.startswith(prefix):
+                by.setdefault(key[len(prefix) :], {"raw": 0.0, "wire": 0.0})[kind] += value
+    raw = sum(v["raw"] for v in by.values())
+    wire = sum(v["wire"] for v in by.values())
+    carried = {name: v for name, v in by.items() if v["raw"] > 0}
+    name = max(carried, key=lambda n: carried[n]["raw"]) if carried else "raw"
+    return {
+        "name": name,
+        "ratio": raw / wire if wire else 1.0,
+        "bytes_saved": int(raw - wire),
+        "kv_bytes": int(raw),
+        "wire_bytes": int(wire),
+        "by_codec": {
+            n: {"kv_bytes": int(v["raw"]), "wire_bytes": int(v["wire"])} for n, v in carried.items()
+        },
     }
 
 
@@ -79,6 +119,7 @@ def document(base: dict[str, Any], pdd: dict[str, Any], setting: dict[str, Any])
         "singular": pdd["singular"],
         "wan_bytes": {"baseline": base["wan_bytes"], "pdd": pdd["wan_bytes"]},
         "drc_hit_rate": pdd["drc_hit_rate"],
+        "codec": pdd["codec"],
         "p90_ratio": pdd["ttft_s"]["p90"] / base["ttft_s"]["p90"] if base["ttft_s"]["p90"] else None,
         "output_tokens_per_s": {
             "baseline": base["tokens_per_s_per_request"],
@@ -88,6 +129,10 @@ def document(base: dict[str, Any], pdd: dict[str, Any], setting: dict[str, Any])
         "baseline": {k: v for k, v in base.items() if k != "ttft_values"},
         "pdd": strip,
     }
+
+
+def _codec(c: dict[str, Any]) -> str:
+    return f"{c['name']}, {c['ratio']:.2f}x, {c['bytes_saved'] / 1e6:.1f}"
 
 
 def table(doc: dict[str, Any]) -> str:
@@ -112,8 +157,13 @@ def table(doc: dict[str, Any]) -> str:
         ("pipelines", _kv(b["pipelines"]), _kv(p["pipelines"])),
         ("fallbacks", _kv(b["fallbacks"]) or "-", _kv(p["fallbacks"]) or "-"),
         ("WAN bytes (MB)", f"{b['wan_bytes'] / 1e6:.1f}", f"{p['wan_bytes'] / 1e6:.1f}"),
+        ("WAN codec, ratio, MB saved", _codec(b["codec"]), _codec(p["codec"])),
         ("fast-path bytes (MB)", f"{b['fast_bytes'] / 1e6:.1f}", f"{p['fast_bytes'] / 1e6:.1f}"),
         ("DRC hit rate (MD's blocks)", f"{b['drc_hit_rate']:.3f}", f"{p['drc_hit_rate']:.3f}"),
+        ("P's prefix hit rate", f"{b['p_prefix_hit_rate']:.3f}", f"{p['p_prefix_hit_rate']:.3f}"),
+        ("RLD token share", f"{b['rld_token_share']:.1%}", f"{p['rld_token_share']:.1%}"),
+        ("decisions", _kv(b["decisions"]), _kv(p["decisions"])),
+        ("rejected (at once, by admission)", b["rejected"], p["rejected"]),
         ("failed", b["failed"], p["failed"]),
         ("token mismatches vs one engine alone", b["token_mismatches"], p["token_mismatches"]),
     ]

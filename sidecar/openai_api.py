@@ -16,34 +16,26 @@ import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from engines_adapter import SamplingParams
+from sidecar.admission import primed
 from sidecar.openai_schema import Endpoint, Job
 from sidecar.openai_text import ChoiceText, TextCodec
 
 FINGERPRINT = "pddlink-0.1"
 
 
-Events = AsyncIterator[dict[str, Any]]  # one router request: token dicts, then the closing one
-
-
-async def primed(gen: Events) -> Events:
-    """``gen`` with its first event already taken: whatever the router refuses before any work
-    (``InvalidInput``; admission) raises here, before an answer has begun."""
-    first = await gen.__anext__()
-
-    async def chained() -> Events:
-        try:
-            yield first
-            async for ev in gen:
-                yield ev
-        finally:
-            aclose = getattr(gen, "aclose", None)
-            if aclose is not None:
-                await aclose()  # a stop string (or a client gone) cancels the request at the router
-
-    return chained()
+class Generator(Protocol):
+    def generate(
+        self,
+        prompt: list[int],
+        sampling: SamplingParams,
+        *,
+        deadline_s: float = 0.0,
+        pipeline: str = "",
+        request_id: str = "",
+    ) -> AsyncIterator[dict[str, Any]]: ...
 
 
 @dataclass(slots=True)
@@ -79,7 +71,9 @@ class Delta:
     done: bool = False
 
 
-async def run_choice(gen: Events, job: Job, choice: Choice, eos: int | None) -> AsyncIterator[Delta]:
+async def run_choice(
+    gen: AsyncIterator[dict[str, Any]], job: Job, choice: Choice, eos: int | None
+) -> AsyncIterator[Delta]:
     s = job.sampling
     try:
         async for ev in gen:
@@ -120,8 +114,53 @@ def _finish(choice: Choice, s: SamplingParams, eos: int | None) -> None:
         choice.finish_reason = "stop"
 
 
+async def admitted(router: Generator, job: Job, choices: list[Choice]) -> list[AsyncIterator[dict[str, Any]]]:
+    """One router request per choice, all started at once and each run up to its first event: the
+    router's admission (``Overloaded``) or its own checks raise here, before any answer is sent; then
+    none is left open."""
+    starts = [
+        _primed(
+            router.generate(list(c.prompt), job.sampling, deadline_s=job.deadline_s, pipeline=job.pipeline)
+        )
+        for c in choices
+    ]
+    results = await asyncio.gather(*starts, return_exceptions=True)
+    gens = [r for r in results if not isinstance(r, BaseException)]
+    failed = [r for r in results if isinstance(r, BaseException)]
+    if failed:
+        for g in gens:
+            await _close(g)
+        raise failed[0]
+    return gens
+
+
+async def _primed(gen: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
+    """``gen`` with its first event taken now (``sidecar.admission.primed``); closing the result
+    closes ``gen`` at once, which cancels the router's request (a stop string, a client gone)."""
+    try:
+        chained = await primed(gen)
+    except BaseException:
+        await _close(gen)
+        raise
+
+    async def closing() -> AsyncIterator[dict[str, Any]]:
+        try:
+            async for ev in chained:
+                yield ev
+        finally:
+            await _close(gen)
+
+    return closing()
+
+
+async def _close(gen: AsyncIterator[Any]) -> None:
+    aclose = getattr(gen, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
 async def merged(
-    gens: list[Events], job: Job, choices: list[Choice], eos: int | None
+    gens: list[AsyncIterator[dict[str, Any]]], job: Job, choices: list[Choice], eos: int | None
 ) -> AsyncIterator[Delta]:
     """Every choice's deltas as they come (one task per choice); all cancelled if the reader leaves."""
     if len(choices) == 1:
@@ -130,9 +169,9 @@ async def merged(
         return
     queue: asyncio.Queue[Delta | None] = asyncio.Queue()
 
-    async def pump(gen: Events, c: Choice) -> None:
+    async def pump(g: AsyncIterator[dict[str, Any]], c: Choice) -> None:
         try:
-            async for d in run_choice(gen, job, c, eos):
+            async for d in run_choice(g, job, c, eos):
                 await queue.put(d)
         finally:
             await queue.put(None)
@@ -156,13 +195,14 @@ async def merged(
 class Responder:
     """Builds one job's answer: ``body()`` (non-streaming) or ``events()`` (SSE)."""
 
-    gens: list[Events]  # one primed router request per prompt
+    router: Generator
     job: Job
     model: str
     codec: TextCodec | None
     eos: int | None
     created: int = field(default_factory=lambda: int(time.time()))
     choices: list[Choice] = field(default_factory=list)
+    gens: list[AsyncIterator[dict[str, Any]]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         j = self.job
@@ -180,7 +220,14 @@ class Responder:
         rid = self.choices[0].request_id or f"{time.time_ns():x}"
         return ("chatcmpl-" if self.chat else "cmpl-") + rid
 
+    async def admit(self) -> None:
+        """Start the job's router requests; raises ``Overloaded`` (nothing left running) when the
+        router cannot meet the deadline. ``body()``/``events()`` call it when it was not called."""
+        if not self.gens:
+            self.gens = await admitted(self.router, self.job, self.choices)
+
     async def body(self) -> tuple[int, dict[str, Any]]:
+        await self.admit()
         async for _ in merged(self.gens, self.job, self.choices, self.eos):
             pass
         failed = [c for c in self.choices if c.error]
@@ -251,6 +298,7 @@ class Responder:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         sent_first: set[int] = set()
         rid = ""
+        await self.admit()
         async for d in merged(self.gens, self.job, self.choices, self.eos):
             c = d.choice
             rid = rid or self.response_id

@@ -12,12 +12,16 @@ One ``Prefill`` call (router -> P)::
     reply: first token, bytes, seconds, RTT, retransmits, what failed and why
 
 A WAN transfer that fails or outlives its deadline ends in ``md_ok = False`` with the reason; the
-router then falls back (RLD finishes the request).
+router then falls back (RLD finishes the request). The WAN leg's codec is ``sidecar.wan_codec``'s
+choice per transfer (the fast path always goes RAW): ``wan_bytes`` in the reply and the
+``pddlink_kv_bytes{path="wan"}`` metric count KV before the codec, ``pddlink_kv_wire_bytes`` what
+crossed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import time
 from dataclasses import dataclass
@@ -27,12 +31,15 @@ from engines_adapter import KVBlocks, SamplingParams, StepOutput
 from pddlink import metrics
 from pddlink.errors import ErrorCode, PddlinkError, Unavailable
 from pddlink.handoff import HandoffMode, HandoffSlice
+from pddlink.kv.codec import CodecId
 from pddlink.kv.hashing import BlockHasher
 from pddlink.transport import KVClient
 from pddlink.wire import KVLayoutSpec, Reserve, ReserveAnswer, TransferBegin
+from sidecar.backlog import WanBook
 from sidecar.engine_loop import EngineLoop
 from sidecar.handoff_wire import slice_to_wire
 from sidecar.peers import DecoderPeer, KVPeer, KVPeerPool
+from sidecar.wan_codec import WanCodec
 
 WAN_SHARE_OF_DEADLINE = 0.6
 FAST_PATH_TIMEOUT_S = 3.0
@@ -61,21 +68,27 @@ class Prefiller:
         rld: DecoderPeer | None,
         chunk_bytes: int,
         lease_s: float,
+        wan_codec: WanCodec | None = None,
     ) -> None:
         self.loop = loop
+        self.wan_codec = wan_codec or WanCodec("raw")
         self.md_kv, self.md, self.rld_kv, self.rld = md_kv, md, rld_kv, rld
         self.chunk_bytes = chunk_bytes
         self.lease_s = lease_s
         layout = loop.engine.layout
         self.hasher = BlockHasher(layout.model_id, layout.block_size)
         self.in_flight = 0
+        self.wan_book = WanBook()  # what is queued toward MD (the router's link estimate reads it)
 
     async def prefill(self, job: PrefillJob) -> dict[str, Any]:
         self.in_flight += 1
+        if job.ship_to_md:
+            self.wan_book.will_ship(job.request_id)
         try:
             return await self._prefill(job)
         finally:
             self.in_flight -= 1
+            self.wan_book.ended(job.request_id)
 
     async def _prefill(self, job: PrefillJob) -> dict[str, Any]:
         now = time.monotonic()
@@ -151,7 +164,7 @@ class Prefiller:
             first_block=first_block,
             num_tokens=len(job.prompt) - first_block * layout.block_size,
             block_hashes=tuple(hashes[first_block:]),
-            codec=0,
+            codec=CodecId.RAW,  # the WAN leg picks its codec in _ship_md
             total_bytes=len(payload),
             chunk_bytes=self.chunk_bytes,
             deadline_ms=max(1, int((deadline - time.monotonic()) * 1000)),
@@ -200,33 +213,52 @@ class Prefiller:
         deadline: float,
         reply: dict[str, Any],
     ) -> None:
+        picked: KVPeer | None = None
+        payload = memoryview(b"")
         try:
             cached_blocks = await reservation
             reply["md_cached_tokens"] = cached_blocks * kv.layout.block_size
             begin, payload = self._begin(job, kv, cached_blocks, hashes, deadline)
+            decision = self.wan_codec.decide(kv.layout.dtype, payload)
+            begin = dataclasses.replace(begin, codec=decision.codec)
+            self.wan_book.started(job.request_id, begin.total_bytes)
             link = self.md_kv.pick()
+            link.in_flight_bytes += len(payload)  # so the next transfer picks another link
+            picked = link
             client = await link.client(deadline)
             before = client.stats().retransmits
-            result = await self._send(link, begin, payload, deadline)
+            flow = f"{job.request_id}/{begin.transfer_id}"
+            self.wan_codec.started(flow, len(payload), time.monotonic())
+            result = None
+            try:
+                result = await self._send(link, begin, payload, deadline)
+            finally:
+                rtt = client.stats().rtt_s
+                self.wan_codec.finished(flow, kv.layout.dtype, result, time.monotonic(), rtt)
             stats = client.stats()
             if job.first_token_to_md:
                 await self.md.handoff(
                     frame, emit_given=True, timeout_s=max(deadline - time.monotonic(), 0.01)
                 )
-            reply.update(wan_bytes=result.bytes, wan_seconds=result.seconds, md_ok=True)
+            reply.update(wan_bytes=result.kv_bytes, wan_seconds=result.seconds, md_ok=True)
             if stats.retransmits is not None and before is not None:
                 reply["wan_retransmits"] = stats.retransmits - before
             reply["wan_rtt_s"] = stats.rtt_s or 0.0
-            reply["compression_ratio"] = (
-                1.0  # codec 0: float64 KV is not what the bf16 byte-plane codec helps
-            )
-            metrics.KV_BYTES.labels(path="wan").inc(result.bytes)
+            reply["compression_ratio"] = result.kv_bytes / result.bytes if result.bytes else 1.0
+            codec = result.codec.name.lower()
+            metrics.KV_BYTES.labels(path="wan").inc(result.kv_bytes)
+            metrics.KV_WIRE_BYTES.labels(path="wan", codec=codec).inc(result.bytes)
+            metrics.KV_CODEC_RAW_BYTES.labels(path="wan", codec=codec).inc(result.kv_bytes)
             metrics.TRANSFER_SECONDS.labels(path="wan").observe(result.seconds)
         except (PddlinkError, TimeoutError, ConnectionError) as exc:
             if not reservation.done():
                 reservation.cancel()
             reply["md_error"] = _reason(exc)
             metrics.TRANSFER_ABORTS.labels(reason=_reason_code(exc)).inc()
+        finally:
+            self.wan_book.ended(job.request_id)
+            if picked is not None:
+                picked.in_flight_bytes -= len(payload)
 
 
 def _reason_code(exc: BaseException) -> str:

@@ -4,9 +4,11 @@ the pipeline policy (``pddlink.routing``), a DRC mirror fed by MD's events, and 
 
 Lifecycle: ``Router(cfg)``; ``await start()`` connects to the sidecars (gRPC channels are lazy; mutual
 TLS 1.3 with each sidecar's identity checked when ``tls_dir`` is set, see ``sidecar.grpc_tls``) and
-starts following MD's DRC; ``generate(request)`` yields merged tokens and ends with the trace;
+starts following MD's DRC and P's transfer state; ``generate(request)`` admits the request or
+raises ``Overloaded`` (``sidecar.admission``), then yields merged tokens and ends with the trace;
 ``close()``. Per-request choices use only local state: the mirror (never blocks on MD), the link
-model (fed by what P reports after each transfer) and the count of requests RLD is streaming.
+model (its own flows plus P's reported backlog toward MD), P's and MD's prefill books and the
+count of requests RLD is streaming.
 """
 
 from __future__ import annotations
@@ -29,14 +31,16 @@ from pddlink.errors import InvalidInput, NotFound
 from pddlink.kv.hashing import BlockHasher
 from pddlink.routing import (
     LinkModel,
-    Pipeline,
-    PipelineDecision,
+    OptionDecision,
     RoutingInputs,
     RoutingPolicy,
-    choose_pipeline,
 )
-from pddlink.transport import PeerIdentity, TlsConfig, load_or_create_peer
+from pddlink.transport import PeerIdentity, TlsConfig, load_node
+from sidecar.admission import Overloaded
+from sidecar.backlog import POLL_INTERVAL_S, follow_backlog
 from sidecar.grpc_tls import CallerCheck, open_channel
+from sidecar.recompute import PrefillBook
+from sidecar.router_options import FORCEABLE, decide_option, forced_option, option_trace
 from sidecar.router_run import RequestRun, RunInput
 from sidecar.rpc import stubs
 
@@ -61,6 +65,12 @@ class RouterConfig:
     max_prompt_tokens: int = 8000
     vocab_size: int = 2048
     kv_bytes_per_token: int = 2048
+    wan_links: int = 8  # P's WAN connection pool toward MD (a transfer holds one link)
+    recompute: bool = True  # MD may prefill the missing suffix itself (ship or recompute)
+    admission: bool = True  # reject at once what no option can end before its deadline
+    p_prefill_tokens_per_s: float = 3300.0  # starting figures; the replies refine them
+    md_prefill_tokens_per_s: float = 3300.0
+    md_tpot_s: float = 0.02
     tls_dir: str = ""  # dev PKI: mutual TLS 1.3 to the sidecars and on the gRPC port; "" = plaintext
     name: str = "router0"  # this router's identity is router/<name>
     p_identity: str = "p/p0"  # who must answer at p, rld, md (checked against their certificates)
@@ -70,6 +80,11 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if self.rld_capacity < 1 or self.line_mbit <= 0 or self.rtt_ms < 0 or self.deadline_s <= 0:
             raise InvalidInput("router: rld_capacity >= 1, line_mbit > 0, rtt_ms >= 0, deadline_s > 0")
+        if (
+            self.wan_links < 1
+            or min(self.p_prefill_tokens_per_s, self.md_prefill_tokens_per_s, self.md_tpot_s) <= 0
+        ):
+            raise InvalidInput("router: prefill speeds and md_tpot_s must be > 0")
         for ident in (self.p_identity, self.rld_identity, self.md_identity):
             PeerIdentity.parse(ident)
         PeerIdentity("router", self.name)
@@ -79,8 +94,8 @@ class RouterConfig:
         return PeerIdentity("router", self.name)
 
     def load_tls(self) -> TlsConfig | None:
-        """This router's credentials from ``tls_dir`` (created in a dev PKI where missing)."""
-        return load_or_create_peer(Path(self.tls_dir), self.identity) if self.tls_dir else None
+        """This router's credentials from its node directory ``tls_dir`` (read only, never minted)."""
+        return load_node(Path(self.tls_dir), self.identity) if self.tls_dir else None
 
 
 class Router:
@@ -104,13 +119,17 @@ class Router:
         self.mirror = Mirror(gap_timeout_s=2.0)
         self.hasher: BlockHasher | None = None
         self.root = 0
-        self.link = LinkModel(cfg.line_mbit * 1e6 / 8, cfg.rtt_ms / 1e3)
+        self.link = LinkModel(cfg.line_mbit * 1e6 / 8, cfg.rtt_ms / 1e3, pool_size=cfg.wan_links)
         self.policy = RoutingPolicy(
             relay_enabled=cfg.relay_enabled,
             relay_min_wan_s=cfg.relay_min_wan_s,
             rld_max_load=cfg.rld_max_load,
             singular_max_output_tokens=cfg.singular_max_tokens,
+            recompute_enabled=cfg.recompute,
         )
+        self.p_book = PrefillBook(cfg.p_prefill_tokens_per_s)
+        self.md_book = PrefillBook(cfg.md_prefill_tokens_per_s)
+        self._backlog_task: asyncio.Task[None] | None = None
         self.ids = itertools.count(1)
         self.in_flight: dict[str, RequestRun] = {}
         self._mirror_task: asyncio.Task[None] | None = None
@@ -118,12 +137,17 @@ class Router:
         self.caller_check: CallerCheck | None = None  # set by the gRPC server (who calls, with TLS)
 
     async def start(self) -> None:
-        self._mirror_task = asyncio.get_running_loop().create_task(self._follow_drc())
+        loop = asyncio.get_running_loop()
+        self._mirror_task = loop.create_task(self._follow_drc())
+        self._backlog_task = loop.create_task(
+            follow_backlog(self.p, pb2.StatusRequest(), self.link, POLL_INTERVAL_S)
+        )
 
     async def close(self) -> None:
-        if self._mirror_task is not None:
-            self._mirror_task.cancel()
-            await asyncio.gather(self._mirror_task, return_exceptions=True)
+        for task in (self._mirror_task, self._backlog_task):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         for ch in self.channels.values():
             await ch.close(None)
 
@@ -159,12 +183,16 @@ class Router:
 
     # -- policy -------------------------------------------------------------------------------------
 
-    def decide(self, prompt: tuple[int, ...], max_tokens: int, forced: str) -> tuple[PipelineDecision, int]:
-        matched = self.matched_tokens(prompt)
+    def decide(
+        self, prompt: tuple[int, ...], max_tokens: int, forced: str, deadline_s: float
+    ) -> tuple[OptionDecision, int]:
+        """Ship, relay, recompute, relay + recompute or singular (``sidecar.router_options``); a
+        forced pipeline (tests, the demo's warm-up) skips the choice and admission."""
+        matched = min(self.matched_tokens(prompt), len(prompt))
         now = time.monotonic()
-        inputs = RoutingInputs(
+        routing = RoutingInputs(
             prompt_tokens=len(prompt),
-            matched_tokens=min(matched, len(prompt)),
+            matched_tokens=matched,
             kv_bytes_per_token=self.cfg.kv_bytes_per_token,
             max_output_tokens=max_tokens,
             link=self.link.estimate(now),
@@ -173,12 +201,17 @@ class Router:
             rld_capacity=self.cfg.rld_capacity,
             rld_tpot_s=self.cfg.rld_tpot_s,
         )
-        decision = choose_pipeline(inputs, self.policy)
         if forced:
-            decision = PipelineDecision(
-                Pipeline(forced), decision.reason, decision.wan_bytes, decision.wan_estimate_s
-            )
-        return decision, matched
+            return forced_option(routing, forced, self.policy), matched
+        return decide_option(self, routing, deadline_s), matched
+
+    # -- what the runs report back (``sidecar.router_legs.Cluster``) -------------------------------
+
+    def on_prefilled(self, request_id: str, new_tokens: int, seconds: float) -> None:
+        self.p_book.ready(request_id, new_tokens, seconds)
+
+    def on_md_ready(self, request_id: str, new_tokens: int, seconds: float) -> None:
+        self.md_book.ready(request_id, new_tokens, seconds)
 
     # -- requests -----------------------------------------------------------------------------------
 
@@ -194,10 +227,8 @@ class Router:
             raise InvalidInput(f"max_tokens {sampling.max_tokens} exceeds the limit {cfg.max_tokens_limit}")
         if not 0 < deadline_s <= 600:
             raise InvalidInput(f"deadline_s must be in (0, 600], got {deadline_s}")
-        if pipeline and pipeline not in {p.value for p in Pipeline}:
-            raise InvalidInput(
-                f"pipeline must be one of {', '.join(p.value for p in Pipeline)}, got {pipeline!r}"
-            )
+        if pipeline and pipeline not in FORCEABLE:
+            raise InvalidInput(f"pipeline must be one of {', '.join(FORCEABLE)}, got {pipeline!r}")
 
     async def generate(
         self,
@@ -208,35 +239,47 @@ class Router:
         pipeline: str = "",
         request_id: str = "",
     ) -> AsyncIterator[dict[str, Any]]:
-        """Validates (``InvalidInput``, nothing changed), then yields token dicts and a final trace."""
+        """Validates (``InvalidInput``, nothing changed), admits (``Overloaded``, nothing started),
+        then yields token dicts and a final trace."""
         deadline_s = deadline_s or self.cfg.deadline_s
         self.validate(prompt, sampling, deadline_s, pipeline)
         rid = request_id or f"req-{next(self.ids)}-{time.time_ns() % 10**9}"
         if rid in self.in_flight:
             raise InvalidInput(f"request id {rid!r} is already in flight")
-        decision, matched = self.decide(tuple(prompt), sampling.max_tokens, pipeline)
+        decision, matched = self.decide(tuple(prompt), sampling.max_tokens, pipeline, deadline_s)
+        option = decision.option
+        metrics.DECISIONS.labels(option=option.value if option else "rejected").inc()
+        if option is None:
+            raise Overloaded.of(decision, deadline_s)
         inp = RunInput(
             rid,
             tuple(prompt),
             sampling,
             deadline_s,
-            decision.pipeline,
+            option.pipeline,
             decision.reason.value,
             decision.wan_estimate_s,
+            option,
         )
         run = RequestRun(self, inp)
         run.trace["mirror_matched_tokens"] = matched
+        run.trace.update(option_trace(decision))
         self.in_flight[rid] = run
-        flow = f"{rid}:wan"
+        flow = rid  # P reports its transfer state by request id (``sidecar.backlog``)
         now = time.monotonic()
-        if decision.pipeline is not Pipeline.SINGULAR:
+        if option.ships_kv:
             self.link.start_flow(flow, decision.wan_bytes, now)
+        if option.recomputes:
+            self.md_book.start(rid, len(prompt) - matched)
+        self.p_book.start(rid, len(prompt) - matched)  # recompute too: P warms its own cache
         try:
             async for tok in run.run():
                 yield {"position": tok.position, "token_id": tok.token_id, "source": tok.source}
         finally:
             self.in_flight.pop(rid, None)
-            if decision.pipeline is not Pipeline.SINGULAR:
+            self.md_book.finish(rid)
+            self.p_book.finish(rid)
+            if option.ships_kv:
                 with contextlib.suppress(NotFound):
                     self.link.finish_flow(flow, time.monotonic(), completed=bool(run.trace.get("wan_bytes")))
             if run.trace.get("rld_error") or "rld_lost_md_takes_over" in run.trace["fallbacks"]:
@@ -274,6 +317,12 @@ class Router:
                 "rtt_ms": est.rtt_s * 1e3,
                 "flows_in_flight": est.flows_in_flight,
                 "backlog_bytes": est.backlog_bytes,
+            },
+            "prefill_books": {  # what the option policy assumes about P's and MD's prefill
+                "p_tokens_per_s": self.p_book.tokens_per_s,
+                "p_queued_tokens": self.p_book.queued_tokens,
+                "md_tokens_per_s": self.md_book.tokens_per_s,
+                "md_queued_tokens": self.md_book.queued_tokens,
             },
         }
 

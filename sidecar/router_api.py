@@ -32,10 +32,11 @@ import grpc
 
 from pddlink import metrics
 from pddlink.errors import ConfigError, InvalidInput
+from sidecar.admission import Overloaded, grpc_rejection, http_rejection
 from sidecar.client_guard import ApiConfig, ClientGuard, Refusal
 from sidecar.grpc_tls import bind, new_server
 from sidecar.http import HttpLimits, Request, Response, json_response, serve_http
-from sidecar.openai_api import Events, Responder, error_body, models_body, primed
+from sidecar.openai_api import Responder, error_body, models_body
 from sidecar.openai_schema import Endpoint, Job, Limits, RequestRefused, completion_job, generate_job
 from sidecar.openai_text import TextCodec
 from sidecar.router import Router, RouterConfig
@@ -146,15 +147,18 @@ class RouterApi:
         refusal = self.guard.admit(client, time.monotonic())
         if refusal is not None:
             return _refused(refusal)
+        responder = Responder(self.router, job, self.api.model, self.codec, self.eos)
         try:
-            gens = await self._start(job)
-        except InvalidInput as exc:  # the router's own checks, before any work
+            await responder.admit()  # the router's admission answers before any byte of the reply
+        except Overloaded as exc:
+            self.guard.release()
+            return http_rejection(exc)
+        except InvalidInput as exc:  # the router's own checks (after the schema's), before any work
             self.guard.release()
             return _error(400, exc.message, "BadRequestError")
         except BaseException:
             self.guard.release()
             raise
-        responder = Responder(gens, job, self.api.model, self.codec, self.eos)
         if job.stream:
             return Response(200, self._released(responder.events()), "text/event-stream")
         try:
@@ -162,24 +166,6 @@ class RouterApi:
         finally:
             self.guard.release()
         return json_response(status, obj)
-
-    async def _start(self, job: Job) -> list[Events]:
-        """One router request per prompt, each primed (admission and the router's checks have run);
-        if one is refused, those already started are closed."""
-        starts = [
-            primed(
-                self.router.generate(list(p), job.sampling, deadline_s=job.deadline_s, pipeline=job.pipeline)
-            )
-            for p in job.prompts
-        ]
-        results = await asyncio.gather(*starts, return_exceptions=True)
-        failed = [r for r in results if isinstance(r, BaseException)]
-        if failed:
-            for r in results:
-                if not isinstance(r, BaseException):
-                    await r.aclose()  # type: ignore[attr-defined]
-            raise failed[0]
-        return [r for r in results if not isinstance(r, BaseException)]
 
     async def _released(self, events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         try:
@@ -242,6 +228,9 @@ class RouterService(pb2_grpc.RouterServicer):  # type: ignore[misc,name-defined]
             except InvalidInput as exc:
                 metrics.CLIENT_ERRORS.labels(api="grpc").inc()
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.message)
+                return
+            except Overloaded as exc:
+                await grpc_rejection(context, exc)
                 return
             ev = first
             while True:

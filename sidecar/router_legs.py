@@ -22,8 +22,9 @@ import grpc
 from engines_adapter import SamplingParams
 from pddlink import metrics
 from pddlink.handoff import HandoffMode, HandoffSlice, StreamMerger
-from pddlink.routing import Pipeline
+from pddlink.routing import Option, Pipeline
 from sidecar.handoff_wire import slice_to_wire
+from sidecar.recompute import RecomputeMode
 from sidecar.rpc import stubs
 from sidecar.sampling_pb import sampling_to_pb
 
@@ -38,6 +39,10 @@ class Cluster(Protocol):
 
     def rld_usable(self) -> bool: ...
 
+    def on_prefilled(self, request_id: str, new_tokens: int, seconds: float) -> None: ...
+
+    def on_md_ready(self, request_id: str, new_tokens: int, seconds: float) -> None: ...
+
 
 @dataclass
 class RunInput:
@@ -48,6 +53,7 @@ class RunInput:
     pipeline: Pipeline
     reason: str
     wan_estimate_s: float
+    option: Option = Option.SHIP
 
 
 @dataclass
@@ -61,6 +67,8 @@ class Leg:
     first_token: int | None = None
     md_ok: bool | None = None
     rld_ok: bool | None = None
+    recompute: RecomputeMode = RecomputeMode.NONE  # MD prefills the prompt itself (first leg only)
+    md_ready: asyncio.Event | None = None  # set when MD's recompute is done
 
 
 class RunLegs:
@@ -107,10 +115,14 @@ class RunLegs:
             prompt=list(leg.prompt),
             sampling=sampling_to_pb(leg.sampling),
             deadline_s=max(self.left(), 0.01),
+            recompute=int(leg.recompute) if name == "md" else 0,
         )
         how = "failed:stream_closed"
         try:
             async for ev in stub.Attach(req, timeout=max(self.left(), 0.01)):
+                if ev.ready:  # MD's recompute is done: it holds the prompt's KV
+                    self._md_ready(leg, ev)
+                    continue
                 if ev.end:
                     how = ev.end
                     if ev.handoff_mode:
@@ -139,14 +151,23 @@ class RunLegs:
         )
         try:
             reply = await self.c.p.Prefill(req, timeout=max(self.left(), 0.01))
+            self.c.on_prefilled(leg.sid, len(leg.prompt) - reply.p_cached_tokens, reply.prefill_seconds)
             await self.inbox.put(("prefill", "p", reply, leg.sid))
         except grpc.aio.AioRpcError as exc:
             await self.inbox.put(
                 ("prefill_failed", "p", f"{exc.code().name.lower()}: {exc.details()}", leg.sid)
             )
 
+    def _md_ready(self, leg: Leg, ev: Any) -> None:
+        self.trace.update(md_recompute_s=ev.recompute_seconds, md_cached_tokens=int(ev.cached_tokens))
+        self.c.on_md_ready(leg.sid, len(leg.prompt) - int(ev.cached_tokens), ev.recompute_seconds)
+        if leg.md_ready is not None:
+            leg.md_ready.set()
+
     async def _start_handoff(self, leg: Leg) -> None:
         try:
+            if leg.md_ready is not None:  # relay + recompute: hand over once MD holds the prompt
+                await asyncio.wait_for(leg.md_ready.wait(), timeout=max(self.left() - 0.1, 0.01))
             reply = await self.c.rld.StartHandoff(
                 pb2.HandoffStart(request_id=leg.sid, deadline_s=max(self.left() - 0.1, 0.01)),
                 timeout=max(self.left(), 0.01),
@@ -154,6 +175,9 @@ class RunLegs:
             await self.inbox.put(("handoff", "rld", reply, leg.sid))
         except grpc.aio.AioRpcError as exc:
             failed = pb2.HandoffStartReply(outcome=f"failed:{exc.code().name}")
+            await self.inbox.put(("handoff", "rld", failed, leg.sid))
+        except TimeoutError:
+            failed = pb2.HandoffStartReply(outcome="failed:md_recompute_late")
             await self.inbox.put(("handoff", "rld", failed, leg.sid))
 
     async def _router_handoff(self, leg: Leg) -> None:
@@ -181,6 +205,9 @@ class RunLegs:
         )
         sid = self.inp.request_id if self.legs == 1 else f"{self.inp.request_id}#{self.legs}"
         leg = Leg(sid, self.inp.prompt + done, sampling, pipeline)
+        if self.legs == 1 and self.inp.option.recomputes:  # fallback legs ship KV as before
+            leg.recompute = RecomputeMode.of(self.inp.option)
+            leg.md_ready = asyncio.Event()
         self.leg = leg
         use_md = pipeline in (Pipeline.P_MD, Pipeline.P_RLD_MD)
         use_rld = pipeline in (Pipeline.P_RLD_MD, Pipeline.SINGULAR)
@@ -191,7 +218,13 @@ class RunLegs:
             self.rld_stream_alive = True
             self.c.rld_active += 1
             self._spawn(f"rld{self.legs}", self._stream("rld", self.c.rld, leg))
-        self._spawn(f"p{self.legs}", self._prefill(leg, use_md, use_rld, pipeline is Pipeline.P_MD))
+        ships = use_md and leg.recompute is RecomputeMode.NONE
+        if leg.recompute is RecomputeMode.AND_DECODE:
+            # MD prefills and streams itself; P prefills too, shipping nothing, so its own prefix
+            # cache keeps seeing every prompt (P's and MD's caches stay aligned)
+            leg.md_ok = True
+        t0_to_md = pipeline is Pipeline.P_MD and ships
+        self._spawn(f"p{self.legs}", self._prefill(leg, ships, use_rld, t0_to_md))
         return leg
 
     async def _linger(

@@ -24,6 +24,8 @@ from typing import Any
 
 from pddlink import metrics
 from pddlink.routing import Pipeline
+from sidecar.backlog import md_miss_label
+from sidecar.recompute import RecomputeMode
 from sidecar.router_legs import Cluster, RunInput, RunLegs
 
 __all__ = ["Cluster", "RequestRun", "RunInput"]
@@ -92,7 +94,7 @@ class RequestRun(RunLegs):
         leg = self.leg
         assert leg is not None
         leg.first_token = int(r.first_token)
-        leg.md_ok = bool(r.md_ok)
+        leg.md_ok = bool(r.md_ok) or leg.recompute is not RecomputeMode.NONE  # MD prefills it itself
         leg.rld_ok = bool(r.rld_ok)
         t = self.trace
         t["wan_bytes"] += int(r.wan_bytes)
@@ -103,11 +105,12 @@ class RequestRun(RunLegs):
             wan_rtt_s=r.wan_rtt_s,
             wan_retransmits=int(r.wan_retransmits),
             compression_ratio=r.compression_ratio or 1.0,
-            md_cached_tokens=int(r.md_cached_tokens),
             p_cached_tokens=int(r.p_cached_tokens),
             fast_path=r.fast_path,
             prefill_seconds=r.prefill_seconds,
         )
+        if leg.recompute is RecomputeMode.NONE:
+            t["md_cached_tokens"] = int(r.md_cached_tokens)  # else MD's ready event says
         if r.md_error:
             t["md_error"] = r.md_error
         if r.rld_error:
@@ -118,13 +121,14 @@ class RequestRun(RunLegs):
         wants_md = pipeline in (Pipeline.P_MD, Pipeline.P_RLD_MD)
         if wants_md and not leg.md_ok:
             self._cancel_stream("md")
+            why = md_miss_label(r.md_error)  # a full line is congestion, not an unreachable MD
             if pipeline is Pipeline.P_RLD_MD and leg.rld_ok:
-                self._fallback("md_unreachable_rld_finishes")
+                self._fallback(f"{why}_rld_finishes")
             elif self.c.rld_usable() and self.legs < 4:
-                self._fallback("md_unreachable_p_rld")
+                self._fallback(f"{why}_p_rld")
                 self._start_leg(Pipeline.SINGULAR)
             else:
-                self.failed_reason = f"md_unreachable: {r.md_error}"
+                self.failed_reason = f"{why}: {r.md_error}"
             return
         if pipeline is Pipeline.P_RLD_MD:
             if not leg.rld_ok or not self.rld_stream_alive:

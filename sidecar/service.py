@@ -16,6 +16,7 @@ from pddlink.wire import WIRE_VERSION
 from sidecar.decoder import Decoder
 from sidecar.drc_host import DrcHost
 from sidecar.prefill import Prefiller, PrefillJob
+from sidecar.recompute import RecomputeMode
 from sidecar.rpc import stubs
 from sidecar.sampling_pb import sampling_from_pb
 
@@ -87,7 +88,11 @@ class SidecarService(pb2_grpc.SidecarServicer):  # type: ignore[misc,name-define
         except PddlinkError as exc:
             await _abort(context, exc)
         stream = self.decoder.attach(
-            request.request_id, tuple(request.prompt), sampling, request.deadline_s or 30.0
+            request.request_id,
+            tuple(request.prompt),
+            sampling,
+            request.deadline_s or 30.0,
+            RecomputeMode(request.recompute),
         )
         async for ev in stream:
             yield pb2.TokenEvent(**ev)

@@ -6,7 +6,9 @@ The draw for the token at absolute position ``pos`` is one uniform number ``u`` 
 state is carried between steps, so any instance holding the same logits draws the same token:
 that is what lets MainDecode continue exactly where RelayDecode stopped.
 
-Probabilities are computed in float64 whatever the model dtype. Shared by every adapter.
+Probabilities are computed in float64 whatever the model dtype. Shared by every adapter:
+``draw_token`` is the rule itself, which the vLLM adapter's logits processor
+(``engines_adapter.vllm.sampling``) calls too, so both engines draw alike from equal logits.
 """
 
 from __future__ import annotations
@@ -39,18 +41,26 @@ def sample_tokens(
 
 
 def _draw(row: torch.Tensor, sp: SamplingParams, position: int) -> int:
-    scaled = row.detach().to(device="cpu", dtype=torch.float64) / sp.temperature
+    return draw_token(row, sp.temperature, sp.top_k, sp.top_p, sp.seed, position)
+
+
+def draw_token(
+    row: torch.Tensor, temperature: float, top_k: int, top_p: float, seed: int, position: int
+) -> int:
+    """The token drawn from one row of raw logits ``[vocab]`` for absolute ``position``
+    (``temperature > 0``; ``top_k`` 0 and ``top_p`` 1.0 switch those filters off)."""
+    scaled = row.detach().to(device="cpu", dtype=torch.float64) / temperature
     order = torch.sort(scaled, descending=True, stable=True)
     values, index = order.values, order.indices
-    if 0 < sp.top_k < values.numel():
-        values, index = values[: sp.top_k], index[: sp.top_k]
+    if 0 < top_k < values.numel():
+        values, index = values[:top_k], index[:top_k]
     probs = torch.softmax(values, dim=0)
-    if sp.top_p < 1.0:
+    if top_p < 1.0:
         before = torch.cumsum(probs, dim=0) - probs  # mass of strictly more likely tokens
-        keep = int((before < sp.top_p).sum())  # the token that crosses top_p is kept
+        keep = int((before < top_p).sum())  # the token that crosses top_p is kept
         probs, index = probs[:keep], index[:keep]
     cdf = torch.cumsum(probs, dim=0)
-    target = uniform_draw(sp.seed, position) * float(cdf[-1])
+    target = uniform_draw(seed, position) * float(cdf[-1])
     pick = min(
         int(torch.searchsorted(cdf, torch.tensor([target], dtype=torch.float64), right=True)), len(cdf) - 1
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import click
@@ -24,6 +25,14 @@ import click
     "plot_path",
     help="TTFT plot (PNG) [next to --json FILE, else out/pddlink-demo-ttft.png].",
 )
+@click.option(
+    "--scenario",
+    type=click.Choice(["default", "wan-overload"]),
+    default="default",
+    show_default=True,
+    help="wan-overload: the line sized to carry half of what the missing suffixes need (PDD with "
+    "recompute and admission); any --trace/--workload replays in that regime.",
+)
 @click.option("--seed", default=1, show_default=True, help="Workload seed.")
 @click.option("--line-mbit", default=16.0, show_default=True, help="WAN line rate.")
 @click.option("--rtt-ms", default=20.0, show_default=True, help="WAN round-trip time.")
@@ -35,6 +44,15 @@ import click
     show_default=True,
     help="Each sidecar's engine: a worker thread, or a child process over the engine link.",
 )
+@click.option(
+    "--lab",
+    "lab_kind",
+    type=click.Choice(["auto", "netns", "loopback", "compose"]),
+    default="auto",
+    show_default=True,
+    help="netlab lab: auto (netns as root, else loopback), or compose: every role in a container"
+    " (root, docker.io; builds the images first, cached).",
+)
 def command(
     requests: int,
     rate_rps: float,
@@ -42,11 +60,13 @@ def command(
     workload: str | None,
     json_path: str | None,
     plot_path: str | None,
+    scenario: str,
     seed: int,
     line_mbit: float,
     rtt_ms: float,
     warmup: int,
     engine_mode: str,
+    lab_kind: str,
 ) -> None:
     """Run P, RLD, MD and the router across an emulated WAN; compare PDD with the P->MD baseline.
 
@@ -55,14 +75,18 @@ def command(
     as cross-datacenter PD (P->MD only) and once with PDD, checks every token against one engine
     generating alone, and prints the table. Progress and logs go to stderr.
     """
+    from pddlink.cli.preflight import check_output_file, check_writable
     from sidecar.demo import main
 
     if requests < 1:
         raise click.BadParameter("must be >= 1", param_hint="--requests")
     if plot_path is None:
         plot = Path(json_path).with_suffix(".png") if json_path else Path("out") / "pddlink-demo-ttft.png"
-        plot.parent.mkdir(parents=True, exist_ok=True)
         plot_path = str(plot)
+    # before the lab and four processes come up (minutes): every place the demo writes
+    check_output_file(json_path, "demo --json")
+    check_output_file(plot_path, "demo --plot")
+    check_writable(tempfile.gettempdir(), "demo run directory (TMPDIR)")
     main(
         requests=requests,
         rate_rps=rate_rps,
@@ -75,4 +99,6 @@ def command(
         rtt_ms=rtt_ms,
         warmup=warmup,
         engine_mode=engine_mode,
+        scenario=scenario,
+        lab_kind=lab_kind,
     )

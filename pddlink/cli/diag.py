@@ -13,13 +13,13 @@ import click
 
 def _tls_probe(peer: str, tls_dir: str, identity: str, expect: str, timeout_s: float) -> tuple[Any, Any]:
     """(our credentials, what the server's TLS handshake showed); (None, None) for plaintext."""
-    from pddlink.transport import PeerIdentity, load_or_create_peer
+    from pddlink.transport import PeerIdentity, load_node
     from pddlink.transport.tls import check_peer
     from sidecar.grpc_tls import probe_server
 
     if not tls_dir:
         return None, None
-    tls = load_or_create_peer(Path(tls_dir), PeerIdentity.parse(identity))
+    tls = load_node(Path(tls_dir), PeerIdentity.parse(identity))  # never mints: `pddlink pki issue`
     seen = probe_server(peer, tls, timeout_s)
     check_peer(seen.identity, expected=PeerIdentity.parse(expect) if expect else None)
     return tls, seen
@@ -86,7 +86,7 @@ def _ping(
     "--tls-dir",
     default="",
     envvar="PDDLINK_TLS_DIR",
-    help="Dev PKI directory: mutual TLS 1.3 (the sidecars' --tls-dir). Empty: plaintext.",
+    help="This client's PKI directory (pddlink pki issue ... diag/ping): mutual TLS 1.3. Empty: plaintext.",
 )
 @click.option("--identity", default="diag/ping", show_default=True, help="This client's identity role/name.")
 @click.option("--expect", default="", help="Refuse unless the peer's certificate names this role/name.")

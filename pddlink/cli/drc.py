@@ -168,6 +168,9 @@ def match(
 @click.option("--timeout-s", default=30.0, show_default=True)
 def snapshot(url: str, output: Path, timeout_s: float) -> None:
     """Save a running sidecar's index (GET /drc/snapshot) to a file."""
+    from pddlink.cli.preflight import check_output_file
+
+    check_output_file(str(output), "drc snapshot -o")
     data = http(url, "/drc/snapshot", timeout_s)
     snap = decode_snapshot(data)  # refuse to save something that is not a snapshot
     output.write_bytes(data)

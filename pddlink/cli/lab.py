@@ -194,3 +194,8 @@ def outage(name: str, seconds: float | None, switch: bool | None, direction: str
 def profile(name: str, profile: str) -> None:
     """Replace the running lab's link profile live (TOML file or built-in name)."""
     Lab.attach(name).set_profile(profile)
+
+
+from pddlink.cli.lab_compose import compose  # noqa: E402 (the compose lab's commands, own module)
+
+group.add_command(compose)

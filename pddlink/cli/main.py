@@ -53,6 +53,10 @@ BENCH_COMMANDS: dict[str, tuple[str, str]] = {
         "Prefill, decode and extend speed of the reference engine.",
     ),
     "codec": ("pddlink.cli.bench_codec:command", "Lossless KV codec ratio and speed against plain zstd."),
+    "extend": (
+        "engines_adapter.vllm.bench_extend:command",
+        "On vLLM: extend(100) with the prompt cached against 100 decode steps, one instance, one run.",
+    ),
     "link": (
         "pddlink.cli.bench_link:command",
         "Goodput of a transport between two processes (loopback or netlab).",
@@ -65,6 +69,10 @@ TOP_COMMANDS: dict[str, tuple[str, str]] = {
     "demo": (
         "pddlink.cli.demo:command",
         "Run P, RLD, MD and the router across an emulated WAN; compare PDD with P->MD.",
+    ),
+    "chaos": (
+        "pddlink.cli.chaos:command",
+        "Faults under a bounded streaming load (kills, WAN outages); check the invariants.",
     ),
     "lab": (
         "pddlink.cli.lab:group",
@@ -84,6 +92,7 @@ TOP_COMMANDS: dict[str, tuple[str, str]] = {
         "Run an engine process that attaches to its sidecar over the engine link.",
     ),
     "router": ("pddlink.cli.router:command", "Run the router: client API, pipeline policy, stream merging."),
+    "pki": ("pddlink.cli.pki:group", "The dev PKI: a CA kept apart, one key and certificate per node."),
     "ping": ("pddlink.cli.diag:ping", "Ping a running sidecar: RTT, bandwidth, wire version, TLS identity."),
     "status": (
         "pddlink.cli.diag:status",
@@ -123,6 +132,14 @@ def main() -> None:
         sys.exit(exc.exit_code)
     except PddlinkError as exc:
         click.echo(f"error: {exc.message}", err=True)
+        sys.exit(2)
+    except (OSError, RuntimeError) as exc:  # one that slipped past the command's preflight checks
+        from pddlink.cli.preflight import explain
+
+        friendly = explain(exc)
+        if friendly is None:
+            raise
+        click.echo(f"error: {friendly.message}", err=True)
         sys.exit(2)
 
 

@@ -9,9 +9,11 @@ from typing import Any
 import click
 
 from pddlink.errors import ConfigError
+from pddlink.listen_policy import check_plaintext_exposure
 
 # flag -> (RouterConfig field or serving option, type)
 _SERVE = {"host": str, "grpc_port": int, "http_port": int, "unix": str}
+_ALLOW_PLAINTEXT = "allow_plaintext_non_loopback"
 
 
 _API_FLAGS = ("model", "tokenizer", "api_keys_file", "http_mtls")
@@ -67,6 +69,9 @@ def _load_table(table: dict[str, Any], flags: dict[str, Any]) -> tuple[Any, dict
     table.update({k: v for k, v in flags.items() if v is not None})
     if table.pop("no_relay", False):
         table["relay_enabled"] = False
+    allow_plaintext = table.pop(_ALLOW_PLAINTEXT, False)
+    if not isinstance(allow_plaintext, bool):
+        raise ConfigError(f"router config: {_ALLOW_PLAINTEXT} must be true or false")
     serve = {"host": "127.0.0.1", "grpc_port": 0, "http_port": 0, "unix": ""}
     for key in _SERVE:
         if key in table:
@@ -80,10 +85,27 @@ def _load_table(table: dict[str, Any], flags: dict[str, Any]) -> tuple[Any, dict
         raise ConfigError(
             f"router config: {', '.join(sorted(missing))} required (--p/--rld/--md or the file)"
         )
+    check_plaintext_exposure(
+        str(serve["host"]), tls=bool(table.get("tls_dir")), allowed=allow_plaintext, who="router"
+    )
     try:
         return RouterConfig(**table), serve
     except TypeError as exc:
         raise ConfigError(f"router config: {exc}") from None
+
+
+def _preflight(cfg: Any, serve: dict[str, Any]) -> None:
+    """Listeners can bind, sockets can be made, TLS credentials are there; sockets owner-only."""
+    from pddlink.cli.preflight import check_listen, check_unix_socket, private_umask
+
+    check_listen(serve["host"], serve["grpc_port"], "router gRPC port")
+    if serve["http_port"]:
+        check_listen(serve["host"], serve["http_port"], "router HTTP port")
+    if serve["unix"]:
+        check_unix_socket(serve["unix"], "router socket")
+        check_unix_socket(serve["unix"] + ".grpc", "router gRPC socket")
+    cfg.load_tls()  # reads the node directory now: a missing or unsafe one is one line, not a traceback
+    private_umask()
 
 
 @click.command(name="router")
@@ -99,6 +121,17 @@ def _load_table(table: dict[str, Any], flags: dict[str, Any]) -> tuple[Any, dict
     "--no-relay", is_flag=True, default=None, help="Cross-datacenter PD baseline: every request P->MD."
 )
 @click.option("--relay-min-wan-s", type=float, help="Relay when the WAN estimate is longer [0.15].")
+@click.option(
+    "--recompute/--no-recompute", default=None, help="MD may prefill the missing suffix itself [on]."
+)
+@click.option(
+    "--admission/--no-admission",
+    default=None,
+    help="Reject at once (503 / RESOURCE_EXHAUSTED) what no option ends before its deadline [on].",
+)
+@click.option("--md-prefill-tokens-per-s", type=float, help="MD's prefill speed to start from [3300].")
+@click.option("--p-prefill-tokens-per-s", type=float, help="P's prefill speed to start from [3300].")
+@click.option("--md-tpot-s", type=float, help="MD's time per output token, for deadlines [0.02].")
 @click.option("--rld-capacity", type=int, help="Requests at which RLD's load is 1.0 [8].")
 @click.option("--rld-tpot-s", type=float, help="RLD's time per output token, for the singular test [0.02].")
 @click.option("--singular-max-tokens", type=int, help="Only outputs this short may end on RLD [4].")
@@ -116,6 +149,12 @@ def _load_table(table: dict[str, Any], flags: dict[str, Any]) -> tuple[Any, dict
 @click.option(
     "--http-mtls/--no-http-mtls", default=None, help="HTTP port takes TLS with client certificates (tls_dir)."
 )
+@click.option(
+    "--allow-plaintext-non-loopback",
+    is_flag=True,
+    default=None,
+    help="Accept --tls-dir '' on a non-loopback --host (refused otherwise).",
+)
 def command(config_path: str | None, **flags: Any) -> None:
     """Run the router. Prints `READY {json}` once it serves; stops on SIGTERM or Ctrl-C."""
     import asyncio
@@ -123,6 +162,7 @@ def command(config_path: str | None, **flags: Any) -> None:
     from sidecar.router_api import serve_router
 
     cfg, serve, api = load_router_config(config_path, flags)
+    _preflight(cfg, serve)
     try:
         import uvloop
 

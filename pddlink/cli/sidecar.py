@@ -17,6 +17,12 @@ import click
 @click.option("--admin-port", type=int, help="Admin HTTP port (0: off).")
 @click.option("--admin-unix", help="Also serve admin HTTP on this unix socket.")
 @click.option("--tls-dir", help="Dev PKI directory for TLS on the data plane ('' = plaintext).")
+@click.option(
+    "--allow-plaintext-non-loopback",
+    is_flag=True,
+    default=None,
+    help="Accept --tls-dir '' on a non-loopback --host (refused otherwise).",
+)
 @click.option("--md-grpc", help="MD's gRPC address host:port (P, RLD).")
 @click.option("--md-kv", help="MD's KV address host:port (P).")
 @click.option("--rld-grpc", help="RLD's gRPC address host:port (P).")
@@ -31,6 +37,14 @@ import click
 )
 @click.option("--capacity", type=int, help="Decode capacity in requests (load 1.0).")
 @click.option("--slice-tokens", type=int, help="Catch-up handoff slice size in tokens.")
+@click.option(
+    "--wan-codec",
+    type=click.Choice(["auto", "raw", "planes_zstd"]),
+    help="P: KV codec on the WAN leg (auto: when the line is slower than the compressor).",
+)
+@click.option(
+    "--wan-line-mbit", type=float, help="P: the WAN line's rate for the codec decision (0: measure)."
+)
 def command(config_path: str | None, **flags: Any) -> None:
     """Run the sidecar daemon for one role (p, rld or md) beside a reference engine.
 
@@ -49,6 +63,7 @@ def command(config_path: str | None, **flags: Any) -> None:
         "admin_port": "admin_port",
         "admin_unix": "admin_unix",
         "tls_dir": "tls_dir",
+        "allow_plaintext_non_loopback": "allow_plaintext_non_loopback",
         "md_grpc": "peers.md_grpc",
         "md_kv": "peers.md_kv",
         "rld_grpc": "peers.rld_grpc",
@@ -59,6 +74,31 @@ def command(config_path: str | None, **flags: Any) -> None:
         "engine_mode": "engine.mode",
         "capacity": "decode.capacity",
         "slice_tokens": "decode.slice_tokens",
+        "wan_codec": "data_plane.wan_codec",
+        "wan_line_mbit": "data_plane.wan_line_mbit",
     }
     overrides = {keys[k]: v for k, v in flags.items() if v is not None}
-    run(load_config(config_path, overrides))
+    cfg = load_config(config_path, overrides)
+    preflight(cfg)
+    run(cfg)
+
+
+def preflight(cfg: Any) -> None:
+    """Before the engine loads: every listener can bind, the admin socket can be made, the TLS
+    credentials are there; and what this process creates from now on is its owner's only."""
+    from pathlib import Path
+
+    from pddlink.cli.preflight import check_listen, check_unix_socket, private_umask
+    from pddlink.transport import PeerIdentity, load_node
+
+    ports = [("gRPC", cfg.grpc_port)]
+    if cfg.role in ("rld", "md"):
+        ports.append(("KV", cfg.kv_port))
+    if cfg.admin_port:
+        ports.append(("admin", cfg.admin_port))
+    for what, port in ports:
+        check_listen(cfg.host, port, f"sidecar {what} port")
+    check_unix_socket(cfg.admin_unix, "sidecar admin socket")
+    if cfg.tls_dir:
+        load_node(Path(cfg.tls_dir), PeerIdentity(cfg.role, cfg.name))
+    private_umask()

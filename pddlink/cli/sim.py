@@ -1,10 +1,11 @@
 """``pddlink sim``: the cluster simulator from the command line.
 
-``pddlink sim --scenario paper [--json]`` runs the calibrated comparison; ``--trace FILE`` replays a
+``pddlink sim --scenario paper [--json]`` runs the calibrated comparison (``--scenario wan-overload``:
+the same traffic on a line that carries half of the missing suffixes); ``--trace FILE`` replays a
 pddlink or Mooncake trace through the same deployments. ``pddlink sim skew`` compares KV-transfer
-latency on the line for skewed vs uniform hits; ``pddlink sim sweep`` varies line rate, RLD count or
-hit skew; ``pddlink sim generate`` writes a trace for ``pddlink demo``. Progress goes to stderr;
-``--json`` prints exactly one JSON object on stdout.
+latency on the line for skewed vs uniform hits; ``pddlink sim sweep`` varies line rate, RLD count,
+hit skew or (``--wan-load``) the offered WAN load; ``pddlink sim generate`` writes a trace for
+``pddlink demo``. Progress goes to stderr; ``--json`` prints exactly one JSON object on stdout.
 """
 
 from __future__ import annotations
@@ -70,8 +71,9 @@ def _emit(result: dict[str, Any], as_json: bool) -> None:
 
 @click.group(invoke_without_command=True)
 @click.option(
-    "--scenario", type=click.Choice(["paper", "demo"]),
-    help="paper: the calibrated datacenter comparison; demo: the scaled-down deployment of `pddlink demo`.",
+    "--scenario", type=click.Choice(["paper", "demo", "wan-overload"]),
+    help="paper: the calibrated datacenter comparison; demo: the scaled-down deployment of `pddlink demo`; "
+    "wan-overload: the paper traffic on a line carrying half of the missing suffixes (with admission).",
 )  # fmt: skip
 @click.option(
     "--trace", "trace_path", type=click.Path(dir_okay=False, path_type=Path), help="Replay a trace file."
@@ -109,6 +111,9 @@ def group(
     workload = load_workload(workload_path)
     if scenario == "demo":
         _emit(_run_demo_scale(workload, seed, rate, started), as_json)
+        return
+    if scenario == "wan-overload":
+        _emit(_run_wan_overload(workload, seed, rate, duration, started), as_json)
         return
     knobs = PaperKnobs(seed=seed)
     if rate is not None:
@@ -262,23 +267,51 @@ def bench_cmd(
 
 @group.command("sweep")
 @_workload_opt
-@click.option("--over", type=click.Choice(["line_gbps", "rld_gpus", "skew"]), required=True)
-@click.option("--values", required=True, help="Comma-separated values, e.g. 10,20,40 or 1,3,6 or 0,0.5,1.")
+@click.option("--over", type=click.Choice(["line_gbps", "rld_gpus", "skew"]))
+@click.option("--values", help="Comma-separated values, e.g. 10,20,40 or 1,3,6 or 0,0.5,1.")
+@click.option(
+    "--wan-load",
+    "wan_load",
+    help="Instead of --over/--values: offered WAN loads of the missing suffixes (x the line), e.g. "
+    "0.5,1,1.5,2,2.5,3; cross-DC PD, PDD and PDD with recompute, with admission. One row per point.",
+)
+@click.option(
+    "--plots", type=click.Path(file_okay=False, path_type=Path), help="--wan-load: write the PNG here."
+)  # fmt: skip
 @click.option("--rate", type=float, default=PaperKnobs().rate_rps, show_default=True)
 @click.option("--duration", type=float, default=PaperKnobs().duration_s, show_default=True)
 @click.option("--seed", type=int, default=1, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
 def sweep_cmd(
-    workload_path: Path, over: str, values: str, rate: float, duration: float, seed: int, as_json: bool
+    workload_path: Path,
+    over: str | None,
+    values: str | None,
+    wan_load: str | None,
+    plots: Path | None,
+    rate: float,
+    duration: float,
+    seed: int,
+    as_json: bool,
 ) -> None:
-    """Sweep line rate, RLD count or hit skew; PDD vs cross- and intra-datacenter PD at each point."""
+    """Sweep line rate, RLD count or hit skew (PDD vs cross- and intra-datacenter PD at each point),
+    or the offered WAN load (``--wan-load``: where each deployment's goodput collapses)."""
     started = time.perf_counter()
+    if (wan_load is None) == (over is None or values is None):
+        raise click.UsageError("give either --wan-load LOADS or both --over and --values")
+    text, hint = (wan_load, "--wan-load") if wan_load is not None else (values, "--values")
+    assert text is not None
     try:
-        points = [float(v) for v in values.split(",") if v.strip()]
+        points = [float(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise click.BadParameter(f"not a list of numbers: {values!r}", param_hint="--values") from None
+        raise click.BadParameter(f"not a list of numbers: {text!r}", param_hint=hint) from None
+    if not points or (wan_load is not None and min(points) <= 0):
+        raise click.BadParameter("WAN loads must be > 0", param_hint=hint)
     workload = load_workload(workload_path)
     knobs = replace(PaperKnobs(seed=seed), rate_rps=rate, duration_s=duration)
+    if wan_load is not None:
+        _wan_load_sweep(workload, knobs, points, plots, as_json, started)
+        return
+    assert over is not None
     result = run_sweep(workload, knobs, over, points, progress=lambda p: _log(f"simulating {p} ..."))
     result["wall_s"] = round(time.perf_counter() - started, 2)
     if as_json:
@@ -290,6 +323,52 @@ def sweep_cmd(
             f"{over}={p['value']:g}: PDD TTFT p90 {d['ttft_s']['p90']}s (cross-DC {x['p90']}s), "
             f"BCR {d['bcr']}, RLD share {d['rld_token_share']:.1%}"
         )
+
+
+def _wan_load_sweep(
+    workload: Workload,
+    knobs: PaperKnobs,
+    loads: list[float],
+    plots: Path | None,
+    as_json: bool,
+    started: float,
+) -> None:
+    from pddlink.sim.wan_load import run_wan_load_sweep
+
+    result = run_wan_load_sweep(workload, knobs, loads, progress=_log)
+    result["wall_s"] = round(time.perf_counter() - started, 2)
+    if plots is not None:
+        from pddlink.sim.plots import plot_wan_load
+
+        result["plots"] = [str(plot_wan_load(result["rows"], plots / "wan_load.png"))]
+    if as_json:
+        click.echo(json.dumps(result))
+        return
+    for row in result["rows"]:
+        click.echo(
+            f"{row['deployment']:>14} at {row['wan_load']:g}x: goodput {row['goodput_rps']:.2f} rps, "
+            f"TTFT p90 {row['ttft_s']['p90']}s p99 {row['ttft_s']['p99']}s, RLD share "
+            f"{row['rld_token_share']:.1%}, rejected {row['rejected_share']:.1%}"
+        )
+
+
+def _run_wan_overload(
+    workload: Workload, seed: int, rate: float | None, duration: float | None, started: float
+) -> dict[str, Any]:
+    from pddlink.sim.wan_load import WanLoadKnobs, wan_overload_scenario
+
+    k = WanLoadKnobs()
+    paper = replace(k.paper, seed=seed)
+    if rate is not None:
+        paper = replace(paper, rate_rps=rate)
+    if duration is not None:
+        paper = replace(paper, duration_s=duration)
+    result = wan_overload_scenario(
+        workload, replace(k, paper=paper), progress=lambda n: _log(f"simulating {n} ...")
+    )
+    result["wall_s"] = round(time.perf_counter() - started, 2)
+    result["scenario"] = {"source": "wan-overload", "knobs": _knobs_dict(paper)}
+    return result
 
 
 def _run_demo_scale(workload: Workload, seed: int, rate: float | None, started: float) -> dict[str, Any]:
@@ -330,6 +409,9 @@ def generate_cmd(
     block_tokens: int | None, context_tokens: int | None, max_output_tokens: int | None, time_scale: float,
 ) -> None:  # fmt: skip
     """Write an agentic trace (JSONL) from the workload file, optionally scaled for one machine."""
+    from pddlink.cli.preflight import check_output_file
+
+    check_output_file(str(out), "sim generate --out")
     workload = load_workload(workload_path)
     trace = generate_trace(
         workload, GeneratorConfig(rate_rps=rate, requests=count, seed=seed, uniform_hits=uniform)

@@ -312,6 +312,10 @@ class PrefixIndex:
             self._end_lease(rid, RefusalReason.EXPIRED)
         return expired
 
+    def reserved(self) -> list[str]:
+        """The request ids holding a live reservation."""
+        return self._leases.ids()
+
     def get_timer(self) -> float | None:
         """When the next lease runs out (None: no live lease)."""
         return self._leases.next_expiry()

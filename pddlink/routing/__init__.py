@@ -3,10 +3,23 @@
 ``choose_pipeline(RoutingInputs, RoutingPolicy) -> PipelineDecision`` picks P->MD, P->RLD->MD or
 singular for one request; ``choose_handoff_mode(rld_load, policy)`` picks one-shot or catch-up at
 handoff time; ``LinkEstimate.transfer_s`` / ``LinkModel`` estimate how long the missing KV takes on
-the WAN. No I/O: callers pass what they observed, and ``now`` where time matters.
+the WAN, with the bytes already queued to MD (``BacklogReport``); ``choose_option`` picks ship,
+relay, recompute, relay + recompute or singular per request, or rejects it when none meets its
+deadline. No I/O: callers pass what they observed, and ``now`` where time matters.
 """
 
-from pddlink.routing.link import LinkEstimate, LinkModel
+from pddlink.routing.link import BacklogReport, LinkEstimate, LinkModel
+from pddlink.routing.options import (
+    MdPrefill,
+    Option,
+    OptionDecision,
+    OptionEstimate,
+    OptionInputs,
+    RejectReason,
+    allowed_options,
+    choose_option,
+    estimate_options,
+)
 from pddlink.routing.policy import (
     DecisionReason,
     HandoffDecision,
@@ -21,16 +34,26 @@ from pddlink.routing.policy import (
 )
 
 __all__ = [
+    "BacklogReport",
     "DecisionReason",
     "HandoffDecision",
     "HandoffMode",
     "LinkEstimate",
     "LinkModel",
+    "MdPrefill",
+    "Option",
+    "OptionDecision",
+    "OptionEstimate",
+    "OptionInputs",
     "Pipeline",
     "PipelineDecision",
+    "RejectReason",
     "RoutingInputs",
     "RoutingPolicy",
+    "allowed_options",
     "choose_handoff_mode",
+    "choose_option",
     "choose_pipeline",
+    "estimate_options",
     "rld_finishes_first",
 ]

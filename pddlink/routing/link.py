@@ -9,7 +9,8 @@ per-flow fair sharing, which is what the pipeline policy compares against RelayD
 ``LinkModel`` keeps such a snapshot up to date from what a sender observes (flows starting,
 progressing and finishing, RTT samples, goodput samples); it is sans-I/O: every call takes ``now``.
 The simulator builds ``LinkEstimate`` directly from its line; the router asks a ``LinkModel`` fed by
-the sidecars. Pure: no I/O.
+the sidecars: its own flows, and ``BacklogReport``s of what P still has queued or in flight to MD.
+Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -75,6 +76,25 @@ class LinkEstimate:
         return self.rtt_s + self.pool_wait_s() + max(shared_s, capped_s)
 
 
+@dataclass(frozen=True, slots=True)
+class BacklogReport:
+    """The sending sidecar's transfer state toward MD as of ``at_s`` (the receiver's clock): for
+    each transfer under way, its request id and the bytes it still has to deliver (``shipping``),
+    and the requests accepted but not shipping yet (``pending``: still prefilling or reserving)."""
+
+    shipping: tuple[tuple[str, int], ...]
+    pending: frozenset[str]
+    at_s: float
+
+    def __post_init__(self) -> None:
+        if any(n < 0 for _, n in self.shipping):
+            raise InvalidInput("backlog report: bytes must be >= 0")
+
+    @property
+    def backlog_bytes(self) -> int:
+        return sum(n for _, n in self.shipping)
+
+
 @dataclass(slots=True)
 class _Flow:
     total_bytes: int
@@ -98,8 +118,10 @@ class LinkModel:
     flow_cap_bytes_per_s: float = float("inf")
     ewma_weight: float = 0.2
     min_fraction: float = 0.05
+    report_fresh_s: float = 1.5
     _goodput: float = field(init=False)
     _flows: dict[str, _Flow] = field(init=False, default_factory=dict)
+    _report: BacklogReport | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         LinkEstimate(
@@ -142,12 +164,36 @@ class LinkModel:
             raise InvalidInput(f"rtt_s must be >= 0, got {rtt_s}")
         self.rtt_s = (1 - self.ewma_weight) * self.rtt_s + self.ewma_weight * rtt_s
 
+    def observe_backlog(self, report: BacklogReport) -> None:
+        """The sender's own account of what it still has to deliver (the newest report wins).
+        Flow ids are the request ids the sender reports."""
+        if self._report is None or report.at_s >= self._report.at_s:
+            self._report = report
+
     def estimate(self, now: float) -> LinkEstimate:
-        backlog = sum(f.total_bytes - f.delivered_bytes for f in self._flows.values())
+        """The line now. With a fresh ``BacklogReport`` each flow counts at the sender's figure
+        when the sender is shipping it, at its own size while the sender still prepares it or when
+        it was admitted after the report, and not at all once the sender no longer knows it (it
+        finished); transfers the sender reports that this model never admitted count too (another
+        router's). Without a fresh report: the admitted flows at their undelivered bytes."""
+        rep = self._report
+        if rep is None or now - rep.at_s > self.report_fresh_s:
+            backlog = sum(f.total_bytes - f.delivered_bytes for f in self._flows.values())
+            flows = len(self._flows)
+        else:
+            shipping = dict(rep.shipping)
+            backlog, flows = 0, 0
+            for fid, f in self._flows.items():
+                if fid in shipping:
+                    backlog, flows = backlog + shipping.pop(fid), flows + 1
+                elif fid in rep.pending or f.started_s > rep.at_s:
+                    backlog, flows = backlog + f.total_bytes - f.delivered_bytes, flows + 1
+            backlog += sum(shipping.values())
+            flows += len(shipping)
         return LinkEstimate(
             line_bytes_per_s=self._goodput,
             rtt_s=self.rtt_s,
-            flows_in_flight=len(self._flows),
+            flows_in_flight=flows,
             backlog_bytes=backlog,
             pool_size=self.pool_size,
             flow_cap_bytes_per_s=self.flow_cap_bytes_per_s,

@@ -42,6 +42,8 @@ class DecisionReason(StrEnum):
     RLD_BUSY = "rld_busy"  # RelayDecode above its load ceiling
     SHORT_OUTPUT = "short_output"  # singular: RLD finishes before the WAN transfer would
     LARGE_DELTA = "large_delta"  # hide the WAN transfer behind RelayDecode
+    FORCED = "forced"  # the client named the pipeline
+    RECOMPUTE = "recompute_sooner"  # MD prefills the suffix itself sooner than the WAN ships it
 
 
 class HandoffMode(StrEnum):
@@ -64,6 +66,7 @@ class RoutingPolicy:
     handoff, catch-up while RLD's load is below this, one-shot otherwise (0 forces one-shot, any
     value above 1 forces catch-up). ``singular_max_output_tokens``: only requests whose output bound is
     at most this may end on RLD (None: the "RLD finishes first" test alone decides).
+    ``recompute_enabled``: ``choose_option`` may let MD prefill the missing suffix from token ids.
     """
 
     relay_enabled: bool = True
@@ -73,6 +76,7 @@ class RoutingPolicy:
     catch_up_below_load: float = 0.5
     catch_up_slice_tokens: int = 64
     singular_max_output_tokens: int | None = None
+    recompute_enabled: bool = False  # MD may prefill the missing suffix itself (``choose_option``)
 
     def __post_init__(self) -> None:
         _require(self.relay_min_wan_s >= 0, f"relay_min_wan_s must be >= 0, got {self.relay_min_wan_s}")

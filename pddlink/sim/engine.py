@@ -4,15 +4,19 @@ Lifecycle of a request (DESIGN.md, "Roles and one request's path"), as simulated
 
 1. Arrival: the router matches the prompt's full blocks against every decode instance's DRC (the
    real ``pddlink.drc.PrefixIndex``; the sim's mirror is always fresh), picks the best-matching
-   instance among the not-overloaded ones and the least-backlogged P, and - for PDD - calls the real
-   ``pddlink.routing.choose_pipeline`` with the line's state.
+   instance among the not-overloaded ones and the least-backlogged P, and calls the real
+   ``pddlink.routing.choose_option`` with the line's state (its backlog included), P's queue, MD's
+   recompute lane and RLD's load: ship, relay, recompute, relay + recompute or singular, or - when
+   the deployment has deadlines and none meets them - rejected at once (counted apart).
 2. P prefills the missing suffix (P's own prefix cache is taken to be aligned with the chosen decode
    instance's, which is what "a normal request always ends on MD" preserves), then ships KV: the
    missing suffix over the fast path (intra-datacenter) or the WAN (after a reservation round trip),
-   and for a relayed or singular request the whole KV to RLD over the fast path.
-3. RLD decodes at once. When the WAN transfer lands, ``choose_handoff_mode`` (RLD's load) picks
-   one-shot (RLD stops; MD stalls for one extend of the generated ids) or catch-up (RLD keeps decoding
-   while MD extends, MD takes over after one more iteration).
+   and for a relayed or singular request the whole KV to RLD over the fast path. On recompute the
+   token ids cross instead and MD prefills the suffix on its own lane (``sim.md_lane``: MD's
+   prefill speed, on the TPOT headroom its decoding leaves).
+3. RLD decodes at once. When the WAN transfer lands (or MD's recompute is done), ``choose_handoff_mode``
+   (RLD's load) picks one-shot (RLD stops; MD stalls for one extend of the generated ids) or catch-up
+   (RLD keeps decoding while MD extends, MD takes over after one more iteration).
 4. MD finishes, unpins and inserts the prompt into its DRC. Singular requests finish on RLD and
    leave MD's cache alone.
 """
@@ -21,11 +25,22 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from pddlink.routing import HandoffMode, Pipeline, RoutingInputs, choose_handoff_mode, choose_pipeline
+from pddlink.routing import (
+    HandoffMode,
+    MdPrefill,
+    Option,
+    OptionInputs,
+    Pipeline,
+    RoutingInputs,
+    choose_handoff_mode,
+    choose_option,
+    choose_pipeline,
+)
 from pddlink.sim.cache import DecodeCache
 from pddlink.sim.deploy import Deployment, Kind
+from pddlink.sim.md_lane import MdPrefillLane
 from pddlink.sim.records import Record, RunRecords
 from pddlink.sim.resources import Clock, DecodeInstance, DecodeSeq, PrefillInstance
 from pddlink.sim.trace import TraceRequest
@@ -37,6 +52,11 @@ from pddlink.sim.wan import LineStats, WanLine
 # sequence of an instance shares its step time, so one instance loaded past the TPOT bound by
 # affinity puts all of its sequences over it.
 BALANCE_QUEUE = 16
+_SHIPPING_OPTION = {
+    Pipeline.P_MD: Option.SHIP,
+    Pipeline.P_RLD_MD: Option.RELAY,
+    Pipeline.SINGULAR: Option.SINGULAR,
+}
 
 
 @dataclass(slots=True)
@@ -48,12 +68,15 @@ class _Req:
     cache: DecodeCache
     tip: int | None
     pipeline: Pipeline
+    option: Option
+    md_lane: MdPrefillLane | None = None
     rld: DecodeInstance | None = None
     rld_seq: DecodeSeq | None = None
     rld_done: bool = False
     wan_start_s: float = 0.0
     landed: bool = False
     released: bool = False
+    md_ready: bool = False  # relay + recompute: MD finished its prefill
 
 
 class Simulation:
@@ -78,6 +101,14 @@ class Simulation:
             else []
         )
         self.rld_capacity = sum(r.max_seqs for r in self.relay)
+        # MainDecode's own prefill lane (recompute), one per decode instance, at MD's prefill speed,
+        # on the share of its chips that decoding leaves within the TPOT bound (``sim.md_lane``)
+        tpot_bound = d.balance_tpot_s or 0.03
+        self.md_lanes = (
+            [MdPrefillLane(self.clock, x, tpot_bound) for x in self.decode]
+            if d.crosses_wan and d.policy.recompute_enabled
+            else []
+        )
         link = d.link
         self.line = WanLine(
             self.clock, link.wan_bytes_s, link.rtt_s, link.pool_size, link.flow_cap_bytes_s, link.fifo_pool
@@ -150,32 +181,43 @@ class Simulation:
         i, matched_blocks = self._pick_decode(hashes)
         cache = self.caches[i]
         matched = min(r.prompt_tokens - 1, matched_blocks * b)
-        pipeline = self._choose(r, matched, now)
-        tip = cache.reserve(hashes, now) if pipeline is not Pipeline.SINGULAR else None
-        rec = Record(r.arrival_s, r.output_tokens, pipeline, measured=r.arrival_s >= warmup_s)
-        rec.hit = matched / r.prompt_tokens
-        req = _Req(r, hashes, rec, self.decode[i], cache, tip, pipeline)
-        self.records.add(rec)
         p = self.prefill[0]
         best = p.backlog_s(now)
         for q in self.prefill[1:]:
             b_s = q.backlog_s(now)
             if b_s < best:
                 p, best = q, b_s
-        p.submit(r.prompt_tokens - matched, matched, now, self._prefilled, req)
+        option = self._choose(r, matched, now, i, best)
+        rec = Record(r.arrival_s, r.output_tokens, Pipeline.P_MD, measured=r.arrival_s >= warmup_s)
+        rec.hit = matched / r.prompt_tokens
         rec.missing_tokens = r.prompt_tokens - matched
+        self.records.add(rec)
+        if option is None:
+            rec.rejected = True
+            return
+        rec.option, rec.pipeline = option, option.pipeline
+        tip = cache.reserve(hashes, now) if option is not Option.SINGULAR else None
+        lane = self.md_lanes[i] if self.md_lanes else None
+        req = _Req(r, hashes, rec, self.decode[i], cache, tip, option.pipeline, option, lane)
+        if option.recomputes:  # the token ids cross the WAN; MD prefills what its cache lacks
+            self.clock.at(now + self.back_s, self._md_recompute, req)
+        if option is not Option.RECOMPUTE:
+            p.submit(rec.missing_tokens, matched, now, self._prefilled, req)
 
-    def _choose(self, r: TraceRequest, matched: int, now: float) -> Pipeline:
+    def _choose(self, r: TraceRequest, matched: int, now: float, i: int, p_backlog_s: float) -> Option | None:
+        """The real ``choose_option`` on this instant's state: the line with its backlog, P's queue,
+        MD's prefill lane, RLD's load. Deployments without RLD nor a deadline always ship."""
         d = self.d
-        if d.kind is not Kind.PDD:
-            return Pipeline.P_MD
+        if not d.crosses_wan or (d.kind is not Kind.PDD and d.deadline_s is None):
+            return Option.SHIP
+        policy = d.policy if d.kind is Kind.PDD else replace(d.policy, relay_enabled=False)
         active, tpot = 0, math.inf
         for x in self.relay:
             active += x.load
             t = x.tpot_s()
             if t < tpot:
                 tpot = t
-        inputs = RoutingInputs(
+        routing = RoutingInputs(
             prompt_tokens=r.prompt_tokens,
             matched_tokens=matched,
             kv_bytes_per_token=d.kv_bytes_per_token,
@@ -183,10 +225,31 @@ class Simulation:
             link=self.line.estimate(now),
             rld_available=bool(self.relay),
             rld_active=active,
-            rld_capacity=self.rld_capacity,
-            rld_tpot_s=tpot,
+            rld_capacity=max(1, self.rld_capacity),
+            rld_tpot_s=tpot if math.isfinite(tpot) else 0.03,
         )
-        return choose_pipeline(inputs, d.policy).pipeline
+        if d.deadline_s is None and not self.md_lanes:
+            # no deadline, no recompute: ``choose_option`` is exactly ``choose_pipeline`` (a property
+            # test says so), which is cheaper: the calibrated scenarios run millions of these
+            return _SHIPPING_OPTION[choose_pipeline(routing, policy).pipeline]
+        missing = r.prompt_tokens - matched
+        p_model, md = self.prefill[0].model, self.decode[i]
+        md_prefill = None
+        if self.md_lanes:
+            lane = self.md_lanes[i]
+            took = lane.work_s(missing, matched) / lane.share()
+            md_prefill = MdPrefill(missing / max(took, 1e-9), lane.backlog_s(now))
+        inputs = OptionInputs(
+            routing,
+            deadline_s=d.deadline_for(r.max_tokens),
+            ttft_deadline_s=d.ttft_deadline_s,
+            p_prefill_s=p_backlog_s + p_model.fig.prefill_batch_s + p_model.prefill_s(missing, matched),
+            fast_s=d.link.fast_s(r.prompt_tokens * d.kv_bytes_per_token),
+            md_prefill=md_prefill,
+            md_tpot_s=md.tpot_s(),
+            extend_s=md.model.extend_s(16),
+        )
+        return choose_option(inputs, policy).option
 
     # -- after prefill ---------------------------------------------------------------------------
 
@@ -200,6 +263,8 @@ class Simulation:
             self.clock.at(now + d.link.fast_s(r.prompt_tokens * d.kv_bytes_per_token), self._at_rld, req)
             if req.pipeline is Pipeline.SINGULAR:
                 return
+        if req.option.recomputes:
+            return  # MD prefills the prompt itself (``_md_recompute``): no KV on the WAN
         if self.crosses_wan:
             # Reservation round trip with MD, then the suffix on the line.
             self.clock.at(now + d.link.rtt_s, self._wan_start, req)
@@ -217,6 +282,23 @@ class Simulation:
             self._handoff(now, req)
         else:
             self._kv_at_decode(now, req)
+
+    # -- recompute on MD -------------------------------------------------------------------------
+
+    def _md_recompute(self, now: float, req: _Req) -> None:
+        assert req.md_lane is not None
+        rec = req.record
+        matched = req.trace.prompt_tokens - rec.missing_tokens
+        req.md_lane.submit(rec.missing_tokens, matched, now, self._recomputed, req)
+
+    def _recomputed(self, now: float, req: _Req) -> None:
+        if req.option is Option.RECOMPUTE:
+            self._kv_at_decode(now, req)
+            return
+        self._land(now, req)
+        req.md_ready = True
+        if req.rld_seq is not None or req.rld_done:
+            self._handoff(now, req)
 
     # -- decode on D / MD ------------------------------------------------------------------------
 
@@ -254,6 +336,9 @@ class Simulation:
 
     def _at_rld(self, now: float, req: _Req) -> None:
         assert req.rld is not None
+        if req.md_ready:  # MD recomputed the prompt before RLD even started: MD decodes it all
+            self._kv_at_decode(now, req)
+            return
         seq = DecodeSeq(
             req.trace.output_tokens, req.trace.prompt_tokens, self._rld_finished, req, self._rld_first
         )
@@ -271,7 +356,7 @@ class Simulation:
         rec.finish_s = now
         if req.pipeline is Pipeline.SINGULAR:
             return
-        if rec.kv_transfer_s >= 0:  # catch-up was under way; MD already has the KV
+        if rec.kv_transfer_s >= 0 or req.md_ready:  # catch-up was under way; MD already has the KV
             self._release(req)
 
     def _handoff(self, now: float, req: _Req) -> None:

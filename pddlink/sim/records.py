@@ -13,15 +13,15 @@ from typing import Any
 
 import numpy as np
 
-from pddlink.routing import HandoffMode, Pipeline
+from pddlink.routing import HandoffMode, Option, Pipeline
 from pddlink.sim.wan import LineStats
 
 
 class Record:
     __slots__ = (
         "arrival_s", "finish_s", "first_token_s", "handoff", "hit", "kv_transfer_s", "md_start_s",
-        "md_tokens", "measured", "missing_tokens", "output_tokens", "pipeline", "prefill_done_s",
-        "rld_tokens",
+        "md_tokens", "measured", "missing_tokens", "option", "output_tokens", "pipeline",
+        "prefill_done_s", "rejected", "rld_tokens",
     )  # fmt: skip
 
     def __init__(self, arrival_s: float, output_tokens: int, pipeline: Pipeline, measured: bool) -> None:
@@ -33,6 +33,8 @@ class Record:
         self.rld_tokens = self.md_tokens = self.missing_tokens = 0
         self.hit = 0.0
         self.handoff: HandoffMode | None = None
+        self.option: Option | None = None  # None: rejected at arrival (``rejected``)
+        self.rejected = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,10 +97,17 @@ class RunRecords:
         rld = sum(r.rld_tokens for r in recs)
         total = int(out.sum()) if recs else 0
         pipes = {p.value: sum(1 for r in recs if r.pipeline is p) for p in Pipeline}
+        arrived = [r for r in self.records if r.measured]
+        rejected = sum(1 for r in arrived if r.rejected)
+        decisions = {o.value: sum(1 for r in arrived if r.option is o) for o in Option}
+        decisions["rejected"] = rejected
         modes = {m.value: sum(1 for r in recs if r.handoff is m) for m in HandoffMode}
         return {
             "requests": len(recs),
-            "unfinished": sum(1 for r in self.records if r.measured and r.finish_s < 0),
+            "unfinished": sum(1 for r in arrived if r.finish_s < 0 and not r.rejected),
+            "rejected": rejected,
+            "rejected_share": round(rejected / len(arrived), 4) if arrived else 0.0,
+            "decisions": decisions,
             "ttft_s": percentiles(ttft),
             "tpot_s": percentiles(tpot[out > 1]),
             "e2e_s": percentiles(e2e),

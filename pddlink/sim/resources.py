@@ -4,7 +4,8 @@ All are fluid models driven by one ``Clock`` (a heap of timed callbacks), so an 
 a few events per request, not one per token or packet:
 
 - ``PrefillInstance``: FIFO queue; an idle instance takes a batch of queued prompts up to a token
-  budget and runs them as one batch (one fixed cost, the sum of their compute).
+  budget and runs them as one batch (one fixed cost, the sum of their compute). MainDecode's own
+  prefill lane (recompute) is one too, whose batches ``stall`` its decode instance.
 - ``DecodeInstance``: continuous batching. One iteration emits one token for every running sequence
   and lasts ``step_s(n, context)``; a virtual "iterations done" clock gives each sequence's finish.
   Admission waits FIFO while the batch or the KV pool is full.
@@ -51,8 +52,15 @@ class Clock:
 class PrefillInstance:
     """A P instance: FIFO queue, batched prefill."""
 
-    def __init__(self, clock: Clock, model: InstanceModel, name: str) -> None:
+    def __init__(
+        self,
+        clock: Clock,
+        model: InstanceModel,
+        name: str,
+        on_batch: Callable[[float, float], None] | None = None,
+    ) -> None:
         self.clock, self.model, self.name = clock, model, name
+        self.on_batch = on_batch  # (now, compute_s): a decode instance that prefills stalls that long
         self._queue: deque[tuple[int, float, Callback, Any]] = deque()  # (new_tokens, compute_s, fn, arg)
         self.queued_s = 0.0
         self._busy_until = 0.0
@@ -81,6 +89,8 @@ class PrefillInstance:
             self.queued_s -= item[1]
         self._busy_until = now + compute
         self.busy_s += compute
+        if self.on_batch is not None:
+            self.on_batch(now, compute)
         self.clock.at(self._busy_until, self._on_batch_done, batch)
 
     def _on_batch_done(self, now: float, batch: list[tuple[int, float, Callback, Any]]) -> None:
@@ -108,7 +118,8 @@ class DecodeInstance:
     def __init__(self, clock: Clock, model: InstanceModel, name: str) -> None:
         self.clock, self.model, self.name = clock, model, name
         self.max_seqs, self._kv_capacity = model.max_seqs, model.kv_capacity_tokens
-        self._step_s = model.step_s
+        self._slow = 1.0  # > 1 while the instance's chips also prefill (``slow_down``)
+        self._model_step_s = model.step_s
         self._v = 0.0  # iterations done
         self._t = 0.0
         self._running: list[tuple[float, int, DecodeSeq]] = []  # heap of (finish_v, id, seq)
@@ -131,7 +142,30 @@ class DecodeInstance:
     def tpot_s(self) -> float:
         return self._step_s(self._n or 1, self._context)
 
+    def stall(self, now: float, seconds: float) -> None:
+        """The instance's chips do other work (MainDecode recomputing a prompt) for ``seconds``:
+        no decode iteration advances meanwhile; every sequence's next tokens move that much later."""
+        self._advance(now)
+        self._t = max(self._t, now) + seconds
+        self._arm()
+
+    def _step_s(self, seqs: int, context_tokens: int) -> float:
+        return self._model_step_s(seqs, context_tokens) * self._slow
+
+    def slow_down(self, now: float, factor: float) -> None:
+        """From ``now`` on every iteration takes ``factor`` times its time (the chips also run a
+        prefill: MainDecode recomputing prompts); 1 restores full speed."""
+        self._advance(now)
+        self._slow = factor
+        self._arm()
+
+    def base_step_s(self) -> float:
+        """The step time without any prefill sharing the chips."""
+        return self.model.step_s(self._n or 1, self._context)
+
     def _advance(self, now: float) -> None:
+        if now <= self._t:  # inside a stall (or no time passed)
+            return
         dt = now - self._t
         if dt > 0 and self._n:
             dv = dt / self._step_s(self._n, self._context)
@@ -160,7 +194,7 @@ class DecodeInstance:
             self._n += 1
             self._context += seq.context
             self._kv_used += seq.context
-            seq.first_token(now + self._step_s(self._n, self._context), seq.arg)
+            seq.first_token(max(now, self._t) + self._step_s(self._n, self._context), seq.arg)
 
     def generated(self, seq: DecodeSeq, now: float) -> int:
         self._advance(now)

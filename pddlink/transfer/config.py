@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import xxhash
 
 from pddlink.errors import ConfigError, InvalidInput
+from pddlink.kv.codec import CodecId
 from pddlink.wire.transfer_messages import KVLayoutSpec
 
 MIB = 2**20
@@ -67,12 +68,13 @@ class TransferManifest:
     block_hashes: tuple[int, ...]
     num_tokens: int
     first_block: int = 0
-    codec: int = 0
+    codec: CodecId = CodecId.RAW
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_hashes, tuple):
             if not isinstance(self.block_hashes, Sequence):
                 raise InvalidInput("TransferManifest.block_hashes must be a sequence of ints")
             object.__setattr__(self, "block_hashes", tuple(self.block_hashes))
-        if self.num_tokens < 0 or self.first_block < 0 or self.codec < 0:
+        if self.num_tokens < 0 or self.first_block < 0:
             raise InvalidInput("TransferManifest counts must be >= 0")
+        object.__setattr__(self, "codec", CodecId(self.codec))

@@ -2,9 +2,9 @@
 
 The sidecar uses two classes and never a transport module directly::
 
-    from pddlink.transport import KVServer, KVClient, LinkOptions, PeerIdentity, load_or_create_peer
+    from pddlink.transport import KVServer, KVClient, LinkOptions, PeerIdentity, load_node
 
-    tls = load_or_create_peer(Path("certs"), PeerIdentity("md", "md0"))     # dev PKI; None = plaintext
+    tls = load_node(Path("pki/md-md0"), PeerIdentity("md", "md0"))  # node dir (pddlink pki); None: plaintext
     server = await KVServer.start(
         "0.0.0.0", 7450, identity=tls.identity, tls=tls, transport="tcp",   # "tcp" | "quic" | "rdma" | "auto"
         on_transfer=handle_kv,            # (ReceivedTransfer) -> None | awaitable; chunks in order
@@ -27,7 +27,9 @@ codec and chunk size are used; generation and deadline are the link's) or a
 (a sequence of buffers is joined once). ``deadline_s`` is relative seconds from the call. A transfer
 ends in a ``TransferResult`` or raises a ``PddlinkError`` whose ``code`` says why
 (DEADLINE_EXCEEDED, PEER_UNREACHABLE, AUTH, INTEGRITY, CANCELLED, ...); the receiver sees its side's
-reason through ``on_transfer_failed``. ``ReceivedTransfer.chunks`` are the payload buffers in
+reason through ``on_transfer_failed``. ``begin.codec`` (``pddlink.kv.codec.CodecId``) names the
+KV codec: ``KVClient`` encodes the payload in it and ``KVServer`` decodes it before ``on_transfer``
+(see ``api``). ``ReceivedTransfer.chunks`` are the payload buffers in
 order; call ``received.release()`` once nothing views them any more and they are reused (a fresh
 MiB buffer costs a thousand page faults). Several transfers may run at once on one link.
 
@@ -63,8 +65,9 @@ set-up of ``pddlink.wire.rdma_setup``), ``rdma_lanes`` (chunk lanes with slot cr
 
 from pddlink.transport.api import KVClient, KVServer
 from pddlink.transport.base import Handlers, LinkOptions, LinkStats, ReceivedTransfer, TransferResult
+from pddlink.transport.pki import load_node, load_or_create_peer, load_or_create_pki
 from pddlink.transport.registry import FastPathChoice, choose_fast_path
-from pddlink.transport.tls import AuthError, PeerIdentity, TlsConfig, load_or_create_peer, load_or_create_pki
+from pddlink.transport.tls import AuthError, PeerIdentity, TlsConfig
 
 __all__ = [
     "AuthError",
@@ -79,6 +82,7 @@ __all__ = [
     "TlsConfig",
     "TransferResult",
     "choose_fast_path",
+    "load_node",
     "load_or_create_peer",
     "load_or_create_pki",
 ]

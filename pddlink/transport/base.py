@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from pddlink.errors import ConfigError, PddlinkError
+from pddlink.kv.codec import CodecId
 
 if TYPE_CHECKING:
     from pddlink.transport.tls import PeerIdentity, TlsConfig
@@ -91,6 +92,14 @@ class TransferResult:
     seconds: float
     resent_chunks: int = 0  # chunks sent again after a lost connection (never acked ones)
     reconnects: int = 0
+    codec: CodecId = CodecId.RAW  # how the payload travelled (``KVClient`` fills the next two)
+    raw_bytes: int | None = None  # the KV bytes before the codec (None: ``bytes``, no codec ran)
+    codec_seconds: float = 0.0  # spent encoding before the first byte left
+
+    @property
+    def kv_bytes(self) -> int:
+        """KV bytes delivered, before compression."""
+        return self.bytes if self.raw_bytes is None else self.raw_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,10 +112,16 @@ class ReceivedTransfer:
     seconds: float
     duplicate_chunks: int = 0  # chunks that arrived again although held (0 after a clean resume)
     stale_chunks: int = 0  # chunks of an older generation, ignored (in flight when a lane was lost)
+    wire_bytes: int | None = None  # bytes that crossed when ``KVServer`` decoded a codec (else None)
 
     @property
     def bytes(self) -> int:
         return sum(c.nbytes for c in self.chunks)
+
+    @property
+    def codec(self) -> CodecId:
+        """The codec the payload travelled in (the chunks here are already decoded by ``KVServer``)."""
+        return CodecId(getattr(self.begin, "codec", CodecId.RAW))
 
     def release(self) -> None:
         """Give the chunk buffers back for reuse. Call it only when no view of them is kept."""

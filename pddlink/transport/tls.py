@@ -7,31 +7,25 @@ the peer's verified certificate (``identity_from_certificate``) and checks it ag
 claims in its hello and against what this side expects (``check_peer``); a mismatch refuses the
 connection before any KV moves.
 
-Lifecycle: ``load_or_create_pki(directory, identities)`` once at start-up (it creates a CA and
-per-peer key pairs where files are missing, and reuses them otherwise), then ``TlsConfig`` per
-endpoint, then ``server_context()`` / ``client_context()`` for TCP (``ssl``), or the PEM paths for
-QUIC. The dev PKI is for labs and tests: keys are written unencrypted (mode 0600).
+Lifecycle: a ``TlsConfig`` per endpoint (from the dev PKI, ``pddlink.transport.pki``: the CA in
+its own directory, each node's directory with its key, its certificate and ``ca.pem`` only), then
+``server_context()`` / ``client_context()`` for TCP (``ssl``), or the PEM paths for QUIC.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-import os
 import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from cryptography.x509.oid import NameOID
 
 from pddlink.errors import ConfigError, ErrorCode, InvalidInput, LocalError
 
 URI_SCHEME = "pddlink://"
-_VALIDITY = dt.timedelta(days=365)
-_CA_FILE, _CA_KEY = "ca.pem", "ca.key"
 
 
 class AuthError(LocalError):
@@ -155,100 +149,3 @@ def verify_issued_by(cert: x509.Certificate, ca: x509.Certificate, now: dt.datet
         raise AuthError(f"peer certificate not issued by the trusted CA: {exc}") from exc
     if not cert.not_valid_before_utc <= now <= cert.not_valid_after_utc:
         raise AuthError("peer certificate is outside its validity period")
-
-
-# -- development PKI ---------------------------------------------------------------------------
-
-
-def _write_private(path: Path, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as fp:
-        fp.write(data)
-
-
-def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
-    return key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-    )
-
-
-def _load_key(path: Path) -> ec.EllipticCurvePrivateKey:
-    key = serialization.load_pem_private_key(path.read_bytes(), password=None)
-    if not isinstance(key, ec.EllipticCurvePrivateKey):
-        raise ConfigError(f"{path}: expected an EC private key")
-    return key
-
-
-def _builder(
-    subject: x509.Name, issuer: x509.Name, public: ec.EllipticCurvePublicKey
-) -> x509.CertificateBuilder:
-    now = dt.datetime.now(dt.UTC)
-    return (
-        x509.CertificateBuilder()
-        .subject_name(subject)
-        .issuer_name(issuer)
-        .public_key(public)
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=5))
-        .not_valid_after(now + _VALIDITY)
-    )
-
-
-def create_ca(directory: Path, name: str = "pddlink dev CA") -> Path:
-    """Write a self-signed CA (``ca.pem``, ``ca.key``) into ``directory``; returns the cert path."""
-    directory.mkdir(parents=True, exist_ok=True)
-    key = ec.generate_private_key(ec.SECP256R1())
-    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-    cert = (
-        _builder(subject, subject, key.public_key())
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(
-            x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True
-        )
-        .sign(key, hashes.SHA256())
-    )
-    _write_private(directory / _CA_KEY, _key_pem(key))
-    (directory / _CA_FILE).write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    return directory / _CA_FILE
-
-
-def issue_peer(directory: Path, identity: PeerIdentity, ca_dir: Path | None = None) -> TlsConfig:
-    """Issue a certificate for ``identity`` signed by the CA in ``ca_dir`` (default: ``directory``)."""
-    ca_dir = ca_dir or directory
-    ca_cert = x509.load_pem_x509_certificate((ca_dir / _CA_FILE).read_bytes())
-    ca_key = _load_key(ca_dir / _CA_KEY)
-    key = ec.generate_private_key(ec.SECP256R1())
-    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, identity.common_name)])
-    cert = (
-        _builder(subject, ca_cert.subject, key.public_key())
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(
-            x509.SubjectAlternativeName([x509.UniformResourceIdentifier(identity.uri)]), critical=False
-        )
-        .add_extension(
-            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
-            critical=False,
-        )
-        .sign(ca_key, hashes.SHA256())
-    )
-    stem = f"{identity.role}-{identity.name}"
-    _write_private(directory / f"{stem}.key", _key_pem(key))
-    (directory / f"{stem}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    return TlsConfig(identity, directory / f"{stem}.pem", directory / f"{stem}.key", ca_dir / _CA_FILE)
-
-
-def load_or_create_peer(directory: Path, identity: PeerIdentity) -> TlsConfig:
-    """The credentials of ``identity`` in ``directory``, creating the CA and/or the peer as needed."""
-    directory = Path(directory)
-    if not (directory / _CA_FILE).is_file():
-        create_ca(directory)
-    stem = f"{identity.role}-{identity.name}"
-    cert, key = directory / f"{stem}.pem", directory / f"{stem}.key"
-    if cert.is_file() and key.is_file():
-        return TlsConfig(identity, cert, key, directory / _CA_FILE)
-    return issue_peer(directory, identity)
-
-
-def load_or_create_pki(directory: Path, identities: list[PeerIdentity]) -> dict[PeerIdentity, TlsConfig]:
-    """Credentials for every identity, sharing one CA in ``directory``."""
-    return {identity: load_or_create_peer(Path(directory), identity) for identity in identities}

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pddlink.errors import ErrorCode
+from pddlink.kv.codec import CodecId
 from pddlink.wire.codec import Decoder, encode
 from pddlink.wire.errors import WireError
 from pddlink.wire.frame import HEADER_BYTES, MESSAGE_TYPES, WireMessage
@@ -73,7 +74,7 @@ def corpus() -> list[WireMessage]:
         Ping(1, 123_456_789),
         Pong(1, 123_456_789, 987_654_321),
         Error(ErrorCode.BAD_REQUEST, "no such request", "req-1"),
-        TransferBegin(9, 0, "req-1", _LAYOUT, 0, 128, hashes, 1, 1 << 20, 1 << 16, 30_000),
+        TransferBegin(9, 0, "req-1", _LAYOUT, 0, 128, hashes, CodecId.PLANES_ZSTD, 1 << 20, 1 << 16, 30_000),
         Chunk(9, 0, 3, 3 << 16, 0x1234_5678_9ABC, bytes(range(256)) * 2),
         Ack(9, 1, 4, (6, 7), (5,)),
         Resume(9, 2, 4, (6,)),

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from pddlink.errors import ErrorCode, InvalidInput
-from pddlink.wire.fields import U128, ListOf, Payload, Str, StructOf, U128List, UVarint, WireStruct
+from pddlink.kv.codec import CodecId
+from pddlink.wire.fields import U128, EnumOf, ListOf, Payload, Str, StructOf, U128List, UVarint, WireStruct
 from pddlink.wire.frame import MessageType, WireMessage, register
 from pddlink.wire.messages import CODE, MAX_BLOCK_HASHES, REASON, REQUEST_ID, U32, U64
 
@@ -57,6 +58,8 @@ class TransferBegin(WireMessage):
     ``block_hashes`` name the blocks carried, starting at block ``first_block`` of the request;
     ``num_tokens`` counts the real tokens (the last block may be partial). ``deadline_ms`` is the time
     left when sent: the receiver sets its own deadline from its own clock (no clock sync needed).
+    ``codec`` is how the payload encodes the KV (``pddlink.kv.payload``): ``total_bytes`` counts the
+    encoded bytes; an id this build does not know is refused when the message is decoded.
     """
 
     WIRE_TYPE: ClassVar[MessageType] = MessageType.TRANSFER_BEGIN
@@ -68,7 +71,7 @@ class TransferBegin(WireMessage):
     first_block: int
     num_tokens: int
     block_hashes: tuple[int, ...]
-    codec: int
+    codec: CodecId
     total_bytes: int
     chunk_bytes: int
     deadline_ms: int
@@ -80,7 +83,7 @@ class TransferBegin(WireMessage):
         ("first_block", U32),
         ("num_tokens", U32),
         ("block_hashes", U128List(MAX_BLOCK_HASHES)),
-        ("codec", UVarint(16)),
+        ("codec", EnumOf(CodecId)),
         ("total_bytes", UVarint(48)),
         ("chunk_bytes", U32),
         ("deadline_ms", U32),

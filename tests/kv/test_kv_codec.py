@@ -25,7 +25,13 @@ from pddlink.kv.codec import (
     frame_info,
     iter_chunks,
 )
-from pddlink.kv.codec_policy import CodecPolicy, CodecSample, measure_sample
+from pddlink.kv.codec_policy import (
+    CodecPolicy,
+    CodecSample,
+    LinkCodecChooser,
+    measure_sample,
+    synthetic_kv,
+)
 
 DTYPES = [d.name for d in KVDtype]
 
@@ -204,13 +210,57 @@ def test_policy_config_is_validated() -> None:
 
 
 def test_measure_sample_uses_the_injected_clock() -> None:
-    ticks = iter([10.0, 10.5])
+    ticks = iter([10.0, 10.5, 10.75])
     sample = measure_sample(
         gaussian_bf16(1 << 20), "bfloat16", sample_bytes=1 << 20, clock=lambda: next(ticks)
     )
     assert sample.sample_bytes == 1 << 20
     assert sample.compress_gb_per_s == pytest.approx((1 << 20) / 0.5 / 1e9)
+    assert sample.decompress_gb_per_s == pytest.approx((1 << 20) / 0.25 / 1e9)
     assert sample.ratio > 1.35
+
+
+def test_unpipelined_policy_pays_compress_wire_and_decompress_in_series() -> None:
+    # 0.6 GB/s each way, ratio 1.5: in series 1/0.6 + 1/(L*1.5) + 1/0.6 s per GB beats 1/L only
+    # while L < 0.1 GB/s (0.8 Gbit/s); pipelined it pays up to 0.6 GB/s.
+    sample = CodecSample(KVDtype.bfloat16, 1 << 20, 1.5, 0.6, 0.6)
+    serial, piped = CodecPolicy(pipelined=False, min_speedup=1.0), CodecPolicy(min_speedup=1.0)
+    assert serial.choose("bfloat16", 0.5, sample).codec is CodecId.PLANES_ZSTD
+    assert serial.choose("bfloat16", 1.0, sample).codec is CodecId.RAW
+    assert piped.choose("bfloat16", 1.0, sample).codec is CodecId.PLANES_ZSTD
+    assert serial.coded_gb_per_s(0.05, sample) == pytest.approx(1 / (2 / 0.6 + 1 / 0.075))
+
+
+def test_link_chooser_measures_at_start_then_follows_achieved_ratios() -> None:
+    chooser = LinkCodecChooser(CodecPolicy(pipelined=False))
+    assert chooser.choose("bfloat16", None).reason == "link rate not measured yet"
+    assert chooser.choose("bfloat16", 2e6).reason == "no codec sample measured yet"
+    sample = chooser.measure_at_start("bfloat16", sample_bytes=256 << 10)
+    assert sample.ratio > 1.3 and sample.compress_gb_per_s > 0
+    assert chooser.choose("bfloat16", 2e6).codec is CodecId.PLANES_ZSTD  # 16 Mbit/s: slower than zstd
+    assert chooser.choose("bfloat16", 1e12).codec is CodecId.RAW  # 8 Tbit/s: faster than any thread
+    assert chooser.choose("float64", 2e6).codec is CodecId.RAW
+    speed = chooser.samples[KVDtype.bfloat16].compress_gb_per_s
+    chooser.observe("bfloat16", 10**9, 6 * 10**8, compress_s=0.5)  # 2 GB/s on its one thread
+    assert chooser.samples[KVDtype.bfloat16].compress_gb_per_s == pytest.approx(0.7 * speed + 0.3 * 2.0)
+    for _ in range(20):  # real KV turns out incompressible: the chooser stops compressing
+        chooser.observe("bfloat16", 1000, 1000)
+    assert chooser.samples[KVDtype.bfloat16].ratio < 1.01
+    assert chooser.choose("bfloat16", 2e6).codec is CodecId.RAW
+
+
+def test_link_chooser_samples_the_first_real_kv_of_a_dtype() -> None:
+    chooser = LinkCodecChooser(CodecPolicy())
+    decision = chooser.choose("float16", 2e6, gaussian_bf16(256 << 10, seed=3))
+    assert KVDtype.float16 in chooser.samples and decision.reason
+
+
+def test_synthetic_kv_is_bf16_gaussian() -> None:
+    data = np.frombuffer(synthetic_kv("bfloat16", 1 << 16), dtype="<u2")
+    values = (data.astype(np.uint32) << np.uint32(16)).view(np.float32)
+    assert abs(float(values.std()) - 1.0) < 0.05
+    with pytest.raises(InvalidInput):
+        synthetic_kv("float32", 64)
 
 
 # ---------------------------------------------------------------- chunks and the thread pool

@@ -67,3 +67,28 @@ def test_bad_link_config_names_the_field() -> None:
         LinkEstimate(0.0, 0.01)
     with pytest.raises(ConfigError, match="pool_size"):
         LinkModel(line_bytes_per_s=RATE, rtt_s=0.01, pool_size=0)
+
+
+def test_backlog_report_replaces_the_router_guess() -> None:
+    """A fresh report counts each flow at the sender's own figure, drops the flows it finished,
+    keeps those it still prepares or that were admitted after it, and adds other senders' ones."""
+    from pddlink.routing import BacklogReport
+
+    m = LinkModel(line_bytes_per_s=1e6, rtt_s=0.02)
+    m.start_flow("a", 1_000_000, now=0.0)  # shipping: P says 300 kB left
+    m.start_flow("b", 500_000, now=0.0)  # finished at P (not in the report)
+    m.start_flow("c", 700_000, now=0.0)  # P still prefills it
+    assert m.estimate(0.1).backlog_bytes == 2_200_000
+    m.observe_backlog(BacklogReport((("a", 300_000), ("other", 50_000)), frozenset({"c"}), at_s=0.5))
+    m.start_flow("d", 100_000, now=0.6)  # admitted after the report
+    est = m.estimate(0.7)
+    assert est.backlog_bytes == 300_000 + 50_000 + 700_000 + 100_000
+    assert est.flows_in_flight == 4
+    # a stale report no longer counts: back to the admitted flows
+    assert m.estimate(5.0).backlog_bytes == 2_300_000
+
+
+def test_backlog_makes_a_new_transfer_wait() -> None:
+    idle = LinkEstimate(2e6, 0.02)
+    loaded = LinkEstimate(2e6, 0.02, flows_in_flight=8, backlog_bytes=16_000_000)
+    assert loaded.transfer_s(1_500_000) > 5 * idle.transfer_s(1_500_000)

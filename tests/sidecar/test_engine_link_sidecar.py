@@ -7,6 +7,7 @@ keeps serving; SIGTERM or SIGKILL to the sidecar leaves no engine process behind
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -72,13 +73,15 @@ def test_process_mode_sidecar_attaches_reports_a_dead_engine_and_leaves_no_orpha
         while get(admin, "/readyz")[0] != 503:
             assert time.monotonic() < deadline, "readyz still 200 after the engine died"
             time.sleep(0.05)
-        assert get(admin, "/healthz")[0] == 200  # the sidecar itself still serves
+        # not healthy either (issue 16): the sidecar leaves the pool by itself, for its supervisor
+        # to restart it (sidecar.sweep); until it has gone, /healthz says 503
+        with contextlib.suppress(OSError):
+            assert get(admin, "/healthz")[0] == 503
+        assert proc.wait(15) == 2
         log_text = (tmp_path / "md.log").read_text()  # whichever the sidecar noticed first
         assert f"engine link: the engine process {engines[0]} exited with code -9" in log_text or (
             f"engine (pid {engines[0]}) closed its link" in log_text
         )
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(15) == 0
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

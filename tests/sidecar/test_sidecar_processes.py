@@ -9,11 +9,13 @@ import asyncio
 import json
 import random
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engines_adapter import SamplingParams, load_engine
+from pddlink.transport import PeerIdentity, load_or_create_pki
 from sidecar.cluster import Cluster, ClusterSpec, NoWan
 from sidecar.demo_load import RequestResult, replay
 from sidecar.demo_workload import DemoRequest
@@ -138,13 +140,17 @@ def test_ping_and_status_commands(cluster: Cluster) -> None:
 
     runner = CliRunner()
     md = f"127.0.0.1:{cluster.ports['md_grpc']}"
-    res = runner.invoke(ping, [md, "--count", "3", "--json", "--tls-dir", str(cluster.pki_dir)])
+    diag = cluster.pki_dir / "diag-ping"
+    res = runner.invoke(ping, [md, "--count", "3", "--tls-dir", str(diag)])
+    assert res.exit_code != 0 and not (diag / "diag-ping.key").exists()  # ping never mints an identity
+    load_or_create_pki(cluster.pki_dir, [PeerIdentity("diag", "ping")])  # the operator issues one
+    res = runner.invoke(ping, [md, "--count", "3", "--json", "--tls-dir", str(diag)])
     assert res.exit_code == 0, res.output
     doc = json.loads(res.output)
     assert doc["role"] == "md" and doc["wire_version"] >= 1 and doc["hash_scheme"] == 1
     # the cluster runs gRPC and the data plane with mutual TLS 1.3: the identity seen in the handshake
     assert (doc["tls_identity"], doc["tls_version"]) == ("pddlink://md/md0", "TLSv1.3")
-    res = runner.invoke(ping, [md, "--tls-dir", str(cluster.pki_dir), "--expect", "rld/rld0"])
+    res = runner.invoke(ping, [md, "--tls-dir", str(diag), "--expect", "rld/rld0"])
     assert res.exit_code != 0 and "expected peer pddlink://rld/rld0" in str(res.exception or res.output)
     assert doc["rtt_ms"]["min"] > 0 and doc["bandwidth_mbit_per_s"] > 0
     res = runner.invoke(
@@ -158,3 +164,22 @@ def test_ping_and_status_commands(cluster: Cluster) -> None:
     )
     res = runner.invoke(status, ["unix:/nonexistent.sock"])
     assert res.exit_code == 1 and "unreachable" in res.output
+
+
+def test_every_role_runs_mutual_tls_with_its_own_node_directory(cluster: Cluster) -> None:
+    """What the demo brings up (same Cluster): each process gets a node directory without the CA
+    key, and the callers each sidecar saw were authenticated by certificate (router, P, RLD)."""
+    for role in ("p", "rld", "md", "router"):
+        argv = cluster._argv(role)
+        tls_dir = argv[argv.index("--tls-dir") + 1]
+        assert sorted(p.name for p in Path(tls_dir).iterdir()) == [
+            "ca.pem",
+            f"{role}-{role}0.key",
+            f"{role}-{role}0.pem",
+        ]
+    callers = {}
+    for role in ("p", "rld", "md"):
+        _, body = fetch("unix:" + cluster.admin_socket(role), "GET", "/status")
+        callers[role] = set(json.loads(body)["grpc_tls"]["callers"])
+    assert "pddlink://router/router0" in callers["p"] & callers["rld"] & callers["md"]
+    assert {"pddlink://p/p0"} <= callers["md"] and "local" not in callers["md"]

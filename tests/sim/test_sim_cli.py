@@ -62,3 +62,22 @@ def test_demo_scale_scenario_runs_and_pdd_cuts_the_tail() -> None:
     d = data["deployments"]
     assert set(d) == {"cross_dc_pd", "pdd"}
     assert d["pdd"]["ttft_s"]["p90"] < d["cross_dc_pd"]["ttft_s"]["p90"]
+
+
+def test_wan_load_sweep_json_and_png(tmp_path: Path) -> None:
+    out = _run("sweep", "--wan-load", "0.5,2", "--duration", "300", "--json", "--plots", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    rows = {(r["deployment"], r["wan_load"]): r for r in data["rows"]}
+    assert set(rows) == {(d, x) for d in ("cross_dc_pd", "pdd", "pdd_recompute") for x in (0.5, 2.0)}
+    for r in rows.values():
+        assert {"p90", "p99"} <= set(r["ttft_s"]) and 0 <= r["rld_token_share"] <= 1
+        assert 0 <= r["rejected_share"] <= 1 and r["goodput_rps"] >= 0
+    assert (tmp_path / "wan_load.png").stat().st_size > 1000
+
+
+def test_wan_load_needs_its_values() -> None:
+    out = _run("sweep", "--json")
+    assert out.returncode != 0 and "--wan-load" in out.stderr
+    bad = _run("sweep", "--wan-load", "0,1")
+    assert bad.returncode != 0 and "> 0" in bad.stderr

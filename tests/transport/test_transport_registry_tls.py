@@ -12,12 +12,12 @@ from cryptography import x509
 
 from pddlink.errors import InvalidInput, Unavailable
 from pddlink.transport import registry
+from pddlink.transport.pki import load_or_create_peer
 from pddlink.transport.tls import (
     AuthError,
     PeerIdentity,
     check_peer,
     identity_from_certificate,
-    load_or_create_peer,
 )
 
 

@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pddlink.errors import ErrorCode, InvalidInput, PddlinkError
+from pddlink.kv.codec import CodecId
 from pddlink.wire import (
     HEADER_BYTES,
     MESSAGE_TYPES,
@@ -88,7 +89,9 @@ SAMPLES: dict[str, WireMessage] = {
     "Ping": Ping(7, 1000),
     "Pong": Pong(7, 1000, 2000),
     "Error": Error(ErrorCode.PROTOCOL, "bad", "r1"),
-    "TransferBegin": TransferBegin(5, 0, "r1", L, 2, 40, (1, 2**128 - 1), 1, 3000, 1024, 1500),
+    "TransferBegin": TransferBegin(
+        5, 0, "r1", L, 2, 40, (1, 2**128 - 1), CodecId.PLANES_ZSTD, 3000, 1024, 1500
+    ),
     "Chunk": Chunk(5, 1, 2, 2048, 0xDEADBEEF, b"abc"),
     "Ack": Ack(5, 1, 3, (5, 6), (4,)),
     "Resume": Resume(5, 2, 3, (5,)),
@@ -409,6 +412,17 @@ def test_messages_before_a_bad_frame_are_delivered_first() -> None:
 def test_unknown_error_code_from_a_newer_peer_reads_as_unknown() -> None:
     frame = _reframe(bytes.fromhex(GOLDEN["Error"]), body=b"\x63\x01x\x00")
     assert decode_all(frame) == [Error(ErrorCode.UNKNOWN, "x")]
+
+
+def test_transfer_begin_names_its_codec_and_an_unknown_codec_is_refused() -> None:
+    frame = bytes.fromhex(GOLDEN["TransferBegin"])
+    (begin,) = decode_all(frame)
+    assert begin.codec is CodecId.PLANES_ZSTD
+    body = frame[HEADER_BYTES:]
+    at = body.rindex(bytes.fromhex("01b817"))  # codec 1, then total_bytes 3000
+    assert decode_all(_reframe(frame, body=body[:at] + b"\x00" + body[at + 1 :]))[0].codec is CodecId.RAW
+    with pytest.raises(MalformedMessage, match="CodecId"):
+        decode_all(_reframe(frame, body=body[:at] + b"\x07" + body[at + 1 :]))
 
 
 def test_hello_of_another_version_still_decodes() -> None:

@@ -22,21 +22,19 @@ from typing import Any
 import numpy as np
 
 from pddlink.errors import ErrorCode, PddlinkError
-from pddlink.kv.codec import ParallelCodec
+from pddlink.kv.codec import CodecId
 from pddlink.transport.api import KVClient, KVServer
 from pddlink.transport.base import LinkOptions, ReceivedTransfer, TransferResult
-from pddlink.transport.bench import kvcodec
-from pddlink.transport.tls import PeerIdentity, TlsConfig, load_or_create_peer
+from pddlink.transport.pki import load_or_create_peer
+from pddlink.transport.tls import PeerIdentity, TlsConfig
 from pddlink.wire.transfer_messages import KVLayoutSpec, TransferBegin
 
 log = logging.getLogger("pddlink.bench.link")
 RECEIVER = PeerIdentity("bench", "receiver")
 SENDER = PeerIdentity("bench", "sender")
-CODEC_NONE, CODEC_KV = 0, 1
-CODEC_THREADS = 2
 IN_FLIGHT_TRANSFERS = 2  # the next transfer starts while the last one's tail drains, as in a sidecar
 SOURCE_BYTES = 512 << 20
-_LAYOUT = KVLayoutSpec("bench/random", 1, 1, 128, "bf16", 16)
+_LAYOUT = KVLayoutSpec("bench/random", 1, 1, 128, "bfloat16", 16)
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,19 +123,9 @@ async def receive(spec: BenchSpec, addr: str) -> None:
         failures.append({"code": ErrorCode(error.code).name, "reason": error.message})
         done.set()
 
-    codec = ParallelCodec(CODEC_THREADS) if spec.codec == "kv" else None
-
-    async def on_transfer(received: ReceivedTransfer) -> None:
-        try:
-            if codec is None:
-                received_bytes.append(received.bytes)
-            else:
-                received_bytes.append(await kvcodec.decompress(codec, received.chunks))
-        except PddlinkError as exc:
-            on_failed(received.peer, received.begin, exc)
-            return
-        finally:
-            received.release()
+    def on_transfer(received: ReceivedTransfer) -> None:  # KVServer decoded a kv-codec payload
+        received_bytes.append(received.bytes)
+        received.release()
         if len(received_bytes) == len(sizes):
             done.set()
 
@@ -191,7 +179,7 @@ def begin_for(index: int, nbytes: int, spec: BenchSpec, deadline_s: float) -> Tr
         first_block=0,
         num_tokens=1,
         block_hashes=(),
-        codec=CODEC_KV if spec.codec == "kv" else CODEC_NONE,
+        codec=CodecId.PLANES_ZSTD if spec.codec == "kv" else CodecId.RAW,
         total_bytes=nbytes,
         chunk_bytes=spec.chunk_bytes,
         deadline_ms=int(deadline_s * 1000),
@@ -222,7 +210,6 @@ async def send(spec: BenchSpec, addr: str) -> None:
     error: PddlinkError | None = None
     slots = asyncio.Semaphore(IN_FLIGHT_TRANSFERS)
 
-    codec = ParallelCodec(CODEC_THREADS) if spec.codec == "kv" else None
     wire_bytes: list[int] = []
 
     async def one(i: int, size: int) -> None:
@@ -230,11 +217,9 @@ async def send(spec: BenchSpec, addr: str) -> None:
             left = spec.deadline_s - (time.perf_counter() - t0)
             start = (i * spec.transfer_bytes) % (len(payload) - size + 1) // 4096 * 4096  # keep bf16 aligned
             data = payload[start : start + size]
-            if codec is not None:
-                data = memoryview(await kvcodec.compress(codec, data))
-            wire_bytes.append(len(data))
             begin = begin_for(i, len(data), spec, left)
-            result = await client.send_transfer(begin, data, deadline_s=left)
+            result = await client.send_transfer(begin, data, deadline_s=left)  # KVClient encodes
+            wire_bytes.append(result.bytes)
             results.append(result)
             progress.update(size)
 

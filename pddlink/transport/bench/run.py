@@ -21,7 +21,7 @@ from typing import Any
 
 from pddlink.errors import DeadlineExceeded, ErrorCode, LocalError, RemoteError
 from pddlink.transport.bench.peer import RECEIVER, SENDER, BenchSpec
-from pddlink.transport.tls import load_or_create_pki
+from pddlink.transport.pki import load_or_create_pki
 
 Spawn = Callable[[Sequence[str]], "subprocess.Popen[str]"]
 _START_TIMEOUT_S = 30.0

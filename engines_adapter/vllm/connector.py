@@ -1,0 +1,389 @@
+"""``PddlinkConnector``: vLLM's KV connector that hands KV to and from the local pddlink sidecar.
+
+Load it with::
+
+    --kv-transfer-config '{"kv_connector": "PddlinkConnector",
+      "kv_connector_module_path": "engines_adapter.vllm.connector",
+      "kv_role": "kv_producer" | "kv_consumer",
+      "kv_connector_extra_config": {"control_socket": "/run/pddlink/p.sock"}}'
+
+A request takes part when its ``kv_transfer_params`` hold ``{"pddlink": {"transfer": ID,
+"deadline_s": S}}`` (the router sets them); others run as if no connector were loaded.
+
+vLLM builds the connector twice: scheduler side (in the engine core process, ``role=SCHEDULER``)
+and worker side (in each worker, ``role=WORKER``); in-process mode both live in one process.
+Which hook runs when, on each side:
+
+P (kv_producer)
+  scheduler  ``get_num_new_matched_tokens`` (first sight of the request): PREPARE to the sidecar,
+             which reserves MD's cached prefix while vLLM prefills; answers 0 (nothing to load).
+             ``build_connector_meta`` (each step): follows the request's blocks; in the step where
+             its prefill completes it adds a save of all its prompt blocks to the step's metadata.
+             ``request_finished``: forgets it; a request that ended before its save releases the
+             transfer at the sidecar. Blocks are freed at once (the save was synchronous).
+  worker     ``wait_for_save`` (after the step's forward, which wrote the KV): ALLOC a region slot
+             (the answer carries MD's reserved prefix when known), copies the blocks from there on
+             out of vLLM's paged cache into it, COMMIT; the sidecar ships them over the WAN.
+MD (kv_consumer)
+  scheduler  ``get_num_new_matched_tokens``: asks the sidecar (EXPECT) where the transfer starts
+             (the prefix MD reserved for it); ``None`` (ask again) until known; then
+             ``(prompt - computed, True)``: an asynchronous load, vLLM parks the request. When
+             vLLM's own prefix cache no longer holds the reserved prefix (evicted meanwhile), or
+             the transfer failed or missed its deadline before it was known: 0, and vLLM
+             recomputes the prompt itself (correct tokens, counted by reason).
+             ``update_state_after_alloc``: records the blocks vLLM allocated for the load;
+             ``build_connector_meta`` passes them to the worker. ``request_finished`` (also on
+             abort and client disconnect): RELEASE at the sidecar (frees a landed slot).
+  worker     ``start_load_kv``: takes the step's new loads. ``get_transfer_results`` (every step,
+             also while nothing is scheduled): POLLs the sidecar; a landed transfer is copied from
+             the landing slot into the allocated blocks, then RELEASEd, and reported finished; a
+             failed one, or one past its deadline, is reported in ``failed_recving`` (vLLM then
+             fails the request with a reason or recomputes, per ``kv_load_failure_policy``) and
+             never in a way that lets tokens come from KV that did not fully arrive.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+
+from engines_adapter.vllm.paged_kv import PagedKV
+from pddlink.errors import PddlinkError
+from sidecar.vllm_kv.control import ControlClient, Op, TransferState
+from sidecar.vllm_kv.shm import MappedRegion, Slot
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger("pddlink.vllm")
+PARAMS_KEY = "pddlink"
+
+
+@dataclass(frozen=True, slots=True)
+class TransferParams:
+    transfer: str
+    deadline_at: float  # wall clock (time.time()): shared by the processes of one host
+
+    @classmethod
+    def of(cls, request: Request) -> TransferParams | None:
+        params = (request.kv_transfer_params or {}).get(PARAMS_KEY)
+        if not isinstance(params, dict) or not isinstance(params.get("transfer"), str):
+            return None
+        deadline_s = float(params.get("deadline_s", 30.0))
+        return cls(params["transfer"], request.arrival_time + deadline_s)
+
+
+@dataclass(frozen=True, slots=True)
+class SaveSpec:
+    req_id: str
+    transfer: str
+    block_ids: tuple[int, ...]
+    num_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSpec:
+    req_id: str
+    transfer: str
+    first_block: int  # the request's block index that block_ids[0] is
+    block_ids: tuple[int, ...]
+    deadline_at: float
+
+
+@dataclass
+class PddlinkMetadata(KVConnectorMetadata):
+    saves: list[SaveSpec] = field(default_factory=list)
+    loads: list[LoadSpec] = field(default_factory=list)
+
+
+@dataclass
+class _Producing:
+    params: TransferParams
+    prompt_len: int
+    blocks: list[int] = field(default_factory=list)
+    saved: bool = False
+
+
+@dataclass
+class _Consuming:
+    params: TransferParams
+    first_block: int = 0
+    computed: int = 0  # vLLM's own prefix hit when the load was planned (block aligned)
+    load: LoadSpec | None = None
+
+
+class PddlinkConnector(KVConnectorBase_V1):
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        cfg = self._kv_transfer_config
+        self.block_size = vllm_config.cache_config.block_size
+        self.producer = cfg.is_kv_producer
+        sock = cfg.get_from_extra_config("control_socket", None)
+        if not sock:
+            raise ValueError("PddlinkConnector needs kv_connector_extra_config.control_socket")
+        self.control = ControlClient(Path(sock))
+        dump = cfg.get_from_extra_config("kv_dump_dir", None)  # tests: the KV bytes each side held
+        self.dump_dir = Path(dump) if dump else None
+        self.num_blocks = kv_cache_config.num_blocks
+        mc, par = vllm_config.model_config, vllm_config.parallel_config
+        self.layout = {
+            "num_layers": mc.get_num_layers(par),
+            "num_kv_heads": mc.get_num_kv_heads(par),
+            "head_dim": mc.get_head_size(),
+            "dtype": str(mc.dtype).removeprefix("torch."),
+            "block_size": self.block_size,
+        }
+        # scheduler side
+        self._producing: dict[str, _Producing] = {}
+        self._consuming: dict[str, _Consuming] = {}
+        self._new_saves: list[SaveSpec] = []
+        self._new_loads: list[LoadSpec] = []
+        self.recomputed: dict[str, int] = {}  # reason -> requests MD prefilled itself
+        # worker side
+        self._kv: PagedKV | None = None
+        self._region: MappedRegion | None = None
+        self._loads: dict[str, LoadSpec] = {}
+
+    # ---------------------------------------------------------------- scheduler side
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        params = TransferParams.of(request)
+        if params is None:
+            return 0, False
+        rid = request.request_id
+        prompt = list(request.prompt_token_ids or [])
+        if self.producer:
+            if rid not in self._producing:
+                self._producing[rid] = _Producing(params, len(prompt))
+                self._call(
+                    Op.PREPARE, transfer=params.transfer, prompt=prompt, deadline_at=params.deadline_at
+                )
+            return 0, False
+        return self._consumer_match(request, params, len(prompt), num_computed_tokens)
+
+    def _consumer_match(
+        self, request: Request, params: TransferParams, prompt_len: int, computed: int
+    ) -> tuple[int | None, bool]:
+        rid = request.request_id
+        if rid in self._consuming and self._consuming[rid].load is not None:
+            return 0, False  # already loaded once (a preempted request recomputes)
+        answer = self._call(Op.POLL, transfers=[params.transfer], expect=True)
+        state = (answer or {}).get("states", {}).get(params.transfer, {}) if answer else {}
+        first = state.get("first_block")
+        if state.get("state") == TransferState.FAILED:
+            return self._recompute(rid, params, f"transfer failed: {state.get('reason')}")
+        if not isinstance(first, int):
+            if time.time() >= params.deadline_at:
+                return self._recompute(rid, params, "deadline_exceeded before the transfer was known")
+            return None, False  # not known yet: vLLM asks again next step
+        if computed < first * self.block_size:
+            return self._recompute(rid, params, "reserved_prefix_evicted")
+        todo = prompt_len - computed
+        if todo <= 0:
+            return self._recompute(rid, params, "nothing_to_load")
+        self._consuming[rid] = _Consuming(params, first, computed)
+        return todo, True
+
+    def _recompute(self, rid: str, params: TransferParams, reason: str) -> tuple[int, bool]:
+        key = reason.split(":")[0]
+        self.recomputed[key] = self.recomputed.get(key, 0) + 1
+        log.warning("request %s: prefilled on MD itself (%s)", rid, reason)
+        self._call(Op.RELEASE, transfer=params.transfer, reason=reason)
+        return 0, False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        c = self._consuming.get(request.request_id)
+        if self.producer or c is None or num_external_tokens <= 0 or c.load is not None:
+            return
+        ids = blocks.get_block_ids()[0]
+        # request.num_computed_tokens is set only after this hook: use the hit recorded before
+        start = c.computed // self.block_size
+        end = -(-(c.computed + num_external_tokens) // self.block_size)
+        c.load = LoadSpec(
+            request.request_id, c.params.transfer, start, tuple(ids[start:end]), c.params.deadline_at
+        )
+        self._new_loads.append(c.load)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = PddlinkMetadata(saves=self._new_saves, loads=self._new_loads)
+        self._new_saves, self._new_loads = [], []
+        if not self.producer:
+            return meta
+        sched = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            p = self._producing.get(new.req_id)
+            if p is not None:
+                p.blocks = list(new.block_ids[0])
+                self._maybe_save(new.req_id, p, new.num_computed_tokens + sched.get(new.req_id, 0), meta)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            p = self._producing.get(rid)
+            if p is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if new_ids is not None:
+                p.blocks = list(new_ids[0]) if rid in cached.resumed_req_ids else p.blocks + list(new_ids[0])
+            self._maybe_save(rid, p, cached.num_computed_tokens[i] + sched.get(rid, 0), meta)
+        return meta
+
+    def _maybe_save(self, rid: str, p: _Producing, computed_after: int, meta: PddlinkMetadata) -> None:
+        if p.saved or computed_after < p.prompt_len:
+            return
+        p.saved = True
+        nblocks = -(-p.prompt_len // self.block_size)
+        meta.saves.append(SaveSpec(rid, p.params.transfer, tuple(p.blocks[:nblocks]), p.prompt_len))
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        p = self._producing.pop(rid, None)
+        if p is not None and not p.saved:
+            self._call(Op.RELEASE, transfer=p.params.transfer, reason="request ended before its KV was saved")
+        c = self._consuming.pop(rid, None)
+        if c is not None:
+            self._call(Op.RELEASE, transfer=c.params.transfer, reason="request finished")
+        return False, None
+
+    def _call(self, op: Op, **fields: Any) -> dict[str, Any] | None:
+        try:
+            return self.control.call(op, **fields)
+        except PddlinkError as exc:
+            log.warning("pddlink sidecar %s failed: %s", op.value, exc)
+            return None
+
+    # ---------------------------------------------------------------- worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._kv = PagedKV(kv_caches, self.num_blocks)
+
+    def _mapped(self) -> MappedRegion:
+        if self._region is None:
+            status = self.control.call(Op.STATUS)
+            self._region = MappedRegion(Path(status["region"]))
+        return self._region
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, PddlinkMetadata)
+        for load in meta.loads:
+            self._loads[load.req_id] = load
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return  # the whole request is copied once in wait_for_save, after every layer ran
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, PddlinkMetadata)
+        for save in meta.saves:
+            try:
+                self._save(save)
+            except PddlinkError as exc:
+                log.warning("request %s: KV not handed to the sidecar: %s", save.req_id, exc)
+                self._call(Op.RELEASE, transfer=save.transfer, reason=f"save failed: {exc}")
+
+    def _save(self, save: SaveSpec) -> None:
+        assert self._kv is not None
+        per_block = self._kv.bytes_per_block
+        n = len(save.block_ids)
+        answer = self.control.call(Op.ALLOC, transfer=save.transfer, num_blocks=n, bytes_per_block=per_block)
+        first = min(int(answer["first_block"]), n)
+        slot = Slot(int(answer["offset"]), int(answer["nbytes"]))
+        buf = self._mapped().buffer(slot)
+        self._kv.gather(save.block_ids[first:], buf)
+        if self.dump_dir is not None:
+            (self.dump_dir / f"P-{save.transfer}-{first}.bin").write_bytes(buf)
+        self.control.call(
+            Op.COMMIT,
+            transfer=save.transfer,
+            offset=slot.offset,
+            nbytes=slot.nbytes,
+            first_block=first,
+            num_blocks=n,
+            num_tokens=save.num_tokens,
+            layout=self.layout,
+        )
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        results = KVConnectorTransferResults()
+        if not self._loads:
+            return results
+        by_transfer = {load.transfer: load for load in self._loads.values()}
+        answer = self._call(Op.POLL, transfers=list(by_transfer))
+        states = (answer or {}).get("states", {})
+        now = time.time()
+        for transfer, load in by_transfer.items():
+            state = states.get(transfer, {})
+            kind = state.get("state")
+            if kind == TransferState.LANDED:
+                ok = self._land(load, state)
+            elif kind == TransferState.FAILED or now >= load.deadline_at:
+                reason = state.get("reason") or "deadline_exceeded: KV did not arrive in time"
+                log.warning("request %s: KV load failed: %s", load.req_id, reason)
+                ok = False
+            else:
+                continue
+            if not ok:
+                results.failed_recving.add(load.req_id)
+            results.finished_recving.add(load.req_id)
+            self._call(Op.RELEASE, transfer=transfer, reason="loaded" if ok else "load failed")
+            del self._loads[load.req_id]
+        return results
+
+    def _land(self, load: LoadSpec, state: dict[str, Any]) -> bool:
+        """Copy the landed blocks the load needs into vLLM's blocks; False (never a partial load)
+        when the transfer does not cover them all."""
+        assert self._kv is not None
+        per_block = self._kv.bytes_per_block
+        carried_first, carried = int(state["first_block"]), int(state["num_blocks"])
+        skip = load.first_block - carried_first
+        need = len(load.block_ids)
+        if skip < 0 or skip + need > carried or int(state["bytes_per_block"]) != per_block:
+            log.warning(
+                "request %s: the transfer carries blocks %d..%d, the load needs %d..%d",
+                load.req_id,
+                carried_first,
+                carried_first + carried,
+                load.first_block,
+                load.first_block + need,
+            )
+            return False
+        slot = Slot(int(state["offset"]) + skip * per_block, need * per_block)
+        self._kv.scatter(load.block_ids, self._mapped().buffer(slot))
+        if self.dump_dir is not None:  # read back what vLLM's blocks now hold
+            out = bytearray(need * per_block)
+            self._kv.gather(load.block_ids, memoryview(out))
+            (self.dump_dir / f"MD-{load.transfer}-{load.first_block}.bin").write_bytes(out)
+        return True
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        r = self.get_transfer_results(finished_req_ids)
+        return r.finished_sending or None, r.finished_recving or None
+
+    def shutdown(self) -> None:
+        self.control.close()

@@ -1,0 +1,139 @@
+"""P and MD as two vLLM servers, each beside its pddlink sidecar: what the tests, the demo and the
+bench start.
+
+``VllmPair(workdir, model, ...)``: ``start()`` runs both sidecars on one asyncio loop in a
+background thread (``SidecarLoop``), then both vLLM servers (child processes) with the
+``PddlinkConnector`` pointed at their sidecar's control socket; MD's vLLM publishes KV-cache events
+to MD's sidecar. ``md_addr`` lets the WAN run through netlab (P's sidecar dials that address, which
+forwards to MD's KV port). ``close()`` stops the servers, then the sidecars.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+from collections.abc import Callable, Coroutine
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, TypeVar
+
+from engines_adapter.vllm.server import VllmServer, VllmServerSpec
+from sidecar.vllm_kv.service import Role, VllmSidecar, VllmSidecarConfig
+
+T = TypeVar("T")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class SidecarLoop:
+    """An asyncio loop in a daemon thread; ``run(coro)`` waits for a coroutine's result."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="pddlink-sidecars", daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout_s: float = 60.0) -> T:
+        fut: Future[T] = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        return fut.result(timeout_s)
+
+    def call(self, fn: Callable[[], T]) -> T:
+        async def _call() -> T:
+            return fn()
+
+        return self.run(_call())
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5)
+        self.loop.close()
+
+
+@dataclass(frozen=True, slots=True)
+class PairSpec:
+    workdir: Path
+    model: Path
+    model_id: str = "tiny-llama"
+    dtype: str = "float32"
+    block_size: int = 32
+    md_num_blocks: int = 0  # >0: a small MD cache that evicts
+    md_addr: str = ""  # where P's sidecar dials MD ("" = MD's KV port on loopback)
+    md_kv_port: int = 0
+    kv_load_failure_policy: str = "fail"
+    extra_args: tuple[str, ...] = ()
+    kv_dump_dir: Path | None = None
+
+
+class VllmPair:
+    def __init__(self, spec: PairSpec) -> None:
+        self.spec = spec
+        self.loop = SidecarLoop()
+        self.md_side: VllmSidecar | None = None
+        self.p_side: VllmSidecar | None = None
+        self.md: VllmServer | None = None
+        self.p: VllmServer | None = None
+
+    def start(self, timeout_s: float = 300.0) -> VllmPair:
+        s = self.spec
+        s.workdir.mkdir(parents=True, exist_ok=True)
+        events = f"ipc://{s.workdir / 'md-events.ipc'}"
+        md_cfg = VllmSidecarConfig(
+            Role.MD,
+            "md0",
+            s.workdir,
+            s.model_id,
+            s.block_size,
+            kv_port=s.md_kv_port,
+            kv_events_endpoint=events,
+        )
+        self.md_side = self.loop.run(VllmSidecar(md_cfg).start())
+        md_addr = s.md_addr or f"127.0.0.1:{self.md_side.kv_port}"
+        p_cfg = VllmSidecarConfig(Role.P, "p0", s.workdir, s.model_id, s.block_size, md_addr=md_addr)
+        self.p_side = self.loop.run(VllmSidecar(p_cfg).start())
+        base = VllmServerSpec(
+            s.model,
+            0,
+            dtype=s.dtype,
+            block_size=s.block_size,
+            kv_load_failure_policy=s.kv_load_failure_policy,
+            extra_args=s.extra_args,
+            kv_dump_dir=s.kv_dump_dir,
+        )
+        self.md = VllmServer(
+            replace(
+                base,
+                port=free_port(),
+                kv_role="kv_consumer",
+                control_socket=self.md_side.control_path,
+                kv_events_endpoint=events,
+                num_gpu_blocks=s.md_num_blocks,
+            ),
+            s.workdir / "md-vllm.log",
+        ).start()
+        self.p = VllmServer(
+            replace(base, port=free_port(), kv_role="kv_producer", control_socket=self.p_side.control_path),
+            s.workdir / "p-vllm.log",
+        ).start()
+        self.md.wait_ready(timeout_s)
+        self.p.wait_ready(timeout_s)
+        return self
+
+    def status(self) -> dict[str, Any]:
+        assert self.p_side is not None and self.md_side is not None
+        p, md = self.p_side, self.md_side
+        return self.loop.call(lambda: {"p": p.status(), "md": md.status()})
+
+    def close(self) -> None:
+        for server in (self.p, self.md):
+            if server is not None:
+                server.stop()
+        for side in (self.p_side, self.md_side):
+            if side is not None:
+                self.loop.run(side.close())
+        self.loop.close()

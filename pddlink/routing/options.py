@@ -1,0 +1,293 @@
+"""Ship or recompute, relay or not, admit or reject: the per-request option policy.
+
+When the WAN is the bottleneck, shipping KV is not the only way to get a prompt's KV onto
+MainDecode: MD can prefill the missing suffix itself from the token ids (a few bytes on the WAN
+instead of megabytes), paying MD's own prefill time. Each way combines with RelayDecode or not:
+
+=================  =======================================  =========================================
+option             who produces the first tokens            how MD gets the prompt's KV
+=================  =======================================  =========================================
+``SHIP``           MD, once the suffix has crossed the WAN  P ships the missing suffix (P->MD)
+``RELAY``          RLD at once, handoff by token ids        P ships the missing suffix (P->RLD->MD)
+``RECOMPUTE``      MD, once it has prefilled the suffix     MD prefills it from token ids
+``RELAY_RECOMPUTE`` RLD at once, handoff by token ids       MD prefills it while RLD streams
+``SINGULAR``       RLD, which finishes the request          never (a short output only)
+=================  =======================================  =========================================
+
+``choose_option(OptionInputs, RoutingPolicy)`` estimates, for every option the deployment allows,
+the time to the first token, the time until MD holds the prompt's KV and the time the request
+ends, all from what the caller observed (the link estimate with its backlog, P's and MD's prefill
+queues, RLD's load). It then picks:
+
+1. only options that end before the request's deadline, and relay options only while RelayDecode
+   is below its load ceiling (``rld_max_load``); singular only as ``RoutingPolicy`` allows it;
+2. an MD-only option when MD is ready soon enough (``relay_min_wan_s``, or the TTFT target when
+   shorter), shipping first, recomputing second (it spends MD's decode-leaning chips on prefill):
+   RLD stays a small tier and every such request ends on MD, so MD's cache stays aligned with P's;
+3. otherwise singular for a short output RLD finishes first, else the relay option whose MD side
+   is ready first (fewest tokens on RLD);
+4. otherwise the MD-only option with the earlier first token;
+5. and when nothing meets the deadline: a rejection with a typed reason and a retry hint.
+
+Without recompute and without a deadline this is exactly ``choose_pipeline``. Pure: the router and
+the simulator call the very same function.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+
+from pddlink.errors import ConfigError
+from pddlink.routing.policy import (
+    DecisionReason,
+    Pipeline,
+    RoutingInputs,
+    RoutingPolicy,
+    rld_finishes_first,
+)
+
+
+class Option(StrEnum):
+    SHIP = "ship"
+    RELAY = "relay"
+    RECOMPUTE = "recompute"
+    RELAY_RECOMPUTE = "relay_recompute"
+    SINGULAR = "singular"
+
+    @property
+    def pipeline(self) -> Pipeline:
+        """The legs it runs: MD alone, RLD then MD, or RLD alone."""
+        return _PIPELINE[self]
+
+    @property
+    def relays(self) -> bool:
+        return self in (Option.RELAY, Option.RELAY_RECOMPUTE, Option.SINGULAR)
+
+    @property
+    def recomputes(self) -> bool:
+        return self in (Option.RECOMPUTE, Option.RELAY_RECOMPUTE)
+
+    @property
+    def ships_kv(self) -> bool:
+        return self in (Option.SHIP, Option.RELAY)
+
+
+_PIPELINE = {
+    Option.SHIP: Pipeline.P_MD,
+    Option.RELAY: Pipeline.P_RLD_MD,
+    Option.RECOMPUTE: Pipeline.P_MD,
+    Option.RELAY_RECOMPUTE: Pipeline.P_RLD_MD,
+    Option.SINGULAR: Pipeline.SINGULAR,
+}
+
+
+class RejectReason(StrEnum):
+    """Why no option was taken; the typed reason the router returns with its rejection."""
+
+    DEADLINE_UNREACHABLE = "deadline_unreachable"  # every allowed option ends after the deadline
+    NO_OPTION = "no_option"  # nothing is allowed at all (no relay, no recompute, no line)
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+@dataclass(frozen=True, slots=True)
+class MdPrefill:
+    """MD's ability to recompute: its prefill speed and the prefill work already queued there."""
+
+    tokens_per_s: float
+    queue_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        _require(self.tokens_per_s > 0, f"tokens_per_s must be > 0, got {self.tokens_per_s}")
+        _require(self.queue_s >= 0, f"queue_s must be >= 0, got {self.queue_s}")
+
+    def ready_s(self, tokens: int) -> float:
+        return self.queue_s + tokens / self.tokens_per_s
+
+
+@dataclass(frozen=True, slots=True)
+class OptionInputs:
+    """``RoutingInputs`` plus what the option choice needs. Times are seconds from now.
+
+    ``deadline_s``: time left until the request must have ended (None: no deadline).
+    ``ttft_deadline_s``: time left until its first token must be out (None: no bound).
+    ``p_prefill_s``: P's queue plus this prompt's prefill. ``fast_s``: the whole KV to RLD on the
+    fast path. ``md_prefill``: None where MD cannot recompute. ``md_tpot_s``: MD's time per token.
+    ``extend_s``: MD's extend step at a token-id handoff.
+    """
+
+    routing: RoutingInputs
+    deadline_s: float | None = None
+    ttft_deadline_s: float | None = None
+    p_prefill_s: float = 0.0
+    fast_s: float = 0.0
+    md_prefill: MdPrefill | None = None
+    md_tpot_s: float = 0.03
+    extend_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        _require(self.deadline_s is None or self.deadline_s > 0, "deadline_s must be > 0 or None")
+        _require(self.ttft_deadline_s is None or self.ttft_deadline_s > 0, "ttft_deadline_s must be > 0")
+        for name in ("p_prefill_s", "fast_s", "extend_s"):
+            _require(getattr(self, name) >= 0, f"{name} must be >= 0")
+        _require(self.md_tpot_s > 0, "md_tpot_s must be > 0")
+
+
+@dataclass(frozen=True, slots=True)
+class OptionEstimate:
+    """One option's expected timeline for this request, in seconds from now."""
+
+    option: Option
+    ttft_s: float
+    md_ready_s: float  # MD holds the prompt's KV (inf for singular)
+    finish_s: float
+    rld_tokens: float  # expected tokens produced on RLD
+
+    def meets(self, deadline_s: float | None, ttft_deadline_s: float | None = None) -> bool:
+        """Ends by the deadline and, where one is given, has its first token out by the TTFT one."""
+        ends = deadline_s is None or self.finish_s <= deadline_s
+        return ends and (ttft_deadline_s is None or self.ttft_s <= ttft_deadline_s)
+
+
+@dataclass(frozen=True, slots=True)
+class OptionDecision:
+    """The choice: an option (None when rejected), why, and every estimate it was made from."""
+
+    option: Option | None
+    reason: DecisionReason | RejectReason
+    wan_bytes: int  # KV bytes the WAN must carry (0 unless the option ships KV)
+    wan_estimate_s: float  # the link's estimate for the missing suffix, with its backlog
+    estimates: tuple[OptionEstimate, ...]
+    retry_after_s: float = 0.0  # on a rejection: when the cheapest option would fit again
+
+    @property
+    def admitted(self) -> bool:
+        return self.option is not None
+
+    def estimate(self, option: Option) -> OptionEstimate | None:
+        return next((e for e in self.estimates if e.option is option), None)
+
+
+def allowed_options(inputs: OptionInputs, policy: RoutingPolicy) -> tuple[Option, ...]:
+    """The options this deployment and RLD's current load permit, before any timing."""
+    r = inputs.routing
+    recompute = policy.recompute_enabled and inputs.md_prefill is not None
+    out = [Option.SHIP] + ([Option.RECOMPUTE] if recompute else [])
+    if policy.relay_enabled and r.rld_available and r.rld_load < policy.rld_max_load:
+        out.append(Option.RELAY)
+        if recompute:
+            out.append(Option.RELAY_RECOMPUTE)
+    rld_room = policy.relay_enabled and r.rld_available and r.rld_load < 1.0
+    if rld_room and policy.allows_singular(r.max_output_tokens):
+        out.append(Option.SINGULAR)
+    return tuple(out)
+
+
+def estimate_options(inputs: OptionInputs, policy: RoutingPolicy) -> tuple[OptionEstimate, ...]:
+    r = inputs.routing
+    out_tokens = r.max_output_tokens
+    wan_s = r.link.transfer_s(r.wan_bytes)
+    ship_ready = inputs.p_prefill_s + wan_s
+    # token ids cross in half a round trip; MD prefills what its own cache lacks
+    recompute_ready = math.inf
+    if inputs.md_prefill is not None:
+        recompute_ready = r.link.rtt_s / 2 + inputs.md_prefill.ready_s(r.missing_tokens)
+    rld_first = inputs.p_prefill_s + inputs.fast_s + r.rld_tpot_s
+    rld_alone = rld_first + (out_tokens - 1) * r.rld_tpot_s
+    md_decode = (out_tokens - 1) * inputs.md_tpot_s
+    estimates = []
+    for option in allowed_options(inputs, policy):
+        ready = recompute_ready if option.recomputes else ship_ready
+        if option is Option.SINGULAR:
+            estimates.append(OptionEstimate(option, rld_first, math.inf, rld_alone, float(out_tokens)))
+        elif option.relays:
+            on_rld = min(float(out_tokens), max(0.0, (ready - rld_first) / r.rld_tpot_s) + 1)
+            rest = out_tokens - on_rld
+            via_md = ready + inputs.extend_s + rest * inputs.md_tpot_s if rest > 0 else rld_alone
+            estimates.append(OptionEstimate(option, rld_first, ready, min(rld_alone, via_md), on_rld))
+        else:
+            estimates.append(OptionEstimate(option, ready, ready, ready + md_decode, 0.0))
+    return tuple(estimates)
+
+
+def choose_option(inputs: OptionInputs, policy: RoutingPolicy) -> OptionDecision:
+    """Pick one option for one request, or reject it (see the module docstring). Pure and cheap."""
+    r = inputs.routing
+    wan_s = r.link.transfer_s(r.wan_bytes)
+    every = estimate_options(inputs, policy)
+    fits = {e.option: e for e in every if e.meets(inputs.deadline_s, inputs.ttft_deadline_s)}
+
+    def take(option: Option, reason: DecisionReason) -> OptionDecision:
+        shipped = r.wan_bytes if option.ships_kv else 0
+        return OptionDecision(option, reason, shipped, wan_s, every)
+
+    if not fits:
+        late = min((_overshoot_s(e, inputs) for e in every), default=math.inf)
+        retry = max(1.0, late) if math.isfinite(late) else 5.0
+        why = RejectReason.DEADLINE_UNREACHABLE if every else RejectReason.NO_OPTION
+        return OptionDecision(None, why, 0, wan_s, every, retry_after_s=min(retry, 60.0))
+    direct = [fits[o] for o in (Option.SHIP, Option.RECOMPUTE) if o in fits]
+    best_direct = min(direct, key=lambda e: (e.md_ready_s, e.option is Option.RECOMPUTE), default=None)
+    threshold = policy.relay_min_wan_s
+    if r.ttft_target_s is not None:
+        threshold = min(threshold, r.ttft_target_s)
+    # shipping uses the line that is paid for and leaves MD's chips to decode: first choice when
+    # quick enough; recompute next (MD prefills, a decode-leaning chip's slower work)
+    for option, reason in (
+        (Option.SHIP, DecisionReason.SMALL_DELTA),
+        (Option.RECOMPUTE, DecisionReason.RECOMPUTE),
+    ):
+        e = fits.get(option)
+        if e is not None and _md_wait_s(e, inputs, wan_s) < threshold:
+            return take(option, DecisionReason.RELAY_DISABLED if not policy.relay_enabled else reason)
+    if not policy.relay_enabled:
+        assert best_direct is not None  # relay disabled: only the direct options exist
+        return take(best_direct.option, DecisionReason.RELAY_DISABLED)
+    if not r.rld_available:
+        return _direct_or(best_direct, fits, take, DecisionReason.RLD_UNAVAILABLE)
+    singular = fits.get(Option.SINGULAR)
+    if singular is not None and rld_finishes_first(r.max_output_tokens, r.rld_tpot_s, wan_s):
+        return take(Option.SINGULAR, DecisionReason.SHORT_OUTPUT)
+    relays = [fits[o] for o in (Option.RELAY, Option.RELAY_RECOMPUTE) if o in fits]
+    if relays:
+        best = min(relays, key=lambda e: (e.md_ready_s, e.option is Option.RELAY_RECOMPUTE))
+        return take(best.option, DecisionReason.LARGE_DELTA)
+    return _direct_or(best_direct, fits, take, DecisionReason.RLD_BUSY)
+
+
+def _overshoot_s(e: OptionEstimate, inputs: OptionInputs) -> float:
+    """How far past its deadline (either one) an option would end: the retry hint's basis."""
+    over = 0.0
+    if inputs.deadline_s is not None:
+        over = max(over, e.finish_s - inputs.deadline_s)
+    if inputs.ttft_deadline_s is not None:
+        over = max(over, e.ttft_s - inputs.ttft_deadline_s)
+    return over
+
+
+def _md_wait_s(e: OptionEstimate, inputs: OptionInputs, wan_s: float) -> float:
+    """How long MD makes the client wait beyond P's prefill: the quantity ``relay_min_wan_s``
+    bounds (for shipping, the WAN estimate itself, as ``choose_pipeline`` compares)."""
+    if e.option is Option.SHIP:
+        return wan_s
+    return e.md_ready_s - inputs.p_prefill_s
+
+
+def _direct_or(
+    best_direct: OptionEstimate | None,
+    fits: dict[Option, OptionEstimate],
+    take: Callable[[Option, DecisionReason], OptionDecision],
+    reason: DecisionReason,
+) -> OptionDecision:
+    """No relay: the MD-only option with the earlier first token, else singular alone."""
+    if best_direct is not None:
+        direct = (e for e in fits.values() if e.option in (Option.SHIP, Option.RECOMPUTE))
+        first = min(direct, key=lambda e: (e.ttft_s, e.option is Option.RECOMPUTE))
+        return take(first.option, reason)
+    return take(Option.SINGULAR, DecisionReason.SHORT_OUTPUT)  # RLD busy for relays, singular fits

@@ -1,0 +1,72 @@
+"""Ship or recompute, the sidecar side: how MD is asked to prefill a prompt itself, and what the
+router learns from it.
+
+``RecomputeMode`` is the Attach request's ``recompute`` field (values fixed by the proto): NONE (the
+KV arrives from P), AND_DECODE (``Option.RECOMPUTE``: MD prefills, streams the first token and
+decodes) or FOR_HANDOFF (``Option.RELAY_RECOMPUTE``: MD prefills while RLD streams; RLD's token ids
+follow as in any handoff). MD answers with a ``ready`` event on the Attach stream once it holds
+the prompt's KV, carrying the prefill's time and how much of the prompt its own cache supplied.
+
+``PrefillBook`` is the router's view of MD's prefill (and of P's): its speed (an exponentially weighted mean
+of what the ready events report, starting from the configured figure) and the work it has queued
+(recomputes sent and not yet ready), which ``pddlink.routing.MdPrefill`` turns into a queue time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+from pddlink.errors import InvalidInput
+from pddlink.routing import MdPrefill, Option
+
+
+class RecomputeMode(IntEnum):
+    NONE = 0
+    AND_DECODE = 1
+    FOR_HANDOFF = 2
+
+    @classmethod
+    def of(cls, option: Option) -> RecomputeMode:
+        if option is Option.RECOMPUTE:
+            return cls.AND_DECODE
+        if option is Option.RELAY_RECOMPUTE:
+            return cls.FOR_HANDOFF
+        return cls.NONE
+
+
+@dataclass(slots=True)
+class PrefillBook:
+    """A prefill engine's speed and queued work as the router sees them (MD's recomputes, P's
+    prefills). Sans-I/O."""
+
+    tokens_per_s: float
+    ewma_weight: float = 0.3
+    _queued: dict[str, int] = field(default_factory=dict)  # request id -> tokens MD must prefill
+
+    def __post_init__(self) -> None:
+        if self.tokens_per_s <= 0 or not 0 < self.ewma_weight <= 1:
+            raise InvalidInput("md prefill: tokens_per_s > 0 and ewma_weight in (0, 1] required")
+
+    def start(self, request_id: str, tokens: int) -> None:
+        self._queued[request_id] = max(0, tokens)
+
+    def ready(self, request_id: str, prefilled_tokens: int, seconds: float) -> None:
+        """That prefill is done (MD's ready event, P's reply); its rate updates the speed."""
+        self._queued.pop(request_id, None)
+        if prefilled_tokens >= 16 and seconds > 0:
+            w = self.ewma_weight
+            self.tokens_per_s = (1 - w) * self.tokens_per_s + w * (prefilled_tokens / seconds)
+
+    def finish(self, request_id: str) -> None:
+        self._queued.pop(request_id, None)
+
+    @property
+    def queued_tokens(self) -> int:
+        return sum(self._queued.values())
+
+    def queue_s(self) -> float:
+        return self.queued_tokens / self.tokens_per_s
+
+    def estimate(self) -> MdPrefill:
+        return MdPrefill(self.tokens_per_s, self.queue_s())

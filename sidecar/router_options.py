@@ -1,0 +1,86 @@
+"""The router's side of ship-or-recompute: ``choose_option``'s inputs from what the router knows,
+a forced pipeline as an option, and the trace fields that say why a request went where it went.
+
+What the router feeds the policy: the DRC mirror's match and the link estimate with P's backlog
+(``RoutingInputs``), P's prefill queue and speed and MD's (``sidecar.recompute.PrefillBook``, from
+P's replies and MD's ready events), RLD's load, and the deadline. The policy's deadline is the
+share of the request's deadline P gives the WAN transfer (``sidecar.prefill``), so an admitted
+request still has time for a fallback.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from pddlink.routing import (
+    DecisionReason,
+    OptionDecision,
+    OptionInputs,
+    Pipeline,
+    RoutingInputs,
+    RoutingPolicy,
+    choose_option,
+)
+from pddlink.routing.options import Option
+from sidecar.prefill import WAN_SHARE_OF_DEADLINE
+from sidecar.recompute import PrefillBook
+
+FAST_PATH_BYTES_S = 1e9  # the fast path to RLD (RDMA, or TCP inside datacenter A): ~8 Gbit/s
+EXTEND_S = 0.02  # MD's extend step for a handoff's token ids (reference engine, tiny model)
+
+
+class RouterState(Protocol):
+    policy: RoutingPolicy
+    p_book: PrefillBook
+    md_book: PrefillBook
+
+    @property
+    def cfg(self) -> Any: ...
+
+
+def decide_option(router: RouterState, routing: RoutingInputs, deadline_s: float) -> OptionDecision:
+    cfg = router.cfg
+    p = router.p_book
+    inputs = OptionInputs(
+        routing,
+        deadline_s=WAN_SHARE_OF_DEADLINE * deadline_s if cfg.admission else None,
+        p_prefill_s=p.queue_s() + routing.missing_tokens / p.tokens_per_s,
+        fast_s=routing.prompt_tokens * routing.kv_bytes_per_token / FAST_PATH_BYTES_S,
+        md_prefill=router.md_book.estimate() if cfg.recompute else None,
+        md_tpot_s=cfg.md_tpot_s,
+        extend_s=EXTEND_S,
+    )
+    return choose_option(inputs, router.policy)
+
+
+FORCEABLE = {
+    Pipeline.P_MD.value: Option.SHIP,
+    Pipeline.P_RLD_MD.value: Option.RELAY,
+    Pipeline.SINGULAR.value: Option.SINGULAR,
+    **{o.value: o for o in Option},
+}
+
+
+def forced_option(routing: RoutingInputs, forced: str, policy: RoutingPolicy) -> OptionDecision:
+    """The client named the pipeline (its KV-shipping option) or the option: admitted as asked."""
+    option = FORCEABLE[forced]
+    shipped = routing.wan_bytes if option.ships_kv else 0
+    return OptionDecision(
+        option, DecisionReason.FORCED, shipped, routing.link.transfer_s(routing.wan_bytes), ()
+    )
+
+
+def option_trace(decision: OptionDecision) -> dict[str, Any]:
+    """Why this request went where it went: the option, the reason, and every option's estimate."""
+    return {
+        "option": decision.option.value if decision.option else "rejected",
+        "option_estimates": {
+            e.option.value: {
+                "ttft_s": round(e.ttft_s, 4),
+                "md_ready_s": round(e.md_ready_s, 4) if e.md_ready_s != float("inf") else None,
+                "finish_s": round(e.finish_s, 4),
+                "rld_tokens": round(e.rld_tokens, 1),
+            }
+            for e in decision.estimates
+        },
+    }

@@ -1,0 +1,152 @@
+"""The control channel between vLLM's connector and its sidecar: JSON lines over a Unix socket.
+
+Only control crosses it (transfer ids, slot offsets, states); KV bytes stay in the shared-memory
+region (``sidecar.vllm_kv.shm``). One request line, one answer line: ``{"op": ..., ...}`` ->
+``{"ok": true, ...}`` or ``{"ok": false, "error": "code: text"}``. The connector's side is a
+blocking client (vLLM's scheduler and worker call it from their own threads, a round trip is tens
+of microseconds); the sidecar's side is an asyncio server whose handler answers at once (anything
+slow, like a WAN transfer, runs as a task the handler only starts).
+
+Operations (who sends them):
+  PREPARE  P scheduler: a request will produce KV for ``transfer`` (``prompt`` token ids); the
+           sidecar starts its reservation at MD now, while vLLM prefills.
+  ALLOC    P worker: a slot of ``nbytes`` -> ``offset`` and ``first_block`` (MD's reserved prefix
+           when already known, else 0: copy everything, the sidecar ships only what MD lacks).
+  COMMIT   P worker: the slot holds blocks ``first_block``.. of ``num_blocks``; ship them.
+  POLL     MD worker: states of ``transfers`` (pending / landed with its slot / failed with reason).
+  RELEASE  either side: the transfer is done with (loaded, aborted, finished): free what it holds.
+  STATUS   anyone: region and transfer counts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import threading
+from collections.abc import Callable
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from pddlink.errors import ErrorCode, InvalidInput, PddlinkError, RemoteError, Unavailable
+
+MAX_LINE = 1 << 20
+
+
+class Op(StrEnum):
+    PREPARE = "prepare"
+    ALLOC = "alloc"
+    COMMIT = "commit"
+    POLL = "poll"
+    RELEASE = "release"
+    STATUS = "status"
+
+
+class TransferState(StrEnum):
+    PENDING = "pending"
+    LANDED = "landed"
+    FAILED = "failed"
+
+
+Handler = Callable[[Op, dict[str, Any]], dict[str, Any]]
+
+
+def field(msg: dict[str, Any], name: str, kind: type) -> Any:
+    """A typed field of a control message, or InvalidInput naming it."""
+    value = msg.get(name)
+    if kind is int and isinstance(value, bool):
+        value = None
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, kind):
+        raise InvalidInput(f"control message field {name!r} must be {kind.__name__}, got {value!r}")
+    return value
+
+
+def _answer(handler: Handler, line: bytes) -> dict[str, Any]:
+    try:
+        msg = json.loads(line)
+        if not isinstance(msg, dict):
+            raise InvalidInput("a control message is a JSON object")
+        op = Op(msg.get("op"))
+        return {"ok": True, **handler(op, msg)}
+    except PddlinkError as exc:
+        return {"ok": False, "error": f"{exc.code.name.lower()}: {exc.message}"}
+    except (ValueError, KeyError, TypeError) as exc:
+        return {"ok": False, "error": f"bad_request: {exc}"}
+
+
+async def serve_control(path: Path, handler: Handler) -> asyncio.AbstractServer:
+    """Serve the channel on ``path`` (replaced if it exists, mode 0600)."""
+    path.unlink(missing_ok=True)
+
+    async def on_client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while line := await reader.readline():
+                writer.write(json.dumps(_answer(handler, line)).encode() + b"\n")
+                await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError, ValueError):
+            pass
+        finally:
+            writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
+
+    server = await asyncio.start_unix_server(on_client, path=str(path), limit=MAX_LINE)
+    path.chmod(0o600)
+    return server
+
+
+class ControlClient:
+    """The connector's side: one blocking connection, reopened once after a failure."""
+
+    def __init__(self, path: Path, *, timeout_s: float = 5.0) -> None:
+        self.path, self.timeout_s = path, timeout_s
+        self._sock: socket.socket | None = None
+        self._file: Any = None
+        self._lock = threading.Lock()
+
+    def call(self, op: Op, **fields: Any) -> dict[str, Any]:
+        line = json.dumps({"op": op.value, **fields}).encode() + b"\n"
+        with self._lock:
+            for attempt in (0, 1):
+                try:
+                    if self._file is None:
+                        self._open()
+                    assert self._sock is not None and self._file is not None
+                    self._sock.sendall(line)
+                    reply = self._file.readline(MAX_LINE)
+                    if not reply:
+                        raise ConnectionError("sidecar closed the control channel")
+                    break
+                except OSError as exc:
+                    self._close()
+                    if attempt:
+                        raise Unavailable(
+                            f"sidecar control channel {self.path}: {exc}", code=ErrorCode.PEER_UNREACHABLE
+                        ) from exc
+        answer = json.loads(reply)
+        if not answer.get("ok"):
+            raise RemoteError(f"sidecar refused {op.value}: {answer.get('error')}")
+        return dict(answer)
+
+    def _open(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout_s)
+        sock.connect(str(self.path))
+        self._sock, self._file = sock, sock.makefile("rb")
+
+    def _close(self) -> None:
+        if self._file is not None:
+            with contextlib.suppress(OSError):
+                self._file.close()
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.close()
+        self._sock = self._file = None
+
+    def close(self) -> None:
+        with self._lock:
+            self._close()

@@ -1,0 +1,147 @@
+"""One sidecar beside one vLLM: the shared-memory region, the control channel vLLM's connector
+dials, and the role's bridge (P: ``ProducerBridge`` + the WAN link to MD; MD: ``ConsumerBridge`` +
+the KV server P ships to, and the DRC that vLLM's KV events feed).
+
+Lifecycle: ``await VllmSidecar(cfg).start()`` creates ``<workdir>/<name>.kv`` (the region) and
+``<workdir>/<name>.sock`` (the channel) and, on MD, listens for P; ``status()`` is what the admin
+endpoint and the tests read (held slots and bytes, transfers in flight, counts); ``close()`` ends
+in-flight work, closes listeners and links, unlinks the region and the socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from pddlink.drc import PrefixIndex
+from pddlink.errors import ConfigError
+from pddlink.transport import KVServer, LinkOptions, PeerIdentity, TlsConfig, load_or_create_peer
+from sidecar.peers import KVPeer
+from sidecar.vllm_kv.consumer import ConsumerBridge
+from sidecar.vllm_kv.control import Op, serve_control
+from sidecar.vllm_kv.kv_events import KvEventFeed
+from sidecar.vllm_kv.producer import ProducerBridge
+from sidecar.vllm_kv.shm import ShmRegion
+
+
+class Role(StrEnum):
+    P = "p"
+    MD = "md"
+
+
+@dataclass(frozen=True, slots=True)
+class VllmSidecarConfig:
+    role: Role
+    name: str
+    workdir: Path
+    model_id: str
+    block_size: int
+    region_bytes: int = 256 << 20
+    md_addr: str = ""  # P: MD's KV server, host:port
+    kv_host: str = "127.0.0.1"  # MD: where P ships to
+    kv_port: int = 0
+    transport: str = "tcp"
+    tls_dir: Path | None = None
+    options: LinkOptions = field(default_factory=LinkOptions)
+    kv_events_endpoint: str = ""  # MD: vLLM's ZMQ publisher (tcp://127.0.0.1:PORT); "" = no feed
+
+    def __post_init__(self) -> None:
+        if self.role is Role.P and not self.md_addr:
+            raise ConfigError("P's vLLM sidecar needs md_addr (MD's KV server, host:port)")
+        if self.block_size <= 0:
+            raise ConfigError(f"block_size must be positive, got {self.block_size}")
+
+
+class VllmSidecar:
+    def __init__(self, cfg: VllmSidecarConfig) -> None:
+        self.cfg = cfg
+        self.region: ShmRegion | None = None
+        self.producer: ProducerBridge | None = None
+        self.consumer: ConsumerBridge | None = None
+        self.feed: KvEventFeed | None = None
+        self._control: asyncio.AbstractServer | None = None
+        self._kv: KVServer | None = None
+        self._md: KVPeer | None = None
+
+    @property
+    def control_path(self) -> Path:
+        return self.cfg.workdir / f"{self.cfg.name}.sock"
+
+    @property
+    def kv_port(self) -> int:
+        assert self._kv is not None
+        return self._kv.port
+
+    def _tls(self, identity: PeerIdentity) -> TlsConfig | None:
+        return None if self.cfg.tls_dir is None else load_or_create_peer(self.cfg.tls_dir, identity)
+
+    async def start(self) -> VllmSidecar:
+        cfg = self.cfg
+        cfg.workdir.mkdir(parents=True, exist_ok=True)
+        self.region = ShmRegion(cfg.workdir / f"{cfg.name}.kv", cfg.region_bytes)
+        identity = PeerIdentity(cfg.role.value, cfg.name)
+        handler: Any
+        if cfg.role is Role.P:
+            self._md = KVPeer(
+                cfg.md_addr,
+                identity=identity,
+                tls=self._tls(identity),
+                transport=cfg.transport,
+                options=cfg.options,
+            )
+            self.producer = ProducerBridge(
+                self.region,
+                self._md,
+                model_id=cfg.model_id,
+                block_size=cfg.block_size,
+                chunk_bytes=cfg.options.chunk_bytes,
+            )
+            handler = self.producer.handle
+        else:
+            index = PrefixIndex(None)
+            self.consumer = ConsumerBridge(self.region, index, block_size=cfg.block_size)
+            self._kv = await KVServer.start(
+                cfg.kv_host,
+                cfg.kv_port,
+                identity=identity,
+                tls=self._tls(identity),
+                on_transfer=self.consumer.on_transfer,
+                on_message=self.consumer.on_message,
+                on_transfer_failed=self.consumer.on_transfer_failed,
+                transport=cfg.transport,
+                options=cfg.options,
+            )
+            if cfg.kv_events_endpoint:
+                self.feed = KvEventFeed(index, model_id=cfg.model_id, block_size=cfg.block_size)
+                self.feed.start(cfg.kv_events_endpoint)
+            handler = self.consumer.handle
+        self._control = await serve_control(self.control_path, handler)
+        return self
+
+    def status(self) -> dict[str, Any]:
+        bridge = self.producer or self.consumer
+        out = bridge.handle(Op.STATUS, {}) if bridge is not None else {}
+        if self.feed is not None:
+            out["kv_events"] = self.feed.stats()
+        return out
+
+    async def close(self) -> None:
+        if self._control is not None:
+            self._control.close()
+            with contextlib.suppress(Exception):
+                await self._control.wait_closed()
+        if self.feed is not None:
+            await self.feed.close()
+        if self.producer is not None:
+            await self.producer.close()
+        if self._md is not None:
+            await self._md.drop()
+        if self._kv is not None:
+            await self._kv.close()
+        if self.region is not None:
+            self.region.close()
+        self.control_path.unlink(missing_ok=True)

@@ -1,0 +1,129 @@
+"""The compose lab's files, without a container engine: compose file, role configs, entry point.
+
+The topology is the documented one (relay on dc-a and dc-b, router/P/RLD on dc-a, MD on dc-b), every
+network is internal, addresses are in 198.18.0.0/15, every role runs as the image's user with mTLS
+and only its own credentials mounted; ``docker-compose config`` accepts the file with the lab's
+variables; the role configs load with the sidecar's and the router's own loaders.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from netlab.compose.lab import COMPOSE_FILE, DEFAULT_CONFIG, ROLES, LabRecord
+from sidecar.config import load_config
+
+yaml = pytest.importorskip("yaml")
+DOCKER = Path(__file__).resolve().parents[2] / "docker"
+LAB_RANGE = ipaddress.ip_network("198.18.0.0/15")
+
+
+def lab_env(record: LabRecord, tmp: Path) -> dict[str, str]:
+    return {
+        "PDDLINK_LAB_DIR": str(tmp / "lab"),
+        "PDDLINK_RUN_DIR": str(tmp / "run"),
+        "PDDLINK_NET_A": record.net("dc-a"),
+        "PDDLINK_NET_B": record.net("dc-b"),
+        "PDDLINK_BRIDGE_A": record.bridge("dc-a"),
+        "PDDLINK_BRIDGE_B": record.bridge("dc-b"),
+    }
+
+
+@pytest.fixture(scope="module")
+def resolved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The compose file as ``docker-compose config`` resolves it for lab slot 1 (no engine needed)."""
+    if shutil.which("docker-compose") is None:
+        pytest.skip("docker-compose is not installed (apt-get install docker-compose)")
+    tmp = tmp_path_factory.mktemp("compose")
+    env = {"PATH": "/usr/bin:/bin", **lab_env(LabRecord("t", 1), tmp)}
+    out = subprocess.run(
+        ["docker-compose", "-f", str(COMPOSE_FILE), "--profile", "probe", "config"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    data: dict[str, Any] = yaml.safe_load(out.stdout)
+    return data
+
+
+def test_topology_relay_joins_the_datacenters_roles_sit_in_theirs(resolved: dict[str, Any]) -> None:
+    services = resolved["services"]
+    assert set(services) == {"relay", "p", "rld", "router", "md", "probe-a", "probe-b"}
+    nets = {name: set(svc["networks"]) for name, svc in services.items()}
+    assert nets["relay"] == {"dc-a", "dc-b"}
+    assert nets["p"] == nets["rld"] == nets["router"] == nets["probe-a"] == {"dc-a"}
+    assert nets["md"] == nets["probe-b"] == {"dc-b"}
+    for role in ("p", "rld", "md"):
+        assert services[role]["command"] == ["pddlink", "sidecar", "--config", f"/config/{role}.toml"]
+    assert services["router"]["command"][:2] == ["pddlink", "router"]
+    assert services["relay"]["command"][:3] == ["python", "-m", "netlab.compose.relay"]
+
+
+def test_addresses_follow_the_slot_and_stay_in_the_benchmark_range(resolved: dict[str, Any]) -> None:
+    record = LabRecord("t", 1)
+    for name, net in resolved["networks"].items():
+        assert net["internal"] is True, name
+        assert net["driver_opts"]["com.docker.network.bridge.name"] == record.bridge(name)
+        (cfg,) = net["ipam"]["config"]
+        assert ipaddress.ip_network(cfg["subnet"]) == ipaddress.ip_network(f"{record.net(name)}.0/24")
+        assert ipaddress.ip_network(cfg["subnet"]).subnet_of(LAB_RANGE)  # type: ignore[arg-type]
+    for service, svc in resolved["services"].items():
+        for net in svc["networks"].values():
+            addr = net["ipv4_address"]
+            assert ipaddress.ip_address(addr) in LAB_RANGE
+            if service != "relay":
+                assert addr == record.addr(service), service
+
+
+def test_roles_drop_root_have_their_own_credentials_and_a_route_through_the_relay(
+    resolved: dict[str, Any],
+) -> None:
+    record = LabRecord("t", 1)
+    for role in ROLES:
+        svc = resolved["services"][role]
+        assert svc["init"] is True
+        assert svc["environment"]["PDDLINK_USER"] == "pddlink"
+        assert svc["cap_add"] == ["NET_ADMIN"] and "no-new-privileges:true" in svc["security_opt"]
+        dc, far = ("dc-b", "dc-a") if role == "md" else ("dc-a", "dc-b")
+        assert svc["environment"]["PDDLINK_ROUTE"] == f"{record.net(far)}.0/24 via {record.net(dc)}.2"
+        mounts = {v.split(":")[1]: v.split(":") for v in svc["volumes"]}  # SOURCE:TARGET[:MODE]
+        assert mounts["/pki"][0].endswith(f"/lab/pki/{role}") and mounts["/pki"][2:] == ["ro"]
+        assert mounts["/config"][2:] == ["ro"]
+        hosts = set(svc["extra_hosts"])
+        assert {f"md:{record.addr('md')}", f"p:{record.addr('p')}"} <= hosts
+    relay = resolved["services"]["relay"]
+    assert relay["devices"] == ["/dev/net/tun:/dev/net/tun"] and "NET_ADMIN" in relay["cap_add"]
+    assert relay["sysctls"]["net.ipv4.ip_forward"] == "1"
+    assert relay["sysctls"]["net.ipv4.conf.all.rp_filter"] == "0"
+
+
+def test_role_configs_load_with_mtls_and_name_their_peers() -> None:
+    from pddlink.cli.router import _load
+
+    for role in ("p", "rld", "md"):
+        cfg = load_config(DEFAULT_CONFIG / f"{role}.toml")
+        assert cfg.role == role and cfg.tls_dir == "/pki" and cfg.host == "0.0.0.0"
+        assert cfg.admin_unix == f"/run/pddlink/{role}.admin.sock"
+        for addr in (cfg.peers.md_grpc, cfg.peers.md_kv, cfg.peers.rld_grpc, cfg.peers.rld_kv):
+            assert addr == "" or addr.split(":")[0] in ("md", "rld")
+    router, serve = _load(str(DEFAULT_CONFIG / "router.toml"), {})
+    assert router.tls_dir == "/pki" and serve["unix"] == "/run/pddlink/router.sock"
+    assert {router.p, router.rld, router.md} == {"p:7442", "rld:7441", "md:7440"}
+
+
+def test_entrypoint_is_valid_sh_and_drops_every_capability() -> None:
+    entry = DOCKER / "entrypoint.sh"
+    assert subprocess.run(["sh", "-n", str(entry)], check=False).returncode == 0
+    text = entry.read_text()
+    assert "--inh-caps=-all" in text and "--bounding-set=-all" in text and "--no-new-privs" in text
+    assert "ARG DEPS" in (DOCKER / "Dockerfile").read_text()
+    assert "FROM ${BASE} AS install" in (DOCKER / "Dockerfile.deps").read_text()

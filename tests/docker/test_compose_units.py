@@ -1,0 +1,60 @@
+"""Pieces of the compose lab that need no engine: the relay container's interface lookup, the
+lab slots' addresses, and the role configs the demo writes for each deployment."""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from netlab.compose.lab import LabRecord, check_name
+from netlab.compose.relay import interface_in
+from pddlink.errors import InvalidInput, LocalError
+from sidecar.cluster import ClusterSpec
+from sidecar.config import load_config
+from sidecar.demo_compose import role_configs
+
+ADDRS = [
+    {"ifname": "lo", "addr_info": [{"local": "127.0.0.1", "prefixlen": 8}]},
+    {"ifname": "eth0", "addr_info": [{"local": "198.19.241.2", "prefixlen": 24}]},
+    {"ifname": "eth1", "addr_info": [{"local": "198.19.240.2", "prefixlen": 24}]},
+]
+
+
+def test_the_relay_finds_each_networks_interface_by_subnet() -> None:
+    assert interface_in("198.19.240.0/24", ADDRS) == "eth1"
+    assert interface_in("198.19.241.0/24", ADDRS) == "eth0"
+    with pytest.raises(LocalError, match=r"198\.19\.250\.0/24"):
+        interface_in("198.19.250.0/24", ADDRS)
+
+
+def test_lab_slots_get_disjoint_subnets_and_bridges() -> None:
+    records = [LabRecord(f"l{k}", k) for k in range(8)]
+    nets = {r.net(dc) for r in records for dc in ("dc-a", "dc-b")}
+    bridges = {r.bridge(dc) for r in records for dc in ("dc-a", "dc-b")}
+    assert len(nets) == len(bridges) == 16 and all(len(b) <= 15 for b in bridges)
+    assert records[0].addr("md") == "198.19.241.10" and records[1].addr("p") == "198.19.242.10"
+    with pytest.raises(InvalidInput):
+        check_name("Bad_Name")
+
+
+def test_demo_role_configs_carry_the_specs_knobs_with_mtls(tmp_path: Path) -> None:
+    from pddlink.cli.router import _load
+
+    spec = ClusterSpec(tmp_path, relay=False, line_mbit=16.0, rtt_ms=20.0, rld_capacity=5, slice_tokens=7)
+    files = role_configs(spec)
+    for role in ("p", "rld", "md"):
+        (tmp_path / f"{role}.toml").write_text(files[role])
+        cfg = load_config(tmp_path / f"{role}.toml")
+        assert cfg.tls_dir == "/pki" and cfg.admin_unix == f"/run/pddlink/{role}.admin.sock"
+        assert cfg.engine.dtype == spec.dtype and cfg.engine.mode == spec.engine_mode
+    rld = load_config(tmp_path / "rld.toml")
+    assert (rld.decode.capacity, rld.decode.slice_tokens) == (5, 7)
+    (tmp_path / "router.toml").write_text(files["router"])
+    router, serve = _load(str(tmp_path / "router.toml"), {})
+    assert router.relay_enabled is False and router.line_mbit == 16.0 and router.rld_capacity == 5
+    assert serve["unix"] == "/run/pddlink/router.sock"
+    pdd = tomllib.loads(role_configs(replace(spec, relay=True))["router"])
+    assert pdd["relay_enabled"] is True

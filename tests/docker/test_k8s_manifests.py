@@ -1,0 +1,82 @@
+"""The Kubernetes manifests (docker/k8s/) pass offline validation against the Kubernetes API schemas
+(``kubernetes-validate``, strict: unknown fields fail) and follow the sidecar pattern. No cluster
+runs here: validated, not deployed."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+yaml = pytest.importorskip("yaml")
+kv = pytest.importorskip("kubernetes_validate")
+K8S = Path(__file__).resolve().parents[2] / "docker" / "k8s"
+VERSION = "1.37.0"
+
+
+def documents() -> list[dict[str, Any]]:
+    docs: list[dict[str, Any]] = []
+    for path in sorted(K8S.glob("*.yaml")):
+        docs += [d for d in yaml.safe_load_all(path.read_text()) if d]
+    return docs
+
+
+def by_kind(kind: str) -> dict[str, dict[str, Any]]:
+    return {d["metadata"]["name"]: d for d in documents() if d["kind"] == kind}
+
+
+def test_every_manifest_validates_strictly_against_the_api_schemas() -> None:
+    docs = documents()
+    assert {d["kind"] for d in docs} == {"Namespace", "ConfigMap", "Deployment", "Service"}
+    for doc in docs:
+        kv.validate(doc, VERSION, strict=True)
+
+
+def test_the_validation_rejects_a_broken_manifest() -> None:
+    bad = copy.deepcopy(by_kind("Deployment")["pddlink-md"])
+    bad["spec"]["template"]["spec"]["containers"][1]["ports"][0]["containerPort"] = "seven"
+    with pytest.raises(kv.ValidationError):
+        kv.validate(bad, VERSION, strict=True)
+    unknown = copy.deepcopy(by_kind("Service")["pddlink-md"])
+    unknown["spec"]["portz"] = []
+    with pytest.raises(kv.ValidationError):
+        kv.validate(unknown, VERSION, strict=True)
+
+
+def test_engine_pods_pair_the_engine_with_the_sidecar_ready_on_readyz_with_secret_certificates() -> None:
+    deployments = by_kind("Deployment")
+    assert set(deployments) == {"pddlink-p", "pddlink-rld", "pddlink-md", "pddlink-router"}
+    for role in ("p", "rld", "md"):
+        pod = deployments[f"pddlink-{role}"]["spec"]["template"]["spec"]
+        engine, sidecar = pod["containers"]
+        assert (engine["name"], sidecar["name"]) == ("engine", "pddlink")
+        assert sidecar["args"] == ["pddlink", "sidecar", "--config", f"/config/{role}.toml"]
+        assert sidecar["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "admin"}
+        assert {m["mountPath"] for m in engine["volumeMounts"]} >= {"/dev/shm", "/run/pddlink"}
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["pki"]["secret"]["secretName"] == f"pddlink-tls-{role}"
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert sidecar["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+
+
+def test_services_expose_the_data_plane_and_mds_drc_feed() -> None:
+    services = by_kind("Service")
+    ports = {name: {p["name"]: p["port"] for p in svc["spec"]["ports"]} for name, svc in services.items()}
+    assert ports["pddlink-md"] == {"grpc": 7440, "kv": 7450, "admin": 7460}  # grpc carries DrcEvents
+    assert ports["pddlink-rld"] == {"grpc": 7441, "kv": 7451, "admin": 7461}
+    assert ports["pddlink-p"] == {"grpc": 7442, "admin": 7462}
+    assert ports["pddlink-router"] == {"grpc": 7443, "http": 8000}
+
+
+def test_configmap_files_load_as_role_configs_with_mtls() -> None:
+    import tomllib
+
+    from sidecar.config import load_config
+
+    data = by_kind("ConfigMap")["pddlink-config"]["data"]
+    for role in ("p", "rld", "md"):
+        cfg = load_config(None, tomllib.loads(data[f"{role}.toml"]))
+        assert cfg.role == role and cfg.tls_dir == "/pki"
+    assert tomllib.loads(data["router.toml"])["tls_dir"] == "/pki"

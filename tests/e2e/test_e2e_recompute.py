@@ -1,0 +1,66 @@
+"""Ship or recompute end to end: MD prefills the prompt from its token ids (no KV on the WAN), alone
+or while RelayDecode streams and then hands over by token ids; every token exactly what one engine
+generating alone gives. Router, P, RLD and MD as processes across a netlab WAN, as in
+``test_e2e_pipeline``."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from netlab.lab import Lab
+from netlab.profile import parse_profile
+from sidecar.cluster import Cluster, ClusterSpec
+from sidecar.demo_load import replay
+from tests.e2e.test_e2e_pipeline import PROFILE, reference, requests
+
+pytestmark = [pytest.mark.e2e, pytest.mark.netlab, pytest.mark.timeout(300)]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    lab = Lab.up(parse_profile(PROFILE, name="e2e-rc"), name=f"rc{random.randrange(10**6)}")
+    try:
+        spec = ClusterSpec(
+            tmp_path_factory.mktemp("rc"), slice_tokens=4, rld_capacity=8, recompute=True, admission=True
+        )
+        with Cluster(lab, spec) as c:
+            yield c
+    finally:
+        lab.down()
+
+
+@pytest.mark.parametrize("option", ["recompute", "relay_recompute"])
+def test_md_recomputes_exactly(cluster: Cluster, option: str) -> None:
+    long = option == "relay_recompute"  # long enough that MD is ready before RLD has finished
+    reqs = requests(4, max_tokens=160 if long else 24, seed=7 if long else 8, spacing_s=0.3)
+    results = asyncio.run(replay(cluster.router_target, reqs, deadline_s=30.0, pipeline=option))
+    expected = reference(reqs)
+    for r in results:
+        assert r.outcome == "finished", (r.reason, r.trace.get("fallbacks"))
+        assert r.tokens == expected[r.index]
+        t = r.trace
+        assert t["option"] == option and t["md_recompute_s"] > 0 and t["wan_bytes"] == 0
+        if long:
+            assert r.sources.get("rld", 0) >= 1  # RLD streamed at once
+        else:
+            assert r.sources.get("md", 0) == len(r.tokens)
+    if long:  # and MD took over by token ids once its recompute was done
+        assert any(r.trace.get("handoff_outcome") == "handed_off" and r.sources.get("md", 0) for r in results)
+
+
+def test_md_cache_follows_a_recomputed_prompt(cluster: Cluster) -> None:
+    """A second request sharing the first's prompt prefix finds it in MD's cache (DRC commit)."""
+    first = requests(1, max_tokens=8, seed=11)
+    second = [first[0].__class__(0, 0.0, (*first[0].prompt, 5, 6, 7), first[0].sampling)]
+    asyncio.run(replay(cluster.router_target, first, deadline_s=30.0, pipeline="recompute"))
+    [again] = asyncio.run(replay(cluster.router_target, second, deadline_s=30.0, pipeline="recompute"))
+    assert again.outcome == "finished"
+    assert again.trace["md_cached_tokens"] >= (len(first[0].prompt) // 16) * 16 - 16
+
+
+_ = Path

@@ -1,0 +1,18 @@
+"""vLLM tests: marked ``vllm``; skipped with the reason where vLLM is not installed."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if HAVE_VLLM:
+        return
+    skip = pytest.mark.skip(reason="vLLM is not installed (pip install 'pddlink[vllm]' or scripts/setup.sh)")
+    for item in items:
+        if "vllm" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,112 @@
+"""P->MD through two real vLLM servers and their sidecars: exact greedy tokens against vLLM alone,
+the KV that crossed equal byte for byte to what P's vLLM held, only MD's missing suffix shipped,
+nothing held afterwards. One pair of servers for the module (about 35 s to start)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    from engines_adapter.vllm.pair import PairSpec, VllmPair
+    from engines_adapter.vllm.tiny_model import TinyLlamaSpec, build_tiny_llama
+
+    # not under pytest's basetemp: concurrent pytest runs prune old basetemps, sockets included
+    root = Path(tempfile.mkdtemp(prefix="pddlink-vllm-"))
+    model = build_tiny_llama(root / "model", TinyLlamaSpec(dtype="float32"))
+    dump = root / "dump"
+    dump.mkdir()
+    p = VllmPair(PairSpec(root / "w", model, dtype="float32", kv_dump_dir=dump))
+    try:
+        p.start()
+        yield p
+    finally:
+        p.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _prompts(n: int, seed: int = 1) -> list[tuple[int, ...]]:
+    """Groups of five prompts sharing a 64-100 token prefix, each with its own 5-60 token tail."""
+    rng = random.Random(seed)
+    out: list[tuple[int, ...]] = []
+    while len(out) < n:
+        prefix = [rng.randrange(3, 1024) for _ in range(rng.randint(64, 100))]
+        for _ in range(5):
+            out.append(tuple(prefix + [rng.randrange(3, 1024) for _ in range(rng.randint(5, 60))]))
+    return out[:n]
+
+
+def test_p_md_exact_one_at_a_time_and_kv_bytes_equal(pair) -> None:
+    from sidecar.vllm_driver import DriveRequest, VllmDriver
+
+    async def run() -> tuple[int, list[str]]:
+        driver = VllmDriver(pair.p.url, pair.md.url, str(pair.spec.model))
+        mismatches, ids = 0, []
+        try:
+            for prompt in _prompts(50):
+                req = DriveRequest(prompt, 8, 60.0)
+                alone = await driver.generate_alone(pair.p.url, req)
+                got = await driver.run_p_md(req)
+                mismatches += got.tokens != alone
+                ids.append(req.request_id)
+        finally:
+            await driver.close()
+        return mismatches, ids
+
+    mismatches, ids = asyncio.run(run())
+    assert mismatches == 0
+    dump: Path = pair.spec.kv_dump_dir
+    compared = 0
+    for rid in ids:
+        (p_file,) = dump.glob(f"P-{rid}-*.bin")
+        (md_file,) = dump.glob(f"MD-{rid}-*.bin")
+        p_first, md_first = int(p_file.stem.rsplit("-", 1)[1]), int(md_file.stem.rsplit("-", 1)[1])
+        p_bytes, md_bytes = p_file.read_bytes(), md_file.read_bytes()
+        assert md_first >= p_first
+        # the P slot holds blocks p_first.., MD's read-back blocks md_first..; both block-major
+        blocks_p = _blocks(p_bytes, pair)
+        blocks_md = _blocks(md_bytes, pair)
+        assert blocks_md, rid
+        assert blocks_p[md_first - p_first : md_first - p_first + len(blocks_md)] == blocks_md
+        assert any(b.strip(b"\0") for b in blocks_md)
+        compared += len(blocks_md)
+    assert compared >= 50
+    st = pair.status()
+    assert st["md"]["loaded"] == 50 and st["p"]["shipped"] == 50
+    # every group's later prompts found the shared prefix in MD's DRC: fewer blocks shipped
+    full = sum(-(-len(p) // pair.spec.block_size) for p in _prompts(50)) * _bytes_per_block(pair)
+    shipped = pair.loop.call(lambda: dict(pair.p_side.producer.done))
+    assert st["md"]["wan_bytes"] < 0.8 * full, (st["md"], list(shipped.values())[:3])
+
+
+def _blocks(data: bytes, pair) -> list[bytes]:
+    per = _bytes_per_block(pair)
+    assert len(data) % per == 0
+    return [data[i : i + per] for i in range(0, len(data), per)]
+
+
+def _bytes_per_block(pair) -> int:
+    # 2 layers x 2 KV heads x block 32 x (K and V) x head_dim 64 x 4 bytes (float32)
+    return 2 * 2 * pair.spec.block_size * 2 * 64 * 4
+
+
+def test_nothing_held_afterwards(pair) -> None:
+    import time
+
+    deadline = time.monotonic() + 10
+    while True:
+        st = pair.status()
+        held = [st[s]["held_slots"] for s in ("p", "md")] + [st[s]["in_flight"] for s in ("p", "md")]
+        if not any(held) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert held == [0, 0, 0, 0], st
