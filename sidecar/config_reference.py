@@ -54,7 +54,7 @@ MEANINGS: dict[str, str] = {
     "data_plane.wan_links": "links in the WAN connection pool (a transfer takes the least loaded)",
     "data_plane.chunk_bytes": "KV chunk size on the wire",
     "data_plane.reserve_lease_s": "how long MD holds a reserved prefix for P's transfer",
-    "data_plane.wan_codec": "KV codec: auto (compress if the line is slower than the codec), raw or planes_zstd",
+    "data_plane.wan_codec": "KV codec: auto (compress if the line is slower than it), raw or planes_zstd",
     "data_plane.wan_line_mbit": "WAN line rate for the codec choice (0: unknown, measured from transfers)",
     # [decode]
     "decode.max_batch": "requests decoded in one engine step",
