@@ -73,6 +73,11 @@ def clients(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Any
     (work / "run" / "api-keys").write_text(key + "\n")
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
     env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
+    pki = work / "run" / "pki"  # as docs/deploy.md step 1: a CA kept apart, one directory per node
+    subprocess.run(["pddlink", "pki", "init", str(pki / "ca")], env=env, check=True, capture_output=True)
+    for role, ident in (("md", "md/md0"), ("rld", "rld/rld0"), ("p", "p/p0"), ("router", "router/router0")):
+        argv = ["pddlink", "pki", "issue", "--ca", str(pki / "ca"), "--out", str(pki / role), ident]
+        subprocess.run(argv, env=env, check=True, capture_output=True)
     venv = dict(env, VLLM_HOST_IP="127.0.0.1", VLLM_CPU_KVCACHE_SPACE="1")
     procs = [
         _start(
