@@ -41,6 +41,11 @@ MAX_DEADLINE_S = 600.0
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 
 
+# A forced pipeline (tests, the P->MD baseline): a pipeline's name or a routing option's
+# (``sidecar.router_options.FORCEABLE``).
+ForcedPipeline = Literal["", "p_md", "p_rld_md", "singular", "ship", "relay", "recompute", "relay_recompute"]
+
+
 class RequestRefused(InvalidInput):
     """A client request that the schema refuses; ``param`` names the field ("" for the body)."""
 
@@ -114,7 +119,7 @@ class _Sampling(_Strict):
     min_tokens: int = 0
     # pddlink's own: the request's deadline and a forced pipeline (tests, the P->MD baseline)
     deadline_s: float | None = Field(None, gt=0.0, le=MAX_DEADLINE_S)
-    pipeline: Literal["", "p_md", "p_rld_md", "singular"] = ""
+    pipeline: ForcedPipeline = ""
 
     @field_validator("stop")
     @classmethod
@@ -227,7 +232,7 @@ class GenerateBody(_Strict):
     max_tokens: int = Field(0, ge=0, le=1_000_000)
     stop_token_ids: list[TokenId] = Field([], max_length=MAX_STOP_TOKEN_IDS)
     deadline_s: float = Field(0.0, ge=0.0, le=MAX_DEADLINE_S)
-    pipeline: Literal["", "p_md", "p_rld_md", "singular"] = ""
+    pipeline: ForcedPipeline = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -408,4 +413,4 @@ def generate_job(fields: dict[str, Any], limits: Limits) -> Job:
     )
 
 
-_ = Pipeline  # the Literals above spell Pipeline's values (test_schema_pipelines_are_the_routing_pipelines)
+_ = Pipeline  # ForcedPipeline spells FORCEABLE's names (test_schema_pipelines_are_the_routing_pipelines)

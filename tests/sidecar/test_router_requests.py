@@ -141,9 +141,9 @@ def test_string_prompt_is_bytes_and_defaults() -> None:
 def test_schema_pipelines_are_the_routing_pipelines() -> None:
     import typing
 
-    from pddlink.routing import Pipeline
     from sidecar.openai_schema import CompletionBody, GenerateBody
+    from sidecar.router_options import FORCEABLE
 
     for model in (CompletionBody, GenerateBody):
         allowed = set(typing.get_args(model.model_fields["pipeline"].annotation))
-        assert allowed == {"", *(p.value for p in Pipeline)}
+        assert allowed == {"", *FORCEABLE}
