@@ -8,8 +8,9 @@
 
 Each lab has a name, a slot (its subnets ``198.19.(240+2k).0/24`` and ``.(241+2k).0/24`` and its
 bridges ``pdlc<k>a``/``pdlc<k>b``) and a directory ``/run/pddlink-compose/labs/<name>/`` holding
-its record, the profile, the relay's control socket and readiness file, the dev PKI (``pki/all``;
-each role's container mounts only ``pki/<role>``: CA certificate, its certificate and key) and the
+its record, the profile, the relay's control socket and readiness file, the dev PKI (``pki/all``,
+the CA in ``pki/all/ca``; each role's container mounts only ``pki/<role>``: CA certificate, its
+certificate and key) and the
 roles' logs. The compose project is ``pddlink-<name>``; ``down`` removes its containers and networks
 by the project's label, so it also cleans up after a run that was killed.
 
@@ -403,6 +404,7 @@ class ComposeLab:
 
 def _make_directory(record: LabRecord, source: ProfileSource) -> None:
     from pddlink.transport import PeerIdentity, load_or_create_pki
+    from pddlink.transport.pki import node_dir
 
     d = record.directory
     shutil.rmtree(d, ignore_errors=True)
@@ -415,8 +417,9 @@ def _make_directory(record: LabRecord, source: ProfileSource) -> None:
     for ident in identities:
         role_dir = d / "pki" / ident.role
         role_dir.mkdir()
+        issued = node_dir(d / "pki" / "all", ident)  # the node's own directory: never the CA key
         for name in ("ca.pem", f"{ident.role}-{ident.name}.pem", f"{ident.role}-{ident.name}.key"):
-            shutil.copy2(d / "pki" / "all" / name, role_dir / name)
+            shutil.copy2(issued / name, role_dir / name)
             os.chown(role_dir / name, ROLE_UID, ROLE_UID)
         os.chown(role_dir, ROLE_UID, ROLE_UID)
     (d / "run").mkdir()

@@ -228,9 +228,11 @@ class PrefixIndex:
             if node.pins:
                 self._pinned -= 1
             parent = node.parent
-            if parent is not None and parent not in gone:
-                up = nodes[parent]
-                up.tick = max(up.tick, node.tick)
+            if parent is None:
+                continue
+            up = nodes[parent]
+            up.tick = max(up.tick, node.tick)  # a leaf's use is its ancestors' too (lazily kept)
+            if parent not in gone:
                 up.children -= 1
                 if up.children == 0 and up.pins == 0:
                     self._push(parent, up.tick)

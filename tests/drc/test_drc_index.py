@@ -103,3 +103,19 @@ def test_from_blocks_restores_structure_and_continues_numbering() -> None:
     assert removed(events)[0] in (seq(1, 2, 3)[2], seq(1, 4)[1])
     with pytest.raises(InvalidInput):
         PrefixIndex.from_blocks([(seq(1, 2)[1], seq(1)[0])])  # child before its parent
+
+
+def test_forget_keeps_the_lru_age_a_dropped_leaf_gave_its_ancestors() -> None:
+    """A use of a deep leaf counts for its ancestors too (kept lazily on the leaf); when the engine
+    drops the middle of that chain, the ancestor left as a leaf must keep the leaf's age, so the
+    next eviction takes the block really used least recently (hypothesis found this)."""
+    hasher = BlockHasher("index-test", block_size=1)
+    idx = PrefixIndex()
+    a = hasher.hash_blocks([0, 0, 1])  # (0,), (0,0), (0,0,1)
+    b = hasher.hash_blocks([1])
+    list(idx.insert(a, 1.0))
+    list(idx.insert(b, 1.0))  # b used after a's insert...
+    idx.access(a, 1.0)  # ...and a used after b
+    list(idx.forget([a[1]], 1.0))  # the engine drops (0,0) and (0,0,1); (0,) is a leaf again
+    (removed,) = idx.evict(1, 1.0)
+    assert removed.hashes == (b[0],)
