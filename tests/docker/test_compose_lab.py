@@ -65,11 +65,11 @@ def state() -> Iterator[dict[str, Any]]:
     try:
         first = images.build(engine, print)
         second = images.build(engine, print)
+        lab = ComposeLab.up(parse_profile(PROFILE, name="t16"), name=NAME)
     except BaseException:
         if engine.own and not list_labs():
             engines.stop_engine()
         raise
-    lab = ComposeLab.up(parse_profile(PROFILE, name="t16"), name=NAME)
     try:
         lab.deploy()
     except BaseException:
@@ -117,11 +117,13 @@ def test_a_request_crosses_the_relay_with_mtls(state: dict[str, Any]) -> None:
         str(lab.run_dir / "router.sock"),
         "POST",
         "/v1/completions",
-        {"prompt": prompt, "max_tokens": 8, "pipeline": "p_md"},
+        {"prompt": prompt, "max_tokens": 8, "pipeline": "p_md", "return_token_ids": True},
     )
     assert code == 200, reply
-    assert len(reply["choices"][0]["token_ids"]) == 8
-    assert reply["pddlink"]["pipeline"] == "p_md" and reply["pddlink"]["wan_bytes"] > 0  # KV crossed the WAN
+    choice = reply["choices"][0]
+    assert len(choice["token_ids"]) == 8
+    trace = choice["pddlink"]["trace"]
+    assert trace["pipeline"] == "p_md" and trace["wan_bytes"] > 0  # KV crossed the WAN
     assert lab.status()["wan"]["stats"]["a_to_b"]["delivered"] > before
     logs = lab.engine.docker(["logs", lab.container("md")]).stdout.decode()
     assert '"tls_identity": "pddlink://md/md0"' in logs
