@@ -43,9 +43,16 @@ class KVPeer:
         self._lock = asyncio.Lock()
         self.transport_name = transport
         self.in_flight_bytes = 0  # KV bytes of the transfers now on this link (pool choice)
+        self.redials = 0  # links found closed or given up and dialled anew
 
     async def client(self, deadline: float) -> KVClient:
+        """The link's client, dialled now when there is none or the last one is closed or gave up
+        reconnecting (a restarted peer, an outage longer than the reconnect backoff)."""
         async with self._lock:
+            if self._client is not None and not self._client.usable:
+                stale, self._client = self._client, None
+                self.redials += 1
+                await _close_quietly(stale)  # already dead: this only releases its sockets
             if self._client is None:
                 host, port = split_hostport(self.addr)
                 left = deadline - time.monotonic()
@@ -71,12 +78,16 @@ class KVPeer:
                 self.transport_name = self._client.transport
             return self._client
 
-    async def drop(self) -> None:
+    async def drop(self, failed: KVClient | None = None) -> None:
+        """Close the link so the next use dials a new one. ``failed``: the client a transfer failed
+        on; when the link has been re-dialled since, the new client is kept (a late failure on the
+        old one must not close the link every other transfer now uses)."""
         async with self._lock:
+            if failed is not None and failed is not self._client:
+                return
             client, self._client = self._client, None
         if client is not None:
-            with contextlib.suppress(TimeoutError, PddlinkError, OSError):
-                await asyncio.wait_for(client.close(), 1.0)
+            await _close_quietly(client)
 
     def stats(self) -> dict[str, Any]:
         if self._client is None:
@@ -91,7 +102,13 @@ class KVPeer:
             "retransmits": s.retransmits,
             "rtt_s": s.rtt_s,
             "reconnects": s.reconnects,
+            "redials": self.redials,
         }
+
+
+async def _close_quietly(client: KVClient) -> None:
+    with contextlib.suppress(TimeoutError, PddlinkError, OSError):
+        await asyncio.wait_for(client.close(), 1.0)
 
 
 class KVPeerPool:

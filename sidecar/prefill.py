@@ -143,7 +143,7 @@ class Prefiller:
             answer = await client.request(msg, timeout_s=max(deadline - time.monotonic(), 0.01))
         except PddlinkError as exc:
             if exc.code in _LINK_GONE:  # a restarted or vanished MD: reconnect on the next request
-                await link.drop()
+                await link.drop(client)
             raise
         if not isinstance(answer, ReserveAnswer) or answer.code is not None:
             reason = getattr(answer, "reason", type(answer).__name__)
@@ -178,7 +178,7 @@ class Prefiller:
                 begin, payload, deadline_s=max(deadline - time.monotonic(), 0.01)
             )
         except PddlinkError:
-            await peer.drop()
+            await peer.drop(client)  # this client only: the link may have been re-dialled since
             raise
 
     async def _ship_rld(
