@@ -1,0 +1,124 @@
+"""The router's view of each role (P, RLD, MD): may it send that role traffic now?
+
+One watcher per gRPC channel follows the channel's connectivity state: a channel that leaves READY
+(the role was killed, its socket reset, its host went away) makes the role unusable at once, not
+after the next request ends. The watcher then asks the channel to reconnect (the channels reconnect
+within ``sidecar.grpc_tls.RECONNECT_OPTIONS``' backoff, so a restarted role is found within about a
+second), and the role is usable again only after the channel is READY *and* a ``Status`` call has
+answered (the process serves, not merely accepts). While READY a ``Status`` probe runs every
+``probe_every_s``: a role that hangs (its socket open) leaves the pool when the probe times out.
+
+Before the first loss a role counts as usable (a router starting next to its sidecars sends at once,
+as before). The router asks ``usable(role)``; ``status()`` feeds its ``/status``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from sidecar.rpc import stubs
+
+PROBE_TIMEOUT_S = 1.0
+PROBE_EVERY_S = 2.0
+WATCH_TICK_S = 0.5  # the longest a watcher waits on a state change before it looks again
+
+
+@dataclass
+class RoleState:
+    usable: bool = True  # unknown counts as usable until the first loss
+    state: str = "IDLE"
+    losses: int = 0
+    since: float = 0.0  # monotonic time of the last change of ``usable``
+    last_error: str = ""
+
+
+class RoleHealth:
+    """Watches ``channels`` (role -> channel); see the module docstring."""
+
+    def __init__(
+        self,
+        channels: Mapping[str, grpc.aio.Channel],
+        *,
+        probe_every_s: float = PROBE_EVERY_S,
+        probe_timeout_s: float = PROBE_TIMEOUT_S,
+    ) -> None:
+        pb2, pb2_grpc = stubs()
+        self._request = pb2.StatusRequest()
+        self._stubs = {role: pb2_grpc.SidecarStub(ch) for role, ch in channels.items()}
+        self.channels = dict(channels)
+        self.roles = {role: RoleState(since=time.monotonic()) for role in channels}
+        self.probe_every_s, self.probe_timeout_s = probe_every_s, probe_timeout_s
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._watch(role)) for role in self.channels]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+
+    def usable(self, role: str) -> bool:
+        st = self.roles.get(role)
+        return st is None or st.usable
+
+    def status(self) -> dict[str, Any]:
+        now = time.monotonic()
+        return {
+            role: {
+                "usable": st.usable,
+                "channel": st.state,
+                "losses": st.losses,
+                "for_s": round(now - st.since, 3),
+                "last_error": st.last_error,
+            }
+            for role, st in self.roles.items()
+        }
+
+    def _set(self, role: str, usable: bool, error: str = "") -> None:
+        st = self.roles[role]
+        if error:
+            st.last_error = error
+        if st.usable != usable:
+            st.usable, st.since = usable, time.monotonic()
+            if not usable:
+                st.losses += 1
+
+    async def _probe(self, role: str) -> bool:
+        try:
+            await self._stubs[role].Status(self._request, timeout=self.probe_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                return True  # it serves; who may call Status is its own business
+            self._set(role, False, f"status probe: {exc.code().name}: {exc.details()}")
+            return False
+        self._set(role, True)
+        return True
+
+    async def _watch(self, role: str) -> None:
+        channel = self.channels[role]
+        st = self.roles[role]
+        ready_seen = False
+        next_probe = 0.0
+        while True:
+            state = channel.get_state(try_to_connect=True)
+            st.state = state.name
+            if state is grpc.ChannelConnectivity.READY:
+                ready_seen = True
+                now = time.monotonic()
+                if not st.usable or now >= next_probe:  # back, or due: does it serve?
+                    await self._probe(role)
+                    next_probe = time.monotonic() + self.probe_every_s
+            elif ready_seen or state is grpc.ChannelConnectivity.TRANSIENT_FAILURE:
+                self._set(role, False, f"channel {state.name}")  # lost: no traffic until probed
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(channel.wait_for_state_change(state), WATCH_TICK_S)
