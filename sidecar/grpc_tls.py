@@ -85,15 +85,27 @@ def _target_options(expected: PeerIdentity, options: ChannelOptions) -> list[tup
 
 
 def open_channel(
-    addr: str, tls: TlsConfig | None, expected: PeerIdentity | None, options: ChannelOptions = ()
+    addr: str,
+    tls: TlsConfig | None,
+    expected: PeerIdentity | None,
+    options: ChannelOptions = (),
+    *,
+    interceptors: Sequence[grpc.aio.ClientInterceptor] = (),
 ) -> grpc.aio.Channel:
     """An asyncio channel to ``addr``: mutual TLS checked against ``expected``, or plaintext (tls None);
     it reconnects to a restarted peer within about a second (``RECONNECT_OPTIONS``)."""
     if tls is None:
-        return grpc.aio.insecure_channel(addr, options=with_reconnect(options))
+        return grpc.aio.insecure_channel(
+            addr, options=with_reconnect(options), interceptors=list(interceptors)
+        )
     if expected is None:
         raise AuthError(f"a TLS channel to {addr} needs the identity it expects")
-    return grpc.aio.secure_channel(addr, channel_credentials(tls), options=_target_options(expected, options))
+    return grpc.aio.secure_channel(
+        addr,
+        channel_credentials(tls),
+        options=_target_options(expected, options),
+        interceptors=list(interceptors),
+    )
 
 
 def open_sync_channel(

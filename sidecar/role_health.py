@@ -17,9 +17,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -28,6 +28,8 @@ from sidecar.rpc import stubs
 PROBE_TIMEOUT_S = 1.0
 PROBE_EVERY_S = 2.0
 WATCH_TICK_S = 0.5  # the longest a watcher waits on a state change before it looks again
+FULL_COOL_S = 1.0  # a role that refused an Attach for capacity gets no new request this long
+ATTACH = "/pddlink.v1.Sidecar/Attach"
 
 
 @dataclass
@@ -37,6 +39,8 @@ class RoleState:
     losses: int = 0
     since: float = 0.0  # monotonic time of the last change of ``usable``
     last_error: str = ""
+    full_until: float = 0.0  # refused an Attach for capacity: no new requests before then
+    capacity_refusals: int = 0
 
 
 class RoleHealth:
@@ -44,18 +48,27 @@ class RoleHealth:
 
     def __init__(
         self,
-        channels: Mapping[str, grpc.aio.Channel],
+        roles: Sequence[str],
         *,
         probe_every_s: float = PROBE_EVERY_S,
         probe_timeout_s: float = PROBE_TIMEOUT_S,
     ) -> None:
+        self.roles = {role: RoleState(since=time.monotonic()) for role in roles}
+        self.probe_every_s, self.probe_timeout_s = probe_every_s, probe_timeout_s
+        self.channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs: dict[str, Any] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def interceptors(self, role: str) -> list[grpc.aio.ClientInterceptor]:
+        """For ``role``'s channel: notes an Attach refused for capacity (``CapacityWatch``)."""
+        return [CapacityWatch(self, role)]  # type: ignore[list-item]
+
+    def watch(self, channels: Mapping[str, grpc.aio.Channel]) -> None:
+        """The channels to follow (made with ``interceptors(role)``); ``start`` begins."""
         pb2, pb2_grpc = stubs()
         self._request = pb2.StatusRequest()
-        self._stubs = {role: pb2_grpc.SidecarStub(ch) for role, ch in channels.items()}
         self.channels = dict(channels)
-        self.roles = {role: RoleState(since=time.monotonic()) for role in channels}
-        self.probe_every_s, self.probe_timeout_s = probe_every_s, probe_timeout_s
-        self._tasks: list[asyncio.Task[None]] = []
+        self._stubs = {role: pb2_grpc.SidecarStub(ch) for role, ch in channels.items()}
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -69,7 +82,13 @@ class RoleHealth:
 
     def usable(self, role: str) -> bool:
         st = self.roles.get(role)
-        return st is None or st.usable
+        return st is None or (st.usable and time.monotonic() >= st.full_until)
+
+    def full(self, role: str) -> None:
+        """``role`` refused an Attach for capacity: send it no new request for ``FULL_COOL_S``."""
+        st = self.roles[role]
+        st.full_until = time.monotonic() + FULL_COOL_S
+        st.capacity_refusals += 1
 
     def status(self) -> dict[str, Any]:
         now = time.monotonic()
@@ -80,6 +99,8 @@ class RoleHealth:
                 "losses": st.losses,
                 "for_s": round(now - st.since, 3),
                 "last_error": st.last_error,
+                "full_for_s": round(max(0.0, st.full_until - now), 3),
+                "capacity_refusals": st.capacity_refusals,
             }
             for role, st in self.roles.items()
         }
@@ -122,3 +143,44 @@ class RoleHealth:
                 self._set(role, False, f"channel {state.name}")  # lost: no traffic until probed
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(channel.wait_for_state_change(state), WATCH_TICK_S)
+
+
+if TYPE_CHECKING:  # generic in the type stubs only
+    _StreamInterceptor = grpc.aio.UnaryStreamClientInterceptor[Any, Any]
+else:
+    _StreamInterceptor = grpc.aio.UnaryStreamClientInterceptor
+
+
+class CapacityWatch(_StreamInterceptor):
+    """Reads how each Attach stream on a role's channel ends: ``RESOURCE_EXHAUSTED`` with details
+    ``capacity: ...`` (``sidecar.kv_admission``) marks the role full before the caller sees the
+    error, so the caller's fallback (and the next requests) already avoid it."""
+
+    def __init__(self, health: RoleHealth, role: str) -> None:
+        self.health, self.role = health, role
+
+    async def intercept_unary_stream(  # type: ignore[override]
+        self,
+        continuation: Callable[[Any, Any], Awaitable[Any]],
+        client_call_details: Any,
+        request: Any,
+    ) -> Any:
+        call = await continuation(client_call_details, request)
+        method = client_call_details.method
+        if (method.decode() if isinstance(method, bytes) else method) != ATTACH:
+            return call
+        return self._watched(call)
+
+    async def _watched(self, call: Any) -> AsyncIterator[Any]:
+        try:
+            async for item in call:
+                yield item
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() is grpc.StatusCode.RESOURCE_EXHAUSTED and (exc.details() or "").startswith(
+                "capacity:"
+            ):
+                self.health.full(self.role)
+            raise
+        finally:
+            if not call.done():
+                call.cancel()  # the caller stopped reading: end the RPC as it would have

@@ -104,8 +104,11 @@ class Router:
         self.cfg = cfg
         opts = [("grpc.max_receive_message_length", 64 << 20)]
         self.tls = cfg.load_tls()
+        self.health = RoleHealth(("p", "rld", "md"))  # which roles may get traffic (sidecar.role_health)
         self.channels = {
-            n: open_channel(addr, self.tls, PeerIdentity.parse(ident), opts)
+            n: open_channel(
+                addr, self.tls, PeerIdentity.parse(ident), opts, interceptors=self.health.interceptors(n)
+            )
             for n, addr, ident in (
                 ("p", cfg.p, cfg.p_identity),
                 ("rld", cfg.rld, cfg.rld_identity),
@@ -115,7 +118,7 @@ class Router:
         self.p = pb2_grpc.SidecarStub(self.channels["p"])
         self.rld = pb2_grpc.SidecarStub(self.channels["rld"])
         self.md = pb2_grpc.SidecarStub(self.channels["md"])
-        self.health = RoleHealth(self.channels)  # which roles may get traffic now (sidecar.role_health)
+        self.health.watch(self.channels)
         self.rld_active = 0
         self.rld_down_until = 0.0
         self.mirror = Mirror(gap_timeout_s=2.0)
