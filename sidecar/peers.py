@@ -15,7 +15,8 @@ from typing import Any
 import grpc
 
 from pddlink.errors import ConfigError, DeadlineExceeded, ErrorCode, PddlinkError, RemoteError, Unavailable
-from pddlink.transport import KVClient, LinkOptions, PeerIdentity, TlsConfig
+from pddlink.transport import KVClient, LinkOptions, PeerIdentity, TlsConfig, TransferResult
+from pddlink.wire import TransferBegin
 from sidecar.grpc_tls import open_channel
 from sidecar.rpc import stubs
 
@@ -78,6 +79,20 @@ class KVPeer:
                 self.transport_name = self._client.transport
             return self._client
 
+    async def send(self, begin: TransferBegin, payload: memoryview, deadline: float) -> TransferResult:
+        """One transfer on this link; a failure that shows the link is lost, gave up or stalled
+        closes it (the next use dials anew), any other failure leaves it to the transfers on it."""
+        client = await self.client(deadline)
+        heard = client.stats().bytes_received
+        try:
+            return await client.send_transfer(
+                begin, payload, deadline_s=max(deadline - time.monotonic(), 0.01)
+            )
+        except PddlinkError as exc:
+            if redial_after(exc, client, heard):
+                await self.drop(client)  # this client only: the link may have been re-dialled since
+            raise
+
     async def drop(self, failed: KVClient | None = None) -> None:
         """Close the link so the next use dials a new one. ``failed``: the client a transfer failed
         on; when the link has been re-dialled since, the new client is kept (a late failure on the
@@ -104,6 +119,19 @@ class KVPeer:
             "reconnects": s.reconnects,
             "redials": self.redials,
         }
+
+
+_LINK_LOST = (ErrorCode.PEER_UNREACHABLE, ErrorCode.UNAVAILABLE)  # not CANCELLED: we closed it
+
+
+def redial_after(exc: PddlinkError, client: KVClient, heard_before: int) -> bool:
+    """Whether a failed transfer's link must be closed and dialled anew: it is lost or gave up, or
+    it stalled (nothing at all came back while the transfer ran: after a long outage TCP's
+    retransmission backoff can keep a connection silent for tens of seconds). A transfer that
+    missed its deadline on a link that answers is not the link's fault: closing it would cancel
+    every other transfer on it ("cancelled: link closed")."""
+    stalled = exc.code is ErrorCode.DEADLINE_EXCEEDED and client.stats().bytes_received == heard_before
+    return exc.code in _LINK_LOST or stalled or not client.usable
 
 
 async def _close_quietly(client: KVClient) -> None:

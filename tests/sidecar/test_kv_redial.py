@@ -17,9 +17,10 @@ from pathlib import Path
 
 import pytest
 
+from pddlink.errors import DeadlineExceeded, ErrorCode, LocalError, Unavailable
 from pddlink.transport import LinkOptions, PeerIdentity
 from pddlink.wire import KVLayoutSpec, Reserve, ReserveAnswer, TransferBegin
-from sidecar.peers import KVPeer
+from sidecar.peers import KVPeer, redial_after
 from tests.sidecar.test_bounded_state import start_md
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
@@ -99,6 +100,35 @@ def test_a_late_failure_on_an_old_client_keeps_the_new_link(tmp_path: Path) -> N
         assert await peer.client(time.monotonic() + 5.0) is new and new.usable
         await reserve(peer, "kept")
         await peer.drop()
+
+    try:
+        asyncio.run(run())
+    finally:
+        kill(proc)
+
+
+def test_only_a_lost_given_up_or_stalled_link_is_closed_after_a_failed_transfer(tmp_path: Path) -> None:
+    """A transfer that missed its deadline on a link that answers leaves the link to the others
+    on it (closing it cancelled them all: ``md_unreachable: cancelled: link closed`` in chaos)."""
+    proc, ready, _ = start_md(tmp_path)
+    peer = KVPeer(
+        f"127.0.0.1:{ready['kv_port']}", identity=PeerIdentity("p", "p0"), tls=None, transport="tcp",
+        options=OPTIONS,
+    )  # fmt: skip
+
+    async def run() -> None:
+        client = await peer.client(time.monotonic() + 5.0)
+        heard = client.stats().bytes_received
+        late = DeadlineExceeded("transfer missed its deadline")
+        assert redial_after(late, client, heard)  # nothing came back: stalled
+        await reserve(peer, "answers")  # the link answers: bytes came back since
+        assert not redial_after(late, client, heard)
+        assert not redial_after(LocalError("link closed", code=ErrorCode.CANCELLED), client, heard)
+        assert redial_after(Unavailable("reset", code=ErrorCode.PEER_UNREACHABLE), client, heard)
+        await send(peer)
+        assert await peer.client(time.monotonic() + 5.0) is client
+        await peer.drop()
+        assert redial_after(LocalError("link closed", code=ErrorCode.CANCELLED), client, heard)  # closed
 
     try:
         asyncio.run(run())
