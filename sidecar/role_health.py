@@ -8,6 +8,11 @@ second), and the role is usable again only after the channel is READY *and* a ``
 answered (the process serves, not merely accepts). While READY a ``Status`` probe runs every
 ``probe_every_s``: a role that hangs (its socket open) leaves the pool when the probe times out.
 
+The channels' interceptors (``interceptors(role)``) add two things the router's runs need without
+knowing about them: an Attach refused for capacity marks the role full for ``FULL_COOL_S`` before
+the caller sees the error (its fallback then avoids the role), and P's Prefill waits for the
+channel to be READY within its timeout (no request is sent to a P that is not back yet).
+
 Before the first loss a role counts as usable (a router starting next to its sidecars sends at once,
 as before). The router asks ``usable(role)``; ``status()`` feeds its ``/status``.
 """
@@ -30,6 +35,7 @@ PROBE_EVERY_S = 2.0
 WATCH_TICK_S = 0.5  # the longest a watcher waits on a state change before it looks again
 FULL_COOL_S = 1.0  # a role that refused an Attach for capacity gets no new request this long
 ATTACH = "/pddlink.v1.Sidecar/Attach"
+PREFILL = "/pddlink.v1.Sidecar/Prefill"
 
 
 @dataclass
@@ -60,8 +66,12 @@ class RoleHealth:
         self._tasks: list[asyncio.Task[None]] = []
 
     def interceptors(self, role: str) -> list[grpc.aio.ClientInterceptor]:
-        """For ``role``'s channel: notes an Attach refused for capacity (``CapacityWatch``)."""
-        return [CapacityWatch(self, role)]  # type: ignore[list-item]
+        """For ``role``'s channel: notes an Attach refused for capacity (``CapacityWatch``); on P's,
+        a Prefill waits for the channel to be READY within its timeout (``WaitForReady``)."""
+        out: list[Any] = [CapacityWatch(self, role)]
+        if role == "p":
+            out.append(WaitForReady(frozenset({PREFILL})))
+        return out
 
     def watch(self, channels: Mapping[str, grpc.aio.Channel]) -> None:
         """The channels to follow (made with ``interceptors(role)``); ``start`` begins."""
@@ -147,8 +157,35 @@ class RoleHealth:
 
 if TYPE_CHECKING:  # generic in the type stubs only
     _StreamInterceptor = grpc.aio.UnaryStreamClientInterceptor[Any, Any]
+    _UnaryInterceptor = grpc.aio.UnaryUnaryClientInterceptor[Any, Any]
 else:
     _StreamInterceptor = grpc.aio.UnaryStreamClientInterceptor
+    _UnaryInterceptor = grpc.aio.UnaryUnaryClientInterceptor
+
+
+def _method(details: Any) -> str:
+    method = details.method
+    return method.decode() if isinstance(method, bytes) else str(method)
+
+
+class WaitForReady(_UnaryInterceptor):
+    """``methods`` wait for the channel to be READY (within their own timeout) instead of failing
+    at once while the role restarts: P has no stand-in, and a request sent while it is down would
+    fail with ``failed to connect to all addresses``; it now goes out once P is back, or ends with
+    ``DEADLINE_EXCEEDED`` at its deadline."""
+
+    def __init__(self, methods: frozenset[str]) -> None:
+        self.methods = methods
+
+    async def intercept_unary_unary(
+        self,
+        continuation: Callable[[Any, Any], Awaitable[Any]],
+        client_call_details: Any,
+        request: Any,
+    ) -> Any:
+        if _method(client_call_details) in self.methods:
+            client_call_details = client_call_details._replace(wait_for_ready=True)
+        return await continuation(client_call_details, request)
 
 
 class CapacityWatch(_StreamInterceptor):
@@ -166,8 +203,7 @@ class CapacityWatch(_StreamInterceptor):
         request: Any,
     ) -> Any:
         call = await continuation(client_call_details, request)
-        method = client_call_details.method
-        if (method.decode() if isinstance(method, bytes) else method) != ATTACH:
+        if _method(client_call_details) != ATTACH:
             return call
         return self._watched(call)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -83,3 +84,18 @@ def test_a_restarted_p_is_reconnected_within_two_seconds(cluster: Cluster) -> No
     assert back is not None and back < 2.0, roles(cluster)  # gRPC defaults: 3 s and more
     results = [one(cluster, 10 + i, "p_md") for i in range(3)]
     assert [r.outcome for r in results] == ["finished"] * 3, [r.reason for r in results]
+
+
+def test_a_request_sent_while_p_is_down_goes_out_once_p_is_back(cluster: Cluster) -> None:
+    """P has no stand-in: a request that arrives during P's restart waits (within its deadline)
+    for the channel to be READY instead of failing with ``failed to connect to all addresses``."""
+    cluster.kill("p")
+    assert within(lambda: not roles(cluster)["p"]["usable"], 5.0) is not None
+    out: list[Any] = []
+    sender = threading.Thread(target=lambda: out.append(one(cluster, 20, "p_md")))
+    sender.start()
+    time.sleep(1.0)  # the request is in the router, P is still down
+    cluster.restart("p")
+    sender.join(30.0)
+    (res,) = out
+    assert res.outcome == "finished", res.reason
