@@ -53,6 +53,7 @@ from sidecar.drc_host import DrcHost
 from sidecar.engine_loop import EngineLoop
 from sidecar.grpc_tls import SIDECAR_CALLERS, CallerCheck, bind, new_server
 from sidecar.http import Request, Response, error_response, json_response, serve_http
+from sidecar.kv_admission import KvAdmission
 from sidecar.peers import DecoderPeer, KVPeer, KVPeerPool
 from sidecar.prefill import Prefiller
 from sidecar.rpc import stubs
@@ -87,6 +88,7 @@ class Sidecar:
         self.loop = EngineLoop(self.engine, cfg.decode.max_batch)
         self.drc: DrcHost | None = None
         self.decoder: Decoder | None = None
+        self.admission: KvAdmission | None = None  # RLD books KV blocks per Attach (sidecar.kv_admission)
         self.prefiller: Prefiller | None = None
         self.kv_server: KVServer | None = None
         self.peers: list[Any] = []
@@ -116,6 +118,7 @@ class Sidecar:
         if cfg.role in ("rld", "md"):
             send = None
             if cfg.role == "rld":
+                self.admission = KvAdmission(cfg.engine.num_blocks, cfg.engine.block_size)
                 md = DecoderPeer(peers.md_grpc, tls=self.tls, expected=peers.md)
                 self.peers.append(md)
 
@@ -216,6 +219,8 @@ class Sidecar:
             out["fast_path"] = {"kind": self.fast_path.name, "reason": self.fast_path.reason}
         if self.decoder is not None:
             out["pipelines"] = self.decoder.status()
+        if self.admission is not None:
+            out["kv_admission"] = self.admission.status()
         if self.prefiller is not None:
             out["transfers"] = {
                 "in_flight": self.prefiller.in_flight,
@@ -337,6 +342,7 @@ class Sidecar:
             decoder=self.decoder,
             drc=self.drc,
             run_in_engine=self.loop.call,
+            admission=self.admission,
         )
         pb2_grpc.add_SidecarServicer_to_server(service, server)
         ports["grpc_port"] = bind(server, f"{cfg.host}:{cfg.grpc_port}", self.tls)

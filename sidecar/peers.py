@@ -15,7 +15,8 @@ from typing import Any
 import grpc
 
 from pddlink.errors import ConfigError, DeadlineExceeded, ErrorCode, PddlinkError, RemoteError, Unavailable
-from pddlink.transport import KVClient, LinkOptions, PeerIdentity, TlsConfig
+from pddlink.transport import KVClient, LinkOptions, PeerIdentity, TlsConfig, TransferResult
+from pddlink.wire import TransferBegin
 from sidecar.grpc_tls import open_channel
 from sidecar.rpc import stubs
 
@@ -43,9 +44,16 @@ class KVPeer:
         self._lock = asyncio.Lock()
         self.transport_name = transport
         self.in_flight_bytes = 0  # KV bytes of the transfers now on this link (pool choice)
+        self.redials = 0  # links found closed or given up and dialled anew
 
     async def client(self, deadline: float) -> KVClient:
+        """The link's client, dialled now when there is none or the last one is closed or gave up
+        reconnecting (a restarted peer, an outage longer than the reconnect backoff)."""
         async with self._lock:
+            if self._client is not None and not self._client.usable:
+                stale, self._client = self._client, None
+                self.redials += 1
+                await _close_quietly(stale)  # already dead: this only releases its sockets
             if self._client is None:
                 host, port = split_hostport(self.addr)
                 left = deadline - time.monotonic()
@@ -71,12 +79,30 @@ class KVPeer:
                 self.transport_name = self._client.transport
             return self._client
 
-    async def drop(self) -> None:
+    async def send(self, begin: TransferBegin, payload: memoryview, deadline: float) -> TransferResult:
+        """One transfer on this link; a failure that shows the link is lost, gave up or stalled
+        closes it (the next use dials anew), any other failure leaves it to the transfers on it."""
+        client = await self.client(deadline)
+        heard = client.stats().bytes_received
+        try:
+            return await client.send_transfer(
+                begin, payload, deadline_s=max(deadline - time.monotonic(), 0.01)
+            )
+        except PddlinkError as exc:
+            if redial_after(exc, client, heard):
+                await self.drop(client)  # this client only: the link may have been re-dialled since
+            raise
+
+    async def drop(self, failed: KVClient | None = None) -> None:
+        """Close the link so the next use dials a new one. ``failed``: the client a transfer failed
+        on; when the link has been re-dialled since, the new client is kept (a late failure on the
+        old one must not close the link every other transfer now uses)."""
         async with self._lock:
+            if failed is not None and failed is not self._client:
+                return
             client, self._client = self._client, None
         if client is not None:
-            with contextlib.suppress(TimeoutError, PddlinkError, OSError):
-                await asyncio.wait_for(client.close(), 1.0)
+            await _close_quietly(client)
 
     def stats(self) -> dict[str, Any]:
         if self._client is None:
@@ -91,7 +117,26 @@ class KVPeer:
             "retransmits": s.retransmits,
             "rtt_s": s.rtt_s,
             "reconnects": s.reconnects,
+            "redials": self.redials,
         }
+
+
+_LINK_LOST = (ErrorCode.PEER_UNREACHABLE, ErrorCode.UNAVAILABLE)  # not CANCELLED: we closed it
+
+
+def redial_after(exc: PddlinkError, client: KVClient, heard_before: int) -> bool:
+    """Whether a failed transfer's link must be closed and dialled anew: it is lost or gave up, or
+    it stalled (nothing at all came back while the transfer ran: after a long outage TCP's
+    retransmission backoff can keep a connection silent for tens of seconds). A transfer that
+    missed its deadline on a link that answers is not the link's fault: closing it would cancel
+    every other transfer on it ("cancelled: link closed")."""
+    stalled = exc.code is ErrorCode.DEADLINE_EXCEEDED and client.stats().bytes_received == heard_before
+    return exc.code in _LINK_LOST or stalled or not client.usable
+
+
+async def _close_quietly(client: KVClient) -> None:
+    with contextlib.suppress(TimeoutError, PddlinkError, OSError):
+        await asyncio.wait_for(client.close(), 1.0)
 
 
 class KVPeerPool:

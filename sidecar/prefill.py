@@ -33,7 +33,6 @@ from pddlink.errors import ErrorCode, PddlinkError, Unavailable
 from pddlink.handoff import HandoffMode, HandoffSlice
 from pddlink.kv.codec import CodecId
 from pddlink.kv.hashing import BlockHasher
-from pddlink.transport import KVClient
 from pddlink.wire import KVLayoutSpec, Reserve, ReserveAnswer, TransferBegin
 from sidecar.backlog import WanBook
 from sidecar.engine_loop import EngineLoop
@@ -143,7 +142,7 @@ class Prefiller:
             answer = await client.request(msg, timeout_s=max(deadline - time.monotonic(), 0.01))
         except PddlinkError as exc:
             if exc.code in _LINK_GONE:  # a restarted or vanished MD: reconnect on the next request
-                await link.drop()
+                await link.drop(client)
             raise
         if not isinstance(answer, ReserveAnswer) or answer.code is not None:
             reason = getattr(answer, "reason", type(answer).__name__)
@@ -172,14 +171,7 @@ class Prefiller:
         return begin, payload
 
     async def _send(self, peer: KVPeer, begin: TransferBegin, payload: memoryview, deadline: float) -> Any:
-        client: KVClient = await peer.client(deadline)
-        try:
-            return await client.send_transfer(
-                begin, payload, deadline_s=max(deadline - time.monotonic(), 0.01)
-            )
-        except PddlinkError:
-            await peer.drop()
-            raise
+        return await peer.send(begin, payload, deadline)
 
     async def _ship_rld(
         self,

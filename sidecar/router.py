@@ -40,6 +40,7 @@ from sidecar.admission import Overloaded
 from sidecar.backlog import POLL_INTERVAL_S, follow_backlog
 from sidecar.grpc_tls import CallerCheck, open_channel
 from sidecar.recompute import PrefillBook
+from sidecar.role_health import RoleHealth
 from sidecar.router_options import FORCEABLE, decide_option, forced_option, option_trace
 from sidecar.router_run import RequestRun, RunInput
 from sidecar.rpc import stubs
@@ -103,8 +104,11 @@ class Router:
         self.cfg = cfg
         opts = [("grpc.max_receive_message_length", 64 << 20)]
         self.tls = cfg.load_tls()
+        self.health = RoleHealth(("p", "rld", "md"))  # which roles may get traffic (sidecar.role_health)
         self.channels = {
-            n: open_channel(addr, self.tls, PeerIdentity.parse(ident), opts)
+            n: open_channel(
+                addr, self.tls, PeerIdentity.parse(ident), opts, interceptors=self.health.interceptors(n)
+            )
             for n, addr, ident in (
                 ("p", cfg.p, cfg.p_identity),
                 ("rld", cfg.rld, cfg.rld_identity),
@@ -114,6 +118,7 @@ class Router:
         self.p = pb2_grpc.SidecarStub(self.channels["p"])
         self.rld = pb2_grpc.SidecarStub(self.channels["rld"])
         self.md = pb2_grpc.SidecarStub(self.channels["md"])
+        self.health.watch(self.channels)
         self.rld_active = 0
         self.rld_down_until = 0.0
         self.mirror = Mirror(gap_timeout_s=2.0)
@@ -138,6 +143,7 @@ class Router:
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
+        self.health.start()
         self._mirror_task = loop.create_task(self._follow_drc())
         self._backlog_task = loop.create_task(
             follow_backlog(self.p, pb2.StatusRequest(), self.link, POLL_INTERVAL_S)
@@ -148,11 +154,14 @@ class Router:
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
+        await self.health.close()
         for ch in self.channels.values():
             await ch.close(None)
 
     def rld_usable(self) -> bool:
-        return self.cfg.relay_enabled and time.monotonic() >= self.rld_down_until
+        return (
+            self.cfg.relay_enabled and time.monotonic() >= self.rld_down_until and self.health.usable("rld")
+        )
 
     # -- DRC mirror ------------------------------------------------------------------------------
 
@@ -303,6 +312,7 @@ class Router:
             "role": "router",
             "in_flight": by_pipeline,
             "rld_active": self.rld_active,
+            "roles": self.health.status(),
             "grpc_tls": self.caller_check.status() if self.caller_check is not None else None,
             "drc_mirror": {
                 "blocks": len(self.mirror),

@@ -15,6 +15,7 @@ from pddlink.kv.hashing import HashScheme
 from pddlink.wire import WIRE_VERSION
 from sidecar.decoder import Decoder
 from sidecar.drc_host import DrcHost
+from sidecar.kv_admission import CapacityRefused, KvAdmission
 from sidecar.prefill import Prefiller, PrefillJob
 from sidecar.recompute import RecomputeMode
 from sidecar.rpc import stubs
@@ -27,6 +28,7 @@ _STATUS = {
     InvalidInput: grpc.StatusCode.INVALID_ARGUMENT,
     NotFound: grpc.StatusCode.NOT_FOUND,
     DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
+    CapacityRefused: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 
 
@@ -54,7 +56,9 @@ class SidecarService(pb2_grpc.SidecarServicer):  # type: ignore[misc,name-define
         decoder: Decoder | None = None,
         drc: DrcHost | None = None,
         run_in_engine: Callable[..., Any] | None = None,
+        admission: KvAdmission | None = None,
     ) -> None:
+        self.admission = admission  # RLD: refuse at Attach what its KV pool cannot hold
         self.role, self.peer_id, self.model_id, self.tls_identity = role, peer_id, model_id, tls_identity
         self.status = status
         self.prefiller, self.decoder, self.drc = prefiller, decoder, drc
@@ -87,15 +91,25 @@ class SidecarService(pb2_grpc.SidecarServicer):  # type: ignore[misc,name-define
             sampling = sampling_from_pb(request.sampling)
         except PddlinkError as exc:
             await _abort(context, exc)
-        stream = self.decoder.attach(
-            request.request_id,
-            tuple(request.prompt),
-            sampling,
-            request.deadline_s or 30.0,
-            RecomputeMode(request.recompute),
-        )
-        async for ev in stream:
-            yield pb2.TokenEvent(**ev)
+        booking = None
+        if self.admission is not None:
+            try:
+                booking = self.admission.admit(request.request_id, len(request.prompt), sampling.max_tokens)
+            except CapacityRefused as exc:
+                await _abort(context, exc)
+        try:
+            stream = self.decoder.attach(
+                request.request_id,
+                tuple(request.prompt),
+                sampling,
+                request.deadline_s or 30.0,
+                RecomputeMode(request.recompute),
+            )
+            async for ev in stream:
+                yield pb2.TokenEvent(**ev)
+        finally:
+            if booking is not None and self.admission is not None:
+                self.admission.release(booking)
 
     async def StartHandoff(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         if self.decoder is None:

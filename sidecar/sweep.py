@@ -32,6 +32,7 @@ from typing import Any
 
 from pddlink import metrics
 from pddlink.errors import ConfigError, PddlinkError
+from sidecar.malloc_trim import TRIM_EVERY_S, trim
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +156,7 @@ class Sweeper:
         self.first_unattached: dict[str, float] = {}
         self.swept: dict[str, int] = {"ended": 0, "forgotten": 0, "leases": 0, "leases_of_ended": 0}
         self.engine_dead = ""
+        self.trims = 0  # malloc_trim calls that released memory
         self._task: asyncio.Task[None] | None = None
 
     async def sweep(self, now: float) -> None:
@@ -212,7 +214,12 @@ class Sweeper:
         return Held(requests, waiting, reservations)
 
     def status(self) -> dict[str, Any]:
-        return {"held": self.held().as_dict(), "swept": dict(self.swept), "engine_dead": self.engine_dead}
+        return {
+            "held": self.held().as_dict(),
+            "swept": dict(self.swept),
+            "engine_dead": self.engine_dead,
+            "malloc_trims": self.trims,
+        }
 
     # -- the periodic task ---------------------------------------------------------------------
 
@@ -220,12 +227,16 @@ class Sweeper:
         self._task = asyncio.get_running_loop().create_task(self._forever(), name="state-sweep")
 
     async def _forever(self) -> None:
+        next_trim = time.monotonic() + TRIM_EVERY_S
         while True:
             await asyncio.sleep(self.policy.interval_s)
             try:
                 await self.sweep(time.monotonic())
             except PddlinkError as exc:  # one bad entry must not stop the sweeping
                 log.warning("state sweep: %s", exc.message)
+            if time.monotonic() >= next_trim:  # freed KV buffers back to the OS (sidecar.malloc_trim)
+                next_trim = time.monotonic() + TRIM_EVERY_S
+                self.trims += int(await asyncio.to_thread(trim))
 
     async def close(self) -> None:
         if self._task is not None:

@@ -223,6 +223,11 @@ class KVClient:
     def stats(self) -> LinkStats:
         return self._link.stats()
 
+    @property
+    def usable(self) -> bool:
+        """False once the link is closed or gave up reconnecting (dial a new client then)."""
+        return self._link.usable
+
     async def close(self) -> None:
         await self._link.close()
 

@@ -178,6 +178,9 @@ class Link(Protocol):
 
     def stats(self) -> LinkStats: ...
 
+    @property
+    def usable(self) -> bool: ...
+
     async def close(self) -> None: ...
 
 

@@ -156,6 +156,7 @@ class QuicLink(PeerSession):
             entry[0].receive(message)
 
     def _terminated(self, reason: str) -> None:
+        self.gave_up = True  # a QUIC connection does not come back: the owner dials a new link
         for driver, lanes in list(self._senders.values()):
             for lane_id in list(lanes.live):
                 lanes.remove(lane_id)

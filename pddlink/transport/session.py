@@ -77,7 +77,14 @@ class PeerSession:
         self._pending: dict[Key, list[asyncio.Future[Message]]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self.closed = False
+        self.gave_up = False  # a connection the link needs could not be reopened: dial a new link
         self.transfer_router: Callable[[Message], None] | None = None
+
+    @property
+    def usable(self) -> bool:
+        """False once the link is closed or has given up reopening what it needs; its owner then
+        drops it and dials a new one (``sidecar.peers.KVPeer``)."""
+        return not self.closed and not self.gave_up
 
     # -- provided by the transport -------------------------------------------------------------
 

@@ -197,6 +197,8 @@ class TcpLink(PeerSession):
                 self._own(conn, inbox, lane=True)
             return
         log.warning("gave up reopening a %s connection to %s", "control" if control else "data", self.peer)
+        if control or not self._data:
+            self.gave_up = True  # no control or no stripe left: the owner dials a new link
         if control:
             self.fail_pending(
                 LocalError(f"control connection to {self.peer} lost", code=ErrorCode.PEER_UNREACHABLE)
