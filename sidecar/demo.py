@@ -58,7 +58,9 @@ def run_once(
             t1 = time.monotonic()
             paced = [replace(r, arrival_s=0.4 * i) for i, r in enumerate(warmup)]
             warm = asyncio.run(
-                replay(cluster.router_target, paced, deadline_s=spec.deadline_s, pipeline="p_md")
+                replay(
+                    cluster.router_target, paced, deadline_s=spec.deadline_s, pipeline="p_md", id_prefix="w"
+                )
             )
             bad = sum(r.outcome != "finished" for r in warm)
             took = time.monotonic() - t1
