@@ -191,7 +191,7 @@ def main(
         f"workload: {len(reqs)} requests over {reqs[-1].arrival_s:.0f} s, mean prompt {mean_prompt:.0f}"
         f" tokens, {sum(r.sampling.max_tokens for r in reqs)} output tokens; "
         f"{'trace ' + trace if trace else 'agentic-v1'} scaled to this machine; the {warmup} requests before"
-        " them warm P's and MD's prefix caches (P->MD, not counted)"
+        f" them warm P's and MD's prefix caches ({'by recompute' if overload else 'P->MD'}, not counted)"
     )
     say(
         f"WAN: {line_mbit:g} Mbit/s, {rtt_ms:g} ms RTT; model: reference 'tiny' in float64, "
