@@ -55,6 +55,7 @@ def run_once(
     requests: list[DemoRequest],
     label: str,
     deployment: Any = Cluster,  # Cluster, or sidecar.demo_compose.ComposeDeployment
+    warm_pipeline: str = "p_md",
 ) -> tuple[list[RequestResult], dict[str, float]]:
     t0 = time.monotonic()
     with deployment(lab, spec) as cluster:
@@ -63,11 +64,18 @@ def run_once(
             t1 = time.monotonic()
             paced = [replace(r, arrival_s=0.4 * i) for i, r in enumerate(warmup)]
             warm = asyncio.run(
-                replay(cluster.router_target, paced, deadline_s=spec.deadline_s, pipeline="p_md")
+                replay(
+                    cluster.router_target,
+                    paced,
+                    deadline_s=spec.deadline_s,
+                    pipeline=warm_pipeline,
+                    id_prefix="w",
+                )
             )
             bad = sum(r.outcome != "finished" for r in warm)
             took = time.monotonic() - t1
-            say(f"[{label}] warm-up: {len(warm)} requests P->MD in {took:.1f} s ({bad} failed)")
+            how = "P->MD" if warm_pipeline == "p_md" else f"by {warm_pipeline} (no KV on the WAN)"
+            say(f"[{label}] warm-up: {len(warm)} requests {how} in {took:.1f} s ({bad} failed)")
         before = sidecar_counters(cluster)
         bar = tqdm(total=len(requests), desc=label, file=sys.stderr, unit="req", leave=True)
         failed = 0
@@ -191,7 +199,7 @@ def main(
         f"workload: {len(reqs)} requests over {reqs[-1].arrival_s:.0f} s, mean prompt {mean_prompt:.0f}"
         f" tokens, {sum(r.sampling.max_tokens for r in reqs)} output tokens; "
         f"{'trace ' + trace if trace else 'agentic-v1'} scaled to this machine; the {warmup} requests before"
-        " them warm P's and MD's prefix caches (P->MD, not counted)"
+        f" them warm P's and MD's prefix caches ({'by recompute' if overload else 'P->MD'}, not counted)"
     )
     say(
         f"WAN: {line_mbit:g} Mbit/s, {rtt_ms:g} ms RTT; model: reference 'tiny' in float64, "
@@ -210,9 +218,12 @@ def main(
     else:
         lab, deployment, lab_figures = Lab.up(profile, name=lab_name, mode=lab_kind), Cluster, {}
     try:
-        base_results, base_counters = run_once(lab, spec, warm, reqs, "P->MD baseline", deployment)
+        # over the thin line a P->MD warm-up cannot ship (and would leave MD colder than P): there
+        # MD prefills the warm-up prompts itself, P too, in both runs alike
+        warm_how = "recompute" if overload else "p_md"
+        base_results, base_counters = run_once(lab, spec, warm, reqs, "P->MD baseline", deployment, warm_how)
         pdd_spec = replace(spec, run_dir=work / "pdd", relay=True, recompute=overload, admission=overload)
-        pdd_results, pdd_counters = run_once(lab, pdd_spec, warm, reqs, "PDD", deployment)
+        pdd_results, pdd_counters = run_once(lab, pdd_spec, warm, reqs, "PDD", deployment, warm_how)
     finally:
         lab.down()
     say("reference: one engine generating every request alone (separate process, float64)")

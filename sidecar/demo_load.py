@@ -32,11 +32,13 @@ class RequestResult:
     trace: dict[str, Any] = field(default_factory=dict)
 
 
-async def _one(stub: Any, pb2: Any, req: DemoRequest, deadline_s: float, pipeline: str) -> RequestResult:
+async def _one(
+    stub: Any, pb2: Any, req: DemoRequest, deadline_s: float, pipeline: str, id_prefix: str
+) -> RequestResult:
     res = RequestResult(req.index)
     s = req.sampling
     msg = pb2.GenerateRequest(
-        request_id=f"d{req.index}",
+        request_id=f"{id_prefix}{req.index}",
         prompt=list(req.prompt),
         sampling=pb2.Sampling(
             seed=s.seed, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, max_tokens=s.max_tokens
@@ -71,7 +73,10 @@ async def replay(
     deadline_s: float,
     pipeline: str = "",
     on_done: Callable[[RequestResult], None] | None = None,
+    id_prefix: str = "d",
 ) -> list[RequestResult]:
+    """``id_prefix`` keeps two replays' request ids apart (a warm-up's shipment that outlives its
+    request must not land on a measured request of the same index)."""
     pb2, pb2_grpc = stubs()
     async with grpc.aio.insecure_channel(target) as channel:
         stub = pb2_grpc.RouterStub(channel)
@@ -79,7 +84,7 @@ async def replay(
 
         async def at_arrival(req: DemoRequest) -> RequestResult:
             await asyncio.sleep(max(0.0, start + req.arrival_s - time.monotonic()))
-            res = await _one(stub, pb2, req, deadline_s, pipeline)
+            res = await _one(stub, pb2, req, deadline_s, pipeline, id_prefix)
             if on_done is not None:
                 on_done(res)
             return res

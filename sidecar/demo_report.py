@@ -25,7 +25,11 @@ def summarize(
     differences over the measured phase), so shipments that outlive their request count too."""
     ok = [r for r in results if r.outcome == "finished"]
     rejected = sum(r.outcome == "rejected" for r in results)
-    ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
+    ttft_ok = [r.ttft_s for r in ok if r.ttft_s is not None]
+    # a request that failed before its first token counts at the time it failed: a lower bound on
+    # what the client waited (so a baseline that fails most requests is not judged by the few it
+    # finished); rejected ones are counted apart, not here
+    ttft = ttft_ok + [r.ttft_s if r.ttft_s is not None else r.e2e_s for r in results if r.outcome == "failed"]
     tokens = {"rld": 0, "md": 0}
     handoffs = {"one_shot": 0, "catch_up": 0}
     pipelines: dict[str, int] = {}
@@ -63,6 +67,7 @@ def summarize(
         "failures": sorted({r.reason for r in results if r.outcome == "failed"})[:5],
         "token_mismatches": mismatches,
         "ttft_s": percentiles(ttft),
+        "ttft_finished_s": percentiles(ttft_ok),
         "ttft_values": ttft,
         "tokens": tokens,
         "tokens_per_s_per_request": (out_tokens - len(ok)) / decode_s if decode_s else 0.0,

@@ -205,8 +205,6 @@ class Prefiller:
         deadline: float,
         reply: dict[str, Any],
     ) -> None:
-        picked: KVPeer | None = None
-        payload = memoryview(b"")
         try:
             cached_blocks = await reservation
             reply["md_cached_tokens"] = cached_blocks * kv.layout.block_size
@@ -215,8 +213,6 @@ class Prefiller:
             begin = dataclasses.replace(begin, codec=decision.codec)
             self.wan_book.started(job.request_id, begin.total_bytes)
             link = self.md_kv.pick()
-            link.in_flight_bytes += len(payload)  # so the next transfer picks another link
-            picked = link
             client = await link.client(deadline)
             before = client.stats().retransmits
             flow = f"{job.request_id}/{begin.transfer_id}"
@@ -249,8 +245,6 @@ class Prefiller:
             metrics.TRANSFER_ABORTS.labels(reason=_reason_code(exc)).inc()
         finally:
             self.wan_book.ended(job.request_id)
-            if picked is not None:
-                picked.in_flight_bytes -= len(payload)
 
 
 def _reason_code(exc: BaseException) -> str:

@@ -70,3 +70,24 @@ class PrefillBook:
 
     def estimate(self) -> MdPrefill:
         return MdPrefill(self.tokens_per_s, self.queue_s())
+
+
+@dataclass(slots=True)
+class TpotBook:
+    """MD's time per output token as the router sees it: an exponentially weighted mean over the
+    requests that decoded on MD alone (their stream's time after the first token per token), so a
+    starved MD makes shipping and recompute look as slow as they are against the deadline."""
+
+    tpot_s: float
+    ewma_weight: float = 0.2
+
+    def observe(self, trace: dict[str, object]) -> None:
+        tokens = trace.get("tokens")
+        ttft, e2e, n = trace.get("ttft_s"), trace.get("e2e_s"), trace.get("output_tokens")
+        if trace.get("outcome") != "finished" or not isinstance(tokens, dict) or tokens.get("rld"):
+            return
+        if not (isinstance(ttft, float) and isinstance(e2e, float) and isinstance(n, int)) or n < 4:
+            return
+        sample = (e2e - ttft) / (n - 1)
+        if sample > 0:
+            self.tpot_s = (1 - self.ewma_weight) * self.tpot_s + self.ewma_weight * sample

@@ -39,7 +39,7 @@ from pddlink.transport import PeerIdentity, TlsConfig, load_node
 from sidecar.admission import Overloaded
 from sidecar.backlog import POLL_INTERVAL_S, follow_backlog
 from sidecar.grpc_tls import CallerCheck, open_channel
-from sidecar.recompute import PrefillBook
+from sidecar.recompute import PrefillBook, TpotBook
 from sidecar.role_health import RoleHealth
 from sidecar.router_options import FORCEABLE, decide_option, forced_option, option_trace
 from sidecar.router_run import RequestRun, RunInput
@@ -134,6 +134,7 @@ class Router:
         )
         self.p_book = PrefillBook(cfg.p_prefill_tokens_per_s)
         self.md_book = PrefillBook(cfg.md_prefill_tokens_per_s)
+        self.md_tpot = TpotBook(cfg.md_tpot_s)
         self._backlog_task: asyncio.Task[None] | None = None
         self.ids = itertools.count(1)
         self.in_flight: dict[str, RequestRun] = {}
@@ -291,6 +292,7 @@ class Router:
             if option.ships_kv:
                 with contextlib.suppress(NotFound):
                     self.link.finish_flow(flow, time.monotonic(), completed=bool(run.trace.get("wan_bytes")))
+            self.md_tpot.observe(run.trace)
             if run.trace.get("rld_error") or "rld_lost_md_takes_over" in run.trace["fallbacks"]:
                 self.rld_down_until = time.monotonic() + 2.0
         yield {
@@ -333,6 +335,7 @@ class Router:
                 "p_queued_tokens": self.p_book.queued_tokens,
                 "md_tokens_per_s": self.md_book.tokens_per_s,
                 "md_queued_tokens": self.md_book.queued_tokens,
+                "md_tpot_s": self.md_tpot.tpot_s,
             },
         }
 

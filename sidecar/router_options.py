@@ -23,7 +23,7 @@ from pddlink.routing import (
 )
 from pddlink.routing.options import Option
 from sidecar.prefill import WAN_SHARE_OF_DEADLINE
-from sidecar.recompute import PrefillBook
+from sidecar.recompute import PrefillBook, TpotBook
 
 FAST_PATH_BYTES_S = 1e9  # the fast path to RLD (RDMA, or TCP inside datacenter A): ~8 Gbit/s
 EXTEND_S = 0.02  # MD's extend step for a handoff's token ids (reference engine, tiny model)
@@ -33,6 +33,7 @@ class RouterState(Protocol):
     policy: RoutingPolicy
     p_book: PrefillBook
     md_book: PrefillBook
+    md_tpot: TpotBook
 
     @property
     def cfg(self) -> Any: ...
@@ -47,7 +48,7 @@ def decide_option(router: RouterState, routing: RoutingInputs, deadline_s: float
         p_prefill_s=p.queue_s() + routing.missing_tokens / p.tokens_per_s,
         fast_s=routing.prompt_tokens * routing.kv_bytes_per_token / FAST_PATH_BYTES_S,
         md_prefill=router.md_book.estimate() if cfg.recompute else None,
-        md_tpot_s=cfg.md_tpot_s,
+        md_tpot_s=router.md_tpot.tpot_s,
         extend_s=EXTEND_S,
     )
     return choose_option(inputs, router.policy)

@@ -55,3 +55,16 @@ def test_recompute_mode_follows_the_option() -> None:
     assert RecomputeMode.of(Option.RECOMPUTE) is RecomputeMode.AND_DECODE
     assert RecomputeMode.of(Option.RELAY_RECOMPUTE) is RecomputeMode.FOR_HANDOFF
     assert RecomputeMode.of(Option.SHIP) is RecomputeMode.NONE
+
+
+def test_tpot_book_learns_from_requests_that_decoded_on_md_alone() -> None:
+    from sidecar.recompute import TpotBook
+
+    book = TpotBook(tpot_s=0.02)
+    slow = {"outcome": "finished", "tokens": {"md": 41}, "ttft_s": 0.5, "e2e_s": 8.5, "output_tokens": 41}
+    book.observe(slow)  # 0.2 s per token
+    assert book.tpot_s == pytest.approx(0.8 * 0.02 + 0.2 * 0.2)
+    before = book.tpot_s
+    book.observe({**slow, "tokens": {"md": 20, "rld": 21}})  # RLD's tokens mixed in: not MD's pace
+    book.observe({**slow, "outcome": "failed"})
+    assert book.tpot_s == before
