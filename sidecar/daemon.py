@@ -30,7 +30,7 @@ from typing import Any
 from cryptography import x509
 
 from engines_adapter import EngineAdapter, load_engine
-from pddlink import metrics
+from pddlink import eventloop, metrics
 from pddlink.drc.inspect import match_json, stats_json
 from pddlink.errors import InvalidInput, PddlinkError
 from pddlink.routing import RoutingPolicy
@@ -53,6 +53,7 @@ from sidecar.grpc_tls import SIDECAR_CALLERS, CallerCheck, bind, new_server
 from sidecar.http import Request, Response, error_response, json_response, serve_http
 from sidecar.peers import DecoderPeer, KVPeer, KVPeerPool
 from sidecar.prefill import Prefiller
+from sidecar.reservations import ReservationIds
 from sidecar.rpc import stubs
 from sidecar.service import SidecarService
 
@@ -78,6 +79,7 @@ class Sidecar:
         self.engine = engine if engine is not None else build_engine(cfg)
         self.loop = EngineLoop(self.engine, cfg.decode.max_batch)
         self.drc: DrcHost | None = None
+        self.reservations = ReservationIds()  # wire reservation ids of the DRC's leases (MD)
         self.decoder: Decoder | None = None
         self.prefiller: Prefiller | None = None
         self.kv_server: KVServer | None = None
@@ -175,12 +177,14 @@ class Sidecar:
             drc.publish(synced)
             return ReserveAnswer(
                 request_id=msg.request_id,
-                reservation_id=1,
+                reservation_id=self.reservations.grant(msg.request_id),
                 cached_blocks=held.cached_blocks,
                 lease_ms=msg.lease_ms,
             )
-        if isinstance(msg, Release):
-            return None
+        if isinstance(msg, Release) and self.drc is not None:
+            request_id = self.reservations.release(msg.reservation_id)
+            if request_id is not None:
+                await self.loop.call("drc", self.drc.release, request_id)
         return None
 
     async def _on_transfer_failed(self, peer: PeerIdentity, begin: Any, exc: PddlinkError) -> None:
@@ -339,9 +343,4 @@ async def _main(cfg: SidecarConfig) -> None:
 
 
 def run(cfg: SidecarConfig) -> None:
-    try:
-        import uvloop
-
-        uvloop.run(_main(cfg))
-    except ImportError:
-        asyncio.run(_main(cfg))
+    eventloop.run(_main(cfg))

@@ -1,6 +1,6 @@
-"""The router: client API (gRPC ``Router`` service and an OpenAI-style HTTP endpoint with SSE),
-the pipeline policy (``pddlink.routing``), a DRC mirror fed by MD's events, and one
-``RequestRun`` per request.
+"""The router: per-request pipeline choice (``pddlink.routing``), one run per request
+(``RunDriver`` of ``pddlink.lifecycle.RequestRun``), and a DRC mirror fed by MD's events. Its
+client APIs (gRPC ``Router`` service, OpenAI-style HTTP with SSE) are in ``sidecar.router_api``.
 
 Lifecycle: ``Router(cfg)``; ``await start()`` connects to the sidecars (gRPC channels are lazy; mutual
 TLS 1.3 with each sidecar's identity checked when ``tls_dir`` is set, see ``sidecar.grpc_tls``) and
@@ -16,17 +16,12 @@ import contextlib
 import itertools
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import grpc
-
 from engines_adapter import SamplingParams
-from pddlink import metrics
-from pddlink.drc import Mirror, decode_event, decode_snapshot
 from pddlink.errors import InvalidInput, NotFound
-from pddlink.kv.hashing import BlockHasher
+from pddlink.lifecycle import RunSpec
+from pddlink.roles import Role
 from pddlink.routing import (
     LinkModel,
     Pipeline,
@@ -35,52 +30,16 @@ from pddlink.routing import (
     RoutingPolicy,
     choose_pipeline,
 )
-from pddlink.transport import PeerIdentity, TlsConfig, load_or_create_peer
+from pddlink.transport import PeerIdentity
 from sidecar.grpc_tls import CallerCheck, open_channel
-from sidecar.router_run import RequestRun, RunInput
-from sidecar.rpc import stubs
+from sidecar.pb import pb2_grpc
+from sidecar.router_config import RouterConfig
+from sidecar.router_mirror import MirrorFollower
+from sidecar.router_run import RunDriver
 
-pb2, pb2_grpc = stubs()
+__all__ = ["Router", "RouterConfig"]
 
-
-@dataclass(frozen=True, slots=True)
-class RouterConfig:
-    p: str
-    rld: str
-    md: str
-    relay_enabled: bool = True
-    relay_min_wan_s: float = 0.15
-    rld_capacity: int = 8
-    rld_max_load: float = 1.0
-    rld_tpot_s: float = 0.02
-    singular_max_tokens: int = 4  # singular only for very short outputs (published: 3-4% of requests)
-    line_mbit: float = 100.0
-    rtt_ms: float = 30.0
-    deadline_s: float = 30.0
-    max_tokens_limit: int = 4096
-    max_prompt_tokens: int = 8000
-    vocab_size: int = 2048
-    kv_bytes_per_token: int = 2048
-    tls_dir: str = ""  # dev PKI: mutual TLS 1.3 to the sidecars and on the gRPC port; "" = plaintext
-    name: str = "router0"  # this router's identity is router/<name>
-    p_identity: str = "p/p0"  # who must answer at p, rld, md (checked against their certificates)
-    rld_identity: str = "rld/rld0"
-    md_identity: str = "md/md0"
-
-    def __post_init__(self) -> None:
-        if self.rld_capacity < 1 or self.line_mbit <= 0 or self.rtt_ms < 0 or self.deadline_s <= 0:
-            raise InvalidInput("router: rld_capacity >= 1, line_mbit > 0, rtt_ms >= 0, deadline_s > 0")
-        for ident in (self.p_identity, self.rld_identity, self.md_identity):
-            PeerIdentity.parse(ident)
-        PeerIdentity("router", self.name)
-
-    @property
-    def identity(self) -> PeerIdentity:
-        return PeerIdentity("router", self.name)
-
-    def load_tls(self) -> TlsConfig | None:
-        """This router's credentials from ``tls_dir`` (created in a dev PKI where missing)."""
-        return load_or_create_peer(Path(self.tls_dir), self.identity) if self.tls_dir else None
+RLD_COOL_DOWN_S = 2.0  # after RLD failed a request, new requests keep off it this long
 
 
 class Router:
@@ -89,21 +48,15 @@ class Router:
         opts = [("grpc.max_receive_message_length", 64 << 20)]
         self.tls = cfg.load_tls()
         self.channels = {
-            n: open_channel(addr, self.tls, PeerIdentity.parse(ident), opts)
-            for n, addr, ident in (
-                ("p", cfg.p, cfg.p_identity),
-                ("rld", cfg.rld, cfg.rld_identity),
-                ("md", cfg.md, cfg.md_identity),
-            )
+            role: open_channel(addr, self.tls, PeerIdentity.parse(ident), opts)
+            for role, addr, ident in cfg.sidecars()
         }
-        self.p = pb2_grpc.SidecarStub(self.channels["p"])
-        self.rld = pb2_grpc.SidecarStub(self.channels["rld"])
-        self.md = pb2_grpc.SidecarStub(self.channels["md"])
+        self.p = pb2_grpc.SidecarStub(self.channels[Role.P])
+        self.rld = pb2_grpc.SidecarStub(self.channels[Role.RLD])
+        self.md = pb2_grpc.SidecarStub(self.channels[Role.MD])
         self.rld_active = 0
         self.rld_down_until = 0.0
-        self.mirror = Mirror(gap_timeout_s=2.0)
-        self.hasher: BlockHasher | None = None
-        self.root = 0
+        self.drc = MirrorFollower(self.md)
         self.link = LinkModel(cfg.line_mbit * 1e6 / 8, cfg.rtt_ms / 1e3)
         self.policy = RoutingPolicy(
             relay_enabled=cfg.relay_enabled,
@@ -112,13 +65,12 @@ class Router:
             singular_max_output_tokens=cfg.singular_max_tokens,
         )
         self.ids = itertools.count(1)
-        self.in_flight: dict[str, RequestRun] = {}
+        self.in_flight: dict[str, RunDriver] = {}
         self._mirror_task: asyncio.Task[None] | None = None
-        self.mirror_error = ""  # why the DRC event stream from MD last broke
         self.caller_check: CallerCheck | None = None  # set by the gRPC server (who calls, with TLS)
 
     async def start(self) -> None:
-        self._mirror_task = asyncio.get_running_loop().create_task(self._follow_drc())
+        self._mirror_task = asyncio.get_running_loop().create_task(self.drc.follow())
 
     async def close(self) -> None:
         if self._mirror_task is not None:
@@ -127,40 +79,11 @@ class Router:
         for ch in self.channels.values():
             await ch.close(None)
 
-    def rld_usable(self) -> bool:
-        return self.cfg.relay_enabled and time.monotonic() >= self.rld_down_until
-
-    # -- DRC mirror ------------------------------------------------------------------------------
-
-    async def _follow_drc(self) -> None:
-        while True:
-            try:
-                async for batch in self.md.DrcEvents(pb2.DrcEventsRequest()):
-                    now = time.monotonic()
-                    if batch.snapshot:
-                        snap = decode_snapshot(batch.snapshot)
-                        if self.hasher is None or snap.root != self.root:
-                            self.root = snap.root
-                            self.hasher = BlockHasher("router", max(1, snap.block_size))
-                        self.mirror.load_snapshot(snap, now)
-                    for data in batch.events:
-                        self.mirror.apply(decode_event(data), now)
-                    if self.mirror.needs_resync:
-                        break  # reconnect: the first message of a new stream is a snapshot
-            except grpc.aio.AioRpcError as exc:  # MD restarting or unreachable: follow again shortly
-                self.mirror_error = f"{exc.code().name}: {exc.details()}"
-            await asyncio.sleep(0.5)
-
-    def matched_tokens(self, prompt: tuple[int, ...]) -> int:
-        if self.hasher is None:
-            return 0
-        hashes = self.hasher.hash_blocks(list(prompt), parent=self.root)
-        return self.mirror.match(hashes).matched_blocks * self.hasher.block_size
-
-    # -- policy -------------------------------------------------------------------------------------
+    def rld_usable(self, now: float | None = None) -> bool:
+        return self.cfg.relay_enabled and (time.monotonic() if now is None else now) >= self.rld_down_until
 
     def decide(self, prompt: tuple[int, ...], max_tokens: int, forced: str) -> tuple[PipelineDecision, int]:
-        matched = self.matched_tokens(prompt)
+        matched = self.drc.matched_tokens(prompt)
         now = time.monotonic()
         inputs = RoutingInputs(
             prompt_tokens=len(prompt),
@@ -168,7 +91,7 @@ class Router:
             kv_bytes_per_token=self.cfg.kv_bytes_per_token,
             max_output_tokens=max_tokens,
             link=self.link.estimate(now),
-            rld_available=self.rld_usable(),
+            rld_available=self.rld_usable(now),
             rld_active=self.rld_active,
             rld_capacity=self.cfg.rld_capacity,
             rld_tpot_s=self.cfg.rld_tpot_s,
@@ -179,8 +102,6 @@ class Router:
                 Pipeline(forced), decision.reason, decision.wan_bytes, decision.wan_estimate_s
             )
         return decision, matched
-
-    # -- requests -----------------------------------------------------------------------------------
 
     def validate(self, prompt: list[int], sampling: SamplingParams, deadline_s: float, pipeline: str) -> None:
         cfg = self.cfg
@@ -215,7 +136,7 @@ class Router:
         if rid in self.in_flight:
             raise InvalidInput(f"request id {rid!r} is already in flight")
         decision, matched = self.decide(tuple(prompt), sampling.max_tokens, pipeline)
-        inp = RunInput(
+        spec = RunSpec(
             rid,
             tuple(prompt),
             sampling,
@@ -223,51 +144,54 @@ class Router:
             decision.pipeline,
             decision.reason.value,
             decision.wan_estimate_s,
+            mirror_matched_tokens=matched,
         )
-        run = RequestRun(self, inp)
-        run.trace["mirror_matched_tokens"] = matched
-        self.in_flight[rid] = run
+        run = self.in_flight[rid] = RunDriver(self, spec, self.rld_usable)
         flow = f"{rid}:wan"
-        now = time.monotonic()
         if decision.pipeline is not Pipeline.SINGULAR:
-            self.link.start_flow(flow, decision.wan_bytes, now)
+            self.link.start_flow(flow, decision.wan_bytes, time.monotonic())
+        tokens = run.run()
         try:
-            async for tok in run.run():
+            async for tok in tokens:
                 yield {"position": tok.position, "token_id": tok.token_id, "source": tok.source}
         finally:
+            await tokens.aclose()  # a client that went away: the run ends (cancelled) and its legs go now
             self.in_flight.pop(rid, None)
+            trace = run.trace
             if decision.pipeline is not Pipeline.SINGULAR:
                 with contextlib.suppress(NotFound):
-                    self.link.finish_flow(flow, time.monotonic(), completed=bool(run.trace.get("wan_bytes")))
-            if run.trace.get("rld_error") or "rld_lost_md_takes_over" in run.trace["fallbacks"]:
-                self.rld_down_until = time.monotonic() + 2.0
+                    self.link.finish_flow(flow, time.monotonic(), completed=bool(trace.wan_bytes))
+            if trace.rld_suspect:
+                self.rld_down_until = time.monotonic() + RLD_COOL_DOWN_S
+        out = trace.to_dict()
         yield {
             "done": True,
             "request_id": rid,
-            "outcome": run.trace["outcome"],
-            "reason": run.trace["reason"],
-            "trace": run.trace,
+            "outcome": out["outcome"],
+            "reason": out["reason"],
+            "trace": out,
         }
 
     def status(self) -> dict[str, Any]:
         now = time.monotonic()
-        st = self.mirror.staleness(now)
+        mirror = self.drc.mirror
+        st = mirror.staleness(now)
         by_pipeline: dict[str, int] = {}
         for run in self.in_flight.values():
-            by_pipeline[run.inp.pipeline.value] = by_pipeline.get(run.inp.pipeline.value, 0) + 1
+            by_pipeline[run.spec.pipeline.value] = by_pipeline.get(run.spec.pipeline.value, 0) + 1
         est = self.link.estimate(now)
         return {
-            "role": "router",
+            "role": Role.ROUTER.value,
             "in_flight": by_pipeline,
             "rld_active": self.rld_active,
             "grpc_tls": self.caller_check.status() if self.caller_check is not None else None,
             "drc_mirror": {
-                "blocks": len(self.mirror),
+                "blocks": len(mirror),
                 "epoch": st.epoch,
                 "applied_seq": st.applied_seq,
                 "seq_lag": st.seq_lag,
                 "needs_resync": st.needs_resync,
-                "last_error": self.mirror_error,
+                "last_error": self.drc.last_error,
             },
             "link": {
                 "goodput_mbit": est.line_bytes_per_s * 8 / 1e6,
@@ -276,6 +200,3 @@ class Router:
                 "backlog_bytes": est.backlog_bytes,
             },
         }
-
-
-_ = metrics  # the router's metrics are updated by RequestRun

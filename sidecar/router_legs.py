@@ -1,12 +1,11 @@
-"""A router request's legs on the sidecars: its state, the RPCs it makes, and its teardown.
+"""A router request's RPCs to the sidecars: what ``pddlink.lifecycle.RequestRun``'s commands become.
 
-``RunLegs`` holds one request's state (merged stream, legs, which streams are alive, trace) and
-makes its RPCs, each as a task that posts exactly one result to the inbox: the Attach streams on
-RLD and MD (token events, then how the stream ended), P's Prefill, RLD's StartHandoff, and the
-router's own Handoff to MD when RLD is lost. Every RPC's timeout is the request's time left.
-``_close`` cancels what is left (P's shipment to MD may linger until its deadline so MD still
-caches the prompt), then records metrics and the trace. ``RequestRun`` (``sidecar.router_run``)
-is the actor that reacts to the results and takes the fallbacks.
+``LegCalls`` runs each command as a task that posts its results to the run's inbox as lifecycle
+events: the Attach streams on RLD and MD (``TokenArrived``, then ``StreamEnded``), P's Prefill
+(``PrefillDone`` / ``PrefillFailed``), RLD's StartHandoff (``HandoffDone``) and the router's own
+Handoff to MD when RLD is lost (``TakeoverFailed`` if it fails). Every RPC's timeout is the
+request's time left. ``close`` cancels what is left; P's shipment to MD may linger until its
+deadline so MD still imports (and caches) the prompt.
 """
 
 from __future__ import annotations
@@ -14,252 +13,181 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from dataclasses import dataclass
+from collections.abc import Coroutine
 from typing import Any, Protocol
 
 import grpc
 
-from engines_adapter import SamplingParams
-from pddlink import metrics
-from pddlink.handoff import HandoffMode, HandoffSlice, StreamMerger
-from pddlink.routing import Pipeline
+from pddlink.handoff import HandoffMode, HandoffSlice
+from pddlink.lifecycle import (
+    CancelStreams,
+    DetachHandoff,
+    HandoffDone,
+    HandoffResult,
+    Leg,
+    OpenStream,
+    PrefillDone,
+    PrefillFailed,
+    ReleaseRldSlot,
+    RunCommand,
+    RunEvent,
+    SendPrefill,
+    StartHandoff,
+    StreamClosed,
+    StreamEnd,
+    StreamEnded,
+    TakeOver,
+    TakeoverFailed,
+    TokenArrived,
+)
+from pddlink.roles import Role
 from sidecar.handoff_wire import slice_to_wire
-from sidecar.rpc import stubs
+from sidecar.pb import pb2
+from sidecar.router_pb import mode_from_text, report_from_pb
 from sidecar.sampling_pb import sampling_to_pb
 
-pb2, _ = stubs()
+MIN_TIMEOUT_S = 0.01
+MD_IMPORT_GRACE_S = 0.2  # MD imports right after P's transfer; release it after that
 
 
 class Cluster(Protocol):
+    """What a run needs of the router: its sidecar stubs and RLD's slot count."""
+
     p: Any
     rld: Any
     md: Any
     rld_active: int
 
-    def rld_usable(self) -> bool: ...
 
-
-@dataclass
-class RunInput:
-    request_id: str
-    prompt: tuple[int, ...]
-    sampling: SamplingParams
-    deadline_s: float
-    pipeline: Pipeline
-    reason: str
-    wan_estimate_s: float
-
-
-@dataclass
-class Leg:
-    """One sub-request on the sidecars: (prompt, max tokens) from some position on."""
-
-    sid: str
-    prompt: tuple[int, ...]
-    sampling: SamplingParams
-    pipeline: Pipeline
-    first_token: int | None = None
-    md_ok: bool | None = None
-    rld_ok: bool | None = None
-
-
-class RunLegs:
-    """One request's state and its RPCs to the sidecars (see the module docstring)."""
-
-    def __init__(self, cluster: Cluster, inp: RunInput) -> None:
+class LegCalls:
+    def __init__(self, cluster: Cluster, deadline: float) -> None:
         self.c = cluster
-        self.inp = inp
-        self.t_start = time.monotonic()
-        self.deadline = self.t_start + inp.deadline_s
-        self.base = len(inp.prompt)
-        self.merger = StreamMerger(self.base, inp.sampling.max_tokens)
-        self.inbox: asyncio.Queue[tuple[str, str, Any, str]] = asyncio.Queue()
+        self.deadline = deadline
+        self.inbox: asyncio.Queue[RunEvent] = asyncio.Queue()
         self.tasks: dict[str, asyncio.Task[None]] = {}
-        self.legs = 0
-        self.leg: Leg | None = None
-        self.rld_stream_alive = False
-        self.md_stream_alive = False
-        self.rld_handed_off = False
-        self.ttft_s: float | None = None
-        self.trace: dict[str, Any] = {
-            "pipeline": inp.pipeline.value,
-            "decision_reason": inp.reason,
-            "wan_estimate_s": inp.wan_estimate_s,
-            "wan_bytes": 0,
-            "fast_bytes": 0,
-            "handoff_mode": "",
-            "fallbacks": [],
-            "prompt_tokens": self.base,
-        }
-        self.failed_reason = ""
+        self.leg_numbers: dict[str, int] = {}
 
     def left(self) -> float:
-        return self.deadline - time.monotonic()
+        return max(self.deadline - time.monotonic(), MIN_TIMEOUT_S)
 
-    # -- plumbing --------------------------------------------------------------------------------
+    def execute(self, cmd: RunCommand) -> None:
+        if isinstance(cmd, OpenStream):
+            stub = self.c.rld if cmd.on is Role.RLD else self.c.md
+            if cmd.on is Role.RLD:
+                self.c.rld_active += 1
+            self._spawn(f"{cmd.on.value}{self._number(cmd.leg)}", self._stream(cmd.on, stub, cmd.leg))
+        elif isinstance(cmd, SendPrefill):
+            self._spawn(f"p{self._number(cmd.leg)}", self._prefill(cmd))
+        elif isinstance(cmd, StartHandoff):
+            self._spawn("handoff", self._start_handoff(cmd.sid))
+        elif isinstance(cmd, TakeOver):
+            self._spawn("takeover", self._take_over(cmd))
+        elif isinstance(cmd, CancelStreams):
+            self._cancel(cmd.on)
+        elif isinstance(cmd, ReleaseRldSlot):
+            self.c.rld_active -= 1
+        elif isinstance(cmd, DetachHandoff):
+            self.tasks.pop("handoff", None)  # RLD finishes; its StartHandoff call ends by itself
 
-    def _spawn(self, name: str, coro: Any) -> None:
+    def _number(self, leg: Leg) -> int:
+        return self.leg_numbers.setdefault(leg.sid, len(self.leg_numbers) + 1)
+
+    def _spawn(self, name: str, coro: Coroutine[Any, Any, None]) -> None:
         self.tasks[name] = asyncio.get_running_loop().create_task(coro)
 
-    async def _stream(self, name: str, stub: Any, leg: Leg) -> None:
+    def _cancel(self, role: Role) -> None:
+        for name, task in list(self.tasks.items()):
+            if name.startswith(role.value) and name[len(role.value) :].isdigit():
+                task.cancel()
+
+    # -- the RPCs ----------------------------------------------------------------------------------
+
+    async def _stream(self, role: Role, stub: Any, leg: Leg) -> None:
         req = pb2.AttachRequest(
             request_id=leg.sid,
             prompt=list(leg.prompt),
             sampling=sampling_to_pb(leg.sampling),
-            deadline_s=max(self.left(), 0.01),
+            deadline_s=self.left(),
         )
-        how = "failed:stream_closed"
+        closed, mode = StreamClosed(StreamEnd.FAILED, "stream_closed"), None
         try:
-            async for ev in stub.Attach(req, timeout=max(self.left(), 0.01)):
+            async for ev in stub.Attach(req, timeout=self.left()):
                 if ev.end:
-                    how = ev.end
-                    if ev.handoff_mode:
-                        self.trace["handoff_mode"] = ev.handoff_mode
+                    closed, mode = StreamClosed.parse(ev.end), mode_from_text(ev.handoff_mode)
                     break
-                await self.inbox.put(("tok", name, ev, leg.sid))
+                await self.inbox.put(TokenArrived(leg.sid, role, ev.position, ev.token_id, ev.last))
         except grpc.aio.AioRpcError as exc:
-            how = f"failed:{exc.code().name.lower()}"
+            closed = StreamClosed(StreamEnd.FAILED, exc.code().name.lower())
         except asyncio.CancelledError:
             with contextlib.suppress(grpc.aio.AioRpcError, TimeoutError):
                 await asyncio.wait_for(
                     stub.Release(pb2.ReleaseRequest(request_id=leg.sid, reason="router")), 1.0
                 )
             raise
-        await self.inbox.put(("end", name, how, leg.sid))
+        await self.inbox.put(StreamEnded(leg.sid, role, closed, mode))
 
-    async def _prefill(self, leg: Leg, to_md: bool, to_rld: bool, t0_to_md: bool) -> None:
+    async def _prefill(self, cmd: SendPrefill) -> None:
+        leg = cmd.leg
         req = pb2.PrefillRequest(
             request_id=leg.sid,
             prompt=list(leg.prompt),
             sampling=sampling_to_pb(leg.sampling),
-            ship_to_md=to_md,
-            ship_to_rld=to_rld,
-            first_token_to_md=t0_to_md,
-            deadline_s=max(self.left() - 0.2, 0.01),
+            ship_to_md=cmd.ship_to_md,
+            ship_to_rld=cmd.ship_to_rld,
+            first_token_to_md=cmd.first_token_to_md,
+            deadline_s=max(self.deadline - time.monotonic() - 0.2, MIN_TIMEOUT_S),
         )
         try:
-            reply = await self.c.p.Prefill(req, timeout=max(self.left(), 0.01))
-            await self.inbox.put(("prefill", "p", reply, leg.sid))
+            reply = await self.c.p.Prefill(req, timeout=self.left())
+            await self.inbox.put(PrefillDone(leg.sid, report_from_pb(reply)))
         except grpc.aio.AioRpcError as exc:
-            await self.inbox.put(
-                ("prefill_failed", "p", f"{exc.code().name.lower()}: {exc.details()}", leg.sid)
-            )
+            await self.inbox.put(PrefillFailed(leg.sid, f"{exc.code().name.lower()}: {exc.details()}"))
 
-    async def _start_handoff(self, leg: Leg) -> None:
+    async def _start_handoff(self, sid: str) -> None:
         try:
-            reply = await self.c.rld.StartHandoff(
-                pb2.HandoffStart(request_id=leg.sid, deadline_s=max(self.left() - 0.1, 0.01)),
-                timeout=max(self.left(), 0.01),
+            deadline_s = max(self.deadline - time.monotonic() - 0.1, MIN_TIMEOUT_S)
+            r = await self.c.rld.StartHandoff(
+                pb2.HandoffStart(request_id=sid, deadline_s=deadline_s), timeout=self.left()
             )
-            await self.inbox.put(("handoff", "rld", reply, leg.sid))
+            mode = mode_from_text(r.mode)
+            await self.inbox.put(HandoffDone(sid, HandoffResult.parse(r.outcome), mode))
         except grpc.aio.AioRpcError as exc:
-            failed = pb2.HandoffStartReply(outcome=f"failed:{exc.code().name}")
-            await self.inbox.put(("handoff", "rld", failed, leg.sid))
+            await self.inbox.put(HandoffDone(sid, HandoffResult.parse(f"failed:{exc.code().name}")))
 
-    async def _router_handoff(self, leg: Leg) -> None:
+    async def _take_over(self, cmd: TakeOver) -> None:
         """MD takes over from the tokens streamed so far (RLD lost)."""
-        given = list(self.merger.emitted) or ([leg.first_token] if leg.first_token is not None else [])
-        first_pos = len(leg.prompt)
-        ids = tuple(given[first_pos - self.base :])
-        s = HandoffSlice(leg.sid, first_pos, ids, True, HandoffMode.ONE_SHOT)
-        emit = not self.merger.emitted
+        leg = cmd.leg
+        s = HandoffSlice(leg.sid, cmd.first_position, cmd.token_ids, True, HandoffMode.ONE_SHOT)
+        req = pb2.HandoffRequest(handoff=slice_to_wire(s, leg.sampling), emit_given=cmd.emit_given)
         try:
-            await self.c.md.Handoff(
-                pb2.HandoffRequest(handoff=slice_to_wire(s, leg.sampling), emit_given=emit),
-                timeout=max(self.left(), 0.01),
-            )
+            await self.c.md.Handoff(req, timeout=self.left())
         except grpc.aio.AioRpcError as exc:
-            await self.inbox.put(("md_takeover_failed", "md", exc.code().name.lower(), leg.sid))
+            await self.inbox.put(TakeoverFailed(leg.sid, exc.code().name.lower()))
 
-    def _start_leg(self, pipeline: Pipeline) -> Leg:
-        """A (sub-)request from the merged position on: prompt + tokens already streamed."""
-        self.legs += 1
-        done = tuple(self.merger.emitted)
-        s = self.inp.sampling
-        sampling = SamplingParams(
-            s.seed, s.temperature, s.top_k, s.top_p, s.max_tokens - len(done), s.stop_token_ids
-        )
-        sid = self.inp.request_id if self.legs == 1 else f"{self.inp.request_id}#{self.legs}"
-        leg = Leg(sid, self.inp.prompt + done, sampling, pipeline)
-        self.leg = leg
-        use_md = pipeline in (Pipeline.P_MD, Pipeline.P_RLD_MD)
-        use_rld = pipeline in (Pipeline.P_RLD_MD, Pipeline.SINGULAR)
-        if use_md:
-            self.md_stream_alive = True
-            self._spawn(f"md{self.legs}", self._stream("md", self.c.md, leg))
-        if use_rld:
-            self.rld_stream_alive = True
-            self.c.rld_active += 1
-            self._spawn(f"rld{self.legs}", self._stream("rld", self.c.rld, leg))
-        self._spawn(f"p{self.legs}", self._prefill(leg, use_md, use_rld, pipeline is Pipeline.P_MD))
-        return leg
+    # -- teardown ------------------------------------------------------------------------------------
+
+    async def close(self, *, finished: bool) -> None:
+        # P's shipment to MD outlives the request when RLD finished it first: MD must still import
+        # the prompt (and cache it), or its DRC falls behind what P sees. It ends by its deadline.
+        pending_p = [t for n, t in self.tasks.items() if n.startswith("p") and not t.done()]
+        md_streams = [t for n, t in self.tasks.items() if n.startswith("md") and not t.done()]
+        kept = set(pending_p) | set(md_streams)
+        others = [t for t in self.tasks.values() if t not in kept]
+        for task in others:
+            task.cancel()
+        if pending_p and md_streams and finished:
+            asyncio.get_running_loop().create_task(self._linger(pending_p, md_streams))
+        else:
+            for task in kept:
+                task.cancel()
+        await asyncio.gather(*others, return_exceptions=True)
 
     async def _linger(
         self, pending_p: list[asyncio.Task[None]], md_streams: list[asyncio.Task[None]]
     ) -> None:
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.gather(*pending_p, return_exceptions=True), max(self.left(), 0.01))
-        await asyncio.sleep(0.2)  # MD imports right after the transfer; release it after that
+            await asyncio.wait_for(asyncio.gather(*pending_p, return_exceptions=True), self.left())
+        await asyncio.sleep(MD_IMPORT_GRACE_S)
         for task in md_streams + pending_p:
             task.cancel()
         await asyncio.gather(*md_streams, *pending_p, return_exceptions=True)
-
-    def _fallback(self, kind: str) -> None:
-        self.trace["fallbacks"].append(kind)
-        metrics.FALLBACKS.labels(kind=kind).inc()
-
-    # -- the actor ---------------------------------------------------------------------------------
-
-    def _rld_ended(self) -> None:
-        if self.rld_stream_alive:
-            self.rld_stream_alive = False
-            self.c.rld_active -= 1
-
-    def _cancel_stream(self, who: str) -> None:
-        for name, task in list(self.tasks.items()):
-            if name.startswith(who) and name[len(who) :].isdigit():
-                task.cancel()
-        if who == "md":
-            self.md_stream_alive = False
-        else:
-            self._rld_ended()
-
-    async def _close(self) -> None:
-        self._rld_ended()
-        # P's shipment to MD outlives the request when RLD finished it first: MD must still import
-        # the prompt (and cache it), or its DRC falls behind what P sees. It ends by its deadline.
-        pending_p = [t for n, t in self.tasks.items() if n.startswith("p") and not t.done()]
-        md_streams = [t for n, t in self.tasks.items() if n.startswith("md") and not t.done()]
-        for task in self.tasks.values():
-            if task not in pending_p and task not in md_streams:
-                task.cancel()
-        if pending_p and md_streams and self.merger.finished:
-            asyncio.get_running_loop().create_task(self._linger(pending_p, md_streams))
-        else:
-            for task in pending_p + md_streams:
-                task.cancel()
-        await asyncio.gather(
-            *(t for t in self.tasks.values() if t not in pending_p and t not in md_streams),
-            return_exceptions=True,
-        )
-        pipeline = self.inp.pipeline.value
-        metrics.REQUESTS_IN_FLIGHT.labels(pipeline=pipeline).dec()
-        outcome = "finished" if self.merger.finished else "failed"
-        if outcome == "failed" and not self.failed_reason:
-            self.failed_reason = "cancelled"
-        metrics.REQUESTS.labels(pipeline=pipeline, outcome=outcome).inc()
-        if self.ttft_s is not None:
-            metrics.TTFT_SECONDS.labels(pipeline=pipeline).observe(self.ttft_s)
-        for src, n in self.merger.by_source.items():
-            metrics.TOKENS.labels(source=src).inc(n)
-        if self.inp.pipeline is Pipeline.P_RLD_MD:
-            self.trace.setdefault("handoff_outcome", "not_started")  # RLD finished before MD was ready
-        self.trace.update(
-            outcome=outcome,
-            reason=self.failed_reason,
-            ttft_s=self.ttft_s,
-            e2e_s=time.monotonic() - self.t_start,
-            tokens=dict(self.merger.by_source),
-            output_tokens=self.merger.generated,
-            divergences=self.merger.divergences,
-        )

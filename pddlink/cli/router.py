@@ -71,14 +71,8 @@ def _load(config_path: str | None, flags: dict[str, Any]) -> tuple[Any, dict[str
 )
 def command(config_path: str | None, **flags: Any) -> None:
     """Run the router. Prints `READY {json}` once it serves; stops on SIGTERM or Ctrl-C."""
-    import asyncio
-
+    from pddlink import eventloop
     from sidecar.router_api import serve_router
 
     cfg, serve = _load(config_path, flags)
-    try:
-        import uvloop
-
-        uvloop.run(serve_router(cfg, **serve))
-    except ImportError:
-        asyncio.run(serve_router(cfg, **serve))
+    eventloop.run(serve_router(cfg, **serve))

@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PURE_PACKAGES = ["wire", "kv", "drc", "transfer", "handoff", "routing"]
+PURE_PACKAGES = ["wire", "kv", "drc", "transfer", "handoff", "routing", "lifecycle"]
 FORBIDDEN = {
     *("asyncio", "socket", "ssl", "selectors", "subprocess"),
     *("grpc", "torch", "uvloop", "aioquic", "qh3"),
+    *("sidecar", "netlab"),  # the pure layers sit below the daemon and the lab
 }
 
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from pddlink import eventloop
 from pddlink.errors import ErrorCode, PddlinkError
 from pddlink.kv.codec import ParallelCodec
 from pddlink.transport.api import KVClient, KVServer
@@ -97,15 +98,8 @@ def run_role(role: Callable[[BenchSpec, str], Coroutine[Any, Any, None]], spec: 
         from pddlink.transport.quic import QuicTransport
 
         QuicTransport.impl = spec.quic_impl
-    if spec.event_loop == "uvloop" or (spec.event_loop == "auto" and spec.transport == "tcp"):
-        try:
-            import uvloop
-
-            uvloop.run(role(spec, addr))
-            return
-        except ImportError:
-            log.warning("uvloop is not installed; using asyncio's event loop")
-    asyncio.run(role(spec, addr))
+    uv = spec.event_loop == "uvloop" or (spec.event_loop == "auto" and spec.transport == "tcp")
+    eventloop.run(role(spec, addr), prefer_uvloop=uv, warn_without=True)
 
 
 def _split(addr: str) -> tuple[str, int]:
