@@ -37,6 +37,7 @@ from pddlink.errors import (
     PddlinkError,
     Unavailable,
 )
+from pddlink.kv.hash_bytes import HASH_BYTES, hash_from_bytes, hash_to_bytes
 from sidecar.rpc import engine_stubs
 
 pb2, _ = engine_stubs()
@@ -59,7 +60,6 @@ ERROR_KINDS: dict[str, type[PddlinkError]] = {
         Unavailable,
     )
 }
-HASH_BYTES = 16  # chained xxh3-128 block hashes
 
 
 def layout_msg(layout: KVLayout) -> Any:
@@ -119,7 +119,7 @@ def step_of(msg: Any) -> StepOutput:
 def hash_bytes(h: int) -> bytes:
     if not 0 <= h < 1 << (8 * HASH_BYTES):
         raise InvalidInput(f"block hash {h} is not a 128-bit unsigned value")
-    return h.to_bytes(HASH_BYTES, "big")
+    return hash_to_bytes(h)
 
 
 def error_reply(command_id: int, exc: BaseException) -> Any:
@@ -224,7 +224,7 @@ def plan_drain_evicted_hashes() -> Plan:
     return Plan(
         "drain_evicted_hashes",
         pb2.DrainEvictedHashes(),
-        lambda r: [int.from_bytes(h, "big") for h in r.hashes.block_hashes],
+        lambda r: [hash_from_bytes(h) for h in r.hashes.block_hashes],
     )
 
 
@@ -276,7 +276,7 @@ def _run(engine: EngineAdapter, cmd: Any) -> dict[str, Any]:
     if op == "cached_prefix_tokens":
         return {"count": pb2.Count(value=engine.cached_prefix_tokens(list(m.prompt)))}
     if op == "evict_prefix_blocks":
-        hashes = [int.from_bytes(h, "big") for h in m.block_hashes]
+        hashes = [hash_from_bytes(h) for h in m.block_hashes]
         return {"count": pb2.Count(value=engine.evict_prefix_blocks(hashes))}
     if op == "tokens":
         return {"tokens": pb2.TokenList(token_ids=engine.tokens(m.request_id))}

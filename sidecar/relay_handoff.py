@@ -44,7 +44,7 @@ class RelayHandoff:
         if self.send is None:
             return {"outcome": HandoffResult(HandoffOutcome.FAILED, "no_md_configured").render()}
         decision = choose_handoff_mode(d.load, self.policy)
-        mode = HandoffMode(decision.mode.value)
+        mode = decision.mode
         plan = HandoffPlan(request_id, slot.seq.base, mode, slice_tokens=max(1, decision.slice_tokens or 1))
         try:
             return await self._run(slot, plan, time.monotonic() + deadline_s, self.send)

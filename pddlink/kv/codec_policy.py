@@ -19,7 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pddlink.errors import ConfigError, InvalidInput
-from pddlink.kv.codec import CodecId, KVDtype, encode_chunk, iter_chunks
+from pddlink.kv.codec import CodecId, encode_chunk, iter_chunks
+from pddlink.kv.dtypes import KVDtype
 
 GB = 1e9
 

@@ -6,11 +6,11 @@ handoff time; ``LinkEstimate.transfer_s`` / ``LinkModel`` estimate how long the 
 the WAN. No I/O: callers pass what they observed, and ``now`` where time matters.
 """
 
+from pddlink.handoff import HandoffMode  # the one handoff mode; routing decides which
 from pddlink.routing.link import LinkEstimate, LinkModel
 from pddlink.routing.policy import (
     DecisionReason,
     HandoffDecision,
-    HandoffMode,
     Pipeline,
     PipelineDecision,
     RoutingInputs,

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from pddlink.errors import ConfigError
+from pddlink.handoff import HandoffMode
 from pddlink.routing.link import LinkEstimate
 
 
@@ -42,11 +43,6 @@ class DecisionReason(StrEnum):
     RLD_BUSY = "rld_busy"  # RelayDecode above its load ceiling
     SHORT_OUTPUT = "short_output"  # singular: RLD finishes before the WAN transfer would
     LARGE_DELTA = "large_delta"  # hide the WAN transfer behind RelayDecode
-
-
-class HandoffMode(StrEnum):
-    ONE_SHOT = "one_shot"
-    CATCH_UP = "catch_up"
 
 
 def _require(ok: bool, message: str) -> None:

@@ -41,7 +41,7 @@ from sidecar.remote_engine import (
     RemoteEngine,
 )
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.process, pytest.mark.timeout(60)]
 T = TypeVar("T")
 CFG = EngineConfig(preset="tiny", dtype="float64", block_size=4, num_blocks=512, seed=7)
 

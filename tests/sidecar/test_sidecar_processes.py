@@ -19,7 +19,7 @@ from sidecar.demo_load import RequestResult, replay
 from sidecar.demo_workload import DemoRequest
 from sidecar.http import fetch
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.process, pytest.mark.timeout(180)]
 
 
 @pytest.fixture(scope="module")
