@@ -16,4 +16,4 @@ test: setup lint
 lint:
 	.venv/bin/ruff check .
 	.venv/bin/ruff format --check pddlink engines_adapter sidecar netlab tests
-	.venv/bin/mypy pddlink
+	.venv/bin/mypy pddlink sidecar engines_adapter

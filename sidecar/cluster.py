@@ -30,8 +30,9 @@ from typing import IO, Any
 
 from netlab.lab import Lab
 from pddlink.errors import DeadlineExceeded, LocalError
+from pddlink.roles import Role
 
-ROLES = ("md", "rld", "p", "router")
+ROLES = (Role.MD, Role.RLD, Role.P, Role.ROUTER)
 
 
 @dataclass(frozen=True, slots=True)

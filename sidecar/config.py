@@ -36,9 +36,10 @@ from pathlib import Path
 from typing import Any
 
 from pddlink.errors import ConfigError, InvalidInput
+from pddlink.roles import SIDECAR_ROLES
 from pddlink.transport import PeerIdentity
 
-ROLES = ("p", "rld", "md")
+ROLES = tuple(r.value for r in SIDECAR_ROLES)
 ENGINE_MODES = ("thread", "process")
 
 

@@ -33,6 +33,7 @@ from engines_adapter import EngineAdapter, load_engine
 from pddlink import eventloop, metrics
 from pddlink.drc.inspect import match_json, stats_json
 from pddlink.errors import InvalidInput, PddlinkError
+from pddlink.roles import DECODER_ROLES, Role
 from pddlink.routing import RoutingPolicy
 from pddlink.transport import (
     KVServer,
@@ -103,11 +104,12 @@ class Sidecar:
         policy = RoutingPolicy(
             catch_up_below_load=cfg.decode.catch_up_below_load, catch_up_slice_tokens=cfg.decode.slice_tokens
         )
-        if cfg.role == "md":
+        role = Role(cfg.role)
+        if role is Role.MD:
             self.drc = DrcHost(self.engine, capacity_blocks=max(1, cfg.engine.num_blocks * 3 // 4))
-        if cfg.role in ("rld", "md"):
+        if role in DECODER_ROLES:
             send = None
-            if cfg.role == "rld":
+            if role is Role.RLD:
                 md = DecoderPeer(peers.md_grpc, tls=self.tls, expected=peers.md)
                 self.peers.append(md)
 
@@ -122,7 +124,7 @@ class Sidecar:
                 policy=policy,
                 send_handoff=send,
             )
-        if cfg.role == "p":
+        if role is Role.P:
             md_kv = KVPeerPool(
                 [
                     KVPeer(
@@ -266,8 +268,9 @@ class Sidecar:
             "peer_id": cfg.name,
             "model_id": self.engine.layout.model_id,
         }
-        if cfg.role in ("rld", "md"):
-            transport = cfg.data_plane.wan_transport if cfg.role == "md" else self._fast_transport()
+        if Role(cfg.role) in DECODER_ROLES:
+            wan = Role(cfg.role) is Role.MD
+            transport = cfg.data_plane.wan_transport if wan else self._fast_transport()
             self.kv_server = await KVServer.start(
                 cfg.host,
                 cfg.kv_port,
@@ -277,7 +280,7 @@ class Sidecar:
                 on_transfer=self._on_transfer,
                 on_message=self._on_message,
                 on_transfer_failed=self._on_transfer_failed,
-                options=self._options(wan=cfg.role == "md"),
+                options=self._options(wan=wan),
             )
             ports["kv_port"] = self.kv_server.port
         if self.prefiller is not None:  # open the WAN pool and the fast path before traffic arrives

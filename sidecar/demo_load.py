@@ -18,6 +18,7 @@ import grpc
 
 from sidecar.demo_workload import DemoRequest
 from sidecar.rpc import stubs
+from sidecar.sampling_pb import sampling_to_pb
 
 
 @dataclass
@@ -34,13 +35,10 @@ class RequestResult:
 
 async def _one(stub: Any, pb2: Any, req: DemoRequest, deadline_s: float, pipeline: str) -> RequestResult:
     res = RequestResult(req.index)
-    s = req.sampling
     msg = pb2.GenerateRequest(
         request_id=f"d{req.index}",
         prompt=list(req.prompt),
-        sampling=pb2.Sampling(
-            seed=s.seed, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, max_tokens=s.max_tokens
-        ),
+        sampling=sampling_to_pb(req.sampling),
         deadline_s=deadline_s,
         pipeline=pipeline,
     )

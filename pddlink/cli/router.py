@@ -9,6 +9,7 @@ from typing import Any
 import click
 
 from pddlink.errors import ConfigError
+from pddlink.roles import SIDECAR_ROLES
 
 # flag -> (RouterConfig field or serving option, type)
 _SERVE = {"host": str, "grpc_port": int, "http_port": int, "unix": str}
@@ -34,7 +35,7 @@ def _load(config_path: str | None, flags: dict[str, Any]) -> tuple[Any, dict[str
     unknown = set(table) - known
     if unknown:
         raise ConfigError(f"router config: unknown key(s) {', '.join(sorted(unknown))}")
-    missing = {"p", "rld", "md"} - set(table)
+    missing = {r.value for r in SIDECAR_ROLES} - set(table)
     if missing:
         raise ConfigError(
             f"router config: {', '.join(sorted(missing))} required (--p/--rld/--md or the file)"
