@@ -145,9 +145,10 @@ def test_short_pdd_run_is_exact(shared: Cluster) -> None:
 
 
 def test_relayed_requests_are_handed_off_exactly(shared: Cluster) -> None:
-    # Outputs long enough that RLD cannot finish before MD holds the KV (a 24-token output may end
-    # on RLD first under CPU load, which is correct behaviour but exercises no handoff).
-    reqs = requests(3, max_tokens=256, seed=2)
+    # Outputs long enough that RLD cannot finish before MD holds the KV and the catch-up slices
+    # level (a warm RLD decodes the tiny model at ~500 tokens/s: 256 tokens could end on RLD first,
+    # which is correct behaviour but exercises no handoff).
+    reqs = requests(3, max_tokens=1024, seed=2)
     results = run_with_fault(shared, reqs, "p_rld_md", 60.0, None, None)
     expected = reference(reqs)
     assert all(r.outcome == "finished" for r in results), [r.reason for r in results]
