@@ -98,7 +98,7 @@ def _make_relative(gen_dir: Path, stem: str) -> None:
 
 
 def require_generated() -> None:
-    missing = [p.name for p in PROTOS if stale(p)]
+    missing = [p.name for p in PROTOS if stale(p, GEN_DIR)]
     if missing:
         raise Unavailable(
             f"the gRPC modules of {', '.join(missing)} are missing or stale in {GEN_DIR}: {HOW}"
