@@ -16,7 +16,7 @@ _SERVE = {"host": str, "grpc_port": int, "http_port": int, "unix": str}
 
 
 def _load(config_path: str | None, flags: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-    from sidecar.router import RouterConfig
+    from router import RouterConfig
 
     table: dict[str, Any] = {}
     if config_path:
@@ -73,7 +73,7 @@ def _load(config_path: str | None, flags: dict[str, Any]) -> tuple[Any, dict[str
 def command(config_path: str | None, **flags: Any) -> None:
     """Run the router. Prints `READY {json}` once it serves; stops on SIGTERM or Ctrl-C."""
     from pddlink import eventloop
-    from sidecar.router_api import serve_router
+    from router.api import serve_router
 
     cfg, serve = _load(config_path, flags)
     eventloop.run(serve_router(cfg, **serve))

@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 
 from engines_adapter import SamplingParams, load_engine
+from harness.cluster import Cluster, ClusterSpec
+from harness.demo_load import RequestResult, replay
+from harness.demo_workload import DemoRequest
 from netlab.lab import Lab
 from netlab.profile import parse_profile
-from sidecar.cluster import Cluster, ClusterSpec
-from sidecar.demo_load import RequestResult, replay
-from sidecar.demo_workload import DemoRequest
 
 pytestmark = [pytest.mark.e2e, pytest.mark.netlab, pytest.mark.timeout(200)]
 

@@ -28,10 +28,10 @@ from engines_adapter import (
     UnknownRequest,
 )
 from engines_adapter.base import EngineAdapter
+from engines_adapter.link_client import serve_engine
 from engines_adapter.torch_ref import TorchRefEngine
 from pddlink.errors import ConfigError, DeadlineExceeded, Unavailable
 from sidecar.config import EngineConfig
-from sidecar.engine_link import serve_engine
 from sidecar.engine_process import EngineProcessTimeouts, engine_process
 from sidecar.remote_engine import (
     EngineExpectation,

@@ -15,9 +15,9 @@ from typing import Any
 import grpc
 import pytest
 
+from router import Router, RouterConfig
+from router.api import RouterApi, RouterService, parse_completion
 from sidecar.http import serve_http
-from sidecar.router import Router, RouterConfig
-from sidecar.router_api import RouterApi, RouterService, parse_completion
 from sidecar.rpc import stubs
 
 BAD_BODIES = [

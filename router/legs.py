@@ -41,9 +41,9 @@ from pddlink.lifecycle import (
     TokenArrived,
 )
 from pddlink.roles import Role
+from router.pb import mode_from_text, report_from_pb
 from sidecar.handoff_wire import slice_to_wire
 from sidecar.pb import pb2
-from sidecar.router_pb import mode_from_text, report_from_pb
 from sidecar.sampling_pb import sampling_to_pb
 
 MIN_TIMEOUT_S = 0.01

@@ -1,7 +1,7 @@
 """One request at the router: the asyncio driver of ``pddlink.lifecycle.RequestRun``.
 
 The machine decides (legs, merge, fallbacks, deadline); this driver feeds it: it runs each command
-through ``LegCalls`` (``sidecar.router_legs``), hands every event from the inbox to the machine,
+through ``LegCalls`` (``router.legs``), hands every event from the inbox to the machine,
 re-arms the machine's timer, and yields the merged tokens. If the client goes away (the generator
 is closed) the machine is told so, and the legs are torn down either way. Metrics are counted here.
 """
@@ -15,7 +15,7 @@ from collections.abc import AsyncGenerator, Callable
 from pddlink import metrics
 from pddlink.handoff import MergedToken
 from pddlink.lifecycle import Emit, FallbackTaken, RequestRun, RunCommand, RunSpec, RunState, RunTrace
-from sidecar.router_legs import Cluster, LegCalls
+from router.legs import Cluster, LegCalls
 
 __all__ = ["Cluster", "RunDriver"]
 

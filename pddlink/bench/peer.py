@@ -22,11 +22,11 @@ from typing import Any
 import numpy as np
 
 from pddlink import eventloop
+from pddlink.bench import kvcodec
 from pddlink.errors import ErrorCode, PddlinkError
 from pddlink.kv.codec import ParallelCodec
 from pddlink.transport.api import KVClient, KVServer
 from pddlink.transport.base import LinkOptions, ReceivedTransfer, TransferResult
-from pddlink.transport.bench import kvcodec
 from pddlink.transport.tls import PeerIdentity, TlsConfig, load_or_create_peer
 from pddlink.wire.transfer_messages import KVLayoutSpec, TransferBegin
 

@@ -23,12 +23,12 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
+from harness.cluster import Cluster, ClusterSpec
+from harness.demo_load import RequestResult, replay
+from harness.demo_report import document, plot, summarize, table
+from harness.demo_workload import DemoRequest, build_trace, demo_requests
 from netlab.lab import Lab
 from netlab.profile import parse_profile
-from sidecar.cluster import Cluster, ClusterSpec
-from sidecar.demo_load import RequestResult, replay
-from sidecar.demo_report import document, plot, summarize, table
-from sidecar.demo_workload import DemoRequest, build_trace, demo_requests
 from sidecar.http import fetch
 
 VOCAB = 2048  # the reference engine's tiny preset
@@ -127,7 +127,7 @@ def reference_tokens(requests: list[DemoRequest], spec: ClusterSpec, work: Path)
         [
             sys.executable,
             "-m",
-            "sidecar.demo_reference",
+            "harness.demo_reference",
             str(work / "reference_in.json"),
             str(work / "reference.json"),
         ],

@@ -16,7 +16,7 @@ from typing import Any
 
 import grpc
 
-from sidecar.demo_workload import DemoRequest
+from harness.demo_workload import DemoRequest
 from sidecar.rpc import stubs
 from sidecar.sampling_pb import sampling_to_pb
 

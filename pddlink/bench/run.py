@@ -19,8 +19,8 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+from pddlink.bench.peer import RECEIVER, SENDER, BenchSpec
 from pddlink.errors import DeadlineExceeded, ErrorCode, LocalError, RemoteError
-from pddlink.transport.bench.peer import RECEIVER, SENDER, BenchSpec
 from pddlink.transport.tls import load_or_create_pki
 
 Spawn = Callable[[Sequence[str]], "subprocess.Popen[str]"]

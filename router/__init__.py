@@ -1,6 +1,6 @@
 """The router: per-request pipeline choice (``pddlink.routing``), one run per request
 (``RunDriver`` of ``pddlink.lifecycle.RequestRun``), and a DRC mirror fed by MD's events. Its
-client APIs (gRPC ``Router`` service, OpenAI-style HTTP with SSE) are in ``sidecar.router_api``.
+client APIs (gRPC ``Router`` service, OpenAI-style HTTP with SSE) are in ``router.api``.
 
 Lifecycle: ``Router(cfg)``; ``await start()`` connects to the sidecars (gRPC channels are lazy; mutual
 TLS 1.3 with each sidecar's identity checked when ``tls_dir`` is set, see ``sidecar.grpc_tls``) and
@@ -31,11 +31,11 @@ from pddlink.routing import (
     choose_pipeline,
 )
 from pddlink.transport import PeerIdentity
+from router.config import RouterConfig
+from router.mirror import MirrorFollower
+from router.run import RunDriver
 from sidecar.grpc_tls import CallerCheck, open_channel
 from sidecar.pb import pb2_grpc
-from sidecar.router_config import RouterConfig
-from sidecar.router_mirror import MirrorFollower
-from sidecar.router_run import RunDriver
 
 __all__ = ["Router", "RouterConfig"]
 

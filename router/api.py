@@ -27,9 +27,9 @@ import grpc
 from engines_adapter import SamplingParams
 from pddlink import metrics
 from pddlink.errors import InvalidInput
+from router import Router, RouterConfig
 from sidecar.grpc_tls import bind, new_server
 from sidecar.http import Request, Response, error_response, json_response, serve_http
-from sidecar.router import Router, RouterConfig
 from sidecar.rpc import stubs
 from sidecar.sampling_pb import sampling_from_pb
 

@@ -1,6 +1,6 @@
 """Reference generations for the demo's exactness check: one engine, alone, in its own process.
 
-``python -m sidecar.demo_reference REQUESTS.json OUT.json`` reads ``{"engine": {...}, "requests":
+``python -m harness.demo_reference REQUESTS.json OUT.json`` reads ``{"engine": {...}, "requests":
 [{"prompt": [...], "sampling": {...}}]}`` and writes ``{"tokens": [[...], ...]}``: each request
 prefilled and decoded to the end on one reference engine (float64, so batch composition cannot
 change a token; requests are decoded in batches of 64 to save time).

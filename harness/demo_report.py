@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from sidecar.demo_load import RequestResult
+from harness.demo_load import RequestResult
 
 
 def percentiles(values: list[float]) -> dict[str, float]:

@@ -20,8 +20,8 @@ import grpc
 from grpc.aio import EOF  # type: ignore[attr-defined]
 
 from engines_adapter import EngineAdapter
+from engines_adapter import link_codec as codec
 from pddlink.errors import ConfigError, Unavailable
-from sidecar import engine_codec as codec
 from sidecar.rpc import engine_stubs
 
 pb2, pb2_grpc = engine_stubs()
