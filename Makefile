@@ -15,5 +15,5 @@ test: setup lint
 
 lint:
 	.venv/bin/ruff check .
-	.venv/bin/ruff format --check pddlink engines_adapter sidecar netlab tests
-	.venv/bin/mypy pddlink
+	.venv/bin/ruff format --check pddlink engines_adapter sidecar router harness netlab tests
+	.venv/bin/mypy pddlink sidecar router harness engines_adapter

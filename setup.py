@@ -1,4 +1,10 @@
-"""Build hook for the one optional C extension; all other metadata is in pyproject.toml.
+"""Build hooks: the sidecar's gRPC modules and the one optional C extension; all other metadata is
+in pyproject.toml.
+
+The gRPC modules of ``sidecar/proto/*.proto`` and their type stubs are generated here, at build
+time (``python -m sidecar.rpc``, with grpcio-tools and mypy-protobuf from ``build-system.requires``),
+into ``sidecar/proto_gen/`` before the packages are collected, so wheels and images ship them and
+nothing is generated when the package is imported.
 
 ``pddlink.kv._native_hash`` is the native loop of the block-hash chain (see pddlink/kv/hashing.py). It
 needs a C compiler, Python's headers and libxxhash's (Debian/Ubuntu: ``libxxhash-dev``, which
@@ -6,7 +12,15 @@ scripts/setup.sh installs). It is optional: where any of these is missing the bu
 on, and ``pddlink.kv.hashing`` uses its pure-Python path (same results, slower).
 """
 
+import subprocess
+import sys
+from pathlib import Path
+
 from setuptools import Extension, setup
+
+HERE = Path(__file__).resolve().parent
+if (HERE / "sidecar" / "proto").is_dir():
+    subprocess.run([sys.executable, "-m", "sidecar.rpc"], cwd=HERE, check=True)
 
 setup(
     ext_modules=[

@@ -46,15 +46,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pddlink.errors import ErrorCode, InvalidInput, LocalError, NotFound
+from pddlink.kv import layout as _layout
 
-DTYPE_BYTES: dict[str, int] = {
-    "float64": 8,
-    "float32": 4,
-    "bfloat16": 2,
-    "float16": 2,
-    "int8": 1,
-    "float8_e4m3fn": 1,
-}
+# The KV layout and dtype table live in pddlink.kv (one of each); the engine contract names them.
+KVLayout = _layout.KVLayout
+DTYPE_BYTES = _layout.DTYPE_BYTES
 
 
 class EngineError(LocalError):
@@ -136,44 +132,6 @@ class SamplingParams:
         if "stop_token_ids" in kw:
             kw["stop_token_ids"] = tuple(int(t) for t in kw["stop_token_ids"])
         return cls(**kw)
-
-
-@dataclass(frozen=True, slots=True)
-class KVLayout:
-    """Shape of one model's KV cache. Two sides exchange KV only when their layouts are equal."""
-
-    model_id: str
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str
-    block_size: int
-
-    def __post_init__(self) -> None:
-        if self.dtype not in DTYPE_BYTES:
-            raise InvalidInput(f"layout.dtype {self.dtype!r} is not one of {sorted(DTYPE_BYTES)}")
-        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
-            if getattr(self, name) <= 0:
-                raise InvalidInput(f"layout.{name} must be positive")
-
-    @property
-    def itemsize(self) -> int:
-        return DTYPE_BYTES[self.dtype]
-
-    @property
-    def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.itemsize
-
-    @property
-    def bytes_per_block(self) -> int:
-        return self.bytes_per_token * self.block_size
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> KVLayout:
-        return cls(**d)
 
 
 @dataclass(frozen=True, slots=True)

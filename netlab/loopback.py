@@ -31,6 +31,7 @@ from typing import Any
 from netlab.control import ControlServer
 from netlab.model import DirectionModel, LinkModel
 from netlab.profile import parse_profile
+from netlab.relay_control import ControlHandler, owner_fd, sharpen_timing
 from netlab.state import LabState
 
 TCP_CHUNK_BYTES = 256 * 1024
@@ -241,8 +242,6 @@ def loopback_handler(relay: LoopbackRelay, base: Callable[[dict[str, Any]], dict
 
 def run_loopback(state: LabState, lab_dir: Path) -> bool:
     """Relay until stopped; True when the owner died."""
-    from netlab.relay import ControlHandler, owner_fd, sharpen_timing
-
     sharpen_timing()
     loop = asyncio.SelectorEventLoop(selectors.SelectSelector())  # select(): microsecond timeouts
     text = (lab_dir / "profile.toml").read_text()

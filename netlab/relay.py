@@ -11,26 +11,22 @@ dies, the relay removes the whole lab itself, so a crashed test leaves nothing b
 from __future__ import annotations
 
 import argparse
-import contextlib
-import math
 import os
 import select
 import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 from netlab import state as labstate
 from netlab.control import ControlServer
 from netlab.model import LinkModel
-from netlab.profile import DIRECTIONS, parse_profile
+from netlab.profile import parse_profile
+from netlab.relay_control import ControlHandler, owner_fd, sharpen_timing
 from netlab.state import LabState, ip
 from netlab.tun import open_tun
 from netlab.tun_relay import TunRelay
 from pddlink.errors import PddlinkError
-
-RELAY_RT_PRIORITY = 10
 
 
 class StopRelay(Exception):
@@ -52,76 +48,6 @@ def configure_tun(state: LabState, mtu_bytes: int) -> dict[str, int]:
         ip("-n", ns, "addr", "add", f"{state.addr[dc]}/24", "dev", "wan0")
         ip("-n", ns, "link", "set", "dev", "wan0", "mtu", str(mtu_bytes), "up")
     return fds
-
-
-def sharpen_timing() -> None:
-    """Let the relay wake on time although the CPU is busy: real-time priority where allowed.
-
-    A delayed packet is released when the relay wakes from ``select``; on a loaded machine an
-    ordinary process can wake a millisecond late, which would add to every RTT. SCHED_FIFO (root)
-    wakes it at once; the kernel's RT throttling still leaves other processes their share.
-    """
-    try:
-        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(RELAY_RT_PRIORITY))
-    except (PermissionError, OSError):
-        with contextlib.suppress(PermissionError, OSError):
-            os.nice(-10)
-
-
-def owner_fd(state: LabState) -> int | None:
-    """A pidfd that becomes readable when the lab's owner exits (None: no owner)."""
-    if not state.owner_pid:
-        return None
-    try:
-        return os.pidfd_open(state.owner_pid)
-    except ProcessLookupError:
-        raise PddlinkError(f"owner process {state.owner_pid} is already gone") from None
-
-
-class ControlHandler:
-    """Applies control requests to the model; ``stopping`` ends the loop."""
-
-    def __init__(self, model: LinkModel, relay: TunRelay | None, clock: Any) -> None:
-        self.model, self.relay, self.clock = model, relay, clock
-        self.stopping = False
-
-    def __call__(self, req: dict[str, Any]) -> dict[str, Any]:
-        op, now = req.get("op"), self.clock()
-        if op == "status":
-            cut = {d: self.model.is_cut(d, now) for d in DIRECTIONS}
-            left = self.model.manual_left_s(now)
-            return {
-                "ok": True,
-                "profile": self.model.profile.name,
-                "uptime_s": now - self.model.start_s,
-                "outage": any(cut.values()),
-                "cut": cut,
-                "outage_left_s": left if math.isfinite(left) else None,
-                "stats": self.model.stats(),
-                **(self.relay.timing() if self.relay is not None else {}),
-            }
-        direction = str(req.get("direction", "both"))
-        if op == "outage":
-            seconds = req.get("seconds")
-            if seconds is not None and (not isinstance(seconds, int | float) or seconds < 0):
-                return {"ok": False, "error": f"outage seconds {seconds!r} must be a number >= 0 or null"}
-            self.model.set_outage(now, None if seconds is None else float(seconds), direction)
-            if self.relay is not None:
-                self.relay.drop_in_flight(direction)
-            return {"ok": True}
-        if op == "restore":
-            self.model.clear_outage(direction)
-            return {"ok": True}
-        if op == "profile":
-            profile = parse_profile(str(req.get("toml", "")), name=str(req.get("name", "live")))
-            if profile.mtu_bytes != self.model.profile.mtu_bytes:
-                return {"ok": False, "error": "profile field mtu_bytes: cannot change on a running lab"}
-            self.model.set_profile(profile)
-            return {"ok": True, "profile": profile.name}
-        if op == "stop":
-            self.stopping = True
-            return {"ok": True}
-        return {"ok": False, "error": f"unknown op {op!r}"}
 
 
 def run_netns(state: LabState, lab_dir: Path) -> bool:

@@ -22,6 +22,7 @@ from typing import Any
 import grpc
 
 from pddlink.routing import BacklogReport, LinkModel
+from pddlink.routing import md_miss_label as md_miss_label  # now pure, in pddlink.routing
 
 POLL_INTERVAL_S = 0.5
 
@@ -72,9 +73,3 @@ async def follow_backlog(p_stub: Any, status_request: Any, link: LinkModel, inte
         except (grpc.aio.AioRpcError, ValueError):
             pass  # P restarting: the link model falls back to the router's own flows
         await asyncio.sleep(interval_s)
-
-
-def md_miss_label(md_error: str) -> str:
-    """``wan_congested`` when the transfer lost to its deadline (the line was full), else
-    ``md_unreachable``: the prefix of the fallback kinds the router records."""
-    return "wan_congested" if md_error.startswith("deadline_exceeded") else "md_unreachable"

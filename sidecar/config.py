@@ -42,9 +42,10 @@ from typing import Any
 
 from pddlink.errors import ConfigError, InvalidInput
 from pddlink.listen_policy import check_plaintext_exposure
+from pddlink.roles import SIDECAR_ROLES
 from pddlink.transport import PeerIdentity
 
-ROLES = ("p", "rld", "md")
+ROLES = tuple(r.value for r in SIDECAR_ROLES)
 ENGINE_MODES = ("thread", "process")
 
 

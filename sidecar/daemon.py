@@ -32,9 +32,10 @@ from typing import Any
 from cryptography import x509
 
 from engines_adapter import EngineAdapter, load_engine
-from pddlink import metrics
+from pddlink import eventloop, metrics
 from pddlink.drc.inspect import match_json, stats_json
 from pddlink.errors import InvalidInput, PddlinkError, Unavailable
+from pddlink.roles import DECODER_ROLES, Role
 from pddlink.routing import RoutingPolicy
 from pddlink.transport import (
     KVServer,
@@ -56,6 +57,7 @@ from sidecar.http import Request, Response, error_response, json_response, serve
 from sidecar.kv_admission import KvAdmission
 from sidecar.peers import DecoderPeer, KVPeer, KVPeerPool
 from sidecar.prefill import Prefiller
+from sidecar.reservations import ReservationIds
 from sidecar.rpc import stubs
 from sidecar.service import SidecarService
 from sidecar.sweep import Sweeper
@@ -87,6 +89,7 @@ class Sidecar:
         self.engine = engine if engine is not None else build_engine(cfg)
         self.loop = EngineLoop(self.engine, cfg.decode.max_batch)
         self.drc: DrcHost | None = None
+        self.reservations = ReservationIds()  # wire reservation ids of the DRC's leases (MD)
         self.decoder: Decoder | None = None
         self.admission: KvAdmission | None = None  # RLD books KV blocks per Attach (sidecar.kv_admission)
         self.prefiller: Prefiller | None = None
@@ -113,11 +116,12 @@ class Sidecar:
         policy = RoutingPolicy(
             catch_up_below_load=cfg.decode.catch_up_below_load, catch_up_slice_tokens=cfg.decode.slice_tokens
         )
-        if cfg.role == "md":
+        role = Role(cfg.role)
+        if role is Role.MD:
             self.drc = DrcHost(self.engine, capacity_blocks=max(1, cfg.engine.num_blocks * 3 // 4))
-        if cfg.role in ("rld", "md"):
+        if role in DECODER_ROLES:
             send = None
-            if cfg.role == "rld":
+            if role is Role.RLD:
                 self.admission = KvAdmission(cfg.engine.num_blocks, cfg.engine.block_size)
                 md = DecoderPeer(peers.md_grpc, tls=self.tls, expected=peers.md)
                 self.peers.append(md)
@@ -133,7 +137,7 @@ class Sidecar:
                 policy=policy,
                 send_handoff=send,
             )
-        if cfg.role == "p":
+        if role is Role.P:
             md_kv = KVPeerPool(
                 [
                     KVPeer(
@@ -193,12 +197,14 @@ class Sidecar:
             drc.publish(synced)
             return ReserveAnswer(
                 request_id=msg.request_id,
-                reservation_id=1,
+                reservation_id=self.reservations.grant(msg.request_id),
                 cached_blocks=held.cached_blocks,
                 lease_ms=msg.lease_ms,
             )
-        if isinstance(msg, Release):
-            return None
+        if isinstance(msg, Release) and self.drc is not None:
+            request_id = self.reservations.release(msg.reservation_id)
+            if request_id is not None:
+                await self.loop.call("drc", self.drc.release, request_id)
         return None
 
     async def _on_transfer_failed(self, peer: PeerIdentity, begin: Any, exc: PddlinkError) -> None:
@@ -309,8 +315,9 @@ class Sidecar:
             "peer_id": cfg.name,
             "model_id": self.engine.layout.model_id,
         }
-        if cfg.role in ("rld", "md"):
-            transport = cfg.data_plane.wan_transport if cfg.role == "md" else self._fast_transport()
+        if Role(cfg.role) in DECODER_ROLES:
+            wan = Role(cfg.role) is Role.MD
+            transport = cfg.data_plane.wan_transport if wan else self._fast_transport()
             self.kv_server = await KVServer.start(
                 cfg.host,
                 cfg.kv_port,
@@ -320,7 +327,7 @@ class Sidecar:
                 on_transfer=self._on_transfer,
                 on_message=self._on_message,
                 on_transfer_failed=self._on_transfer_failed,
-                options=self._options(wan=cfg.role == "md"),
+                options=self._options(wan=wan),
             )
             ports["kv_port"] = self.kv_server.port
         if self.prefiller is not None:  # open the WAN pool and the fast path before traffic arrives
@@ -392,9 +399,4 @@ async def _main(cfg: SidecarConfig) -> None:
 
 
 def run(cfg: SidecarConfig) -> None:
-    try:
-        import uvloop
-
-        uvloop.run(_main(cfg))
-    except ImportError:
-        asyncio.run(_main(cfg))
+    eventloop.run(_main(cfg))

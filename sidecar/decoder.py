@@ -1,74 +1,54 @@
-"""RelayDecode and MainDecode: requests whose KV arrives from P, decoded here, streamed by position.
+"""RelayDecode and MainDecode: the asyncio driver of ``pddlink.lifecycle.DecodeSequence``.
 
-One request on a decoder (``DecodeSeq``), whatever the order its inputs arrive in::
-
-    Attach (router: prompt, sampling, deadline; opens the token stream)
-    KV transfer (P, over the fast path or the WAN)     -> import_kv once both are here
-      or, on MD, recompute (Attach says so): prefill the prompt here, then a ``ready`` event
-    Handoff slices (P's first token, RLD's tokens, or the router's on a fallback)
-        -> extend in one forward pass; the final slice starts decoding here
-    decode steps (batched with the other requests)    -> tokens streamed with their positions
-    finished | handed off (RLD) | released | failed   -> the stream's closing event
-
-RLD also runs ``start_handoff``: once MD holds the KV it sends its generated ids to MD, one-shot or
-in catch-up slices, following ``pddlink.handoff.HandoffPlan``; if MD cannot be reached it simply
-keeps decoding and finishes the request itself.
+One request's sequence (attach, KV arriving, import, handoff slices, decode, end) is decided by the
+machine; this driver does the I/O: the engine calls (through ``EngineLoop``), the DRC updates, and
+the token stream (one queue per request, drained by ``attach``). On MD an Attach may ask for a
+recompute (ship or recompute): no KV comes, MD prefills the prompt itself
+(``decoder_engine.recompute``) and streams a ``ready`` event once it holds the prompt's KV.
+RLD's handoff to MD is in ``sidecar.relay_handoff``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from engines_adapter import KVBlocks, KVLayout, SamplingParams, StepOutput
+from engines_adapter import KVLayout, SamplingParams, StepOutput
 from pddlink import metrics
 from pddlink.errors import LocalError, PddlinkError
-from pddlink.handoff import HandoffIntake, HandoffMode, HandoffPlan
-from pddlink.routing import RoutingPolicy, choose_handoff_mode
+from pddlink.lifecycle import DecodeSequence, SeqState, SliceStep, StreamClosed, StreamEnd
+from pddlink.roles import Role
+from pddlink.routing import RoutingPolicy
 from pddlink.transport import ReceivedTransfer
+from sidecar import decoder_engine
 from sidecar.drc_host import DrcHost
 from sidecar.engine_loop import EngineLoop
-from sidecar.handoff_wire import slice_from_wire, slice_to_wire
+from sidecar.handoff_wire import slice_from_wire
 from sidecar.recompute import RecomputeMode
+from sidecar.relay_handoff import RelayHandoff, SendHandoff
 
-SendHandoff = Callable[[bytes, float], Awaitable[int]]  # (wire Handoff frame, timeout_s) -> MD's level
+ENDED_REMEMBERED = 4096  # how many ended requests' outcomes StartHandoff can still look up
+FINISHED = StreamClosed(StreamEnd.FINISHED)
+RELEASED = StreamClosed(StreamEnd.RELEASED)
 
 
 @dataclass(slots=True)
-class DecodeSeq:
-    request_id: str
-    deadline: float = 0.0
-    prompt: tuple[int, ...] = ()
-    sampling: SamplingParams | None = None
-    kv: ReceivedTransfer | None = None
-    importing: bool = False
+class DecodeSlot:
+    """A sequence and the asyncio pieces its driver needs."""
+
+    seq: DecodeSequence[ReceivedTransfer]
     imported: asyncio.Event = field(default_factory=asyncio.Event)
-    import_error: str = ""
     events: asyncio.Queue[dict[str, Any]] = field(default_factory=asyncio.Queue)
-    generated: list[int] = field(default_factory=list)  # ids at positions base, base+1, ...
-    intake: HandoffIntake | None = None
-    decoding: bool = False
-    finished: bool = False
-    ended: str = ""
     handoff_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-
-    @property
-    def base(self) -> int:
-        return len(self.prompt)
-
-    @property
-    def ready_to_import(self) -> bool:
-        return bool(self.prompt) and self.kv is not None and not self.importing
 
 
 class Decoder:
     def __init__(
         self,
-        role: str,
+        role: Role | str,
         loop: EngineLoop,
         *,
         drc: DrcHost | None = None,
@@ -76,13 +56,12 @@ class Decoder:
         policy: RoutingPolicy | None = None,
         send_handoff: SendHandoff | None = None,
     ) -> None:
-        self.role = role
+        self.role = Role(role)
         self.loop = loop
         self.drc = drc
         self.capacity = capacity
-        self.policy = policy or RoutingPolicy()
-        self.send_handoff = send_handoff
-        self.seqs: dict[str, DecodeSeq] = {}
+        self.relay = RelayHandoff(self, policy or RoutingPolicy(), send_handoff)
+        self.slots: dict[str, DecodeSlot] = {}
         self.ended_recently: dict[str, str] = {}  # request id -> how it ended (bounded, oldest dropped)
 
     @property
@@ -91,13 +70,15 @@ class Decoder:
 
     @property
     def load(self) -> float:
-        return sum(1 for s in self.seqs.values() if not s.ended) / self.capacity
+        return sum(1 for s in self.slots.values() if not s.seq.ended) / self.capacity
 
-    def _seq(self, request_id: str) -> DecodeSeq:
-        seq = self.seqs.get(request_id)
-        if seq is None:
-            seq = self.seqs[request_id] = DecodeSeq(request_id, deadline=time.monotonic() + 60.0)
-        return seq
+    def _slot(self, request_id: str) -> DecodeSlot:
+        slot = self.slots.get(request_id)
+        if slot is None:
+            slot = self.slots[request_id] = DecodeSlot(
+                DecodeSequence.orphan(request_id, self.role, time.monotonic())
+            )
+        return slot
 
     # -- inputs ----------------------------------------------------------------------------------
 
@@ -109,252 +90,159 @@ class Decoder:
         deadline_s: float,
         recompute: RecomputeMode = RecomputeMode.NONE,
     ) -> AsyncIterator[dict[str, Any]]:
-        seq = self._seq(request_id)
-        seq.prompt, seq.sampling = prompt, sampling
-        seq.deadline = time.monotonic() + deadline_s
-        if recompute is not RecomputeMode.NONE:
-            seq.importing = True  # no KV comes: this decoder prefills the prompt itself
-            asyncio.get_running_loop().create_task(self._recompute(seq, recompute))
-        self._maybe_import(seq)
+        slot = self._slot(request_id)
+        recomputes = recompute is not RecomputeMode.NONE
+        if slot.seq.attach(prompt, sampling, time.monotonic() + deadline_s, recompute=recomputes):
+            self._import(slot)
+        if recomputes and slot.seq.state is SeqState.IMPORTING:
+            asyncio.get_running_loop().create_task(self._recompute(slot, recompute))
         try:
             while True:
-                left = seq.deadline - time.monotonic()
                 try:
-                    ev = await asyncio.wait_for(seq.events.get(), timeout=max(left, 0.001))
+                    left = max(slot.seq.deadline - time.monotonic(), 0.001)
+                    ev = await asyncio.wait_for(slot.events.get(), timeout=left)
                 except TimeoutError:
-                    await self.end(seq, "failed:deadline_exceeded")  # queues the closing event
-                    ev = seq.events.get_nowait() if not seq.events.empty() else {"end": seq.ended}
+                    await self.end(slot, StreamClosed(StreamEnd.FAILED, "deadline_exceeded"))
+                    ev = (
+                        slot.events.get_nowait()
+                        if not slot.events.empty()
+                        else {"end": slot.seq.render_end()}
+                    )
                 yield ev
                 if ev.get("end"):
                     return
         finally:
-            if not seq.ended:  # the router went away: nobody wants the rest
-                await self.end(seq, "released")
-            gone = self.seqs.pop(request_id, None)
-            if gone is not None:
-                self.ended_recently[request_id] = gone.ended
-                while len(self.ended_recently) > 4096:
-                    self.ended_recently.pop(next(iter(self.ended_recently)))
+            if not slot.seq.ended:  # the router went away: nobody wants the rest
+                await self.end(slot, RELEASED)
+            self._forget(request_id)
+
+    def _forget(self, request_id: str) -> None:
+        gone = self.slots.pop(request_id, None)
+        if gone is not None:
+            self.ended_recently[request_id] = gone.seq.render_end()
+            while len(self.ended_recently) > ENDED_REMEMBERED:
+                self.ended_recently.pop(next(iter(self.ended_recently)))
 
     async def on_transfer(self, received: ReceivedTransfer) -> None:
-        seq = self._seq(received.begin.request_id)
-        if seq.ended:
+        slot = self._slot(received.begin.request_id)
+        if slot.seq.ended:
             return
-        seq.kv = received
-        metrics.KV_BYTES.labels(path="wan" if self.role == "md" else "fast").inc(
-            sum(len(c) for c in received.chunks)
-        )
-        self._maybe_import(seq)
+        path = "wan" if self.role is Role.MD else "fast"
+        metrics.KV_BYTES.labels(path=path).inc(sum(len(c) for c in received.chunks))
+        if slot.seq.kv_arrived(received):
+            self._import(slot)
 
-    def _maybe_import(self, seq: DecodeSeq) -> None:
-        if seq.ready_to_import:
-            seq.importing = True
-            asyncio.get_running_loop().create_task(self._import(seq))
+    def _import(self, slot: DecodeSlot) -> None:
+        asyncio.get_running_loop().create_task(self._run_import(slot, slot.seq.take_kv()))
 
-    async def _import(self, seq: DecodeSeq) -> None:
-        assert seq.kv is not None and seq.sampling is not None
-        begin = seq.kv.begin
-        data = b"".join(seq.kv.chunks)
-        seq.kv = None  # the payload is copied into the pool below; drop the chunks
-        layout = self.layout
+    async def _run_import(self, slot: DecodeSlot, kv: ReceivedTransfer) -> None:
         try:
-            blocks = KVBlocks(
-                layout, begin.first_block, len(data) // layout.bytes_per_block, begin.num_tokens, data
-            )
-            reuse = begin.first_block * layout.block_size
-            await self.loop.call(
-                "import",
-                self.loop.engine.import_kv,
-                seq.request_id,
-                list(seq.prompt),
-                [blocks],
-                seq.sampling,
-                reuse_prefix_tokens=reuse,
-            )
-            if self.drc is not None:
-                events = await self.loop.call("drc", self.drc.commit, seq.request_id, seq.prompt)
-                self.drc.publish(events)
+            await decoder_engine.import_kv(self.loop, self.drc, slot.seq, kv)
+            slot.seq.import_done()
         except PddlinkError as exc:
-            seq.import_error = f"import_failed: {exc.message}"
-            await self.end(seq, f"failed:{seq.import_error}")
+            await self.end(slot, slot.seq.import_failed(exc.message))
         finally:
-            seq.imported.set()
+            slot.imported.set()
 
-    async def _recompute(self, seq: DecodeSeq, mode: RecomputeMode) -> None:
-        """Ship or recompute: prefill the prompt from its token ids, reusing this engine's own
-        prefix cache (the DRC reservation counts the lookup as P's would), then say ``ready``;
-        with AND_DECODE also stream the first token and decode, else wait for RLD's handoff."""
-        assert seq.sampling is not None
-        engine, prompt = self.loop.engine, list(seq.prompt)
+    async def _recompute(self, slot: DecodeSlot, mode: RecomputeMode) -> None:
+        """Ship or recompute: prefill the prompt here (``decoder_engine.recompute``), then say
+        ``ready``; with AND_DECODE also stream the first token and decode, else wait for RLD's
+        handoff."""
+        seq = slot.seq
         try:
-            cached = await self.loop.call("cached", engine.cached_prefix_tokens, prompt)
-            if self.drc is not None:
-                hashes = self.drc.hasher.hash_blocks(prompt)
-                _, events = await self.loop.call("drc", self.drc.reserve, seq.request_id, hashes, 30.0)
-                self.drc.publish(events)
-            t0 = time.perf_counter()
-            out = await self.loop.call("prefill", engine.prefill, seq.request_id, prompt, seq.sampling)
-            took = time.perf_counter() - t0
-            if self.drc is not None:
-                self.drc.publish(await self.loop.call("drc", self.drc.commit, seq.request_id, seq.prompt))
+            out, took, cached = await decoder_engine.recompute(self.loop, self.drc, seq)
         except PddlinkError as exc:
             seq.import_error = f"recompute_failed: {exc.message}"
-            seq.imported.set()
-            await self.end(seq, f"failed:{seq.import_error}")
+            slot.imported.set()
+            await self.end(slot, StreamClosed(StreamEnd.FAILED, seq.import_error))
             return
-        seq.imported.set()
+        seq.import_done()
+        slot.imported.set()
         if seq.ended:  # released while prefilling: its end() found nothing to free yet
-            with contextlib.suppress(PddlinkError):
-                await self.loop.call("release", engine.release, seq.request_id, cache_prefix=True)
+            await decoder_engine.release_prefilled(self.loop, seq.request_id)
             return
-        seq.events.put_nowait({"ready": True, "recompute_seconds": took, "cached_tokens": cached})
-        if mode is RecomputeMode.AND_DECODE and not seq.ended:
-            self._take(seq, out)
-            if not seq.finished:
-                seq.decoding = True
-                self.loop.decode_in_batch(seq.request_id, lambda o: self._take(seq, o))
+        slot.events.put_nowait({"ready": True, "recompute_seconds": took, "cached_tokens": cached})
+        if mode is RecomputeMode.AND_DECODE:
+            self.take_step(slot, out)
+            if seq.start_decoding():
+                self.loop.decode_in_batch(seq.request_id, lambda o: self.take_step(slot, o))
 
     async def handoff(self, frame: bytes, *, emit_given: bool, sender_finished: bool) -> int:
         """A slice for this decoder: extend with it; the final one starts decoding here."""
         s, _sampling = slice_from_wire(frame)
-        seq = self._seq(s.request_id)
-        async with seq.handoff_lock:
-            await asyncio.wait_for(seq.imported.wait(), timeout=max(seq.deadline - time.monotonic(), 0.001))
-            if seq.import_error or seq.ended:
-                raise HandoffRefused(seq.import_error or f"request already ended ({seq.ended})")
-            if sender_finished:  # the sender finished the request: keep only the cached prefix
-                await self.end(seq, "released")
-                return s.end_position
-            if seq.intake is None:
-                seq.intake = HandoffIntake(seq.request_id, seq.base)
-            ids = seq.intake.accept(s)
-            seq.generated[s.first_position - seq.base :] = list(ids)
-            if self._complete(seq, ids):  # nothing left to generate (max tokens, stop token): no extend
+        slot = self._slot(s.request_id)
+        seq = slot.seq
+        async with slot.handoff_lock:
+            left = max(seq.deadline - time.monotonic(), 0.001)
+            await asyncio.wait_for(slot.imported.wait(), timeout=left)
+            if refused := seq.refusal():
+                raise HandoffRefused(refused)
+            step = seq.on_slice(s, sender_finished=sender_finished)
+            if step is SliceStep.RELEASE:  # the sender finished the request: keep only the cached prefix
+                await self.end(slot, RELEASED)
+            elif step is SliceStep.COMPLETE:  # nothing left to generate (max tokens, stop token)
                 if emit_given:
-                    for i, tok in enumerate(ids):
-                        self._emit(seq, s.first_position + i, tok, i == len(ids) - 1)
+                    self._emit_ids(slot, s.first_position, s.token_ids, last_is_last=True)
                 if s.final:
-                    seq.finished = True
-                    await self.end(seq, "finished")
-                return s.end_position
-            out = await self.loop.call("extend", self.loop.engine.extend, seq.request_id, list(ids))
-            if emit_given:
-                for i, tok in enumerate(ids):
-                    self._emit(seq, s.first_position + i, tok, False)
-            if s.final:
-                self._take(seq, out)
-                if not seq.finished:
-                    seq.decoding = True
-                    self.loop.decode_in_batch(seq.request_id, lambda o: self._take(seq, o))
+                    await self.end(slot, FINISHED)
+            else:
+                out = await self.loop.call(
+                    "extend", self.loop.engine.extend, seq.request_id, list(s.token_ids)
+                )
+                if emit_given:
+                    self._emit_ids(slot, s.first_position, s.token_ids, last_is_last=False)
+                if s.final:
+                    self.take_step(slot, out)
+                    if seq.start_decoding():
+                        self.loop.decode_in_batch(seq.request_id, lambda o: self.take_step(slot, o))
             return s.end_position
-
-    @staticmethod
-    def _complete(seq: DecodeSeq, ids: tuple[int, ...]) -> bool:
-        sampling = seq.sampling
-        if sampling is None:
-            return False
-        return len(seq.generated) >= sampling.max_tokens or (bool(ids) and ids[-1] in sampling.stop_token_ids)
 
     # -- outputs ---------------------------------------------------------------------------------
 
-    def _emit(self, seq: DecodeSeq, position: int, token_id: int, last: bool) -> None:
-        seq.events.put_nowait({"position": position, "token_id": token_id, "last": last})
+    def _emit_ids(self, slot: DecodeSlot, first: int, ids: tuple[int, ...], *, last_is_last: bool) -> None:
+        for i, tok in enumerate(ids):
+            slot.events.put_nowait(
+                {"position": first + i, "token_id": tok, "last": last_is_last and i == len(ids) - 1}
+            )
 
-    def _take(self, seq: DecodeSeq, out: StepOutput | None) -> None:
-        if seq.ended:
+    def take_step(self, slot: DecodeSlot, out: StepOutput | None) -> None:
+        if slot.seq.ended:
             return
         if out is None:
-            asyncio.get_running_loop().create_task(self.end(seq, "failed:engine_error"))
+            asyncio.get_running_loop().create_task(
+                self.end(slot, StreamClosed(StreamEnd.FAILED, "engine_error"))
+            )
             return
-        seq.generated.append(out.token_id)
-        self._emit(seq, out.position, out.token_id, out.finished)
+        slot.seq.on_token(out.token_id, out.finished)
+        slot.events.put_nowait({"position": out.position, "token_id": out.token_id, "last": out.finished})
         if out.finished:
-            seq.finished = True
-            seq.decoding = False
-            asyncio.get_running_loop().create_task(self.end(seq, "finished"))
+            asyncio.get_running_loop().create_task(self.end(slot, FINISHED))
 
-    async def end(self, seq: DecodeSeq, how: str, **extra: Any) -> None:
+    async def end(self, slot: DecodeSlot, closed: StreamClosed, **extra: Any) -> None:
         """Close the request here: out of the batch, engine released, closing event streamed."""
-        if seq.ended:
+        plan = slot.seq.end(closed)
+        if plan is None:
             return
-        seq.ended = how
-        await self.loop.stop_decoding(seq.request_id)
-        keep = self.role == "md" and how in ("finished", "released")
-        with contextlib.suppress(PddlinkError):
-            tokens = await self.loop.call("tokens", self.loop.engine.tokens, seq.request_id)
-            await self.loop.call("release", self.loop.engine.release, seq.request_id, cache_prefix=keep)
-            if keep and self.drc is not None:
-                events = await self.loop.call("drc", self.drc.insert, tokens[:-1])
-                self.drc.publish(events)
-        if self.drc is not None and not keep:
-            await self.loop.call("drc", self.drc.release, seq.request_id)
-        seq.events.put_nowait({"end": how, **extra})
+        await decoder_engine.release(self.loop, self.drc, slot.seq.request_id, cache_prefix=plan.cache_prefix)
+        slot.events.put_nowait({"end": closed.render(), **extra})
 
     async def release(self, request_id: str, reason: str) -> bool:
-        seq = self.seqs.get(request_id)
-        if seq is None:
+        slot = self.slots.get(request_id)
+        if slot is None:
             return False
-        await self.end(seq, "released")
+        await self.end(slot, RELEASED)
         return True
 
-    # -- RLD: hand the request over to MD ---------------------------------------------------------
-
     async def start_handoff(self, request_id: str, deadline_s: float) -> dict[str, Any]:
-        seq = self.seqs.get(request_id)
-        if seq is None or seq.ended:
-            how = seq.ended if seq is not None else self.ended_recently.get(request_id, "")
-            if how == "finished":  # RLD finished it before MD was ready: nothing to hand over
-                return {"outcome": "finished_on_rld"}
-            return {"outcome": f"failed:{how or 'unknown_request'}"}
-        if self.send_handoff is None:
-            return {"outcome": "failed:no_md_configured"}
-        decision = choose_handoff_mode(self.load, self.policy)
-        mode = HandoffMode(decision.mode.value)
-        plan = HandoffPlan(request_id, seq.base, mode, slice_tokens=max(1, decision.slice_tokens or 1))
-        deadline = time.monotonic() + deadline_s
-        try:
-            return await self._run_handoff(seq, plan, deadline, self.send_handoff)
-        except (PddlinkError, TimeoutError, ConnectionError) as exc:
-            if not seq.ended and not seq.finished and not self.loop.is_decoding(request_id):
-                self.loop.decode_in_batch(request_id, lambda o: self._take(seq, o))
-            metrics.FALLBACKS.labels(kind="handoff_failed_rld_finishes").inc()
-            return {"outcome": f"failed:{type(exc).__name__}: {exc}", "mode": mode.value}
-
-    async def _run_handoff(
-        self, seq: DecodeSeq, plan: HandoffPlan, deadline: float, send: SendHandoff
-    ) -> dict[str, Any]:
-        while not plan.done:
-            if seq.ended or seq.finished:  # RLD finished it first: the router releases MD's copy
-                return {"outcome": "finished_on_rld", "mode": plan.mode.value}
-            if plan.mode is HandoffMode.ONE_SHOT or plan.final_due(len(seq.generated)):
-                await self.loop.stop_decoding(seq.request_id)
-            s = plan.next_slice(seq.generated)
-            if s is None:
-                await asyncio.sleep(0.002)
-                continue
-            frame = slice_to_wire(s, seq.sampling or SamplingParams())
-            metrics.HANDOFF_SLICES.labels(mode=plan.mode.value).inc()
-            metrics.HANDOFF_BYTES.inc(len(frame))
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError("handoff deadline passed")
-            level = await send(frame, left)
-            plan.on_ack(level)
-        metrics.HANDOFFS.labels(mode=plan.mode.value).inc()
-        await self.end(seq, "handed_off", handoff_mode=plan.mode.value, handoff_slices=plan.slices_sent)
-        return {
-            "outcome": "handed_off",
-            "mode": plan.mode.value,
-            "slices": plan.slices_sent,
-            "end_position": plan.sent_upto,
-        }
+        """RLD: hand the request over to MD (see ``sidecar.relay_handoff``)."""
+        return await self.relay.start(request_id, deadline_s)
 
     def status(self) -> dict[str, Any]:
-        live = [s for s in self.seqs.values() if not s.ended]
+        live = [s.seq for s in self.slots.values() if not s.seq.ended]
         return {
             "requests": len(live),
-            "decoding": sum(1 for s in live if s.decoding),
-            "waiting_kv": sum(1 for s in live if not s.imported.is_set()),
+            "decoding": sum(1 for s in live if s.state is SeqState.DECODING),
+            "waiting_kv": sum(1 for s in live if not s.imported),
             "load": self.load,
         }
 

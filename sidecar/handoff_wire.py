@@ -4,12 +4,8 @@ from __future__ import annotations
 
 from engines_adapter import SamplingParams
 from pddlink.errors import InvalidInput
-from pddlink.handoff import HandoffMode, HandoffSlice
+from pddlink.handoff import HandoffSlice
 from pddlink.wire import Decoder, Handoff, encode
-from pddlink.wire import HandoffMode as WireMode
-
-_TO_WIRE = {HandoffMode.ONE_SHOT: WireMode.ONE_SHOT, HandoffMode.CATCH_UP: WireMode.CATCH_UP}
-_FROM_WIRE = {v: k for k, v in _TO_WIRE.items()}
 
 
 def slice_to_wire(s: HandoffSlice, sampling: SamplingParams, slice_index: int = 0) -> bytes:
@@ -24,7 +20,7 @@ def slice_to_wire(s: HandoffSlice, sampling: SamplingParams, slice_index: int = 
             top_p=sampling.top_p,
             max_tokens=sampling.max_tokens,
             stop_token_ids=sampling.stop_token_ids,
-            mode=_TO_WIRE[s.mode],
+            mode=s.mode,
             slice_index=slice_index,
             final=s.final,
         )
@@ -37,6 +33,4 @@ def slice_from_wire(frame: bytes) -> tuple[HandoffSlice, SamplingParams]:
         raise InvalidInput("expected exactly one Handoff frame")
     m = msgs[0]
     sampling = SamplingParams(m.seed, m.temperature, m.top_k, m.top_p, m.max_tokens, tuple(m.stop_token_ids))
-    return HandoffSlice(
-        m.request_id, m.first_position, tuple(m.token_ids), m.final, _FROM_WIRE[m.mode]
-    ), sampling
+    return HandoffSlice(m.request_id, m.first_position, tuple(m.token_ids), m.final, m.mode), sampling

@@ -42,7 +42,7 @@ TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 
 
 # A forced pipeline (tests, the P->MD baseline): a pipeline's name or a routing option's
-# (``sidecar.router_options.FORCEABLE``).
+# (``router.options.FORCEABLE``).
 ForcedPipeline = Literal["", "p_md", "p_rld_md", "singular", "ship", "relay", "recompute", "relay_recompute"]
 
 
@@ -221,7 +221,7 @@ class ChatBody(_Sampling):
 
 
 class GenerateBody(_Strict):
-    """The gRPC request, as a dict of its protobuf fields (``sidecar.router_api``)."""
+    """The gRPC request, as a dict of its protobuf fields (``router.api``)."""
 
     request_id: str = Field("", max_length=MAX_REQUEST_ID_CHARS, pattern=r"^[A-Za-z0-9._:-]*$")
     prompt: PromptIds

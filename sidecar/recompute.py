@@ -15,24 +15,11 @@ of what the ready events report, starting from the configured figure) and the wo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import IntEnum
 
 from pddlink.errors import InvalidInput
-from pddlink.routing import MdPrefill, Option
+from pddlink.routing import MdPrefill, RecomputeMode
 
-
-class RecomputeMode(IntEnum):
-    NONE = 0
-    AND_DECODE = 1
-    FOR_HANDOFF = 2
-
-    @classmethod
-    def of(cls, option: Option) -> RecomputeMode:
-        if option is Option.RECOMPUTE:
-            return cls.AND_DECODE
-        if option is Option.RELAY_RECOMPUTE:
-            return cls.FOR_HANDOFF
-        return cls.NONE
+__all__ = ["PrefillBook", "RecomputeMode", "TpotBook"]
 
 
 @dataclass(slots=True)

@@ -35,8 +35,8 @@ from engines_adapter import (
     SamplingParams,
     StepOutput,
 )
+from engines_adapter import link_codec as codec
 from pddlink.errors import ConfigError, DeadlineExceeded, Unavailable
-from sidecar import engine_codec as codec
 from sidecar.rpc import engine_stubs
 
 pb2, pb2_grpc = engine_stubs()

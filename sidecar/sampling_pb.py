@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from engines_adapter import SamplingParams
-from sidecar.rpc import stubs
-
-pb2, _ = stubs()
+from sidecar.pb import pb2
 
 
-def sampling_from_pb(s: Any) -> SamplingParams:
+def sampling_from_pb(s: pb2.Sampling) -> SamplingParams:
     return SamplingParams(
         seed=int(s.seed),
         temperature=float(s.temperature),
@@ -21,7 +17,7 @@ def sampling_from_pb(s: Any) -> SamplingParams:
     )
 
 
-def sampling_to_pb(s: SamplingParams) -> Any:
+def sampling_to_pb(s: SamplingParams) -> pb2.Sampling:
     return pb2.Sampling(
         seed=s.seed,
         temperature=s.temperature,

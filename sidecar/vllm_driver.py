@@ -20,7 +20,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import httpx
 
@@ -120,7 +120,7 @@ class VllmDriver:
         out = await self._post(url, self._body(req, req.max_tokens), time.monotonic() + req.deadline_s)
         return tuple(int(t) for t in out["choices"][0]["token_ids"])
 
-    async def _post(self, url: str, body: dict[str, object], deadline: float) -> dict[str, object]:
+    async def _post(self, url: str, body: dict[str, object], deadline: float) -> dict[str, Any]:
         try:
             r = await self.http.post(url + "/v1/completions", json=body, timeout=_left(deadline))
         except httpx.TimeoutException as exc:

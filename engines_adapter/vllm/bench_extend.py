@@ -76,7 +76,7 @@ def run_bench(
     t0 = time.perf_counter()
     llm = LLM(
         model=model,
-        dtype=dtype,
+        dtype=dtype,  # type: ignore[arg-type]
         block_size=block_size,
         enforce_eager=True,
         skip_tokenizer_init=True,

@@ -19,6 +19,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from pddlink.errors import DeadlineExceeded, Unavailable
 
@@ -64,7 +65,7 @@ class VllmServerSpec:
             "--disable-uvicorn-access-log",
         ]
         if self.kv_role:
-            cfg = {
+            cfg: dict[str, Any] = {
                 "kv_connector": "PddlinkConnector",
                 "kv_connector_module_path": CONNECTOR_MODULE,
                 "kv_role": self.kv_role,

@@ -204,7 +204,7 @@ class ComposeLab:
                 (self.run_dir / sock).unlink(missing_ok=True)
         self._config_dir = config_dir.resolve()
         deadline = time.monotonic() + timeout_s
-        # the sidecars first, then the router (as sidecar.cluster does): a router that dialed a
+        # the sidecars first, then the router (as harness.cluster does): a router that dialed a
         # sidecar before it listened would wait out gRPC's reconnect backoff
         for group in (("md", "rld", "p"), ("router",)):
             self._compose(["up", "-d", "--no-color", "--no-deps", "--force-recreate", *group], timeout_s=120)

@@ -18,9 +18,9 @@ from typing import Any
 
 import click
 
-from pddlink.transport.bench import peer
-from pddlink.transport.bench.peer import BenchSpec
-from pddlink.transport.bench.run import run_loopback, run_netlab
+from pddlink.bench import peer
+from pddlink.bench.peer import BenchSpec
+from pddlink.bench.run import run_loopback, run_netlab
 
 
 @click.command(name="link")

@@ -1,4 +1,4 @@
-"""``pddlink chaos``: the fault suite (see ``sidecar.chaos``)."""
+"""``pddlink chaos``: the fault suite (see ``harness.chaos``)."""
 
 from __future__ import annotations
 
@@ -42,8 +42,8 @@ def command(
     a one-way cut, corrupted packets on the WAN, a burst of 4x the concurrency. Then
     check the invariants (no hung request, exact tokens, no gaps or duplicates, typed failures,
     nothing held 10 s after, flat RSS) and print a table, a JSON report and a PNG timeline."""
+    from harness.chaos.run import main
     from pddlink.cli.preflight import check_output_file, check_writable
-    from sidecar.chaos.run import main
 
     if requests < 1 or concurrency < 1 or deadline_s <= 0 or max_output < 1:
         raise click.BadParameter("--requests, --concurrency, --max-output >= 1 and --deadline-s > 0")

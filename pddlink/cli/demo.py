@@ -1,4 +1,4 @@
-"""``pddlink demo``: the end-to-end demonstration (see ``sidecar.demo``)."""
+"""``pddlink demo``: the end-to-end demonstration (see ``harness.demo``)."""
 
 from __future__ import annotations
 
@@ -75,8 +75,8 @@ def command(
     as cross-datacenter PD (P->MD only) and once with PDD, checks every token against one engine
     generating alone, and prints the table. Progress and logs go to stderr.
     """
+    from harness.demo import main
     from pddlink.cli.preflight import check_output_file, check_writable
-    from sidecar.demo import main
 
     if requests < 1:
         raise click.BadParameter("must be >= 1", param_hint="--requests")

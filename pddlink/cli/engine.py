@@ -66,7 +66,7 @@ def command(
     import torch
 
     from engines_adapter import load_engine
-    from sidecar.engine_link import serve_engine
+    from engines_adapter.link_client import serve_engine
 
     torch.set_num_threads(max(1, threads))
     engine = load_engine(

@@ -10,6 +10,7 @@ import click
 
 from pddlink.errors import ConfigError
 from pddlink.listen_policy import check_plaintext_exposure
+from pddlink.roles import SIDECAR_ROLES
 
 # flag -> (RouterConfig field or serving option, type)
 _SERVE = {"host": str, "grpc_port": int, "http_port": int, "unix": str}
@@ -64,7 +65,7 @@ def _load(config_path: str | None, flags: dict[str, Any]) -> tuple[Any, dict[str
 
 
 def _load_table(table: dict[str, Any], flags: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-    from sidecar.router import RouterConfig
+    from router import RouterConfig
 
     table.update({k: v for k, v in flags.items() if v is not None})
     if table.pop("no_relay", False):
@@ -80,7 +81,7 @@ def _load_table(table: dict[str, Any], flags: dict[str, Any]) -> tuple[Any, dict
     unknown = set(table) - known
     if unknown:
         raise ConfigError(f"router config: unknown key(s) {', '.join(sorted(unknown))}")
-    missing = {"p", "rld", "md"} - set(table)
+    missing = {r.value for r in SIDECAR_ROLES} - set(table)
     if missing:
         raise ConfigError(
             f"router config: {', '.join(sorted(missing))} required (--p/--rld/--md or the file)"
@@ -157,15 +158,9 @@ def _preflight(cfg: Any, serve: dict[str, Any]) -> None:
 )
 def command(config_path: str | None, **flags: Any) -> None:
     """Run the router. Prints `READY {json}` once it serves; stops on SIGTERM or Ctrl-C."""
-    import asyncio
-
-    from sidecar.router_api import serve_router
+    from pddlink import eventloop
+    from router.api import serve_router
 
     cfg, serve, api = load_router_config(config_path, flags)
     _preflight(cfg, serve)
-    try:
-        import uvloop
-
-        uvloop.run(serve_router(cfg, **serve, api=api))
-    except ImportError:
-        asyncio.run(serve_router(cfg, **serve, api=api))
+    eventloop.run(serve_router(cfg, **serve, api=api))

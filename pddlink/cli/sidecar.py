@@ -6,9 +6,13 @@ from typing import Any
 
 import click
 
+from pddlink.roles import SIDECAR_ROLES
+
 
 @click.command(name="sidecar")
-@click.option("--role", type=click.Choice(["p", "rld", "md"]), help="Role (overrides the file's).")
+@click.option(
+    "--role", type=click.Choice([r.value for r in SIDECAR_ROLES]), help="Role (overrides the file's)."
+)
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), help="TOML configuration file.")
 @click.option("--peer-id", help="This sidecar's identity (default: <role>0).")
 @click.option("--host", help="Address to bind.")

@@ -20,8 +20,9 @@ from dataclasses import dataclass
 from enum import IntEnum
 
 from pddlink.errors import InvalidInput
+from pddlink.kv.hash_bytes import HASH_BYTES, hash_from_bytes, hash_to_bytes
 
-_HASH_BYTES = 16
+_HASH_BYTES = HASH_BYTES
 _MAX_HASH = 1 << (8 * _HASH_BYTES)
 _HEADER = struct.Struct("<BBQQI")  # kind, has_parent, epoch, seq, count
 
@@ -99,8 +100,8 @@ def encode_event(event: Event) -> bytes:
     else:
         kind = EventKind.CLEARED
     head = _HEADER.pack(kind, parent is not None, event.epoch, event.seq, len(hashes))
-    body = [] if parent is None else [parent.to_bytes(_HASH_BYTES, "big")]
-    body.extend(h.to_bytes(_HASH_BYTES, "big") for h in hashes)
+    body = [] if parent is None else [hash_to_bytes(parent)]
+    body.extend(map(hash_to_bytes, hashes))
     return head + b"".join(body)
 
 
@@ -115,7 +116,7 @@ def decode_event(data: bytes) -> Event:
     if len(data) != _HEADER.size + n * _HASH_BYTES:
         raise EventDecodeError(f"event length {len(data)} does not match {count} hashes")
     mv = memoryview(data)[_HEADER.size :]
-    ints = [int.from_bytes(mv[i : i + _HASH_BYTES]) for i in range(0, n * _HASH_BYTES, _HASH_BYTES)]
+    ints = [hash_from_bytes(mv[i : i + _HASH_BYTES]) for i in range(0, n * _HASH_BYTES, _HASH_BYTES)]
     try:
         if kind == EventKind.STORED:
             parent = ints[0] if has_parent else None

@@ -16,18 +16,19 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from operator import itemgetter, methodcaller
+from operator import itemgetter
 
 import numpy as np
 import zstandard
 
 from pddlink.drc.index import PrefixIndex
 from pddlink.errors import InvalidInput
+from pddlink.kv.hash_bytes import HASH_BYTES, hash_from_bytes, hash_to_bytes
 
 MAGIC = b"PDRC"
 VERSION = 1
 _HEADER = struct.Struct("<4sBBIQQQ16sQ")
-_HASH = 16
+_HASH = HASH_BYTES
 _ZSTD_LEVEL = 3
 _MAX_BLOCKS = 1 << 32
 
@@ -75,7 +76,7 @@ def encode_snapshot(index: PrefixIndex, *, block_size: int = 0, root: int = 0) -
     n = len(hashes)
     deltas = np.where(parent_at < 0, 0, np.arange(n, dtype=np.int64) - parent_at).astype("<u4")
     packed = zstandard.ZstdCompressor(level=_ZSTD_LEVEL).compress(deltas.tobytes())
-    hash_bytes = b"".join(map(methodcaller("to_bytes", _HASH, "big"), hashes))
+    hash_bytes = b"".join(map(hash_to_bytes, hashes))
     head = _HEADER.pack(
         MAGIC,
         VERSION,
@@ -84,7 +85,7 @@ def encode_snapshot(index: PrefixIndex, *, block_size: int = 0, root: int = 0) -
         index.epoch,
         index.seq,
         len(hashes),
-        root.to_bytes(_HASH, "big"),
+        hash_to_bytes(root),
         len(packed),
     )
     return b"".join([head, packed, hash_bytes])
@@ -114,7 +115,7 @@ def decode_snapshot(data: bytes) -> Snapshot:
         raise SnapshotError("a parent comes after its child")
     parents = np.where(deltas == 0, -1, positions - deltas)
     body = memoryview(data)[start + deltas_len :]
-    hashes = tuple(map(int.from_bytes, map(itemgetter(0), struct.iter_unpack("16s", body))))
+    hashes = tuple(map(hash_from_bytes, map(itemgetter(0), struct.iter_unpack("16s", body))))
     if len(set(hashes)) != count:
         raise SnapshotError("a block hash appears twice")
-    return Snapshot(epoch, seq, block_size, int.from_bytes(root), hashes, tuple(parents.tolist()))
+    return Snapshot(epoch, seq, block_size, hash_from_bytes(root), hashes, tuple(parents.tolist()))

@@ -24,7 +24,7 @@ import struct
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from enum import Enum, IntEnum
+from enum import IntEnum
 from typing import Final
 
 import xxhash
@@ -32,6 +32,7 @@ import zstandard
 
 from pddlink.errors import ErrorCode, InvalidInput, LocalError
 from pddlink.kv import planes
+from pddlink.kv.dtypes import KVDtype as KVDtype  # re-exported: the codec names its dtypes
 
 FRAME_MAGIC: Final = b"KC"
 FRAME_VERSION: Final = 1
@@ -56,41 +57,6 @@ class CodecId(IntEnum):
 
     RAW = 0
     PLANES_ZSTD = 1  # bf16/fp16 byte planes, exponent plane zstd-compressed
-
-
-class KVDtype(Enum):
-    """KV element types: wire id and item size. Names match ``KVLayout.dtype``."""
-
-    bfloat16 = (1, 2)
-    float16 = (2, 2)
-    float32 = (3, 4)
-    float64 = (4, 8)
-    int8 = (5, 1)
-    float8_e4m3fn = (6, 1)
-    float8_e5m2 = (7, 1)
-    uint8 = (8, 1)
-
-    @property
-    def wire_id(self) -> int:
-        return self.value[0]
-
-    @property
-    def itemsize(self) -> int:
-        return self.value[1]
-
-    @property
-    def plane_codable(self) -> bool:
-        """Whether the byte-plane transform applies (16-bit floats)."""
-        return self in (KVDtype.bfloat16, KVDtype.float16)
-
-    @classmethod
-    def parse(cls, dtype: KVDtype | str) -> KVDtype:
-        if isinstance(dtype, KVDtype):
-            return dtype
-        try:
-            return cls[dtype]
-        except KeyError:
-            raise InvalidInput(f"unknown KV dtype {dtype!r}; known: {', '.join(cls.__members__)}") from None
 
 
 _DTYPE_BY_WIRE: Final = {d.wire_id: d for d in KVDtype}

@@ -28,7 +28,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from pddlink.errors import ConfigError, InvalidInput
-from pddlink.kv.codec import CodecId, KVDtype, decode_chunk, encode_chunk, iter_chunks
+from pddlink.kv.codec import CodecId, decode_chunk, encode_chunk, iter_chunks
+from pddlink.kv.dtypes import KVDtype
 
 GB = 1e9
 

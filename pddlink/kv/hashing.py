@@ -39,6 +39,7 @@ import numpy as np
 import xxhash
 
 from pddlink.errors import ErrorCode, InvalidInput
+from pddlink.kv.hash_bytes import hash_to_bytes
 
 _NativeChain = Callable[[list[int] | tuple[int, ...], int, bytes], list[int] | None]
 _native_chain: _NativeChain | None
@@ -138,7 +139,7 @@ class BlockHasher:
         if parent is None:
             return xxhash.xxh3_128_digest(self.namespace)
         if 0 <= parent < 2 ** (8 * _U128):
-            return parent.to_bytes(_U128, "big")
+            return hash_to_bytes(parent)
         raise InvalidInput("parent hash must be a 128-bit unsigned int")
 
     def hash_block_bytes(self, data: bytes | memoryview, parent: int | None = None) -> list[int]:

@@ -8,6 +8,7 @@ relay, recompute, relay + recompute or singular per request, or rejects it when 
 deadline. No I/O: callers pass what they observed, and ``now`` where time matters.
 """
 
+from pddlink.handoff import HandoffMode  # the one handoff mode; routing decides which
 from pddlink.routing.link import BacklogReport, LinkEstimate, LinkModel
 from pddlink.routing.options import (
     MdPrefill,
@@ -15,15 +16,16 @@ from pddlink.routing.options import (
     OptionDecision,
     OptionEstimate,
     OptionInputs,
+    RecomputeMode,
     RejectReason,
     allowed_options,
     choose_option,
     estimate_options,
+    md_miss_label,
 )
 from pddlink.routing.policy import (
     DecisionReason,
     HandoffDecision,
-    HandoffMode,
     Pipeline,
     PipelineDecision,
     RoutingInputs,
@@ -47,6 +49,7 @@ __all__ = [
     "OptionInputs",
     "Pipeline",
     "PipelineDecision",
+    "RecomputeMode",
     "RejectReason",
     "RoutingInputs",
     "RoutingPolicy",
@@ -55,5 +58,6 @@ __all__ = [
     "choose_option",
     "choose_pipeline",
     "estimate_options",
+    "md_miss_label",
     "rld_finishes_first",
 ]

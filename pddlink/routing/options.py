@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import StrEnum
+from enum import IntEnum, StrEnum
 
 from pddlink.errors import ConfigError
 from pddlink.routing.policy import (
@@ -73,6 +73,30 @@ class Option(StrEnum):
     @property
     def ships_kv(self) -> bool:
         return self in (Option.SHIP, Option.RELAY)
+
+
+class RecomputeMode(IntEnum):
+    """How MD gets a request's KV (the Attach request's ``recompute`` field, values fixed by the
+    proto): NONE (shipped by P), AND_DECODE (``Option.RECOMPUTE``: MD prefills, streams the first
+    token and decodes), FOR_HANDOFF (``Option.RELAY_RECOMPUTE``: MD prefills while RLD streams)."""
+
+    NONE = 0
+    AND_DECODE = 1
+    FOR_HANDOFF = 2
+
+    @classmethod
+    def of(cls, option: Option) -> RecomputeMode:
+        if option is Option.RECOMPUTE:
+            return cls.AND_DECODE
+        if option is Option.RELAY_RECOMPUTE:
+            return cls.FOR_HANDOFF
+        return cls.NONE
+
+
+def md_miss_label(md_error: str) -> str:
+    """``wan_congested`` when the transfer lost to its deadline (the line was full), else
+    ``md_unreachable``: the prefix of the fallback kinds the router records."""
+    return "wan_congested" if md_error.startswith("deadline_exceeded") else "md_unreachable"
 
 
 _PIPELINE = {

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from pddlink.errors import ConfigError
+from pddlink.handoff import HandoffMode
 from pddlink.routing.link import LinkEstimate
 
 
@@ -44,11 +45,6 @@ class DecisionReason(StrEnum):
     LARGE_DELTA = "large_delta"  # hide the WAN transfer behind RelayDecode
     FORCED = "forced"  # the client named the pipeline
     RECOMPUTE = "recompute_sooner"  # MD prefills the suffix itself sooner than the WAN ships it
-
-
-class HandoffMode(StrEnum):
-    ONE_SHOT = "one_shot"
-    CATCH_UP = "catch_up"
 
 
 def _require(ok: bool, message: str) -> None:

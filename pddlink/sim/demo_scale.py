@@ -61,7 +61,7 @@ def demo_trace(workload: Workload, k: DemoKnobs) -> Trace:
 
 
 def demo_policy() -> RoutingPolicy:
-    """The demo router's policy: ``pddlink router``'s defaults as ``sidecar.cluster`` starts it
+    """The demo router's policy: ``pddlink router``'s defaults as ``harness.cluster`` starts it
     (relay from a 0.15 s WAN estimate, no RLD load ceiling, singular only up to 4 output tokens)."""
     return RoutingPolicy(relay_min_wan_s=0.15, rld_max_load=1.0, singular_max_output_tokens=4)
 

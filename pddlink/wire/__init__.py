@@ -5,6 +5,7 @@ a byte stream (split anywhere) into messages, ``Handshake`` is the hello state m
 touches sockets, clocks or threads; errors are the typed ``WireError`` family.
 """
 
+from pddlink.handoff.plan import HandoffMode  # carried by Handoff (HANDOFF_MODE_CODES)
 from pddlink.wire.codec import Decoder, Encoder, encode, encode_parts
 from pddlink.wire.errors import (
     BadChecksum,
@@ -24,7 +25,6 @@ from pddlink.wire.handshake import Handshake, HandshakeConfig, HandshakeState
 from pddlink.wire.messages import (
     Error,
     Handoff,
-    HandoffMode,
     Hello,
     HelloAccept,
     HelloRefuse,

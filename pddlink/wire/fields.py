@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Sequence
-from enum import IntEnum
-from typing import Any, ClassVar, Generic, Protocol, TypeVar
+from collections.abc import Mapping, Sequence
+from enum import Enum, IntEnum
+from typing import Any, ClassVar, Generic, Literal, Protocol, TypeVar, cast
 
 from pddlink.errors import InvalidInput
+from pddlink.kv.hash_bytes import HASH_BYTE_ORDER
 from pddlink.wire.errors import MalformedMessage
 
 T = TypeVar("T")
 E = TypeVar("E", bound=IntEnum)
+M = TypeVar("M", bound=Enum)
 S = TypeVar("S", bound="WireStruct")
 
 _F64 = struct.Struct("<d")
@@ -223,20 +225,30 @@ class FixedBytes:
 
 
 class U128:
-    """A 128-bit unsigned integer (a block hash or digest), 16 bytes little-endian."""
+    """A 128-bit unsigned integer (a digest), 16 bytes little-endian."""
+
+    ORDER: ClassVar[Literal["little", "big"]] = "little"
 
     def check(self, name: str, value: Any) -> int:
         return _need_int(name, value, 0, U128_MAX)
 
     def write(self, out: bytearray, value: int) -> None:
-        out += value.to_bytes(16, "little")
+        out += value.to_bytes(16, self.ORDER)
 
     def read(self, r: BodyReader) -> int:
-        return int.from_bytes(r.take(16), "little")
+        return int.from_bytes(r.take(16), self.ORDER)
+
+
+class BlockHash(U128):
+    """A block hash: 16 bytes in the one block-hash byte order (``pddlink.kv.hash_bytes``)."""
+
+    ORDER = HASH_BYTE_ORDER
 
 
 class U128List:
-    """A list of 128-bit hashes: a varint count, then 16 bytes each."""
+    """A list of 128-bit values: a varint count, then 16 bytes each (little-endian)."""
+
+    ORDER: ClassVar[Literal["little", "big"]] = "little"
 
     def __init__(self, max_items: int) -> None:
         self.max_items = max_items
@@ -249,14 +261,20 @@ class U128List:
 
     def write(self, out: bytearray, value: tuple[int, ...]) -> None:
         write_uvarint(out, len(value))
-        out += b"".join(v.to_bytes(16, "little") for v in value)
+        out += b"".join(v.to_bytes(16, self.ORDER) for v in value)
 
     def read(self, r: BodyReader) -> tuple[int, ...]:
         n = r.uvarint()
         if n > self.max_items:
             raise MalformedMessage(f"{n} hashes above limit {self.max_items}")
         raw = r.take(16 * n)
-        return tuple(int.from_bytes(raw[i : i + 16], "little") for i in range(0, 16 * n, 16))
+        return tuple(int.from_bytes(raw[i : i + 16], self.ORDER) for i in range(0, 16 * n, 16))
+
+
+class BlockHashList(U128List):
+    """A list of block hashes, each in the one block-hash byte order (``pddlink.kv.hash_bytes``)."""
+
+    ORDER = HASH_BYTE_ORDER
 
 
 class ListOf(Generic[T]):
@@ -289,6 +307,31 @@ class ListOf(Generic[T]):
                 raise MalformedMessage(f"value {max(values)} above {item.max}")
             return tuple(values)
         return tuple(item.read(r) for _ in range(n))
+
+
+class CodedEnum(Generic[M]):
+    """An enum of another layer as a varint of its wire code (``codes``: member -> code, never
+    renumbered); an unknown code is an error."""
+
+    def __init__(self, codes: Mapping[M, int]) -> None:
+        self.codes = dict(codes)
+        self.members = {code: member for member, code in self.codes.items()}
+        self.name = type(next(iter(self.codes))).__name__
+
+    def check(self, name: str, value: Any) -> M:
+        if value not in self.codes:
+            raise InvalidInput(f"{name}: {value!r} is not a {self.name}")
+        return cast(M, value)
+
+    def write(self, out: bytearray, value: M) -> None:
+        write_uvarint(out, self.codes[value])
+
+    def read(self, r: BodyReader) -> M:
+        v = r.uvarint()
+        try:
+            return self.members[v]
+        except KeyError:
+            raise MalformedMessage(f"{v} is not a {self.name}") from None
 
 
 class EnumOf(Generic[E]):

@@ -31,7 +31,7 @@ from typing import Any, ClassVar
 from pddlink.wire.fields import WireStruct
 
 MAGIC = b"PDLK"
-WIRE_VERSION = 1
+WIRE_VERSION = 2  # 2: block hashes big-endian, as on every other channel (pddlink.kv.hash_bytes)
 HEADER = struct.Struct("<4sBBHQIIII")
 HEADER_BYTES = HEADER.size
 _HEADER_CRC_SPAN = HEADER_BYTES - 4

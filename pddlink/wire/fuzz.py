@@ -17,14 +17,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pddlink.errors import ErrorCode
+from pddlink.handoff.plan import HandoffMode
 from pddlink.kv.codec import CodecId
 from pddlink.wire.codec import Decoder, encode
 from pddlink.wire.errors import WireError
-from pddlink.wire.frame import HEADER_BYTES, MESSAGE_TYPES, WireMessage
+from pddlink.wire.frame import HEADER_BYTES, MESSAGE_TYPES, WIRE_VERSION, WireMessage
 from pddlink.wire.messages import (
     Error,
     Handoff,
-    HandoffMode,
     Hello,
     HelloAccept,
     HelloRefuse,
@@ -197,7 +197,7 @@ class FrameFuzzer:
 
     def _random_header(self) -> bytes:
         head = bytearray(b"PDLK" + self.rng.randbytes(HEADER_BYTES - 4))
-        head[4] = 1 if self.rng.random() < 0.8 else head[4]
+        head[4] = WIRE_VERSION if self.rng.random() < 0.8 else head[4]
         head[5] = self.rng.choice(list(MESSAGE_TYPES)) if self.rng.random() < 0.8 else head[5]
         if self.rng.random() < 0.8:
             head[6:8] = b"\0\0"

@@ -15,17 +15,19 @@ from enum import IntEnum
 from typing import ClassVar
 
 from pddlink.errors import ErrorCode, InvalidInput
+from pddlink.handoff.plan import HandoffMode
 from pddlink.wire.fields import (
     F64,
-    U128,
+    BlockHash,
+    BlockHashList,
     Bool,
+    CodedEnum,
     EnumOf,
     ListOf,
     Optional,
     Payload,
     Str,
     StructOf,
-    U128List,
     UVarint,
     WireStruct,
 )
@@ -128,9 +130,9 @@ class Error(WireMessage):
 # --- token-id handoff -------------------------------------------------------------------------
 
 
-class HandoffMode(IntEnum):
-    ONE_SHOT = 1  # the sender stops decoding at once
-    CATCH_UP = 2  # the sender keeps decoding and sends further slices until the receiver is level
+# ``pddlink.handoff.HandoffMode`` on the wire (never renumbered): one-shot, the sender stops decoding
+# at once; catch-up, it keeps decoding and sends further slices until the receiver is level.
+HANDOFF_MODE_CODES = {HandoffMode.ONE_SHOT: 1, HandoffMode.CATCH_UP: 2}
 
 
 @register
@@ -163,7 +165,7 @@ class Handoff(WireMessage):
         ("top_p", F64()),
         ("max_tokens", U32),
         ("stop_token_ids", ListOf(U32, 1024)),
-        ("mode", EnumOf(HandoffMode)),
+        ("mode", CodedEnum(HANDOFF_MODE_CODES)),
         ("slice_index", U32),
         ("final", Bool()),
     )
@@ -194,8 +196,8 @@ class IndexEvent(WireStruct):
     WIRE_FIELDS = (
         ("seq", U64),
         ("kind", EnumOf(IndexEventKind)),
-        ("parent_hash", U128()),
-        ("block_hashes", U128List(MAX_BLOCK_HASHES)),
+        ("parent_hash", BlockHash()),
+        ("block_hashes", BlockHashList(MAX_BLOCK_HASHES)),
     )
 
 
@@ -253,7 +255,7 @@ class Reserve(WireMessage):
     lease_ms: int
     WIRE_FIELDS = (
         ("request_id", REQUEST_ID),
-        ("block_hashes", U128List(MAX_BLOCK_HASHES)),
+        ("block_hashes", BlockHashList(MAX_BLOCK_HASHES)),
         ("lease_ms", U32),
     )
 

@@ -13,7 +13,17 @@ from typing import ClassVar
 
 from pddlink.errors import ErrorCode, InvalidInput
 from pddlink.kv.codec import CodecId
-from pddlink.wire.fields import U128, EnumOf, ListOf, Payload, Str, StructOf, U128List, UVarint, WireStruct
+from pddlink.wire.fields import (
+    U128,
+    BlockHashList,
+    EnumOf,
+    ListOf,
+    Payload,
+    Str,
+    StructOf,
+    UVarint,
+    WireStruct,
+)
 from pddlink.wire.frame import MessageType, WireMessage, register
 from pddlink.wire.messages import CODE, MAX_BLOCK_HASHES, REASON, REQUEST_ID, U32, U64
 
@@ -26,7 +36,7 @@ INDEX_LIST = ListOf(CHUNK_INDEX, MAX_ACK_RANGE)
 
 @dataclass(frozen=True, slots=True)
 class KVLayoutSpec(WireStruct):
-    """The KV layout as it travels (same fields as ``engines_adapter.KVLayout``; build one with
+    """The KV layout as it travels (same fields as ``pddlink.kv.layout.KVLayout``; build one with
     ``KVLayoutSpec(**layout.to_dict())``). Two sides exchange KV only when these are equal."""
 
     model_id: str
@@ -82,7 +92,7 @@ class TransferBegin(WireMessage):
         ("layout", StructOf(KVLayoutSpec)),
         ("first_block", U32),
         ("num_tokens", U32),
-        ("block_hashes", U128List(MAX_BLOCK_HASHES)),
+        ("block_hashes", BlockHashList(MAX_BLOCK_HASHES)),
         ("codec", EnumOf(CodecId)),
         ("total_bytes", UVarint(48)),
         ("chunk_bytes", U32),

@@ -24,6 +24,7 @@ from typing import Any
 
 from pddlink import metrics
 from pddlink.errors import ErrorCode, InvalidInput, NotFound, PddlinkError, Unavailable
+from pddlink.kv.codec import CodecId
 from pddlink.kv.hashing import BlockHasher
 from pddlink.wire import KVLayoutSpec, Reserve, ReserveAnswer, TransferBegin
 from sidecar.peers import KVPeer
@@ -147,7 +148,7 @@ class ProducerBridge:
                 first_block=first,
                 num_tokens=out.num_tokens - first * self.block_size,
                 block_hashes=tuple(out.hashes[first:]),
-                codec=0,
+                codec=CodecId.RAW,
                 total_bytes=payload.nbytes,
                 chunk_bytes=self.chunk_bytes,
                 deadline_ms=max(1, int((deadline - time.monotonic()) * 1000)),

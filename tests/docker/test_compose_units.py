@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from harness.cluster import ClusterSpec
+from harness.demo_compose import role_configs
 from netlab.compose.lab import LabRecord, check_name
 from netlab.compose.relay import interface_in
 from pddlink.errors import InvalidInput, LocalError
-from sidecar.cluster import ClusterSpec
 from sidecar.config import load_config
-from sidecar.demo_compose import role_configs
 
 ADDRS = [
     {"ifname": "lo", "addr_info": [{"local": "127.0.0.1", "prefixlen": 8}]},

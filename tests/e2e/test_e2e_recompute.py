@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from harness.cluster import Cluster, ClusterSpec
+from harness.demo_load import replay
 from netlab.lab import Lab
 from netlab.profile import parse_profile
-from sidecar.cluster import Cluster, ClusterSpec
-from sidecar.demo_load import replay
 from tests.e2e.test_e2e_pipeline import PROFILE, reference, requests
 
 pytestmark = [pytest.mark.e2e, pytest.mark.netlab, pytest.mark.timeout(300)]

@@ -3,7 +3,7 @@ traffic (issue 16, item 5 and the chaos runs: after kill -9 and restart of P, gR
 backoff kept the router's channel failing with ``failed to connect to all addresses``; a lost
 RelayDecode was noticed only after the next request ended).
 
-Real processes over loopback with mutual TLS (``sidecar.cluster``); kill -9 and restart are real.
+Real processes over loopback with mutual TLS (``harness.cluster``); kill -9 and restart are real.
 No request runs while RLD is down: the router's ``/status`` must still show it unusable within
 about a second, and usable again only once the restarted RLD answers."""
 
@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 
 from engines_adapter import SamplingParams
-from sidecar.cluster import Cluster, ClusterSpec, NoWan
-from sidecar.demo_load import replay
-from sidecar.demo_workload import DemoRequest
+from harness.cluster import Cluster, ClusterSpec, NoWan
+from harness.demo_load import replay
+from harness.demo_workload import DemoRequest
 from sidecar.http import fetch
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]

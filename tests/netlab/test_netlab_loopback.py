@@ -148,7 +148,7 @@ def test_cli_loopback_up_pins_relay_ports() -> None:
     """``--forward PROTO:DC:PORT=RELAY`` listens on RELAY, so configuration files can name it."""
     import socket as _socket
 
-    from sidecar.cluster import free_port
+    from harness.cluster import free_port
 
     pinned = free_port()
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from harness.chaos.invariants import FaultRecord, evaluate, stream_gaps
+from harness.chaos.load import StreamResult
+from harness.chaos.schedule import Fault, FaultKind, default_schedule
 from pddlink.errors import ConfigError
-from sidecar.chaos.invariants import FaultRecord, evaluate, stream_gaps
-from sidecar.chaos.load import StreamResult
-from sidecar.chaos.schedule import Fault, FaultKind, default_schedule
 
 
 def result(index: int, positions: list[int], outcome: str = "finished", **kw: object) -> StreamResult:

@@ -19,7 +19,7 @@ def test_every_key_has_a_meaning() -> None:
 
 def test_committed_reference_is_current() -> None:
     assert DOC.read_text() == ref.render(), (
-        "regenerate: python -m sidecar.config_reference > docs/config-reference.md"
+        "regenerate: python -m harness.config_reference > docs/config-reference.md"
     )
 
 

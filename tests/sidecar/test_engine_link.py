@@ -28,10 +28,10 @@ from engines_adapter import (
     UnknownRequest,
 )
 from engines_adapter.base import EngineAdapter
+from engines_adapter.link_client import serve_engine
 from engines_adapter.torch_ref import TorchRefEngine
 from pddlink.errors import ConfigError, DeadlineExceeded, Unavailable
 from sidecar.config import EngineConfig
-from sidecar.engine_link import serve_engine
 from sidecar.engine_process import EngineProcessTimeouts, engine_process
 from sidecar.remote_engine import (
     EngineExpectation,
@@ -41,7 +41,7 @@ from sidecar.remote_engine import (
     RemoteEngine,
 )
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.process, pytest.mark.timeout(60)]
 T = TypeVar("T")
 CFG = EngineConfig(preset="tiny", dtype="float64", block_size=4, num_blocks=512, seed=7)
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.process, pytest.mark.timeout(60)]
 
 
 class UnixHTTP(http.client.HTTPConnection):

@@ -17,9 +17,9 @@ import grpc
 import pytest
 
 from pddlink.routing import BacklogReport
+from router import Router, RouterConfig
+from router.api import RouterApi, RouterService
 from sidecar.http import serve_http
-from sidecar.router import Router, RouterConfig
-from sidecar.router_api import RouterApi, RouterService
 from sidecar.rpc import stubs
 
 PROMPT = list(range(1, 400))

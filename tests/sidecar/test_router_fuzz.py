@@ -26,11 +26,11 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from pddlink.errors import InvalidInput
+from router import Router, RouterConfig
+from router.api import RouterApi, RouterService
 from sidecar.http import serve_http
 from sidecar.openai_schema import Endpoint, Job
 from sidecar.openai_text import TextCodec
-from sidecar.router import Router, RouterConfig
-from sidecar.router_api import RouterApi, RouterService
 from sidecar.rpc import stubs
 
 CASES = int(os.environ.get("PDDLINK_FUZZ_CASES", "100000"))

@@ -20,11 +20,11 @@ from typing import Any
 import grpc
 import pytest
 
+from harness.cluster import free_port
+from router import Router, RouterConfig
+from router.api import RouterApi, RouterService
 from sidecar.client_guard import ApiConfig, ClientGuard
-from sidecar.cluster import free_port
 from sidecar.http import serve_http
-from sidecar.router import Router, RouterConfig
-from sidecar.router_api import RouterApi, RouterService
 from sidecar.rpc import stubs
 
 KEY = "k-0123456789abcdef"

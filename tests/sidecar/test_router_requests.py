@@ -16,10 +16,10 @@ from typing import Any
 import grpc
 import pytest
 
+from router import Router, RouterConfig
+from router.api import RouterApi, RouterService
 from sidecar.http import serve_http
 from sidecar.openai_schema import Endpoint, Limits, completion_job
-from sidecar.router import Router, RouterConfig
-from sidecar.router_api import RouterApi, RouterService
 from sidecar.rpc import stubs
 
 BAD_BODIES = [
@@ -141,8 +141,8 @@ def test_string_prompt_is_bytes_and_defaults() -> None:
 def test_schema_pipelines_are_the_routing_pipelines() -> None:
     import typing
 
+    from router.options import FORCEABLE
     from sidecar.openai_schema import CompletionBody, GenerateBody
-    from sidecar.router_options import FORCEABLE
 
     for model in (CompletionBody, GenerateBody):
         allowed = set(typing.get_args(model.model_fields["pipeline"].annotation))

@@ -15,13 +15,13 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engines_adapter import SamplingParams, load_engine
+from harness.cluster import Cluster, ClusterSpec, NoWan
+from harness.demo_load import RequestResult, replay
+from harness.demo_workload import DemoRequest
 from pddlink.transport import PeerIdentity, load_or_create_pki
-from sidecar.cluster import Cluster, ClusterSpec, NoWan
-from sidecar.demo_load import RequestResult, replay
-from sidecar.demo_workload import DemoRequest
 from sidecar.http import fetch
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.process, pytest.mark.timeout(180)]
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engines_adapter import SamplingParams, load_engine
-from sidecar.cluster import Cluster, ClusterSpec, NoWan
-from sidecar.demo_load import replay
-from sidecar.demo_workload import DemoRequest
+from harness.cluster import Cluster, ClusterSpec, NoWan
+from harness.demo_load import replay
+from harness.demo_workload import DemoRequest
 from sidecar.http import fetch
 
 pytestmark = pytest.mark.timeout(240)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from harness.demo_report import codec_summary
 from pddlink.errors import ConfigError
 from pddlink.kv.codec import CodecId
 from pddlink.kv.codec_policy import synthetic_kv
 from pddlink.transport import TransferResult
-from sidecar.demo_report import codec_summary
 from sidecar.wan_codec import WanCodec
 
 KV = memoryview(synthetic_kv("bfloat16", 64 << 10))

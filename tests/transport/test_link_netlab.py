@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from pddlink.transport.bench.peer import RECEIVER, SENDER, BenchSpec
-from pddlink.transport.bench.run import peer_argv, read_event
+from pddlink.bench.peer import RECEIVER, SENDER, BenchSpec
+from pddlink.bench.run import peer_argv, read_event
 from pddlink.transport.pki import load_or_create_pki
 
 pytestmark = [pytest.mark.root, pytest.mark.netlab]

@@ -93,6 +93,7 @@ async def serve(tls: TlsConfig) -> None:
         await server.close()
 
 
+@pytest.mark.process
 def test_rdma_requested_here_moves_the_payload_over_tcp_and_says_why(
     pki: dict[PeerIdentity, TlsConfig], run_async: Any, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -80,6 +80,7 @@ def test_identity_parsing_and_checks() -> None:
     check_peer(PeerIdentity("p", "a"), claimed=PeerIdentity("p", "a"), expected=PeerIdentity("p", "a"))
 
 
+@pytest.mark.process
 def test_bench_link_prints_one_json_object_with_the_agreed_keys() -> None:
     argv = [sys.executable, "-m", "pddlink.cli.main", "bench", "link", "--transport", "tcp", "--streams", "2",
             "--bytes", "20000000", "--chunk-bytes", "1048576", "--tls", "--json"]  # fmt: skip

@@ -7,6 +7,7 @@ import pytest
 from pddlink.errors import ConfigError, ErrorCode, InvalidInput
 from pddlink.kv.hashing import HashScheme
 from pddlink.wire import (
+    WIRE_VERSION,
     Decoder,
     Handshake,
     HandshakeConfig,
@@ -54,17 +55,17 @@ def test_matching_peers_establish_with_common_capabilities() -> None:
 
 
 def test_version_mismatch_ends_the_handshake_with_a_reason_on_both_sides() -> None:
-    a, b = pair(client=HandshakeConfig("p-a", "p", wire_version=2))
+    a, b = pair(client=HandshakeConfig("p-a", "p", wire_version=3))
     exchange(a, b)
     assert a.state is b.state is HandshakeState.FAILED
     assert isinstance(a.error, HandshakeRefused) and a.error.code is ErrorCode.VERSION_MISMATCH
-    assert "wire version 2" in a.error.message
+    assert "wire version 3" in a.error.message
     assert isinstance(b.error, HandshakeFailed) and b.error.code is ErrorCode.VERSION_MISMATCH
 
 
 def test_unknown_hash_scheme_is_refused_with_a_reason() -> None:
     a, b = pair()
-    b.receive(Hello("p-x", "p", 1, 99), 0.0)
+    b.receive(Hello("p-x", "p", WIRE_VERSION, 99), 0.0)
     (refuse,) = b.messages_to_send()
     assert isinstance(refuse, HelloRefuse) and refuse.code is ErrorCode.HASH_SCHEME_MISMATCH
     assert "unknown hash scheme 99" in refuse.reason
@@ -75,7 +76,7 @@ def test_unknown_hash_scheme_is_refused_with_a_reason() -> None:
 
 def test_a_different_known_scheme_is_refused_too() -> None:
     _, b = pair()
-    b.receive(Hello("p-x", "p", 1, int(HashScheme.XXH3_128_U32LE_V1) + 1000), 0.0)
+    b.receive(Hello("p-x", "p", WIRE_VERSION, int(HashScheme.XXH3_128_U32LE_V1) + 1000), 0.0)
     assert b.error is not None and b.error.code is ErrorCode.HASH_SCHEME_MISMATCH
 
 

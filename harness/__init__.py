@@ -1,0 +1,1 @@
+"""The demo and the cluster harness: every role as its own process, replayed workloads."""

@@ -1,0 +1,395 @@
+"""``pddlink chaos``: a deployment as ``pddlink demo`` brings it up (P, RLD, MD and the router as
+separate processes across a netlab WAN, mutual TLS between all of them), a bounded streaming load,
+a fault schedule applied while it runs, then the invariants.
+
+Lifecycle: lab up -> deployment up -> warm-up (the same mix; RSS sampled after it) -> load and faults
+together (a fault fires once its share of the load has ended; a killed role is restarted on its
+ports, as a supervisor would) -> 10 s of quiet, then what every process still holds and its RSS ->
+deployment and lab down -> reference pass (one engine alone, separate process) -> invariants,
+table, JSON, PNG timeline. Progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from engines_adapter import SamplingParams
+from harness.chaos.invariants import FaultRecord, evaluate
+from harness.chaos.load import StreamResult, drive
+from harness.chaos.report import table, timeline
+from harness.chaos.schedule import Fault, FaultKind, default_schedule
+from harness.cluster import Cluster, ClusterSpec
+from harness.demo import VOCAB, reference_tokens, wan_profile
+from harness.demo_workload import DemoRequest, build_trace, demo_requests
+from netlab.lab import Lab
+from netlab.profile import parse_profile
+from pddlink.errors import PddlinkError
+from sidecar.http import fetch
+
+WARMUP_MIN = 40  # requests before the RSS baseline (allocators and caches reach their size)
+QUIET_S = 10.0  # after the load: what is still held then must be 0
+BURST_FACTOR = 3  # a burst adds this many times the concurrency at once: 4x in flight
+ENGINE_DEATH_EXIT_S = 10.0  # a sidecar whose engine died has stopped by then
+RESTART_ESTIMATE_S = 10.0  # a killed role is back (engine loaded, READY) in about this long
+FAULT_GAP_S = 3.0  # a restarted process's RSS baseline is taken this long after it is ready
+PIPELINES = ("", "p_md", "p_rld_md", "singular")
+SINGULAR_MAX_TOKENS = 4
+
+
+def say(msg: str) -> None:
+    sys.stderr.write(msg + "\n")
+    sys.stderr.flush()
+
+
+def workload(requests: int, seed: int, max_output: int) -> list[tuple[DemoRequest, str]]:
+    """Mixed pipelines, half greedy and half seeded sampling, agentic-v1 prompts (shared prefixes)."""
+    trace = build_trace(requests=requests, rate_rps=50.0, seed=seed, workload=None, trace_file=None)
+    out = []
+    rng = random.Random(seed)
+    for i, r in enumerate(demo_requests(trace, vocab_size=VOCAB, max_output=max_output)):
+        pipeline = PIPELINES[i % len(PIPELINES)]
+        s = r.sampling
+        tokens = min(s.max_tokens, SINGULAR_MAX_TOKENS) if pipeline == "singular" else s.max_tokens
+        greedy = rng.random() < 0.5
+        sampling = SamplingParams(
+            seed=s.seed, temperature=0.0 if greedy else s.temperature, top_k=s.top_k, max_tokens=tokens
+        )
+        out.append((replace(r, index=i, sampling=sampling), pipeline))
+    return out
+
+
+def rss_bytes(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class RssBook:
+    """Each process's RSS after warm-up; a restarted one's once WARMUP_MIN more requests have ended
+    after it came back (its own warm-up)."""
+
+    def __init__(self) -> None:
+        self.base: dict[int, tuple[str, int]] = {}
+        self.ended = 0
+        self.pending: dict[str, int] = {}  # role -> requests ended at which to take its baseline
+        self._lock = threading.Lock()
+
+    def restarted(self, role: str) -> None:
+        with self._lock:
+            self.pending[role] = self.ended + WARMUP_MIN
+
+    def on_done(self, cluster: Cluster) -> None:
+        with self._lock:
+            self.ended += 1
+            due = [role for role, at in self.pending.items() if self.ended >= at]
+            for role in due:
+                del self.pending[role]
+        if due:
+            self.sample(cluster, due)
+
+    def sample(self, cluster: Cluster, roles: Sequence[str]) -> None:
+        for role in roles:
+            for pid in cluster.pids(role):
+                rss = rss_bytes(pid)
+                if rss:
+                    self.base[pid] = (role, rss)
+
+    def growth(self, cluster: Cluster) -> dict[str, float | None]:
+        """End RSS / baseline per process ("role:pid"); None: restarted too late for a baseline."""
+        out: dict[str, float | None] = {}
+        for role in ("p", "rld", "md", "router"):
+            for pid in cluster.pids(role):
+                now = rss_bytes(pid)
+                out[f"{role}:{pid}"] = now / self.base[pid][1] if pid in self.base and now else None
+        return out
+
+
+def admin_status(target: str) -> dict[str, Any]:
+    try:
+        code, body = fetch(target, "GET", "/status", timeout_s=5.0)
+    except OSError as exc:
+        return {"error": str(exc)}
+    doc: dict[str, Any] = json.loads(body) if code == 200 else {"error": f"HTTP {code}"}
+    return doc
+
+
+def held_now(cluster: Cluster) -> dict[str, Any]:
+    """kv_blocks: blocks MD's DRC pins for requests; leases: its live reservations; waiting: entries
+    the decoders hold, requests the engines still run, P's transfers and the router's requests."""
+    docs = {role: admin_status("unix:" + cluster.admin_socket(role)) for role in ("p", "rld", "md")}
+    docs["router"] = admin_status("unix:" + cluster.router_unix)
+    drc = docs["md"].get("drc", {})
+    waiting = sum(int(docs[r].get("state", {}).get("held", {}).get("requests", 0)) for r in ("rld", "md"))
+    waiting += sum(int(docs[r].get("engine_active", 0)) for r in ("p", "rld", "md"))
+    waiting += int(docs["p"].get("transfers", {}).get("in_flight", 0))
+    waiting += sum(int(n) for n in docs["router"].get("in_flight", {}).values())
+    errors = {r: d["error"] for r, d in docs.items() if "error" in d}
+    return {
+        "kv_blocks": int(drc.get("pinned_blocks", 0)),
+        "leases": int(drc.get("reservations", 0)),
+        "waiting": waiting,
+        **({"unreachable": errors} if errors else {}),
+    }
+
+
+class FaultRunner:
+    def __init__(self, lab: Lab, cluster: Cluster, rss: RssBook, t0: float, profile: str) -> None:
+        self.lab, self.cluster, self.rss, self.t0 = lab, cluster, rss, t0
+        self.profile = profile  # the WAN's own profile (TOML), restored after a corruption
+        self.records: list[FaultRecord] = []
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    def apply(self, fault: Fault) -> None:
+        start = self.now()
+        say(f"[chaos] {start:6.1f} s  fault {fault.name}")
+        note = self._do(fault)
+        self.record(fault, start, note)
+        if "restarted after" in note:
+            self.rss.restarted(fault.target)
+
+    def record(self, fault: Fault, start: float, note: str) -> None:
+        self.records.append(FaultRecord(fault.name, fault.kind.value, fault.target, start, self.now(), note))
+        say(f"[chaos] {self.now():6.1f} s  fault {fault.name} over {note}")
+
+    def _do(self, fault: Fault) -> str:
+        start = self.now()
+        if fault.kind is FaultKind.KILL_RESTART:
+            self.cluster.kill(fault.target)
+            time.sleep(fault.duration_s)
+            return self._restart(fault.target, start)
+        if fault.kind is FaultKind.KILL_ENGINE:
+            engines = self.cluster.pids(fault.target)[1:]
+            if not engines:
+                return "skipped: the engine runs in a thread (--engine-mode process to kill it)"
+            os.kill(engines[0], signal.SIGKILL)
+            proc = self.cluster.procs[fault.target]
+            try:  # the sidecar notices, reports /healthz 503 and stops by itself
+                code = proc.wait(ENGINE_DEATH_EXIT_S)
+                gone = f"sidecar exited ({code}) {self.now() - start:.1f} s after its engine; "
+            except subprocess.TimeoutExpired:
+                gone = f"sidecar still running {ENGINE_DEATH_EXIT_S:g} s after its engine died; "
+            return gone + self._restart(fault.target, start)
+        if fault.kind in (FaultKind.WAN_OUTAGE, FaultKind.ONE_WAY_CUT):
+            self.lab.outage(fault.duration_s, "both" if fault.kind is FaultKind.WAN_OUTAGE else "a_to_b")
+            time.sleep(fault.duration_s)
+        elif fault.kind is FaultKind.CORRUPT:
+            self.lab.set_profile(parse_profile(self.profile + "corrupt = 0.01\n", name="chaos-corrupt"))
+            time.sleep(fault.duration_s)
+            self.lab.set_profile(parse_profile(self.profile, name="pddlink-chaos"))
+        return ""
+
+    def _restart(self, role: str, start: float) -> str:
+        try:
+            self.cluster.restart(role)
+        except PddlinkError as exc:  # recorded in the report; the run goes on
+            return f"restart failed: {exc.message}"
+        return f"restarted after {self.now() - start:.1f} s"
+
+
+class Phases:
+    """The load split at the faults' shares. Fault i fires once its phase's first ``concurrency``
+    requests are in flight (and fault i-1 is over); phase i+1 starts only after fault i is over.
+    So every fault meets a full set of requests in flight, whatever the load's size (CI) or the
+    machine's speed, and requests keep arriving during a fault while its phase lasts."""
+
+    def __init__(self, schedule: Sequence[Fault], requests: int, concurrency: int) -> None:
+        self.faults = sorted(schedule, key=lambda f: f.at_share)
+        self.bounds = [round(f.at_share * requests) for f in self.faults] + [requests]
+        self.concurrency = concurrency
+        self.admitted = 0
+        self.over = 0  # faults over
+        self.changed = asyncio.Event()
+
+    def phase(self, k: int) -> int:
+        """-1 before the first fault's share, else the index of the fault whose phase k is in."""
+        return sum(1 for b in self.bounds[:-1] if b <= k) - 1
+
+    async def _until(self, ready: Callable[[], bool]) -> None:
+        while not ready():
+            self.changed.clear()
+            await self.changed.wait()
+
+    async def admit(self, k: int) -> None:
+        p = self.phase(k)
+        await self._until(lambda: p <= self.over)  # fault p-1 is over
+        self.admitted += 1
+        self.changed.set()
+
+    def due(self, i: int) -> bool:
+        full = min(self.bounds[i] + self.concurrency, self.bounds[i + 1])
+        return self.over >= i and self.admitted >= full
+
+    async def fire(self, apply: Callable[[Fault], None], burst: Callable[[Fault], Awaitable[None]]) -> None:
+        for i, fault in enumerate(self.faults):
+            await self._until(functools.partial(self.due, i))
+            await asyncio.sleep(0.3)  # the admitted requests' streams are open
+            if fault.kind is FaultKind.BURST:
+                await burst(fault)
+            else:
+                await asyncio.to_thread(apply, fault)
+            self.over += 1
+            self.changed.set()
+
+
+async def load_and_faults(
+    cluster: Cluster,
+    faults: FaultRunner,
+    reqs: list[tuple[DemoRequest, str]],
+    schedule: Sequence[Fault],
+    *,
+    concurrency: int,
+    deadline_s: float,
+    extra: list[tuple[DemoRequest, str]],
+) -> list[StreamResult]:
+    """The load (``reqs``, ``concurrency`` at once) with the faults; a burst fault sends ``extra``
+    all at once on top of it."""
+    phases = Phases(schedule, len(reqs), concurrency)
+    done = 0
+    burst_results: list[StreamResult] = []
+
+    async def burst(fault: Fault) -> None:
+        start = faults.now()
+        say(f"[chaos] {start:6.1f} s  fault {fault.name}: {len(extra)} requests on top")
+        burst_results.extend(
+            await drive(
+                cluster.router_target, extra, concurrency=len(extra), deadline_s=deadline_s, t0=faults.t0
+            )
+        )
+        faults.record(fault, start, f"{len(extra)} extra requests at once")
+
+    def on_done(r: StreamResult) -> None:
+        nonlocal done
+        done += 1
+        faults.rss.on_done(cluster)
+        if done % 50 == 0 or done == len(reqs):
+            say(f"[chaos] {faults.now():6.1f} s  {done}/{len(reqs)} ended")
+
+    load = asyncio.ensure_future(
+        drive(
+            cluster.router_target,
+            reqs,
+            concurrency=concurrency,
+            deadline_s=deadline_s,
+            t0=faults.t0,
+            on_done=on_done,
+            admit=phases.admit,
+        )
+    )
+    firing = asyncio.ensure_future(phases.fire(faults.apply, burst))
+    results = await load
+    await firing  # every fault has begun (the phases see to it); the last one may still run
+    return results + burst_results
+
+
+def main(
+    *,
+    requests: int,
+    concurrency: int,
+    deadline_s: float,
+    json_path: str | None,
+    plot_path: str,
+    seed: int,
+    line_mbit: float,
+    rtt_ms: float,
+    max_output: int,
+    engine_mode: str = "process",
+    schedule: Sequence[Fault] | None = None,
+) -> dict[str, Any]:
+    work = Path(tempfile.mkdtemp(prefix="pddlink-chaos-"))
+    spec = ClusterSpec(
+        work / "run",
+        relay=True,
+        line_mbit=line_mbit,
+        rtt_ms=rtt_ms,
+        deadline_s=deadline_s,
+        tls=True,
+        engine_mode=engine_mode,
+    )
+    faults = list(default_schedule(deadline_s) if schedule is None else schedule)
+    bursts = sum(f.kind is FaultKind.BURST for f in faults)
+    reqs = workload(requests + bursts * BURST_FACTOR * concurrency, seed, max_output)
+    warm = workload(max(WARMUP_MIN, 2 * concurrency), seed + 1, max_output)  # the same mix
+    say(f"chaos: {len(reqs)} requests, {concurrency} at once, deadline {deadline_s:g} s, faults: "
+        + ", ".join(f.name for f in faults))  # fmt: skip
+    lab = Lab.up(parse_profile(wan_profile(spec), name="pddlink-chaos"), name=f"chaos{os.getpid() % 100000}")
+    rss = RssBook()
+    try:
+        with Cluster(lab, spec) as cluster:
+            say(f"[chaos] deployment up ({lab.mode} lab, mutual TLS between all roles)")
+            asyncio.run(
+                drive(
+                    cluster.router_target,
+                    warm,
+                    concurrency=concurrency,
+                    deadline_s=deadline_s,
+                    t0=time.monotonic(),
+                )
+            )
+            rss.sample(cluster, ("p", "rld", "md", "router"))
+            runner = FaultRunner(lab, cluster, rss, time.monotonic(), wan_profile(spec))
+            results = asyncio.run(
+                load_and_faults(
+                    cluster,
+                    runner,
+                    reqs[:requests],
+                    faults,
+                    concurrency=concurrency,
+                    deadline_s=deadline_s,
+                    extra=reqs[requests:],
+                )
+            )
+            say(f"[chaos] load over; {QUIET_S:g} s of quiet, then what is still held")
+            time.sleep(QUIET_S)
+            held = held_now(cluster)
+            growth = rss.growth(cluster)
+    finally:
+        lab.down()
+    say("reference: one engine generating every request alone (separate process, float64)")
+    reference = reference_tokens([r for r, _ in reqs], spec, work)
+    doc = evaluate(
+        results, reference, [len(r.prompt) for r, _ in reqs], runner.records, deadline_s=deadline_s
+    )
+    doc["held_after_s10"] = held
+    doc["rss_growth_max"] = max((g for g in growth.values() if g is not None), default=0.0)
+    doc["rss_growth"] = growth
+    doc["setting"] = {
+        "concurrency": concurrency,
+        "deadline_s": deadline_s,
+        "line_mbit": line_mbit,
+        "rtt_ms": rtt_ms,
+        "lab_mode": lab.mode,
+        "max_output_tokens": max_output,
+        "engine_mode": engine_mode,
+        "work_dir": str(work),
+    }
+    with open(work / "requests.jsonl", "w") as f:  # per-request records, for diagnosis
+        for r in results:
+            row = {"index": r.index, "pipeline": r.pipeline, "start": r.started_s, "end": r.ended_s}
+            row |= {"outcome": r.outcome, "reason": r.reason, "sources": r.sources, "trace": r.trace}
+            f.write(json.dumps(row) + "\n")
+    print(table(doc))
+    timeline(results, runner.records, Path(plot_path))
+    say(f"timeline: {plot_path}; logs: {work}")
+    if json_path:
+        Path(json_path).write_text(json.dumps(doc, indent=1))
+    return doc

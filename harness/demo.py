@@ -1,0 +1,254 @@
+"""``pddlink demo``: P, RLD, MD and the router as separate processes across an emulated WAN,
+replaying one workload twice (cross-datacenter P->MD baseline, then PDD) on fresh deployments,
+then checking every generated token against one engine generating alone.
+
+Lifecycle: lab up (namespaces as root, loopback otherwise) -> for each run: deployment up, open-
+loop replay, deployment down -> reference pass (separate process) -> table, JSON, PNG -> lab down.
+Ctrl-C or any error still stops every process and removes the lab.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+from tqdm import tqdm
+
+from harness.cluster import Cluster, ClusterSpec
+from harness.demo_load import RequestResult, replay
+from harness.demo_overload import offered_suffix_bytes_s, overload_line_mbit
+from harness.demo_report import document, plot, summarize, table
+from harness.demo_workload import DemoRequest, build_trace, demo_requests
+from netlab.lab import Lab
+from netlab.profile import parse_profile
+from sidecar.http import fetch
+
+VOCAB = 2048  # the reference engine's tiny preset
+KV_BYTES_PER_TOKEN = 2048
+
+
+def say(msg: str) -> None:
+    sys.stderr.write(msg + "\n")
+    sys.stderr.flush()
+
+
+def wan_profile(spec: ClusterSpec) -> str:
+    return (
+        f'description = "pddlink demo WAN: {spec.line_mbit:g} Mbit/s, {spec.rtt_ms:g} ms RTT"\n'
+        f"[link]\ndelay_ms = {spec.rtt_ms / 2}\nrate_mbit = {spec.line_mbit}\nqueue_packets = 200\n"
+    )
+
+
+def run_once(
+    lab: Any,
+    spec: ClusterSpec,
+    warmup: list[DemoRequest],
+    requests: list[DemoRequest],
+    label: str,
+    deployment: Any = Cluster,  # Cluster, or harness.demo_compose.ComposeDeployment
+    warm_pipeline: str = "p_md",
+) -> tuple[list[RequestResult], dict[str, float]]:
+    t0 = time.monotonic()
+    with deployment(lab, spec) as cluster:
+        say(f"[{label}] deployment up in {time.monotonic() - t0:.1f} s ({lab.mode} lab)")
+        if warmup:
+            t1 = time.monotonic()
+            paced = [replace(r, arrival_s=0.4 * i) for i, r in enumerate(warmup)]
+            warm = asyncio.run(
+                replay(
+                    cluster.router_target,
+                    paced,
+                    deadline_s=spec.deadline_s,
+                    pipeline=warm_pipeline,
+                    id_prefix="w",
+                )
+            )
+            bad = sum(r.outcome != "finished" for r in warm)
+            took = time.monotonic() - t1
+            how = "P->MD" if warm_pipeline == "p_md" else f"by {warm_pipeline} (no KV on the WAN)"
+            say(f"[{label}] warm-up: {len(warm)} requests {how} in {took:.1f} s ({bad} failed)")
+        before = sidecar_counters(cluster)
+        bar = tqdm(total=len(requests), desc=label, file=sys.stderr, unit="req", leave=True)
+        failed = 0
+
+        def done(r: RequestResult) -> None:
+            nonlocal failed
+            failed += r.outcome != "finished"
+            bar.update(1)
+            bar.set_postfix(failed=failed)
+
+        try:
+            results = asyncio.run(
+                replay(cluster.router_target, requests, deadline_s=spec.deadline_s, on_done=done)
+            )
+        finally:
+            bar.close()
+        with open(spec.run_dir / "requests.jsonl", "w") as f:  # per-request records, for diagnosis
+            for r in results:
+                f.write(
+                    json.dumps(
+                        {
+                            "index": r.index,
+                            "ttft_s": r.ttft_s,
+                            "e2e_s": r.e2e_s,
+                            "outcome": r.outcome,
+                            "reason": r.reason,
+                            "sources": r.sources,
+                            "trace": r.trace,
+                        }
+                    )
+                    + "\n"
+                )
+        time.sleep(1.0)  # shipments that outlive their request (RLD finished it) land on MD
+        after = sidecar_counters(cluster)
+    return results, {k: after[k] - before.get(k, 0.0) for k in after}
+
+
+def sidecar_counters(cluster: Any) -> dict[str, float]:
+    """WAN/fast-path KV bytes from P's /metrics and DRC lookups from MD's, as counters to diff."""
+    out: dict[str, float] = {}
+    for role in ("p", "md"):
+        code, text = fetch("unix:" + cluster.admin_socket(role), "GET", "/metrics")
+        if code != 200:
+            continue
+        for fam in text_string_to_metric_families(text.decode()):
+            for sample in fam.samples:
+                if role == "p" and sample.name == "pddlink_kv_bytes_total":
+                    out[f"kv_bytes_{sample.labels['path']}"] = sample.value
+                if role == "p" and sample.name in (
+                    "pddlink_kv_wire_bytes_total",
+                    "pddlink_kv_codec_raw_bytes_total",
+                ):
+                    kind = "wire" if "wire" in sample.name else "raw"
+                    out[f"codec_{kind}_{sample.labels['path']}_{sample.labels['codec']}"] = sample.value
+                if role == "md" and sample.name in (
+                    "pddlink_drc_hit_blocks_total",
+                    "pddlink_drc_lookup_blocks_total",
+                ):
+                    out[sample.name[len("pddlink_") : -len("_total")]] = sample.value
+    return out
+
+
+def reference_tokens(requests: list[DemoRequest], spec: ClusterSpec, work: Path) -> list[list[int]]:
+    job = {
+        "engine": {"preset": spec.preset, "dtype": spec.dtype, "block_size": 16, "num_blocks": 4096},
+        "requests": [{"prompt": list(r.prompt), "sampling": r.sampling.to_dict()} for r in requests],
+    }
+    (work / "reference_in.json").write_text(json.dumps(job))
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "harness.demo_reference",
+            str(work / "reference_in.json"),
+            str(work / "reference.json"),
+        ],
+        check=True,
+        timeout=240,
+    )
+    tokens: list[list[int]] = json.loads((work / "reference.json").read_text())["tokens"]
+    return tokens
+
+
+def main(
+    *,
+    requests: int,
+    rate_rps: float,
+    trace: str | None,
+    workload: str | None,
+    json_path: str | None,
+    plot_path: str,
+    seed: int,
+    line_mbit: float,
+    rtt_ms: float,
+    warmup: int,
+    engine_mode: str = "thread",
+    scenario: str = "default",
+    lab_kind: str = "auto",
+) -> dict[str, Any]:
+    work = Path(tempfile.mkdtemp(prefix="pddlink-demo-"))
+    every = demo_requests(
+        build_trace(
+            requests=requests + warmup, rate_rps=rate_rps, seed=seed, workload=workload, trace_file=trace
+        ),
+        vocab_size=VOCAB,
+    )
+    warm, reqs = every[:warmup], every[warmup:]
+    t_first = reqs[0].arrival_s
+    reqs = [replace(r, index=i, arrival_s=r.arrival_s - t_first) for i, r in enumerate(reqs)]
+    mean_prompt = sum(len(r.prompt) for r in reqs) / len(reqs)
+    overload = scenario == "wan-overload"
+    suffix_bytes_s = offered_suffix_bytes_s(warm, reqs, KV_BYTES_PER_TOKEN)
+    if overload:  # the line carries half of what the missing suffixes need
+        line_mbit = overload_line_mbit(suffix_bytes_s)
+    spec = ClusterSpec(
+        work / "baseline", relay=False, line_mbit=line_mbit, rtt_ms=rtt_ms, engine_mode=engine_mode
+    )
+    wan_load = suffix_bytes_s * 8 / 1e6 / line_mbit
+    say(f"scenario {scenario}: missing suffixes offer {wan_load:.2f}x the line's rate")
+    say(
+        f"workload: {len(reqs)} requests over {reqs[-1].arrival_s:.0f} s, mean prompt {mean_prompt:.0f}"
+        f" tokens, {sum(r.sampling.max_tokens for r in reqs)} output tokens; "
+        f"{'trace ' + trace if trace else 'agentic-v1'} scaled to this machine; the {warmup} requests before"
+        f" them warm P's and MD's prefix caches ({'by recompute' if overload else 'P->MD'}, not counted)"
+    )
+    say(
+        f"WAN: {line_mbit:g} Mbit/s, {rtt_ms:g} ms RTT; model: reference 'tiny' in float64, "
+        f"2048 B of KV per token, so a prompt's full KV ({mean_prompt * 2048 / 1e6:.1f} MB) takes "
+        f"{mean_prompt * 2048 * 8 / (line_mbit * 1e6):.2f} s on the line: the WAN is the bottleneck "
+        "for low-hit requests, as in the published setting"
+    )
+    profile, lab_name = parse_profile(wan_profile(spec), name="pddlink-demo"), f"demo{os.getpid() % 100000}"
+    lab: Any
+    deployment: Any
+    lab_figures: dict[str, Any]
+    if lab_kind == "compose":  # every role in its own container, the WAN a netlab relay container
+        from harness.demo_compose import open_lab
+
+        lab, deployment, lab_figures = open_lab(profile, lab_name, say)
+    else:
+        lab, deployment, lab_figures = Lab.up(profile, name=lab_name, mode=lab_kind), Cluster, {}
+    try:
+        # over the thin line a P->MD warm-up cannot ship (and would leave MD colder than P): there
+        # MD prefills the warm-up prompts itself, P too, in both runs alike
+        warm_how = "recompute" if overload else "p_md"
+        base_results, base_counters = run_once(lab, spec, warm, reqs, "P->MD baseline", deployment, warm_how)
+        pdd_spec = replace(spec, run_dir=work / "pdd", relay=True, recompute=overload, admission=overload)
+        pdd_results, pdd_counters = run_once(lab, pdd_spec, warm, reqs, "PDD", deployment, warm_how)
+    finally:
+        lab.down()
+    say("reference: one engine generating every request alone (separate process, float64)")
+    reference = reference_tokens(reqs, spec, work)
+    base = summarize(base_results, reference, base_counters)
+    pdd = summarize(pdd_results, reference, pdd_counters)
+    setting = {
+        "line_mbit": line_mbit,
+        "rtt_ms": rtt_ms,
+        "lab_mode": lab.mode,
+        "model": "torch_ref tiny float64",
+        "kv_bytes_per_token": 2048,
+        "rate_rps": rate_rps,
+        "engine_mode": engine_mode,
+        "work_dir": str(work),
+        "scenario": scenario,
+        "wan_load": round(wan_load, 3),
+        "pdd_recompute": overload,
+        "pdd_admission": overload,
+        **lab_figures,
+    }
+    doc = document(base, pdd, setting)
+    print(table(doc))
+    plot(base, pdd, Path(plot_path))
+    say(f"TTFT distributions: {plot_path}; logs: {work}")
+    if json_path:
+        Path(json_path).write_text(json.dumps(doc, indent=1))
+    return doc

@@ -1,0 +1,321 @@
+"""The router's client APIs: gRPC ``Router.Generate`` (server streaming) and an HTTP API in the
+shape of vLLM's OpenAI-compatible server (``/v1/completions``, ``/v1/chat/completions``,
+``/v1/models``; ``"stream": true`` for server-sent events), plus GET /metrics, /healthz, /status.
+
+Every request is validated whole by one schema (``sidecar.openai_schema``) before any work starts:
+a bad field gets 400 (gRPC ``INVALID_ARGUMENT``) naming it, and nothing changes (no request id is
+taken, no sidecar is contacted). Then ``ClientGuard`` (``[api]`` settings) admits it or refuses it at
+once: 401 without a valid API key (gRPC ``UNAUTHENTICATED``), 429 over the client's rate, 503 when
+the router runs its limit of concurrent requests (gRPC ``RESOURCE_EXHAUSTED`` / ``UNAVAILABLE``),
+with ``Retry-After``. Responses are built by ``sidecar.openai_api``.
+
+With ``tls_dir`` the gRPC port takes mutual TLS 1.3 (clients hold a certificate of the
+deployment's CA) and, with ``api.http_mtls``, so does the HTTP port. The unix sockets (``--unix``)
+stay plaintext and keyless for local clients, guarded by their file mode (0600).
+
+Prompts are token ids or text; text needs ``api.tokenizer`` (a model directory), else it is taken
+as UTF-8 bytes, one token per byte (id = byte + 1), and ``text`` in the answers stays empty.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from pddlink import metrics
+from pddlink.errors import ConfigError, InvalidInput
+from router import Router, RouterConfig
+from sidecar.admission import Overloaded, grpc_rejection, http_rejection
+from sidecar.client_guard import ApiConfig, ClientGuard, Refusal
+from sidecar.grpc_tls import bind, new_server
+from sidecar.http import HttpLimits, Request, Response, json_response, serve_http
+from sidecar.openai_api import Responder, error_body, models_body
+from sidecar.openai_schema import Endpoint, Job, Limits, RequestRefused, completion_job, generate_job
+from sidecar.openai_text import TextCodec
+from sidecar.rpc import stubs
+
+pb2, pb2_grpc = stubs()
+
+PATHS = {"/v1/completions": Endpoint.COMPLETIONS, "/v1/chat/completions": Endpoint.CHAT}
+
+
+def limits_of(cfg: RouterConfig) -> Limits:
+    return Limits(cfg.vocab_size, cfg.max_prompt_tokens, cfg.max_tokens_limit)
+
+
+def _error(
+    status: int, message: str, kind: str, param: str | None = None, retry_after_s: int = 0
+) -> Response:
+    headers = (("retry-after", str(retry_after_s)),) if retry_after_s else ()
+    return json_response(status, error_body(message, kind, status, param or None), headers)
+
+
+def _refused(r: Refusal) -> Response:
+    extra = (("www-authenticate", "Bearer"),) if r.status == 401 else ()
+    resp = _error(r.status, r.message, r.kind, retry_after_s=r.retry_after_s)
+    return Response(resp.status, resp.body, resp.content_type, resp.headers + extra)
+
+
+class RouterApi:
+    def __init__(
+        self,
+        router: Router,
+        api: ApiConfig | None = None,
+        codec: TextCodec | None = None,
+        guard: ClientGuard | None = None,
+    ) -> None:
+        self.router = router
+        self.api = api or ApiConfig()
+        self.codec = codec
+        self.guard = guard or ClientGuard(self.api)
+        self.limits = limits_of(router.cfg)
+        self.eos = codec.eos_token_id if codec is not None else None
+        self.created = int(time.time())
+
+    def http_limits(self) -> HttpLimits:
+        a = self.api
+        return HttpLimits(
+            a.max_body_bytes,
+            a.body_budget_bytes,
+            a.header_timeout_s,
+            a.body_timeout_s,
+            a.idle_timeout_s,
+            a.retry_after_s,
+        )
+
+    def gate(self, peer: str) -> Response | None:
+        refusal = self.guard.open_connection(peer)
+        return None if refusal is None else _refused(refusal)
+
+    async def http(self, req: Request) -> Response:
+        if req.method == "GET" and req.path == "/healthz":
+            return json_response(200, {"ok": True})
+        client = self.guard.authenticate(req.header("authorization"), req.peer) if req.peer else "local"
+        if isinstance(client, Refusal):
+            metrics.CLIENT_ERRORS.labels(api="http").inc()
+            return _refused(client)
+        if req.method == "GET" and req.path == "/metrics":
+            body, ctype = metrics.render()
+            return Response(200, body, ctype)
+        if req.method == "GET" and req.path == "/status":
+            return json_response(200, self.router.status())
+        if req.path == "/v1/models":
+            if req.method != "GET":
+                return _error(405, "use GET for /v1/models", "MethodNotAllowed")
+            cfg = self.router.cfg
+            root = self.api.tokenizer or self.api.model
+            return json_response(
+                200,
+                models_body(self.api.model, root, cfg.max_prompt_tokens + cfg.max_tokens_limit, self.created),
+            )
+        endpoint = PATHS.get(req.path)
+        if endpoint is not None:
+            if req.method != "POST":
+                return _error(405, f"use POST for {req.path}", "MethodNotAllowed")
+            return await self._generate(req, endpoint, client)
+        return _error(404, f"no such endpoint: {req.method} {req.path}", "NotFoundError")
+
+    def parse(self, body: bytes, endpoint: Endpoint) -> Job:
+        """The validated job, or ``RequestRefused`` / ``InvalidInput`` (both answer 400)."""
+        job = completion_job(body, endpoint, self.limits, self.codec, self.eos)
+        deadline_s = job.deadline_s or self.router.cfg.deadline_s
+        for prompt in job.prompts:
+            self.router.validate(list(prompt), job.sampling, deadline_s, job.pipeline)
+        return job
+
+    async def _generate(self, req: Request, endpoint: Endpoint, client: str) -> Response:
+        try:
+            job = self.parse(req.body, endpoint)
+        except InvalidInput as exc:
+            metrics.CLIENT_ERRORS.labels(api="http").inc()
+            return _error(400, exc.message, "BadRequestError", getattr(exc, "param", None))
+        if job.model and job.model != self.api.model:
+            return _error(
+                404,
+                f"The model `{job.model}` does not exist. Valid aliases: {self.api.model}.",
+                "NotFoundError",
+                "model",
+            )
+        refusal = self.guard.admit(client, time.monotonic())
+        if refusal is not None:
+            return _refused(refusal)
+        responder = Responder(self.router, job, self.api.model, self.codec, self.eos)
+        try:
+            await responder.admit()  # the router's admission answers before any byte of the reply
+        except Overloaded as exc:
+            self.guard.release()
+            return http_rejection(exc)
+        except InvalidInput as exc:  # the router's own checks (after the schema's), before any work
+            self.guard.release()
+            return _error(400, exc.message, "BadRequestError")
+        except BaseException:
+            self.guard.release()
+            raise
+        if job.stream:
+            return Response(200, self._released(responder.events()), "text/event-stream")
+        try:
+            status, obj = await responder.body()
+        finally:
+            self.guard.release()
+        return json_response(status, obj)
+
+    async def _released(self, events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in events:
+                yield chunk
+        finally:
+            await events.aclose()  # type: ignore[attr-defined]
+            self.guard.release()
+
+
+_GRPC_REFUSAL = {401: grpc.StatusCode.UNAUTHENTICATED, 429: grpc.StatusCode.RESOURCE_EXHAUSTED}
+
+
+class RouterService(pb2_grpc.RouterServicer):  # type: ignore[misc,name-defined]
+    def __init__(self, router: Router, guard: ClientGuard | None = None) -> None:
+        self.router = router
+        self.guard = guard or ClientGuard(ApiConfig())
+        self.limits = limits_of(router.cfg)
+
+    async def _who(self, context: grpc.aio.ServicerContext[Any, Any]) -> str | None:
+        """The client id, or None after aborting with UNAUTHENTICATED (unix-socket callers are local)."""
+        peer = context.peer() or ""
+        if peer.startswith("unix:"):
+            return "local"
+        meta = dict(context.invocation_metadata() or ())
+        client = self.guard.authenticate(meta.get("authorization"), peer.rpartition(":")[0])
+        if isinstance(client, Refusal):
+            metrics.CLIENT_ERRORS.labels(api="grpc").inc()
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, client.message)
+            return None
+        return client
+
+    async def Generate(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
+        client = await self._who(context)
+        if client is None:
+            return
+        try:
+            job = generate_job(_generate_fields(request), self.limits)
+        except RequestRefused as exc:
+            metrics.CLIENT_ERRORS.labels(api="grpc").inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.message)
+            return
+        refusal = self.guard.admit(client, time.monotonic())
+        if refusal is not None:
+            context.set_trailing_metadata((("retry-after", str(refusal.retry_after_s)),))
+            await context.abort(
+                _GRPC_REFUSAL.get(refusal.status, grpc.StatusCode.UNAVAILABLE), refusal.message
+            )
+            return
+        try:
+            gen = self.router.generate(
+                list(job.prompts[0]),
+                job.sampling,
+                deadline_s=job.deadline_s,
+                pipeline=job.pipeline,
+                request_id=job.request_id,
+            )
+            try:
+                first = await gen.__anext__()  # the router's own checks happen before the first event
+            except InvalidInput as exc:
+                metrics.CLIENT_ERRORS.labels(api="grpc").inc()
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.message)
+                return
+            except Overloaded as exc:
+                await grpc_rejection(context, exc)
+                return
+            ev = first
+            while True:
+                if ev.get("done"):
+                    yield pb2.GenerateEvent(
+                        done=True,
+                        outcome=ev["outcome"],
+                        reason=ev["reason"],
+                        trace_json=json.dumps(ev["trace"]),
+                    )
+                    return
+                yield pb2.GenerateEvent(position=ev["position"], token_id=ev["token_id"], source=ev["source"])
+                ev = await gen.__anext__()
+        finally:
+            self.guard.release()
+
+    async def Status(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        if await self._who(context) is None:
+            return pb2.StatusReply()
+        return pb2.StatusReply(json=json.dumps(self.router.status()))
+
+
+def _generate_fields(r: Any) -> dict[str, Any]:
+    s = r.sampling
+    return {
+        "request_id": r.request_id,
+        "prompt": list(r.prompt),
+        "seed": int(s.seed),
+        "temperature": float(s.temperature),
+        "top_k": int(s.top_k),
+        "top_p": float(s.top_p),
+        "max_tokens": int(s.max_tokens),
+        "stop_token_ids": [int(t) for t in s.stop_token_ids],
+        "deadline_s": float(r.deadline_s),
+        "pipeline": r.pipeline,
+    }
+
+
+def load_codec(api: ApiConfig) -> TextCodec | None:
+    return TextCodec.load(api.tokenizer) if api.tokenizer else None
+
+
+async def serve_router(
+    cfg: RouterConfig, *, host: str, grpc_port: int, http_port: int, unix: str, api: ApiConfig | None = None
+) -> None:
+    api = api or ApiConfig()
+    codec = load_codec(api)  # before binding anything: a bad tokenizer directory is a config error
+    guard = ClientGuard.from_config(api)
+    router = Router(cfg)
+    if api.http_mtls and router.tls is None:
+        raise ConfigError("api.http_mtls needs tls_dir (the deployment's PKI)")
+    await router.start()
+    server, router.caller_check = new_server(router.tls, local_plaintext=bool(unix))
+    pb2_grpc.add_RouterServicer_to_server(RouterService(router, guard), server)
+    bound = bind(server, f"{host}:{grpc_port}", router.tls)
+    if unix:  # local clients (the demo, outside the lab's namespaces): guarded by file permissions
+        bind(server, f"unix:{unix}.grpc", None)
+    await server.start()
+    if unix:
+        os.chmod(f"{unix}.grpc", 0o600)
+    rapi = RouterApi(router, api, codec, guard)
+    tls = router.tls.server_context() if api.http_mtls and router.tls is not None else None
+    http = await serve_http(
+        rapi.http,
+        host=host,
+        port=http_port or None,
+        unix=unix,
+        limits=rapi.http_limits(),
+        tls=tls,
+        gate=rapi.gate,
+        ungate=guard.close_connection,
+    )
+    http_bound = http[0].sockets[0].getsockname()[1] if http_port else 0
+    sys.stdout.write(
+        "READY " + json.dumps({"role": "router", "grpc_port": bound, "http_port": http_bound}) + "\n"
+    )
+    sys.stdout.flush()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        for s in http:
+            s.close()
+        await server.stop(grace=0.5)
+        await router.close()

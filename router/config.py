@@ -1,0 +1,70 @@
+"""The router's configuration: where the sidecars are, the pipeline policy's knobs, the limits on
+a client request, and the TLS identities (``RouterConfig``, validated on construction)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from pddlink.errors import InvalidInput
+from pddlink.roles import Role
+from pddlink.transport import PeerIdentity, TlsConfig, load_node
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    p: str
+    rld: str
+    md: str
+    relay_enabled: bool = True
+    relay_min_wan_s: float = 0.15
+    rld_capacity: int = 8
+    rld_max_load: float = 1.0
+    rld_tpot_s: float = 0.02
+    singular_max_tokens: int = 4  # singular only for very short outputs (published: 3-4% of requests)
+    line_mbit: float = 100.0
+    rtt_ms: float = 30.0
+    deadline_s: float = 30.0
+    max_tokens_limit: int = 4096
+    max_prompt_tokens: int = 8000
+    vocab_size: int = 2048
+    kv_bytes_per_token: int = 2048
+    wan_links: int = 8  # P's WAN connection pool toward MD (a transfer holds one link)
+    recompute: bool = True  # MD may prefill the missing suffix itself (ship or recompute)
+    admission: bool = True  # reject at once what no option can end before its deadline
+    p_prefill_tokens_per_s: float = 3300.0  # starting figures; the replies refine them
+    md_prefill_tokens_per_s: float = 3300.0
+    md_tpot_s: float = 0.02
+    tls_dir: str = ""  # dev PKI: mutual TLS 1.3 to the sidecars and on the gRPC port; "" = plaintext
+    name: str = "router0"  # this router's identity is router/<name>
+    p_identity: str = "p/p0"  # who must answer at p, rld, md (checked against their certificates)
+    rld_identity: str = "rld/rld0"
+    md_identity: str = "md/md0"
+
+    def __post_init__(self) -> None:
+        if self.rld_capacity < 1 or self.line_mbit <= 0 or self.rtt_ms < 0 or self.deadline_s <= 0:
+            raise InvalidInput("router: rld_capacity >= 1, line_mbit > 0, rtt_ms >= 0, deadline_s > 0")
+        if (
+            self.wan_links < 1
+            or min(self.p_prefill_tokens_per_s, self.md_prefill_tokens_per_s, self.md_tpot_s) <= 0
+        ):
+            raise InvalidInput("router: prefill speeds and md_tpot_s must be > 0")
+        for ident in (self.p_identity, self.rld_identity, self.md_identity):
+            PeerIdentity.parse(ident)
+        PeerIdentity(Role.ROUTER.value, self.name)
+
+    @property
+    def identity(self) -> PeerIdentity:
+        return PeerIdentity(Role.ROUTER.value, self.name)
+
+    def sidecars(self) -> tuple[tuple[Role, str, str], ...]:
+        """(role, address, expected identity) of each sidecar."""
+        return (
+            (Role.P, self.p, self.p_identity),
+            (Role.RLD, self.rld, self.rld_identity),
+            (Role.MD, self.md, self.md_identity),
+        )
+
+    def load_tls(self) -> TlsConfig | None:
+        """This router's credentials from its node directory ``tls_dir`` (read only, never minted)."""
+        return load_node(Path(self.tls_dir), self.identity) if self.tls_dir else None

@@ -1,0 +1,206 @@
+"""A router request's RPCs to the sidecars: what ``pddlink.lifecycle.RequestRun``'s commands become.
+
+``LegCalls`` runs each command as a task that posts its results to the run's inbox as lifecycle
+events: the Attach streams on RLD and MD (``TokenArrived``, then ``StreamEnded``; MD's ``ready``
+after a recompute: ``MdReady``), P's Prefill (``PrefillDone`` / ``PrefillFailed``), RLD's
+StartHandoff (``HandoffDone``) and the router's own Handoff to MD when RLD is lost
+(``TakeoverFailed`` if it fails). Every RPC's timeout is the request's time left. ``close``
+cancels what is left; P's shipment to MD may linger until its deadline so MD still imports (and
+caches) the prompt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Coroutine
+from typing import Any, Protocol
+
+import grpc
+
+from pddlink.handoff import HandoffMode, HandoffSlice
+from pddlink.lifecycle import (
+    CancelStreams,
+    DetachHandoff,
+    HandoffDone,
+    HandoffResult,
+    Leg,
+    MdReady,
+    OpenStream,
+    PrefillDone,
+    PrefillFailed,
+    ReleaseRldSlot,
+    RunCommand,
+    RunEvent,
+    SendPrefill,
+    StartHandoff,
+    StreamClosed,
+    StreamEnd,
+    StreamEnded,
+    TakeOver,
+    TakeoverFailed,
+    TokenArrived,
+)
+from pddlink.roles import Role
+from router.pb import mode_from_text, report_from_pb
+from sidecar.handoff_wire import slice_to_wire
+from sidecar.pb import pb2
+from sidecar.sampling_pb import sampling_to_pb
+
+MIN_TIMEOUT_S = 0.01
+MD_IMPORT_GRACE_S = 0.2  # MD imports right after P's transfer; release it after that
+
+
+class Cluster(Protocol):
+    """What a run needs of the router: its sidecar stubs and RLD's slot count."""
+
+    p: Any
+    rld: Any
+    md: Any
+    rld_active: int
+
+    def on_prefilled(self, request_id: str, new_tokens: int, seconds: float) -> None: ...
+
+    def on_md_ready(self, request_id: str, new_tokens: int, seconds: float) -> None: ...
+
+
+class LegCalls:
+    def __init__(self, cluster: Cluster, deadline: float) -> None:
+        self.c = cluster
+        self.deadline = deadline
+        self.inbox: asyncio.Queue[RunEvent] = asyncio.Queue()
+        self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.leg_numbers: dict[str, int] = {}
+
+    def left(self) -> float:
+        return max(self.deadline - time.monotonic(), MIN_TIMEOUT_S)
+
+    def execute(self, cmd: RunCommand) -> None:
+        if isinstance(cmd, OpenStream):
+            stub = self.c.rld if cmd.on is Role.RLD else self.c.md
+            if cmd.on is Role.RLD:
+                self.c.rld_active += 1
+            self._spawn(f"{cmd.on.value}{self._number(cmd.leg)}", self._stream(cmd.on, stub, cmd.leg))
+        elif isinstance(cmd, SendPrefill):
+            self._spawn(f"p{self._number(cmd.leg)}", self._prefill(cmd))
+        elif isinstance(cmd, StartHandoff):
+            self._spawn("handoff", self._start_handoff(cmd.sid))
+        elif isinstance(cmd, TakeOver):
+            self._spawn("takeover", self._take_over(cmd))
+        elif isinstance(cmd, CancelStreams):
+            self._cancel(cmd.on)
+        elif isinstance(cmd, ReleaseRldSlot):
+            self.c.rld_active -= 1
+        elif isinstance(cmd, DetachHandoff):
+            self.tasks.pop("handoff", None)  # RLD finishes; its StartHandoff call ends by itself
+
+    def _number(self, leg: Leg) -> int:
+        return self.leg_numbers.setdefault(leg.sid, len(self.leg_numbers) + 1)
+
+    def _spawn(self, name: str, coro: Coroutine[Any, Any, None]) -> None:
+        self.tasks[name] = asyncio.get_running_loop().create_task(coro)
+
+    def _cancel(self, role: Role) -> None:
+        for name, task in list(self.tasks.items()):
+            if name.startswith(role.value) and name[len(role.value) :].isdigit():
+                task.cancel()
+
+    # -- the RPCs ----------------------------------------------------------------------------------
+
+    async def _stream(self, role: Role, stub: Any, leg: Leg) -> None:
+        req = pb2.AttachRequest(
+            request_id=leg.sid,
+            prompt=list(leg.prompt),
+            sampling=sampling_to_pb(leg.sampling),
+            deadline_s=self.left(),
+            recompute=pb2.Recompute.ValueType(leg.recompute if role is Role.MD else 0),
+        )
+        closed, mode = StreamClosed(StreamEnd.FAILED, "stream_closed"), None
+        try:
+            async for ev in stub.Attach(req, timeout=self.left()):
+                if ev.ready:  # MD's recompute is done: it holds the prompt's KV
+                    cached = int(ev.cached_tokens)
+                    self.c.on_md_ready(leg.sid, len(leg.prompt) - cached, ev.recompute_seconds)
+                    await self.inbox.put(MdReady(leg.sid, ev.recompute_seconds, cached))
+                    continue
+                if ev.end:
+                    closed, mode = StreamClosed.parse(ev.end), mode_from_text(ev.handoff_mode)
+                    break
+                await self.inbox.put(TokenArrived(leg.sid, role, ev.position, ev.token_id, ev.last))
+        except grpc.aio.AioRpcError as exc:
+            closed = StreamClosed(StreamEnd.FAILED, exc.code().name.lower())
+        except asyncio.CancelledError:
+            with contextlib.suppress(grpc.aio.AioRpcError, TimeoutError):
+                await asyncio.wait_for(
+                    stub.Release(pb2.ReleaseRequest(request_id=leg.sid, reason="router")), 1.0
+                )
+            raise
+        await self.inbox.put(StreamEnded(leg.sid, role, closed, mode))
+
+    async def _prefill(self, cmd: SendPrefill) -> None:
+        leg = cmd.leg
+        req = pb2.PrefillRequest(
+            request_id=leg.sid,
+            prompt=list(leg.prompt),
+            sampling=sampling_to_pb(leg.sampling),
+            ship_to_md=cmd.ship_to_md,
+            ship_to_rld=cmd.ship_to_rld,
+            first_token_to_md=cmd.first_token_to_md,
+            deadline_s=max(self.deadline - time.monotonic() - 0.2, MIN_TIMEOUT_S),
+        )
+        try:
+            reply = await self.c.p.Prefill(req, timeout=self.left())
+            self.c.on_prefilled(leg.sid, len(leg.prompt) - reply.p_cached_tokens, reply.prefill_seconds)
+            await self.inbox.put(PrefillDone(leg.sid, report_from_pb(reply)))
+        except grpc.aio.AioRpcError as exc:
+            await self.inbox.put(PrefillFailed(leg.sid, f"{exc.code().name.lower()}: {exc.details()}"))
+
+    async def _start_handoff(self, sid: str) -> None:
+        try:
+            deadline_s = max(self.deadline - time.monotonic() - 0.1, MIN_TIMEOUT_S)
+            r = await self.c.rld.StartHandoff(
+                pb2.HandoffStart(request_id=sid, deadline_s=deadline_s), timeout=self.left()
+            )
+            mode = mode_from_text(r.mode)
+            await self.inbox.put(HandoffDone(sid, HandoffResult.parse(r.outcome), mode))
+        except grpc.aio.AioRpcError as exc:
+            await self.inbox.put(HandoffDone(sid, HandoffResult.parse(f"failed:{exc.code().name}")))
+
+    async def _take_over(self, cmd: TakeOver) -> None:
+        """MD takes over from the tokens streamed so far (RLD lost)."""
+        leg = cmd.leg
+        s = HandoffSlice(leg.sid, cmd.first_position, cmd.token_ids, True, HandoffMode.ONE_SHOT)
+        req = pb2.HandoffRequest(handoff=slice_to_wire(s, leg.sampling), emit_given=cmd.emit_given)
+        try:
+            await self.c.md.Handoff(req, timeout=self.left())
+        except grpc.aio.AioRpcError as exc:
+            await self.inbox.put(TakeoverFailed(leg.sid, exc.code().name.lower()))
+
+    # -- teardown ------------------------------------------------------------------------------------
+
+    async def close(self, *, finished: bool) -> None:
+        # P's shipment to MD outlives the request when RLD finished it first: MD must still import
+        # the prompt (and cache it), or its DRC falls behind what P sees. It ends by its deadline.
+        pending_p = [t for n, t in self.tasks.items() if n.startswith("p") and not t.done()]
+        md_streams = [t for n, t in self.tasks.items() if n.startswith("md") and not t.done()]
+        kept = set(pending_p) | set(md_streams)
+        others = [t for t in self.tasks.values() if t not in kept]
+        for task in others:
+            task.cancel()
+        if pending_p and md_streams and finished:
+            asyncio.get_running_loop().create_task(self._linger(pending_p, md_streams))
+        else:
+            for task in kept:
+                task.cancel()
+        await asyncio.gather(*others, return_exceptions=True)
+
+    async def _linger(
+        self, pending_p: list[asyncio.Task[None]], md_streams: list[asyncio.Task[None]]
+    ) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*pending_p, return_exceptions=True), self.left())
+        await asyncio.sleep(MD_IMPORT_GRACE_S)
+        for task in md_streams + pending_p:
+            task.cancel()
+        await asyncio.gather(*md_streams, *pending_p, return_exceptions=True)

@@ -1,0 +1,83 @@
+"""One request at the router: the asyncio driver of ``pddlink.lifecycle.RequestRun``.
+
+The machine decides (legs, merge, fallbacks, deadline); this driver feeds it: it runs each command
+through ``LegCalls`` (``router.legs``), hands every event from the inbox to the machine,
+re-arms the machine's timer, and yields the merged tokens. If the client goes away (the generator
+is closed) the machine is told so, and the legs are torn down either way. Metrics are counted here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator, Callable
+
+from pddlink import metrics
+from pddlink.handoff import MergedToken
+from pddlink.lifecycle import Emit, FallbackTaken, RequestRun, RunCommand, RunSpec, RunState, RunTrace
+from router.legs import Cluster, LegCalls
+
+__all__ = ["Cluster", "RunDriver"]
+
+
+class RunDriver:
+    def __init__(self, cluster: Cluster, spec: RunSpec, rld_usable: Callable[[float], bool]) -> None:
+        self.spec = spec
+        self.machine = RequestRun(spec, now=time.monotonic(), rld_usable=rld_usable)
+        self.calls = LegCalls(cluster, self.machine.deadline)
+
+    @property
+    def trace(self) -> RunTrace:
+        assert self.machine.trace is not None, "the run has not ended"
+        return self.machine.trace
+
+    async def run(self) -> AsyncGenerator[MergedToken, None]:
+        m = self.machine
+        metrics.REQUESTS_IN_FLIGHT.labels(pipeline=self.spec.pipeline.value).inc()
+        try:
+            for tok in self._apply(m.start(time.monotonic())):
+                yield tok
+            while m.state is not RunState.ENDED:
+                for tok in self._apply(await self._next()):
+                    yield tok
+        finally:
+            if m.state is not RunState.ENDED:  # the client went away
+                self._apply(m.cancel(time.monotonic()))
+            await self.calls.close(finished=m.merger.finished)
+            self._count(self.trace)
+
+    async def _next(self) -> list[RunCommand]:
+        """Wait for the next event or the machine's timer, whichever comes first, and feed it."""
+        m = self.machine
+        timer = m.get_timer()
+        assert timer is not None
+        left = timer - time.monotonic()
+        if left <= 0:
+            return m.handle_timer(time.monotonic())
+        try:
+            event = await asyncio.wait_for(self.calls.inbox.get(), timeout=left)
+        except TimeoutError:
+            return m.handle_timer(max(time.monotonic(), timer))
+        return m.handle(event, time.monotonic())
+
+    def _apply(self, commands: list[RunCommand]) -> list[MergedToken]:
+        """Run every command now; the tokens to send come back (so a client that stops reading
+        mid-batch cannot leave a command unrun)."""
+        tokens = []
+        for cmd in commands:
+            if isinstance(cmd, Emit):
+                tokens.append(cmd.token)
+            elif isinstance(cmd, FallbackTaken):
+                metrics.FALLBACKS.labels(kind=cmd.fallback.value).inc()
+            else:
+                self.calls.execute(cmd)
+        return tokens
+
+    def _count(self, t: RunTrace) -> None:
+        pipeline = self.spec.pipeline.value
+        metrics.REQUESTS_IN_FLIGHT.labels(pipeline=pipeline).dec()
+        metrics.REQUESTS.labels(pipeline=pipeline, outcome=t.outcome.value).inc()
+        if t.ttft_s is not None:
+            metrics.TTFT_SECONDS.labels(pipeline=pipeline).observe(t.ttft_s)
+        for src, n in t.tokens:
+            metrics.TOKENS.labels(source=src).inc(n)

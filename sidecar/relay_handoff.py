@@ -1,0 +1,87 @@
+"""RLD hands a request over to MD: the driver of ``pddlink.handoff.HandoffPlan``.
+
+Once MD holds the KV (the router says so with StartHandoff), RLD sends its generated ids to MD,
+one-shot or in catch-up slices (``choose_handoff_mode`` by RLD's load). One-shot, or when the
+final slice is due, RLD stops decoding first. If MD cannot be reached RLD simply goes on decoding
+and finishes the request itself (``failed:...`` is the answer, with the mode tried).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from engines_adapter import SamplingParams
+from pddlink import metrics
+from pddlink.errors import PddlinkError
+from pddlink.handoff import HandoffMode, HandoffPlan
+from pddlink.lifecycle import Fallback, HandoffOutcome, HandoffResult, StreamClosed, StreamEnd
+from pddlink.lifecycle.decode import handoff_refused
+from pddlink.routing import RoutingPolicy, choose_handoff_mode
+from sidecar.handoff_wire import slice_to_wire
+
+if TYPE_CHECKING:
+    from sidecar.decoder import Decoder, DecodeSlot
+
+SendHandoff = Callable[[bytes, float], Awaitable[int]]  # (wire Handoff frame, timeout_s) -> MD's level
+POLL_S = 0.002  # catch-up: how often RLD looks for a full slice to send
+
+
+class RelayHandoff:
+    def __init__(self, decoder: Decoder, policy: RoutingPolicy, send: SendHandoff | None) -> None:
+        self.decoder = decoder
+        self.policy = policy
+        self.send = send
+
+    async def start(self, request_id: str, deadline_s: float) -> dict[str, Any]:
+        d = self.decoder
+        slot = d.slots.get(request_id)
+        if slot is None or slot.seq.ended:
+            how = slot.seq.render_end() if slot is not None else d.ended_recently.get(request_id, "")
+            return {"outcome": handoff_refused(how).render()}
+        if self.send is None:
+            return {"outcome": HandoffResult(HandoffOutcome.FAILED, "no_md_configured").render()}
+        decision = choose_handoff_mode(d.load, self.policy)
+        mode = decision.mode
+        plan = HandoffPlan(request_id, slot.seq.base, mode, slice_tokens=max(1, decision.slice_tokens or 1))
+        try:
+            return await self._run(slot, plan, time.monotonic() + deadline_s, self.send)
+        except (PddlinkError, TimeoutError, ConnectionError) as exc:
+            seq = slot.seq
+            if not seq.ended and not seq.finished and not d.loop.is_decoding(request_id):
+                d.loop.decode_in_batch(request_id, lambda o: d.take_step(slot, o))
+            metrics.FALLBACKS.labels(kind=Fallback.HANDOFF_FAILED_RLD_FINISHES.value).inc()
+            failed = HandoffResult(HandoffOutcome.FAILED, f"{type(exc).__name__}: {exc}")
+            return {"outcome": failed.render(), "mode": mode.value}
+
+    async def _run(
+        self, slot: DecodeSlot, plan: HandoffPlan, deadline: float, send: SendHandoff
+    ) -> dict[str, Any]:
+        seq, loop = slot.seq, self.decoder.loop
+        while not plan.done:
+            if seq.ended or seq.finished:  # RLD finished it first: the router releases MD's copy
+                return {"outcome": HandoffOutcome.FINISHED_ON_RLD.value, "mode": plan.mode.value}
+            if plan.mode is HandoffMode.ONE_SHOT or plan.final_due(len(seq.generated)):
+                await loop.stop_decoding(seq.request_id)
+            s = plan.next_slice(seq.generated)
+            if s is None:
+                await asyncio.sleep(POLL_S)
+                continue
+            frame = slice_to_wire(s, seq.sampling or SamplingParams())
+            metrics.HANDOFF_SLICES.labels(mode=plan.mode.value).inc()
+            metrics.HANDOFF_BYTES.inc(len(frame))
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("handoff deadline passed")
+            plan.on_ack(await send(frame, left))
+        metrics.HANDOFFS.labels(mode=plan.mode.value).inc()
+        closed = StreamClosed(StreamEnd.HANDED_OFF)
+        await self.decoder.end(slot, closed, handoff_mode=plan.mode.value, handoff_slices=plan.slices_sent)
+        return {
+            "outcome": HandoffOutcome.HANDED_OFF.value,
+            "mode": plan.mode.value,
+            "slices": plan.slices_sent,
+            "end_position": plan.sent_upto,
+        }
