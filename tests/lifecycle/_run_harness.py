@@ -11,6 +11,7 @@ from pddlink.lifecycle import (
     Emit,
     HandoffDone,
     HandoffResult,
+    MdReady,
     PrefillDone,
     PrefillReport,
     RequestRun,
@@ -23,7 +24,7 @@ from pddlink.lifecycle import (
     TokenArrived,
 )
 from pddlink.roles import Role
-from pddlink.routing import Pipeline
+from pddlink.routing import Option, Pipeline
 
 PROMPT = (11, 12, 13, 14)  # the first generated token sits at position 4
 BASE = len(PROMPT)
@@ -41,6 +42,7 @@ class Run:
     deadline_s: float = 10.0
     rld_usable: bool = True
     now: float = 100.0
+    option: Option = Option.SHIP
     log: list[RunCommand] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -52,6 +54,7 @@ class Run:
             self.pipeline,
             "test",
             0.5,
+            option=self.option,
         )
         self.m = RequestRun(spec, now=self.now, rld_usable=lambda now: self.rld_usable)
         self.log += self.m.start(self.now)
@@ -96,6 +99,9 @@ class Run:
 
     def handoff(self, outcome: str, sid: str = "r", mode: HandoffMode | None = None) -> list[RunCommand]:
         return self.feed(HandoffDone(sid, HandoffResult.parse(outcome), mode))
+
+    def md_ready(self, sid: str = "r", *, recompute_s: float = 0.05, cached: int = 0) -> list[RunCommand]:
+        return self.feed(MdReady(sid, recompute_s, cached))
 
     # -- reading ---------------------------------------------------------------------------------
 

@@ -130,3 +130,14 @@ def test_start_handoff_for_a_request_no_longer_held() -> None:
 )
 def test_stream_end_texts_round_trip(text: str) -> None:
     assert StreamClosed.parse(text).render() == text
+
+
+def test_a_recompute_attach_imports_without_kv_and_a_late_kv_starts_nothing() -> None:
+    s = seq()
+    assert not s.attach(PROMPT, SAMPLING, deadline=20.0, recompute=True)
+    assert s.state is SeqState.IMPORTING and not s.imported
+    assert not s.kv_arrived(b"kv")  # MD prefills itself: a KV that still arrives is not imported
+    s.import_done()
+    assert s.state is SeqState.READY and s.imported
+    assert s.on_slice(slice_(3, (40,)), sender_finished=False) is SliceStep.EXTEND
+    assert s.start_decoding() and s.state is SeqState.DECODING

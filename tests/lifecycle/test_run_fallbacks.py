@@ -312,9 +312,23 @@ def _rld_unreachable() -> Run:
     return run
 
 
+def _md_congested_rld_finishes() -> Run:
+    run = Run(Pipeline.P_RLD_MD)
+    run.prefill(md_ok=False, md_error="deadline_exceeded: transfer missed its deadline")
+    return run
+
+
+def _md_congested_p_rld() -> Run:
+    run = Run(Pipeline.P_MD)
+    run.prefill(md_ok=False, md_error="deadline_exceeded: transfer missed its deadline")
+    return run
+
+
 SCENARIOS: dict[Fallback, Callable[[], Run]] = {
     Fallback.MD_UNREACHABLE_RLD_FINISHES: _md_unreachable_rld_finishes,
     Fallback.MD_UNREACHABLE_P_RLD: _md_unreachable_p_rld,
+    Fallback.MD_CONGESTED_RLD_FINISHES: _md_congested_rld_finishes,
+    Fallback.MD_CONGESTED_P_RLD: _md_congested_p_rld,
     Fallback.RLD_UNREACHABLE_MD_TAKES_OVER: _rld_unreachable,
 }
 
