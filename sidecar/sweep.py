@@ -32,6 +32,7 @@ from typing import Any
 
 from pddlink import metrics
 from pddlink.errors import ConfigError, PddlinkError
+from pddlink.lifecycle import StreamClosed, StreamEnd
 from sidecar.malloc_trim import TRIM_EVERY_S, trim
 
 log = logging.getLogger(__name__)
@@ -95,36 +96,37 @@ class DecoderEntries:
     def entries(self) -> list[HeldEntry]:
         d = self.decoder
         return [
-            HeldEntry(rid, s.deadline, bool(s.prompt), bool(s.ended), rid in d.ended_recently)
-            for rid, s in list(d.seqs.items())
+            HeldEntry(rid, slot.seq.deadline, bool(slot.seq.prompt), slot.seq.ended, rid in d.ended_recently)
+            for rid, slot in list(d.slots.items())
         ]
 
     def counts(self) -> tuple[int, int]:
         status = self.decoder.status()
-        return len(self.decoder.seqs), int(status["waiting_kv"])
+        return len(self.decoder.slots), int(status["waiting_kv"])
 
     async def end(self, request_id: str) -> None:
-        seq = self.decoder.seqs.get(request_id)
-        if seq is None:
+        slot = self.decoder.slots.get(request_id)
+        if slot is None:
             return
+        seq = slot.seq
         seq.kv = None  # the chunks of a transfer nobody will import
         if not seq.ended:
-            await self.decoder.end(seq, "failed:deadline_exceeded")
-        if not seq.imported.is_set():  # a slice waiting for the import: refuse it now
+            await self.decoder.end(slot, StreamClosed(StreamEnd.FAILED, "deadline_exceeded"))
+        if not slot.imported.is_set():  # a slice waiting for the import: refuse it now
             seq.import_error = seq.import_error or "expired: the request's deadline passed"
-            seq.imported.set()
+            slot.imported.set()
         self.forget(request_id)
 
     def ended_ids(self) -> set[str]:
         """Requests that ended here and hold no entry any more."""
-        return set(self.decoder.ended_recently) - set(self.decoder.seqs)
+        return set(self.decoder.ended_recently) - set(self.decoder.slots)
 
     def forget(self, request_id: str) -> None:
         d = self.decoder
-        seq = d.seqs.pop(request_id, None)
-        if seq is not None:
-            seq.kv = None
-            d.ended_recently.setdefault(request_id, seq.ended or "failed:deadline_exceeded")
+        slot = d.slots.pop(request_id, None)
+        if slot is not None:
+            slot.seq.kv = None
+            d.ended_recently.setdefault(request_id, slot.seq.render_end() or "failed:deadline_exceeded")
 
 
 RunInEngine = Callable[..., Awaitable[Any]]  # EngineLoop.call

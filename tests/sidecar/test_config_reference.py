@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from sidecar import config_reference as ref
+from harness import config_reference as ref
 from sidecar.client_guard import ApiConfig
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "config-reference.md"
