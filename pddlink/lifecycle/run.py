@@ -10,6 +10,14 @@ hand the request to MD. Whatever goes wrong is a ``Loss``, and the table in
 ``pddlink.lifecycle.fallbacks`` picks the recovery; each fallback taken is a ``FallbackTaken``
 command and a line of the trace.
 
+Ship or recompute (``RunSpec.option``): a recomputing first leg (``Leg.recompute``) asks MD to
+prefill the prompt itself and P ships it nothing; MD's ``MdReady`` says it holds the KV. On relay
++ recompute the run asks RLD to hand over only once P replied *and* MD is ready; if MD is not
+ready by ``HANDOFF_MARGIN_S`` before the deadline, the handoff counts as failed
+(``md_recompute_late``) and RLD finishes. A WAN shipment that lost to its deadline is
+``Loss.MD_CONGESTED`` (``wan_congested_*`` fallbacks), any other missed shipment
+``Loss.MD_UNREACHABLE``.
+
 States (``RUN_TRANSITIONS``)::
 
     RUNNING --merged stream complete--> AWAITING_P_REPLY --P's reply or 1 s--> ENDED
