@@ -172,7 +172,9 @@ def test_wan_cut_longer_than_the_deadline(cut_lab: Lab, tmp_path: Path) -> None:
 
 
 def test_kill_md_mid_stream(lab: Lab, tmp_path: Path) -> None:
-    reqs = requests(3, max_tokens=150, seed=2)
+    # long enough (1024 tokens) that MD is still streaming at the kill: on warm engines 150 tokens
+    # ended in 0.8 s, before the kill at 1.2 s (no fault seen, no fallback to assert)
+    reqs = requests(3, max_tokens=1024, seed=2)
     deadline_s = 20.0
     with start(lab, tmp_path) as cluster:
         results = run_with_fault(cluster, reqs, "p_md", deadline_s, 1.2, lambda: cluster.kill("md"))
