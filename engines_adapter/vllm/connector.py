@@ -309,10 +309,11 @@ class PddlinkConnector(KVConnectorBase_V1):
 
     def _save(self, save: SaveSpec) -> None:
         assert self._kv is not None
-        per_block = self._kv.bytes_per_block
         n = len(save.block_ids)
-        answer = self.control.call(Op.ALLOC, transfer=save.transfer, num_blocks=n, bytes_per_block=per_block)
-        first = min(int(answer["first_block"]), n)
+        answer = self.control.call(
+            Op.ALLOC, transfer=save.transfer, num_blocks=n, bytes_per_block=self._kv.bytes_per_block
+        )
+        first = min(int(answer["first_block"]), n - 1)
         slot = Slot(int(answer["offset"]), int(answer["nbytes"]))
         buf = self._mapped().buffer(slot)
         self._kv.gather(save.block_ids[first:], buf)

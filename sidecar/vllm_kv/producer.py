@@ -43,6 +43,7 @@ class Outgoing:
     reservation: asyncio.Task[int] | None = None
     slot: Slot | None = None
     ship: asyncio.Task[None] | None = None
+    per_block: int = 0
     result: dict[str, Any] = field(default_factory=dict)
 
 
@@ -113,6 +114,7 @@ class ProducerBridge:
         r = out.reservation
         if r is not None and r.done() and not r.cancelled() and r.exception() is None:
             first = min(r.result(), num_blocks - 1)
+        out.per_block = per_block
         out.slot = self.region.alloc((num_blocks - first) * per_block)
         return {"offset": out.slot.offset, "nbytes": out.slot.nbytes, "first_block": first}
 
@@ -127,7 +129,7 @@ class ProducerBridge:
     async def _ship(self, out: Outgoing, layout: KVLayoutSpec, copied_first: int, num_blocks: int) -> None:
         assert out.slot is not None and out.reservation is not None
         slot = out.slot
-        per_block = slot.nbytes // (num_blocks - copied_first)
+        per_block = out.per_block
         t0 = time.perf_counter()
         try:
             deadline = time.monotonic() + max(out.deadline_at - time.time(), 0.01)
