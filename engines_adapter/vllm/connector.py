@@ -157,6 +157,7 @@ class PddlinkConnector(KVConnectorBase_V1):
         self._new_saves: list[SaveSpec] = []
         self._new_loads: list[LoadSpec] = []
         self.recomputed: dict[str, int] = {}  # reason -> requests MD prefilled itself
+        self._local_hit: dict[str, int] = {}
         # worker side
         self._kv: PagedKV | None = None
         self._region: MappedRegion | None = None
@@ -185,6 +186,7 @@ class PddlinkConnector(KVConnectorBase_V1):
         self, request: Request, params: TransferParams, prompt_len: int, computed: int
     ) -> tuple[int | None, bool]:
         rid = request.request_id
+        self._local_hit.setdefault(rid, computed)  # what vLLM held itself, reported at the end
         if rid in self._consuming and self._consuming[rid].load is not None:
             return 0, False  # already loaded once (a preempted request recomputes)
         answer = self._call(Op.POLL, transfers=[params.transfer], expect=True)
@@ -261,8 +263,16 @@ class PddlinkConnector(KVConnectorBase_V1):
         if p is not None and not p.saved:
             self._call(Op.RELEASE, transfer=p.params.transfer, reason="request ended before its KV was saved")
         c = self._consuming.pop(rid, None)
-        if c is not None:
-            self._call(Op.RELEASE, transfer=c.params.transfer, reason="request finished")
+        local = self._local_hit.pop(rid, None)
+        if not self.producer and (params := TransferParams.of(request)) is not None:
+            self._call(
+                Op.RELEASE,
+                transfer=params.transfer,
+                reason="request finished",
+                local_tokens=local,
+                prompt_tokens=len(request.prompt_token_ids or []),
+                loaded=c is not None and c.load is not None,
+            )
         return False, None
 
     def _call(self, op: Op, **fields: Any) -> dict[str, Any] | None:

@@ -64,6 +64,7 @@ class PairSpec:
     block_size: int = 32
     md_num_blocks: int = 0  # >0: a small MD cache that evicts
     md_addr: str = ""  # where P's sidecar dials MD ("" = MD's KV port on loopback)
+    wan: Callable[[int], str] | None = None  # MD's KV port -> the address across the WAN (netlab)
     md_kv_port: int = 0
     kv_load_failure_policy: str = "fail"
     extra_args: tuple[str, ...] = ()
@@ -93,7 +94,8 @@ class VllmPair:
             kv_events_endpoint=events,
         )
         self.md_side = self.loop.run(VllmSidecar(md_cfg).start())
-        md_addr = s.md_addr or f"127.0.0.1:{self.md_side.kv_port}"
+        port = self.md_side.kv_port
+        md_addr = s.md_addr or (s.wan(port) if s.wan is not None else f"127.0.0.1:{port}")
         p_cfg = VllmSidecarConfig(Role.P, "p0", s.workdir, s.model_id, s.block_size, md_addr=md_addr)
         self.p_side = self.loop.run(VllmSidecar(p_cfg).start())
         base = VllmServerSpec(
@@ -102,7 +104,7 @@ class VllmPair:
             dtype=s.dtype,
             block_size=s.block_size,
             kv_load_failure_policy=s.kv_load_failure_policy,
-            extra_args=s.extra_args,
+            extra_args=("--enable-prompt-tokens-details", *s.extra_args),
             kv_dump_dir=s.kv_dump_dir,
         )
         self.md = VllmServer(

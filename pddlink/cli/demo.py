@@ -35,6 +35,24 @@ import click
     show_default=True,
     help="Each sidecar's engine: a worker thread, or a child process over the engine link.",
 )
+@click.option(
+    "--engine",
+    type=click.Choice(["reference", "vllm"]),
+    default="reference",
+    show_default=True,
+    help="reference: pddlink's own engine, P/RLD/MD/router; vllm: P and MD as vLLM servers (P->MD).",
+)
+@click.option("--model", help="vllm: a model directory to serve (default: a tiny random Llama built here).")
+@click.option(
+    "--dtype",
+    type=click.Choice(["float32", "bfloat16", "float16"]),
+    default="float32",
+    show_default=True,
+    help="vllm: the model's dtype.",
+)
+@click.option("--engine-args", default="", help="vllm: extra vLLM server arguments (e.g. for a GPU).")
+@click.option("--sessions", default=5, show_default=True, help="vllm: conversations replayed.")
+@click.option("--turns", default=10, show_default=True, help="vllm: turns per conversation.")
 def command(
     requests: int,
     rate_rps: float,
@@ -47,6 +65,12 @@ def command(
     rtt_ms: float,
     warmup: int,
     engine_mode: str,
+    engine: str,
+    model: str | None,
+    dtype: str,
+    engine_args: str,
+    sessions: int,
+    turns: int,
 ) -> None:
     """Run P, RLD, MD and the router across an emulated WAN; compare PDD with the P->MD baseline.
 
@@ -55,6 +79,21 @@ def command(
     as cross-datacenter PD (P->MD only) and once with PDD, checks every token against one engine
     generating alone, and prints the table. Progress and logs go to stderr.
     """
+    if engine == "vllm":
+        from pddlink.cli.demo_vllm import run_vllm_demo
+
+        run_vllm_demo(
+            json_path=json_path,
+            seed=seed,
+            line_mbit=line_mbit if line_mbit != 16.0 else 200.0,
+            rtt_ms=rtt_ms,
+            sessions=sessions,
+            turns=turns,
+            dtype=dtype,
+            model=model,
+            engine_args=engine_args,
+        )
+        return
     from sidecar.demo import main
 
     if requests < 1:
