@@ -196,7 +196,7 @@ class PddlinkConnector(KVConnectorBase_V1):
             return self._recompute(rid, params, f"transfer failed: {state.get('reason')}")
         if not isinstance(first, int):
             if time.time() >= params.deadline_at:
-                return self._recompute(rid, params, "deadline_exceeded before the transfer was known")
+                return self._recompute(rid, params, "deadline_exceeded: the transfer was not known in time")
             return None, False  # not known yet: vLLM asks again next step
         if computed < first * self.block_size:
             return self._recompute(rid, params, "reserved_prefix_evicted")

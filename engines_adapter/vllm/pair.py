@@ -69,6 +69,7 @@ class PairSpec:
     kv_load_failure_policy: str = "fail"
     extra_args: tuple[str, ...] = ()
     kv_dump_dir: Path | None = None
+    md_orphan_s: float = 120.0
 
 
 class VllmPair:
@@ -92,6 +93,7 @@ class VllmPair:
             s.block_size,
             kv_port=s.md_kv_port,
             kv_events_endpoint=events,
+            orphan_s=s.md_orphan_s,
         )
         self.md_side = self.loop.run(VllmSidecar(md_cfg).start())
         port = self.md_side.kv_port

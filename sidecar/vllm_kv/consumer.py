@@ -50,6 +50,7 @@ class ConsumerBridge:
         self.released: dict[str, float] = {}  # transfer -> when (a late arrival is dropped)
         self.counts = {"landed": 0, "failed": 0, "loaded": 0, "swept": 0, "late_dropped": 0}
         self.wan_bytes = 0
+        self.recomputed: dict[str, int] = {}  # reason -> requests MD's vLLM prefilled itself
         self.finished: dict[str, dict[str, Any]] = {}  # transfer -> vLLM's own hit, at its end
 
     def _entry(self, transfer: str) -> Incoming:
@@ -132,7 +133,11 @@ class ConsumerBridge:
                 }
                 while len(self.finished) > 10_000:
                     self.finished.pop(next(iter(self.finished)))
-            self.release(transfer, loaded=msg.get("reason") == "loaded")
+            reason = str(msg.get("reason", ""))
+            if reason not in ("loaded", "request finished", "load failed"):
+                key = reason.split(":")[0] or "unknown"
+                self.recomputed[key] = self.recomputed.get(key, 0) + 1
+            self.release(transfer, loaded=reason == "loaded")
             return {}
         raise InvalidInput(f"MD's sidecar does not take {op.value}")
 
@@ -180,5 +185,6 @@ class ConsumerBridge:
             "in_flight": len(self.inc),
             "wan_bytes": self.wan_bytes,
             "drc_blocks": len(self.index),
+            "recomputed": dict(self.recomputed),
             **self.counts,
         }

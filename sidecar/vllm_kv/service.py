@@ -48,6 +48,7 @@ class VllmSidecarConfig:
     tls_dir: Path | None = None
     options: LinkOptions = field(default_factory=LinkOptions)
     kv_events_endpoint: str = ""  # MD: vLLM's ZMQ publisher (tcp://127.0.0.1:PORT); "" = no feed
+    orphan_s: float = 120.0  # MD: a landed transfer nobody loads is freed after this long
 
     def __post_init__(self) -> None:
         if self.role is Role.P and not self.md_addr:
@@ -66,6 +67,7 @@ class VllmSidecar:
         self._control: asyncio.AbstractServer | None = None
         self._kv: KVServer | None = None
         self._md: KVPeer | None = None
+        self._sweeper: asyncio.Task[None] | None = None
 
     @property
     def control_path(self) -> Path:
@@ -103,7 +105,9 @@ class VllmSidecar:
             handler = self.producer.handle
         else:
             index = PrefixIndex(None)
-            self.consumer = ConsumerBridge(self.region, index, block_size=cfg.block_size)
+            self.consumer = ConsumerBridge(
+                self.region, index, block_size=cfg.block_size, orphan_s=cfg.orphan_s
+            )
             self._kv = await KVServer.start(
                 cfg.kv_host,
                 cfg.kv_port,
@@ -119,8 +123,16 @@ class VllmSidecar:
                 self.feed = KvEventFeed(index, model_id=cfg.model_id, block_size=cfg.block_size)
                 self.feed.start(cfg.kv_events_endpoint)
             handler = self.consumer.handle
+            self._sweeper = asyncio.ensure_future(self._sweep_forever(self.consumer))
         self._control = await serve_control(self.control_path, handler)
         return self
+
+    @staticmethod
+    async def _sweep_forever(consumer: ConsumerBridge) -> None:
+        """Frees what a consumer that went away (vLLM killed) left landed, without any call."""
+        while True:
+            await asyncio.sleep(min(1.0, consumer.orphan_s / 4))
+            consumer.sweep()
 
     def status(self) -> dict[str, Any]:
         bridge = self.producer or self.consumer
@@ -134,6 +146,10 @@ class VllmSidecar:
             self._control.close()
             with contextlib.suppress(Exception):
                 await self._control.wait_closed()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(BaseException):
+                await self._sweeper
         if self.feed is not None:
             await self.feed.close()
         if self.producer is not None:
