@@ -56,6 +56,7 @@ class VllmDemoSpec:
     deadline_s: float = 60.0
     seed: int = 1
     extra_args: tuple[str, ...] = ()
+    concurrent: bool = False
 
 
 def say(msg: str) -> None:
@@ -81,33 +82,74 @@ def _prefix_counters(url: str) -> tuple[float, float]:
 async def _replay(pair: VllmPair, spec: VllmDemoSpec, model: str) -> dict[str, Any]:
     rng = random.Random(spec.seed)
     system = [rng.randrange(3, 1000) for _ in range(spec.system_tokens)]
-    history = [list(system) for _ in range(spec.sessions)]
+    users = [
+        [[rng.randrange(3, 1000) for _ in range(rng.randint(*spec.user_tokens))] for _ in range(spec.turns)]
+        for _ in range(spec.sessions)
+    ]
     driver = VllmDriver(pair.p.url, pair.md.url, model)  # type: ignore[union-attr]
     ttft: list[float] = []
     failed: list[str] = []
     done: list[tuple[DriveRequest, tuple[int, ...]]] = []
-    try:
+
+    async def session(s: int) -> None:
+        history = list(system)
         for turn in range(spec.turns):
+            history += users[s][turn]
+            req = DriveRequest(tuple(history), spec.max_tokens, spec.deadline_s)
+            try:
+                got = await driver.run_p_md(req)
+            except PddlinkError as exc:
+                failed.append(f"{req.request_id}: {exc.message}")
+                say(f"  request failed: {exc.message}")
+                continue
+            ttft.append(got.ttft_s)
+            done.append((req, got.tokens))
+            history += list(got.tokens)
+
+    try:
+        if spec.concurrent:  # every session at once (vLLM batches them: not batch-invariant on CPU)
+            await asyncio.gather(*(session(s) for s in range(spec.sessions)))
+        else:
             for s in range(spec.sessions):
-                history[s] += [rng.randrange(3, 1000) for _ in range(rng.randint(*spec.user_tokens))]
-                req = DriveRequest(tuple(history[s]), spec.max_tokens, spec.deadline_s)
-                try:
-                    got = await driver.run_p_md(req)
-                except PddlinkError as exc:
-                    failed.append(f"{req.request_id}: {exc.message}")
-                    say(f"  request failed: {exc.message}")
-                    continue
-                ttft.append(got.ttft_s)
-                done.append((req, got.tokens))
-                history[s] += list(got.tokens)
-            say(f"  turn {turn + 1}/{spec.turns}: {len(done)} done, {len(failed)} failed")
-        mismatches = 0
+                await session(s)
+                say(f"  session {s + 1}/{spec.sessions}: {len(done)} done, {len(failed)} failed")
+        divergences = []
         for req, tokens in done:  # P's vLLM alone: same model and dtype, greedy, no connector
             alone = await driver.generate_alone(pair.p.url, req)  # type: ignore[union-attr]
-            mismatches += alone != tokens
+            if alone != tokens:
+                divergences.append(await _divergence(driver, pair, model, req, alone, tokens))
     finally:
         await driver.close()
-    return {"done": done, "failed": failed, "ttft": ttft, "mismatches": mismatches}
+    return {"done": done, "failed": failed, "ttft": ttft, "divergences": divergences}
+
+
+async def _divergence(
+    driver: VllmDriver,
+    pair: VllmPair,
+    model: str,
+    req: DriveRequest,
+    alone: tuple[int, ...],
+    got: tuple[int, ...],
+) -> dict[str, Any]:
+    """Where MD's answer left vLLM alone's, and the top-2 logprob gap vLLM alone had there."""
+    i = next(k for k, (a, b) in enumerate(zip(alone, got, strict=False)) if a != b)
+    body = {
+        "model": model,
+        "prompt": [*req.prompt, *alone[:i]],
+        "max_tokens": 1,
+        "temperature": 0,
+        "logprobs": 2,
+    }
+    r = await driver.http.post(pair.p.url + "/v1/completions", json=body, timeout=60)  # type: ignore[union-attr]
+    top = sorted((r.json()["choices"][0]["logprobs"]["top_logprobs"][0] or {}).values(), reverse=True)
+    gap = float(top[0] - top[1]) if len(top) >= 2 else None
+    return {
+        "request": req.request_id,
+        "position": i,
+        "alone": alone[i],
+        "got": got[i],
+        "top2_logprob_gap": gap,
+    }
 
 
 def run(spec: VllmDemoSpec, json_path: str | None) -> dict[str, Any]:
@@ -176,7 +218,9 @@ def _report(
         "requests": len(out["done"]) + len(out["failed"]),
         "failed": len(out["failed"]),
         "failures": out["failed"][:20],
-        "token_mismatches": out["mismatches"],
+        "token_mismatches": len(out["divergences"]),
+        "divergences": out["divergences"],
+        "concurrent": spec.concurrent,
         "ttft_s": {"baseline": _pcts(out["ttft"])},
         "wan_bytes": wan,
         "wan_bytes_expected": expected,

@@ -44,6 +44,7 @@ MD (kv_consumer)
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -142,6 +143,8 @@ class PddlinkConnector(KVConnectorBase_V1):
         self.control = ControlClient(Path(sock))
         dump = cfg.get_from_extra_config("kv_dump_dir", None)  # tests: the KV bytes each side held
         self.dump_dir = Path(dump) if dump else None
+        timing = cfg.get_from_extra_config("timing_file", None)  # bench: hook timings, JSON lines
+        self.timing_file = Path(timing) if timing else None
         self.num_blocks = kv_cache_config.num_blocks
         mc, par = vllm_config.model_config, vllm_config.parallel_config
         self.layout = {
@@ -317,7 +320,15 @@ class PddlinkConnector(KVConnectorBase_V1):
                 log.warning("request %s: KV not handed to the sidecar: %s", save.req_id, exc)
                 self._call(Op.RELEASE, transfer=save.transfer, reason=f"save failed: {exc}")
 
+    def _time(self, op: str, transfer: str, seconds: float, nbytes: int) -> None:
+        if self.timing_file is not None:
+            with self.timing_file.open("a") as f:
+                f.write(
+                    json.dumps({"op": op, "transfer": transfer, "seconds": seconds, "bytes": nbytes}) + "\n"
+                )
+
     def _save(self, save: SaveSpec) -> None:
+        t0 = time.perf_counter()
         assert self._kv is not None
         n = len(save.block_ids)
         answer = self.control.call(
@@ -339,6 +350,7 @@ class PddlinkConnector(KVConnectorBase_V1):
             num_tokens=save.num_tokens,
             layout=self.layout,
         )
+        self._time("save", save.transfer, time.perf_counter() - t0, slot.nbytes)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         results = KVConnectorTransferResults()
@@ -384,8 +396,10 @@ class PddlinkConnector(KVConnectorBase_V1):
                 load.first_block + need,
             )
             return False
+        t0 = time.perf_counter()
         slot = Slot(int(state["offset"]) + skip * per_block, need * per_block)
         self._kv.scatter(load.block_ids, self._mapped().buffer(slot))
+        self._time("load", load.transfer, time.perf_counter() - t0, slot.nbytes)
         if self.dump_dir is not None:  # read back what vLLM's blocks now hold
             out = bytearray(need * per_block)
             self._kv.gather(load.block_ids, memoryview(out))

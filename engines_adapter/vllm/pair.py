@@ -70,6 +70,7 @@ class PairSpec:
     extra_args: tuple[str, ...] = ()
     kv_dump_dir: Path | None = None
     md_orphan_s: float = 120.0
+    timing_dir: Path | None = None  # bench: each connector appends its hook timings here
 
 
 class VllmPair:
@@ -82,6 +83,13 @@ class VllmPair:
         self.p: VllmServer | None = None
 
     def start(self, timeout_s: float = 300.0) -> VllmPair:
+        try:
+            return self._start(timeout_s)
+        except BaseException:
+            self.close()  # nothing half-started stays behind
+            raise
+
+    def _start(self, timeout_s: float) -> VllmPair:
         s = self.spec
         s.workdir.mkdir(parents=True, exist_ok=True)
         events = f"ipc://{s.workdir / 'md-events.ipc'}"
@@ -108,6 +116,7 @@ class VllmPair:
             kv_load_failure_policy=s.kv_load_failure_policy,
             extra_args=("--enable-prompt-tokens-details", *s.extra_args),
             kv_dump_dir=s.kv_dump_dir,
+            timing_dir=s.timing_dir,
         )
         self.md = VllmServer(
             replace(
@@ -134,6 +143,8 @@ class VllmPair:
         return self.loop.call(lambda: {"p": p.status(), "md": md.status()})
 
     def close(self) -> None:
+        if self.loop.loop.is_closed():
+            return
         for server in (self.p, self.md):
             if server is not None:
                 server.stop()

@@ -53,6 +53,9 @@ import click
 @click.option("--engine-args", default="", help="vllm: extra vLLM server arguments (e.g. for a GPU).")
 @click.option("--sessions", default=5, show_default=True, help="vllm: conversations replayed.")
 @click.option("--turns", default=10, show_default=True, help="vllm: turns per conversation.")
+@click.option(
+    "--concurrent", is_flag=True, help="vllm: run the conversations at once (default: one request at a time)."
+)
 def command(
     requests: int,
     rate_rps: float,
@@ -71,6 +74,7 @@ def command(
     engine_args: str,
     sessions: int,
     turns: int,
+    concurrent: bool,
 ) -> None:
     """Run P, RLD, MD and the router across an emulated WAN; compare PDD with the P->MD baseline.
 
@@ -92,6 +96,7 @@ def command(
             dtype=dtype,
             model=model,
             engine_args=engine_args,
+            concurrent=concurrent,
         )
         return
     from sidecar.demo import main

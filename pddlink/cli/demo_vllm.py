@@ -16,6 +16,7 @@ def run_vllm_demo(
     dtype: str,
     model: str | None,
     engine_args: str,
+    concurrent: bool = False,
 ) -> None:
     from sidecar.vllm_demo import VllmDemoSpec, run
 
@@ -28,5 +29,6 @@ def run_vllm_demo(
         dtype=dtype,
         model=Path(model) if model else None,
         extra_args=tuple(engine_args.split()),
+        concurrent=concurrent,
     )
     run(spec, json_path)
