@@ -18,7 +18,8 @@ P (kv_producer)
   scheduler  ``get_num_new_matched_tokens`` (first sight of the request): PREPARE to the sidecar,
              which reserves MD's cached prefix while vLLM prefills; answers 0 (nothing to load).
              ``build_connector_meta`` (each step): follows the request's blocks; in the step where
-             its prefill completes it adds a save of all its prompt blocks to the step's metadata.
+             its prefill completes it adds a save of its whole blocks below the last prompt token
+             (MD recomputes that tail of < 1 block itself) to the step's metadata.
              ``request_finished``: forgets it; a request that ended before its save releases the
              transfer at the sidecar. Blocks are freed at once (the save was synchronous).
   worker     ``wait_for_save`` (after the step's forward, which wrote the KV): ALLOC a region slot
@@ -27,7 +28,7 @@ P (kv_producer)
 MD (kv_consumer)
   scheduler  ``get_num_new_matched_tokens``: asks the sidecar (EXPECT) where the transfer starts
              (the prefix MD reserved for it); ``None`` (ask again) until known; then
-             ``(prompt - computed, True)``: an asynchronous load, vLLM parks the request. When
+             ``(tail start - computed, True)``: an asynchronous load, vLLM parks the request. When
              vLLM's own prefix cache no longer holds the reserved prefix (evicted meanwhile), or
              the transfer failed or missed its deadline before it was known: 0, and vLLM
              recomputes the prompt itself (correct tokens, counted by reason).
@@ -203,7 +204,7 @@ class PddlinkConnector(KVConnectorBase_V1):
             return None, False  # not known yet: vLLM asks again next step
         if computed < first * self.block_size:
             return self._recompute(rid, params, "reserved_prefix_evicted")
-        todo = prompt_len - computed
+        todo = (prompt_len - 1) // self.block_size * self.block_size - computed  # see _maybe_save
         if todo <= 0:
             return self._recompute(rid, params, "nothing_to_load")
         self._consuming[rid] = _Consuming(params, first, computed)
@@ -257,7 +258,9 @@ class PddlinkConnector(KVConnectorBase_V1):
         if p.saved or computed_after < p.prompt_len:
             return
         p.saved = True
-        nblocks = -(-p.prompt_len // self.block_size)
+        # whole blocks below the one holding the last prompt token: MD recomputes that tail itself
+        # (< 1 block), so its vLLM resumes from a block boundary as after a local prefix hit
+        nblocks = (p.prompt_len - 1) // self.block_size
         meta.saves.append(SaveSpec(rid, p.params.transfer, tuple(p.blocks[:nblocks]), p.prompt_len))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -334,11 +337,11 @@ class PddlinkConnector(KVConnectorBase_V1):
         answer = self.control.call(
             Op.ALLOC, transfer=save.transfer, num_blocks=n, bytes_per_block=self._kv.bytes_per_block
         )
-        first = min(int(answer["first_block"]), n - 1)
+        first = min(int(answer["first_block"]), n)
         slot = Slot(int(answer["offset"]), int(answer["nbytes"]))
-        buf = self._mapped().buffer(slot)
+        buf = self._mapped().buffer(slot) if slot.nbytes else memoryview(b"")
         self._kv.gather(save.block_ids[first:], buf)
-        if self.dump_dir is not None:
+        if self.dump_dir is not None and slot.nbytes:
             (self.dump_dir / f"P-{save.transfer}-{first}.bin").write_bytes(buf)
         self.control.call(
             Op.COMMIT,

@@ -51,8 +51,8 @@ import click
     help="vllm: the model's dtype.",
 )
 @click.option("--engine-args", default="", help="vllm: extra vLLM server arguments (e.g. for a GPU).")
-@click.option("--sessions", default=5, show_default=True, help="vllm: conversations replayed.")
-@click.option("--turns", default=10, show_default=True, help="vllm: turns per conversation.")
+@click.option("--sessions", default=10, show_default=True, help="vllm: conversations replayed.")
+@click.option("--turns", default=5, show_default=True, help="vllm: turns per conversation.")
 @click.option(
     "--concurrent", is_flag=True, help="vllm: run the conversations at once (default: one request at a time)."
 )

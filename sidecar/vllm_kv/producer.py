@@ -9,8 +9,10 @@ One transfer's life on P::
                                            lacks, free the slot (acked, failed or past deadline)
     RELEASE (the request ended early)   -> cancel the reservation, free what is held
 
-The block that holds the prompt's last token always travels: vLLM on MD recomputes that token
-from a block-aligned prefix, so a "whole prompt cached" answer still ships the last block.
+Only whole blocks below the one holding the prompt's last token travel: MD's vLLM recomputes that
+tail (fewer than ``block_size`` tokens) from a block-aligned prefix, as after a local prefix hit.
+(vLLM's CPU bf16 kernels die with SIGILL when a request resumes mid-block, and a partial block's
+interior is the kernel's own.) When MD already holds every such block nothing is copied or sent.
 """
 
 from __future__ import annotations
@@ -104,7 +106,7 @@ class ProducerBridge:
             raise
         if not isinstance(answer, ReserveAnswer) or answer.code is not None:
             raise Unavailable(f"MD refused the reservation: {getattr(answer, 'reason', answer)}")
-        return min(int(answer.cached_blocks), (out.num_tokens - 1) // self.block_size)
+        return int(answer.cached_blocks)
 
     def _alloc(self, out: Outgoing, msg: dict[str, Any]) -> dict[str, Any]:
         num_blocks, per_block = cfield(msg, "num_blocks", int), cfield(msg, "bytes_per_block", int)
@@ -113,15 +115,22 @@ class ProducerBridge:
         first = 0
         r = out.reservation
         if r is not None and r.done() and not r.cancelled() and r.exception() is None:
-            first = min(r.result(), num_blocks - 1)
+            first = min(r.result(), num_blocks)
         out.per_block = per_block
+        if first == num_blocks:  # MD holds every block that travels: nothing to copy or ship
+            return {"offset": 0, "nbytes": 0, "first_block": first}
         out.slot = self.region.alloc((num_blocks - first) * per_block)
         return {"offset": out.slot.offset, "nbytes": out.slot.nbytes, "first_block": first}
 
     def _commit(self, out: Outgoing, msg: dict[str, Any]) -> dict[str, Any]:
-        if out.slot is None or out.ship is not None:
-            raise InvalidInput(f"transfer {out.transfer!r}: COMMIT without a slot, or twice")
+        if out.ship is not None:
+            raise InvalidInput(f"transfer {out.transfer!r}: COMMIT twice")
         copied_first, num_blocks = cfield(msg, "first_block", int), cfield(msg, "num_blocks", int)
+        if out.slot is None:  # nothing was copied: MD already holds it all
+            out.result.update(ok=True, wan_bytes=0, wan_seconds=0.0, first_block=copied_first)
+            self.counts["shipped"] += 1
+            self._finish(out)
+            return {}
         layout = KVLayoutSpec(**{"model_id": self.model_id, **cfield(msg, "layout", dict)})
         out.ship = asyncio.ensure_future(self._ship(out, layout, copied_first, num_blocks))
         return {}
@@ -138,7 +147,7 @@ class ProducerBridge:
             except PddlinkError as exc:  # MD could not say what it holds: ship everything copied
                 out.result["reserve_error"] = f"{exc.code.name.lower()}: {exc.message}"
                 reserved = 0
-            first = max(copied_first, min(reserved, num_blocks - 1))
+            first = max(copied_first, min(reserved, num_blocks - 1))  # the slot holds >= 1 block
             start = slot.offset + (first - copied_first) * per_block
             payload = self.region.view[start : slot.end]
             begin = TransferBegin(
@@ -147,7 +156,7 @@ class ProducerBridge:
                 request_id=out.transfer,
                 layout=layout,
                 first_block=first,
-                num_tokens=out.num_tokens - first * self.block_size,
+                num_tokens=(num_blocks - first) * self.block_size,
                 block_hashes=tuple(out.hashes[first:]),
                 codec=0,
                 total_bytes=payload.nbytes,
