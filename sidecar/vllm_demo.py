@@ -25,6 +25,7 @@ import json
 import os
 import random
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -180,6 +181,8 @@ def run(spec: VllmDemoSpec, json_path: str | None) -> dict[str, Any]:
             ends = pair.loop.call(lambda: dict(pair.md_side.consumer.finished))  # type: ignore[union-attr]
         finally:
             pair.close()
+            if not os.environ.get("PDDLINK_KEEP_WORKDIR"):
+                shutil.rmtree(root, ignore_errors=True)
     report = _report(spec, out, shipped, ends, status, (q1 - q0, h1 - h0))
     text = json.dumps(report, indent=2)
     if json_path:

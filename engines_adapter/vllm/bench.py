@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import shutil
 import statistics
 import tempfile
 import time
@@ -153,6 +154,7 @@ def run(dtype: str, repeats: int, sizes: tuple[int, ...] = SIZES) -> dict[str, A
         asyncio.run(example())
     finally:
         base.stop()
+        shutil.rmtree(root, ignore_errors=True)
     bpt = 2 * 2 * 2 * 64 * (4 if dtype == "float32" else 2)  # layers x kv heads x (K, V) x head_dim x bytes
     for n, r in results.items():
         r["kv_bytes"] = -(-n // 32) * 32 * bpt
