@@ -20,7 +20,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import httpx
 
@@ -58,7 +58,7 @@ class VllmDriver:
         self.p_url, self.md_url, self.model, self.wan_share = p_url, md_url, model, wan_share
         self.http = httpx.AsyncClient(timeout=None)
 
-    def _body(self, req: DriveRequest, max_tokens: int, **extra: object) -> dict[str, object]:
+    def _body(self, req: DriveRequest, max_tokens: int, **extra: object) -> dict[str, Any]:
         return {
             "model": self.model,
             "prompt": list(req.prompt),
@@ -120,7 +120,7 @@ class VllmDriver:
         out = await self._post(url, self._body(req, req.max_tokens), time.monotonic() + req.deadline_s)
         return tuple(int(t) for t in out["choices"][0]["token_ids"])
 
-    async def _post(self, url: str, body: dict[str, object], deadline: float) -> dict[str, object]:
+    async def _post(self, url: str, body: dict[str, object], deadline: float) -> dict[str, Any]:
         try:
             r = await self.http.post(url + "/v1/completions", json=body, timeout=_left(deadline))
         except httpx.TimeoutException as exc:
@@ -129,7 +129,7 @@ class VllmDriver:
             raise RemoteError(f"{url}: {exc!r}") from exc
         if r.status_code != 200:
             raise RemoteError(f"{url} answered {r.status_code}: {r.text[:300]}")
-        out: dict[str, object] = r.json()
+        out: dict[str, Any] = r.json()
         return out
 
     async def close(self) -> None:

@@ -144,7 +144,9 @@ def _build_tokenizer(spec: TinyLlamaSpec, out: Path) -> None:
         show_progress=False,
     )
     tok.train_from_iterator(_corpus(), trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
     # A minimal chat template so /v1/chat/completions works against the model.
     fast.chat_template = (
         "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -176,10 +178,10 @@ def build_tiny_llama(out_dir: str | Path, spec: TinyLlamaSpec | None = None) -> 
         bos_token_id=1,
         eos_token_id=2,
         tie_word_embeddings=False,
-        torch_dtype=spec.dtype,
+        dtype=spec.dtype,
     )
     torch.manual_seed(spec.seed)
-    model = LlamaForCausalLM(config).to(getattr(torch, spec.dtype))
+    model = LlamaForCausalLM(config).to(getattr(torch, spec.dtype))  # type: ignore[no-untyped-call]
     model.save_pretrained(str(out), safe_serialization=True)
     marker.write_text(json.dumps(asdict(spec)))
     return out

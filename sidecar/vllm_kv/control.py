@@ -70,7 +70,7 @@ def _answer(handler: Handler, line: bytes) -> dict[str, Any]:
         msg = json.loads(line)
         if not isinstance(msg, dict):
             raise InvalidInput("a control message is a JSON object")
-        op = Op(msg.get("op"))
+        op = Op(str(msg.get("op")))
         return {"ok": True, **handler(op, msg)}
     except PddlinkError as exc:
         return {"ok": False, "error": f"{exc.code.name.lower()}: {exc.message}"}
