@@ -66,13 +66,18 @@ def test_p_md_exact_one_at_a_time_and_kv_bytes_equal(pair) -> None:
     assert mismatches == 0
     dump: Path = pair.spec.kv_dump_dir
     compared = 0
+    unused: list[str] = []
     shipped = pair.loop.call(lambda: dict(pair.p_side.producer.done))
     for rid in ids:
         if not list(dump.glob(f"P-{rid}-*.bin")):  # MD held every block that travels
             assert shipped[rid]["wan_bytes"] == 0 and not list(dump.glob(f"MD-{rid}-*.bin"))
             continue
         (p_file,) = dump.glob(f"P-{rid}-*.bin")
-        (md_file,) = dump.glob(f"MD-{rid}-*.bin")
+        md_files = list(dump.glob(f"MD-{rid}-*.bin"))
+        if not md_files:  # landed, but MD's vLLM held those blocks itself by then (its KV events lag
+            unused.append(rid)  # a step behind its cache, so the reservation can under-count): unused
+            continue
+        (md_file,) = md_files
         p_first, md_first = int(p_file.stem.rsplit("-", 1)[1]), int(md_file.stem.rsplit("-", 1)[1])
         p_bytes, md_bytes = p_file.read_bytes(), md_file.read_bytes()
         assert md_first >= p_first
@@ -83,7 +88,9 @@ def test_p_md_exact_one_at_a_time_and_kv_bytes_equal(pair) -> None:
         compared += -(-len(md_bytes) // per_block)
     assert compared >= 50
     st = pair.status()
-    assert st["md"]["loaded"] == sum(1 for r in ids if shipped[r]["wan_bytes"]) and st["p"]["shipped"] == 50
+    shipped_n = sum(1 for r in ids if shipped[r]["wan_bytes"])
+    assert st["md"]["loaded"] == shipped_n - len(unused) and st["p"]["shipped"] == 50
+    assert st["md"]["landed"] - st["md"]["loaded"] == len(unused) <= 2, unused  # rare, and counted
     # every group's later prompts found the shared prefix in MD's DRC: fewer blocks shipped
     bs, per_block = pair.spec.block_size, _bytes_per_block(pair)
     full = sum((len(p) - 1) // bs for p in _prompts(50)) * per_block
