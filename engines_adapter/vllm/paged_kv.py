@@ -1,10 +1,14 @@
 """Copies whole KV blocks between vLLM's paged cache and a flat byte buffer (a region slot).
 
 The buffer is block-major: block 0 of every layer (in vLLM's layer order), then block 1, ... so the
-suffix from any block on is one contiguous byte range (what travels to MD). Inside one layer's
-block the bytes are vLLM's own (on CPU ``[kv_heads, block_size, 2 * head_dim]``), so a producer and
-a consumer built with the same model, dtype and block size agree without any conversion; the
-``KVLayoutSpec`` that travels with each transfer checks that.
+suffix from any block on is one contiguous byte range (what travels to MD). Whole blocks only: the
+interior of a block is the attention kernel's own (vLLM's CPU kernels pack it per ISA), so the
+connector moves the full blocks below the prompt's last token and MD recomputes the tail. Tried:
+cutting a partial block to its token rows assuming ``[kv_heads, 2, block_size, head_dim]`` changed
+4 of 50 greedy outputs on CPU.
+Inside one layer's block the bytes are vLLM's own (declared ``[kv_heads, block_size, 2 * head_dim]`` on
+CPU), so a producer and a consumer built with the same model, dtype and block size agree without
+any conversion; the ``KVLayoutSpec`` that travels with each transfer checks that.
 
 Works for any per-layer tensor whose block dimension is the one sized ``num_blocks`` (dim 0 on CPU,
 dim 1 on GPU flash layouts ``[2, num_blocks, ...]``); device tensors go through host memory.

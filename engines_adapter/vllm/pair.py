@@ -64,10 +64,14 @@ class PairSpec:
     block_size: int = 32
     md_num_blocks: int = 0  # >0: a small MD cache that evicts
     md_addr: str = ""  # where P's sidecar dials MD ("" = MD's KV port on loopback)
+    wan: Callable[[int], str] | None = None  # MD's KV port -> the address across the WAN (netlab)
     md_kv_port: int = 0
     kv_load_failure_policy: str = "fail"
     extra_args: tuple[str, ...] = ()
     kv_dump_dir: Path | None = None
+    md_orphan_s: float = 120.0
+    wan_line_mbit: float = 0.0  # the WAN's rate, for P's codec choice (0 = measured)
+    timing_dir: Path | None = None  # bench: each connector appends its hook timings here
 
 
 class VllmPair:
@@ -80,6 +84,13 @@ class VllmPair:
         self.p: VllmServer | None = None
 
     def start(self, timeout_s: float = 300.0) -> VllmPair:
+        try:
+            return self._start(timeout_s)
+        except BaseException:
+            self.close()  # nothing half-started stays behind
+            raise
+
+    def _start(self, timeout_s: float) -> VllmPair:
         s = self.spec
         s.workdir.mkdir(parents=True, exist_ok=True)
         events = f"ipc://{s.workdir / 'md-events.ipc'}"
@@ -91,10 +102,14 @@ class VllmPair:
             s.block_size,
             kv_port=s.md_kv_port,
             kv_events_endpoint=events,
+            orphan_s=s.md_orphan_s,
         )
         self.md_side = self.loop.run(VllmSidecar(md_cfg).start())
-        md_addr = s.md_addr or f"127.0.0.1:{self.md_side.kv_port}"
-        p_cfg = VllmSidecarConfig(Role.P, "p0", s.workdir, s.model_id, s.block_size, md_addr=md_addr)
+        port = self.md_side.kv_port
+        md_addr = s.md_addr or (s.wan(port) if s.wan is not None else f"127.0.0.1:{port}")
+        p_cfg = VllmSidecarConfig(
+            Role.P, "p0", s.workdir, s.model_id, s.block_size, md_addr=md_addr, wan_line_mbit=s.wan_line_mbit
+        )
         self.p_side = self.loop.run(VllmSidecar(p_cfg).start())
         base = VllmServerSpec(
             s.model,
@@ -102,8 +117,9 @@ class VllmPair:
             dtype=s.dtype,
             block_size=s.block_size,
             kv_load_failure_policy=s.kv_load_failure_policy,
-            extra_args=s.extra_args,
+            extra_args=("--enable-prompt-tokens-details", *s.extra_args),
             kv_dump_dir=s.kv_dump_dir,
+            timing_dir=s.timing_dir,
         )
         self.md = VllmServer(
             replace(
@@ -130,6 +146,8 @@ class VllmPair:
         return self.loop.call(lambda: {"p": p.status(), "md": md.status()})
 
     def close(self) -> None:
+        if self.loop.loop.is_closed():
+            return
         for server in (self.p, self.md):
             if server is not None:
                 server.stop()

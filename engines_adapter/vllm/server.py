@@ -40,6 +40,11 @@ class VllmServerSpec:
     kv_events_endpoint: str = ""  # "ipc:///path" to publish KV-cache events
     num_gpu_blocks: int = 0  # >0: cap the KV pool (a small cache that evicts)
     kv_dump_dir: Path | None = None  # tests: the connector writes the KV bytes each side held
+    timing_dir: Path | None = None  # bench: the connector appends its hook timings (JSON lines)
+    kv_connector: str = "PddlinkConnector"
+    kv_connector_module: str = CONNECTOR_MODULE
+    connector_extra: tuple[tuple[str, str], ...] = ()
+    prefix_caching: bool = True
     extra_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
 
@@ -66,14 +71,19 @@ class VllmServerSpec:
         ]
         if self.kv_role:
             cfg: dict[str, Any] = {
-                "kv_connector": "PddlinkConnector",
-                "kv_connector_module_path": CONNECTOR_MODULE,
+                "kv_connector": self.kv_connector,
+                "kv_connector_module_path": self.kv_connector_module,
                 "kv_role": self.kv_role,
                 "kv_load_failure_policy": self.kv_load_failure_policy,
                 "kv_connector_extra_config": {"control_socket": str(self.control_socket)},
             }
+            extra = cfg["kv_connector_extra_config"]
+            assert isinstance(extra, dict)
             if self.kv_dump_dir is not None:
-                cfg["kv_connector_extra_config"]["kv_dump_dir"] = str(self.kv_dump_dir)
+                extra["kv_dump_dir"] = str(self.kv_dump_dir)
+            if self.timing_dir is not None:
+                extra["timing_file"] = str(self.timing_dir / f"{self.kv_role}-{self.port}.jsonl")
+            extra.update(dict(self.connector_extra))
             args += ["--kv-transfer-config", json.dumps(cfg)]
         if self.kv_events_endpoint:
             ev = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": self.kv_events_endpoint}

@@ -178,7 +178,7 @@ def build_tiny_llama(out_dir: str | Path, spec: TinyLlamaSpec | None = None) -> 
         bos_token_id=1,
         eos_token_id=2,
         tie_word_embeddings=False,
-        torch_dtype=spec.dtype,  # type: ignore[call-arg]
+        dtype=spec.dtype,
     )
     torch.manual_seed(spec.seed)
     model = LlamaForCausalLM(config).to(getattr(torch, spec.dtype))  # type: ignore[no-untyped-call]

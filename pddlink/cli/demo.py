@@ -53,6 +53,27 @@ import click
     help="netlab lab: auto (netns as root, else loopback), or compose: every role in a container"
     " (root, docker.io; builds the images first, cached).",
 )
+@click.option(
+    "--engine",
+    type=click.Choice(["reference", "vllm"]),
+    default="reference",
+    show_default=True,
+    help="reference: pddlink's own engine, P/RLD/MD/router; vllm: P and MD as vLLM servers (P->MD).",
+)
+@click.option("--model", help="vllm: a model directory to serve (default: a tiny random Llama built here).")
+@click.option(
+    "--dtype",
+    type=click.Choice(["float32", "bfloat16", "float16"]),
+    default="float32",
+    show_default=True,
+    help="vllm: the model's dtype.",
+)
+@click.option("--engine-args", default="", help="vllm: extra vLLM server arguments (e.g. for a GPU).")
+@click.option("--sessions", default=10, show_default=True, help="vllm: conversations replayed.")
+@click.option("--turns", default=5, show_default=True, help="vllm: turns per conversation.")
+@click.option(
+    "--concurrent", is_flag=True, help="vllm: run the conversations at once (default: one request at a time)."
+)
 def command(
     requests: int,
     rate_rps: float,
@@ -67,6 +88,13 @@ def command(
     warmup: int,
     engine_mode: str,
     lab_kind: str,
+    engine: str,
+    model: str | None,
+    dtype: str,
+    engine_args: str,
+    sessions: int,
+    turns: int,
+    concurrent: bool,
 ) -> None:
     """Run P, RLD, MD and the router across an emulated WAN; compare PDD with the P->MD baseline.
 
@@ -75,6 +103,22 @@ def command(
     as cross-datacenter PD (P->MD only) and once with PDD, checks every token against one engine
     generating alone, and prints the table. Progress and logs go to stderr.
     """
+    if engine == "vllm":
+        from pddlink.cli.demo_vllm import run_vllm_demo
+
+        run_vllm_demo(
+            json_path=json_path,
+            seed=seed,
+            line_mbit=line_mbit if line_mbit != 16.0 else 200.0,
+            rtt_ms=rtt_ms,
+            sessions=sessions,
+            turns=turns,
+            dtype=dtype,
+            model=model,
+            engine_args=engine_args,
+            concurrent=concurrent,
+        )
+        return
     from harness.demo import main
     from pddlink.cli.preflight import check_output_file, check_writable
 

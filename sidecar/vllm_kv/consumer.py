@@ -50,6 +50,8 @@ class ConsumerBridge:
         self.released: dict[str, float] = {}  # transfer -> when (a late arrival is dropped)
         self.counts = {"landed": 0, "failed": 0, "loaded": 0, "swept": 0, "late_dropped": 0}
         self.wan_bytes = 0
+        self.recomputed: dict[str, int] = {}  # reason -> requests MD's vLLM prefilled itself
+        self.finished: dict[str, dict[str, Any]] = {}  # transfer -> vLLM's own hit, at its end
 
     def _entry(self, transfer: str) -> Incoming:
         e = self.inc.get(transfer)
@@ -122,12 +124,27 @@ class ConsumerBridge:
                 raise InvalidInput("POLL needs a list of transfer ids")
             return {"states": {t: self._state(t) for t in transfers}}
         if op is Op.RELEASE:
-            self.release(cfield(msg, "transfer", str), loaded=msg.get("reason") == "loaded")
+            transfer = cfield(msg, "transfer", str)
+            if isinstance(msg.get("local_tokens"), int):  # the request's end: what vLLM held itself
+                self.finished[transfer] = {
+                    "local_tokens": msg["local_tokens"],
+                    "prompt_tokens": msg.get("prompt_tokens"),
+                    "loaded": bool(msg.get("loaded")),
+                }
+                while len(self.finished) > 10_000:
+                    self.finished.pop(next(iter(self.finished)))
+            reason = str(msg.get("reason", ""))
+            if reason not in ("loaded", "request finished", "load failed"):
+                key = reason.split(":")[0] or "unknown"
+                self.recomputed[key] = self.recomputed.get(key, 0) + 1
+            self.release(transfer, loaded=reason == "loaded")
             return {}
         raise InvalidInput(f"MD's sidecar does not take {op.value}")
 
     def _state(self, transfer: str) -> dict[str, Any]:
         e = self.inc.get(transfer)
+        if e is None and transfer in self.released:
+            return {"state": TransferState.FAILED, "reason": "cancelled: released (the request ended)"}
         if e is None:
             return {"state": TransferState.PENDING}
         if e.failed is not None:
@@ -168,5 +185,6 @@ class ConsumerBridge:
             "in_flight": len(self.inc),
             "wan_bytes": self.wan_bytes,
             "drc_blocks": len(self.index),
+            "recomputed": dict(self.recomputed),
             **self.counts,
         }

@@ -9,14 +9,17 @@ One transfer's life on P::
                                            lacks, free the slot (acked, failed or past deadline)
     RELEASE (the request ended early)   -> cancel the reservation, free what is held
 
-The block that holds the prompt's last token always travels: vLLM on MD recomputes that token
-from a block-aligned prefix, so a "whole prompt cached" answer still ships the last block.
+Only whole blocks below the one holding the prompt's last token travel: MD's vLLM recomputes that
+tail (fewer than ``block_size`` tokens) from a block-aligned prefix, as after a local prefix hit.
+(vLLM's CPU bf16 kernels die with SIGILL when a request resumes mid-block, and a partial block's
+interior is the kernel's own.) When MD already holds every such block nothing is copied or sent.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import random
 import time
 from dataclasses import dataclass, field
@@ -31,6 +34,7 @@ from sidecar.peers import KVPeer
 from sidecar.vllm_kv.control import Op
 from sidecar.vllm_kv.control import field as cfield
 from sidecar.vllm_kv.shm import ShmRegion, Slot
+from sidecar.wan_codec import WanCodec
 
 LEASE_S = 30.0
 
@@ -44,14 +48,23 @@ class Outgoing:
     reservation: asyncio.Task[int] | None = None
     slot: Slot | None = None
     ship: asyncio.Task[None] | None = None
+    per_block: int = 0
     result: dict[str, Any] = field(default_factory=dict)
 
 
 class ProducerBridge:
     def __init__(
-        self, region: ShmRegion, md: KVPeer, *, model_id: str, block_size: int, chunk_bytes: int = 4 << 20
+        self,
+        region: ShmRegion,
+        md: KVPeer,
+        *,
+        model_id: str,
+        block_size: int,
+        chunk_bytes: int = 4 << 20,
+        wan_codec: WanCodec | None = None,
     ) -> None:
         self.region, self.md = region, md
+        self.wan_codec = wan_codec or WanCodec()  # per line: compress when the line is slower
         self.hasher = BlockHasher(model_id, block_size)
         self.model_id, self.block_size, self.chunk_bytes = model_id, block_size, chunk_bytes
         self.out: dict[str, Outgoing] = {}
@@ -104,7 +117,7 @@ class ProducerBridge:
             raise
         if not isinstance(answer, ReserveAnswer) or answer.code is not None:
             raise Unavailable(f"MD refused the reservation: {getattr(answer, 'reason', answer)}")
-        return min(int(answer.cached_blocks), (out.num_tokens - 1) // self.block_size)
+        return int(answer.cached_blocks)
 
     def _alloc(self, out: Outgoing, msg: dict[str, Any]) -> dict[str, Any]:
         num_blocks, per_block = cfield(msg, "num_blocks", int), cfield(msg, "bytes_per_block", int)
@@ -113,14 +126,22 @@ class ProducerBridge:
         first = 0
         r = out.reservation
         if r is not None and r.done() and not r.cancelled() and r.exception() is None:
-            first = min(r.result(), num_blocks - 1)
+            first = min(r.result(), num_blocks)
+        out.per_block = per_block
+        if first == num_blocks:  # MD holds every block that travels: nothing to copy or ship
+            return {"offset": 0, "nbytes": 0, "first_block": first}
         out.slot = self.region.alloc((num_blocks - first) * per_block)
         return {"offset": out.slot.offset, "nbytes": out.slot.nbytes, "first_block": first}
 
     def _commit(self, out: Outgoing, msg: dict[str, Any]) -> dict[str, Any]:
-        if out.slot is None or out.ship is not None:
-            raise InvalidInput(f"transfer {out.transfer!r}: COMMIT without a slot, or twice")
+        if out.ship is not None:
+            raise InvalidInput(f"transfer {out.transfer!r}: COMMIT twice")
         copied_first, num_blocks = cfield(msg, "first_block", int), cfield(msg, "num_blocks", int)
+        if out.slot is None:  # nothing was copied: MD already holds it all
+            out.result.update(ok=True, wan_bytes=0, wan_seconds=0.0, first_block=copied_first)
+            self.counts["shipped"] += 1
+            self._finish(out)
+            return {}
         layout = KVLayoutSpec(**{"model_id": self.model_id, **cfield(msg, "layout", dict)})
         out.ship = asyncio.ensure_future(self._ship(out, layout, copied_first, num_blocks))
         return {}
@@ -128,7 +149,7 @@ class ProducerBridge:
     async def _ship(self, out: Outgoing, layout: KVLayoutSpec, copied_first: int, num_blocks: int) -> None:
         assert out.slot is not None and out.reservation is not None
         slot = out.slot
-        per_block = slot.nbytes // (num_blocks - copied_first)
+        per_block = out.per_block
         t0 = time.perf_counter()
         try:
             deadline = time.monotonic() + max(out.deadline_at - time.time(), 0.01)
@@ -137,7 +158,7 @@ class ProducerBridge:
             except PddlinkError as exc:  # MD could not say what it holds: ship everything copied
                 out.result["reserve_error"] = f"{exc.code.name.lower()}: {exc.message}"
                 reserved = 0
-            first = max(copied_first, min(reserved, num_blocks - 1))
+            first = max(copied_first, min(reserved, num_blocks - 1))  # the slot holds >= 1 block
             start = slot.offset + (first - copied_first) * per_block
             payload = self.region.view[start : slot.end]
             begin = TransferBegin(
@@ -146,22 +167,38 @@ class ProducerBridge:
                 request_id=out.transfer,
                 layout=layout,
                 first_block=first,
-                num_tokens=out.num_tokens - first * self.block_size,
+                num_tokens=(num_blocks - first) * self.block_size,
                 block_hashes=tuple(out.hashes[first:]),
                 codec=CodecId.RAW,
                 total_bytes=payload.nbytes,
                 chunk_bytes=self.chunk_bytes,
                 deadline_ms=max(1, int((deadline - time.monotonic()) * 1000)),
             )
+            decision = self.wan_codec.decide(layout.dtype, payload)
+            begin = dataclasses.replace(begin, codec=decision.codec)
             client = await self.md.client(deadline)
+            flow = f"{out.transfer}/{begin.transfer_id}"
+            self.wan_codec.started(flow, payload.nbytes, time.monotonic())
+            result = None
             try:
                 result = await client.send_transfer(
                     begin, payload, deadline_s=max(deadline - time.monotonic(), 0.01)
                 )
             finally:
                 payload.release()
-            out.result.update(ok=True, wan_bytes=result.bytes, wan_seconds=result.seconds, first_block=first)
-            metrics.KV_BYTES.labels(path="wan").inc(result.bytes)
+                self.wan_codec.finished(flow, layout.dtype, result, time.monotonic(), client.stats().rtt_s)
+            codec = result.codec.name.lower()
+            out.result.update(
+                ok=True,
+                wan_bytes=result.kv_bytes,  # KV before the codec; wire_bytes is what crossed
+                wire_bytes=result.bytes,
+                codec=codec,
+                wan_seconds=result.seconds,
+                first_block=first,
+            )
+            metrics.KV_BYTES.labels(path="wan").inc(result.kv_bytes)
+            metrics.KV_WIRE_BYTES.labels(path="wan", codec=codec).inc(result.bytes)
+            metrics.KV_CODEC_RAW_BYTES.labels(path="wan", codec=codec).inc(result.kv_bytes)
             self.counts["shipped"] += 1
         except (PddlinkError, TimeoutError, ConnectionError, OSError) as exc:
             reason = f"{exc.code.name.lower()}: {exc.message}" if isinstance(exc, PddlinkError) else repr(exc)

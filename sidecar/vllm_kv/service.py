@@ -26,6 +26,7 @@ from sidecar.vllm_kv.control import Op, serve_control
 from sidecar.vllm_kv.kv_events import KvEventFeed
 from sidecar.vllm_kv.producer import ProducerBridge
 from sidecar.vllm_kv.shm import ShmRegion
+from sidecar.wan_codec import WanCodec
 
 
 class Role(StrEnum):
@@ -48,6 +49,9 @@ class VllmSidecarConfig:
     tls_dir: Path | None = None
     options: LinkOptions = field(default_factory=LinkOptions)
     kv_events_endpoint: str = ""  # MD: vLLM's ZMQ publisher (tcp://127.0.0.1:PORT); "" = no feed
+    orphan_s: float = 120.0  # MD: a landed transfer nobody loads is freed after this long
+    wan_line_mbit: float = 0.0  # P: the WAN line's rate for the codec choice (0 = from measured goodput)
+    wan_codec: str = "auto"  # P: auto | raw | planes_zstd
 
     def __post_init__(self) -> None:
         if self.role is Role.P and not self.md_addr:
@@ -66,6 +70,7 @@ class VllmSidecar:
         self._control: asyncio.AbstractServer | None = None
         self._kv: KVServer | None = None
         self._md: KVPeer | None = None
+        self._sweeper: asyncio.Task[None] | None = None
 
     @property
     def control_path(self) -> Path:
@@ -99,11 +104,14 @@ class VllmSidecar:
                 model_id=cfg.model_id,
                 block_size=cfg.block_size,
                 chunk_bytes=cfg.options.chunk_bytes,
+                wan_codec=WanCodec(cfg.wan_codec, line_mbit=cfg.wan_line_mbit),
             )
             handler = self.producer.handle
         else:
             index = PrefixIndex(None)
-            self.consumer = ConsumerBridge(self.region, index, block_size=cfg.block_size)
+            self.consumer = ConsumerBridge(
+                self.region, index, block_size=cfg.block_size, orphan_s=cfg.orphan_s
+            )
             self._kv = await KVServer.start(
                 cfg.kv_host,
                 cfg.kv_port,
@@ -119,8 +127,16 @@ class VllmSidecar:
                 self.feed = KvEventFeed(index, model_id=cfg.model_id, block_size=cfg.block_size)
                 self.feed.start(cfg.kv_events_endpoint)
             handler = self.consumer.handle
+            self._sweeper = asyncio.ensure_future(self._sweep_forever(self.consumer))
         self._control = await serve_control(self.control_path, handler)
         return self
+
+    @staticmethod
+    async def _sweep_forever(consumer: ConsumerBridge) -> None:
+        """Frees what a consumer that went away (vLLM killed) left landed, without any call."""
+        while True:
+            await asyncio.sleep(min(1.0, consumer.orphan_s / 4))
+            consumer.sweep()
 
     def status(self) -> dict[str, Any]:
         bridge = self.producer or self.consumer
@@ -134,6 +150,10 @@ class VllmSidecar:
             self._control.close()
             with contextlib.suppress(Exception):
                 await self._control.wait_closed()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(BaseException):
+                await self._sweeper
         if self.feed is not None:
             await self.feed.close()
         if self.producer is not None:

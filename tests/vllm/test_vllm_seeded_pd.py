@@ -4,7 +4,7 @@
 - P->MD through the connector (P prefills and ships the KV, MD samples every token) gives the
   tokens of one vLLM generating alone, for seeded requests at temperature 0.8, top-p 0.95;
 - MD handed prompt + the first k tokens another instance generated continues that sequence exactly;
-- the handoff on vLLM (``sidecar.vllm_handoff``): P ships the prompt's KV, MD loads it (prime), then
+- the handoff on vLLM (``router.vllm_handoff``): P ships the prompt's KV, MD loads it (prime), then
   extends prompt + k ids with the prompt found in its prefix cache and continues: greedy and seeded
   outputs equal one vLLM alone, and vLLM's own cached-token count shows the prompt was not recomputed.
 One pair of servers for the module."""
@@ -46,7 +46,7 @@ def pair() -> Iterator[Any]:
 
 
 def _driver(pair: Any) -> Any:
-    from sidecar.vllm_driver import VllmDriver
+    from router.vllm_driver import VllmDriver
 
     class SeededDriver(VllmDriver):  # the same HTTP calls, with seed and top_p in the body
         seed = 0
@@ -63,7 +63,7 @@ def _prompts(n: int, seed: int = 7) -> list[tuple[int, ...]]:
 
 
 def test_seeded_p_md_and_a_continuation_equal_one_vllm_alone(pair: Any) -> None:
-    from sidecar.vllm_driver import DriveRequest
+    from router.vllm_driver import DriveRequest
 
     async def run() -> list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], int]]:
         driver = _driver(pair)
@@ -93,8 +93,8 @@ def test_seeded_p_md_and_a_continuation_equal_one_vllm_alone(pair: Any) -> None:
 def test_handoff_on_vllm_prime_then_extend_continues_exactly(pair: Any) -> None:
     import httpx
 
-    from sidecar.vllm_driver import DriveRequest
-    from sidecar.vllm_handoff import handoff_on_md
+    from router.vllm_driver import DriveRequest
+    from router.vllm_handoff import handoff_on_md
 
     block = pair.spec.block_size
 

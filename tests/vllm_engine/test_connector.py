@@ -46,7 +46,7 @@ def _prompts(n: int, seed: int = 1) -> list[tuple[int, ...]]:
 
 
 def test_p_md_exact_one_at_a_time_and_kv_bytes_equal(pair) -> None:
-    from sidecar.vllm_driver import DriveRequest, VllmDriver
+    from router.vllm_driver import DriveRequest, VllmDriver
 
     async def run() -> tuple[int, list[str]]:
         driver = VllmDriver(pair.p.url, pair.md.url, str(pair.spec.model))
@@ -66,32 +66,39 @@ def test_p_md_exact_one_at_a_time_and_kv_bytes_equal(pair) -> None:
     assert mismatches == 0
     dump: Path = pair.spec.kv_dump_dir
     compared = 0
+    unused: list[str] = []
+    shipped = pair.loop.call(lambda: dict(pair.p_side.producer.done))
     for rid in ids:
+        if not list(dump.glob(f"P-{rid}-*.bin")):  # MD held every block that travels
+            assert shipped[rid]["wan_bytes"] == 0 and not list(dump.glob(f"MD-{rid}-*.bin"))
+            continue
         (p_file,) = dump.glob(f"P-{rid}-*.bin")
-        (md_file,) = dump.glob(f"MD-{rid}-*.bin")
+        md_files = list(dump.glob(f"MD-{rid}-*.bin"))
+        if not md_files:  # landed, but MD's vLLM held those blocks itself by then (its KV events lag
+            unused.append(rid)  # a step behind its cache, so the reservation can under-count): unused
+            continue
+        (md_file,) = md_files
         p_first, md_first = int(p_file.stem.rsplit("-", 1)[1]), int(md_file.stem.rsplit("-", 1)[1])
         p_bytes, md_bytes = p_file.read_bytes(), md_file.read_bytes()
         assert md_first >= p_first
-        # the P slot holds blocks p_first.., MD's read-back blocks md_first..; both block-major
-        blocks_p = _blocks(p_bytes, pair)
-        blocks_md = _blocks(md_bytes, pair)
-        assert blocks_md, rid
-        assert blocks_p[md_first - p_first : md_first - p_first + len(blocks_md)] == blocks_md
-        assert any(b.strip(b"\0") for b in blocks_md)
-        compared += len(blocks_md)
+        # P's slot holds the prompt's tokens from block p_first on, MD's read-back from md_first on
+        per_block = _bytes_per_block(pair)
+        assert md_bytes and any(md_bytes[i : i + 4096].strip(b"\0") for i in range(0, len(md_bytes), 4096))
+        assert p_bytes[(md_first - p_first) * per_block :] == md_bytes
+        compared += -(-len(md_bytes) // per_block)
     assert compared >= 50
     st = pair.status()
-    assert st["md"]["loaded"] == 50 and st["p"]["shipped"] == 50
+    shipped_n = sum(1 for r in ids if shipped[r]["wan_bytes"])
+    assert st["md"]["loaded"] == shipped_n - len(unused) and st["p"]["shipped"] == 50
+    assert st["md"]["landed"] - st["md"]["loaded"] == len(unused) <= 2, unused  # rare, and counted
     # every group's later prompts found the shared prefix in MD's DRC: fewer blocks shipped
-    full = sum(-(-len(p) // pair.spec.block_size) for p in _prompts(50)) * _bytes_per_block(pair)
-    shipped = pair.loop.call(lambda: dict(pair.p_side.producer.done))
+    bs, per_block = pair.spec.block_size, _bytes_per_block(pair)
+    full = sum((len(p) - 1) // bs for p in _prompts(50)) * per_block
     assert st["md"]["wan_bytes"] < 0.8 * full, (st["md"], list(shipped.values())[:3])
-
-
-def _blocks(data: bytes, pair) -> list[bytes]:
-    per = _bytes_per_block(pair)
-    assert len(data) % per == 0
-    return [data[i : i + per] for i in range(0, len(data), per)]
+    # every transfer is the prompt's whole blocks below its last token, from MD's reserved prefix on
+    for rid, prompt in zip(ids, _prompts(50), strict=True):
+        got = shipped[rid]
+        assert got["wan_bytes"] == ((len(prompt) - 1) // bs - got["first_block"]) * per_block
 
 
 def _bytes_per_block(pair) -> int:

@@ -58,7 +58,7 @@ class VllmDriver:
         self.p_url, self.md_url, self.model, self.wan_share = p_url, md_url, model, wan_share
         self.http = httpx.AsyncClient(timeout=None)
 
-    def _body(self, req: DriveRequest, max_tokens: int, **extra: object) -> dict[str, object]:
+    def _body(self, req: DriveRequest, max_tokens: int, **extra: object) -> dict[str, Any]:
         return {
             "model": self.model,
             "prompt": list(req.prompt),
@@ -129,7 +129,7 @@ class VllmDriver:
             raise RemoteError(f"{url}: {exc!r}") from exc
         if r.status_code != 200:
             raise RemoteError(f"{url} answered {r.status_code}: {r.text[:300]}")
-        out: dict[str, object] = r.json()
+        out: dict[str, Any] = r.json()
         return out
 
     async def close(self) -> None:

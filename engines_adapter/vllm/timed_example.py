@@ -1,0 +1,42 @@
+"""vLLM's built-in ``ExampleConnector`` (KV to disk as safetensors), with its hooks timed: the
+baseline of ``pddlink bench vllm``. Same behaviour; each request's time in ``save_kv_layer`` (hand
+KV out) and ``start_load_kv`` (take it in) is appended to ``timing_file`` (JSON lines)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import ExampleConnector
+
+
+class TimedExampleConnector(ExampleConnector):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        path = self._kv_transfer_config.get_from_extra_config("timing_file", None)
+        self._timing = Path(path) if path else None
+        self._save_s = 0.0
+
+    def _log(self, op: str, seconds: float) -> None:
+        if self._timing is not None and seconds > 0:
+            with self._timing.open("a") as f:
+                f.write(json.dumps({"op": op, "seconds": seconds}) + "\n")
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        t0 = time.perf_counter()
+        super().start_load_kv(forward_context, **kwargs)
+        meta = self._get_connector_metadata()
+        if any(not r.is_store for r in getattr(meta, "requests", [])):
+            self._log("load", time.perf_counter() - t0)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        t0 = time.perf_counter()
+        super().save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
+        self._save_s += time.perf_counter() - t0
+
+    def wait_for_save(self) -> None:
+        super().wait_for_save()  # type: ignore[no-untyped-call]
+        self._log("save", self._save_s)
+        self._save_s = 0.0
