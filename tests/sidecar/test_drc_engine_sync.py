@@ -12,13 +12,13 @@ import random
 import time
 
 import pytest
-from sidecar.proto_gen import pddlink_engine_pb2 as pb2
 
 from engines_adapter import link_codec as codec
 from engines_adapter.base import SamplingParams
 from engines_adapter.torch_ref import TorchRefEngine
 from pddlink.drc import BlocksRemoved, RefusalReason, ReservationRefused
 from sidecar.drc_host import DrcHost
+from sidecar.proto_gen import pddlink_engine_pb2 as pb2
 
 BLOCK = 4
 SP = SamplingParams(max_tokens=3)
