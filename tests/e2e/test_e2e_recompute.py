@@ -37,7 +37,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 @pytest.mark.parametrize("option", ["recompute", "relay_recompute"])
 def test_md_recomputes_exactly(cluster: Cluster, option: str) -> None:
     long = option == "relay_recompute"  # long enough that MD is ready before RLD has finished
-    reqs = requests(4, max_tokens=160 if long else 24, seed=7 if long else 8, spacing_s=0.3)
+    reqs = requests(4, max_tokens=1024 if long else 24, seed=7 if long else 8, spacing_s=0.3)
     results = asyncio.run(replay(cluster.router_target, reqs, deadline_s=30.0, pipeline=option))
     expected = reference(reqs)
     for r in results:

@@ -127,10 +127,18 @@ def test_handoff_on_vllm_prime_then_extend_continues_exactly(pair: Any) -> None:
             await http.aclose()
         return out
 
-    before = pair.status()["md"]["loaded"]
+    def used() -> tuple[int, int]:
+        md = pair.status()["md"]
+        return md["loaded"], md["landed"]
+
+    before = used()
     runs = asyncio.run(run())
     for prompt, alone, k, result in runs:
         assert alone[:k] + result.tokens == alone, (len(prompt), k)
         assert result.cached_tokens >= len(prompt) // block * block, (len(prompt), result)
         assert result.extend_tokens >= k
-    assert pair.status()["md"]["loaded"] - before == len(runs)
+    # a prime ships only the blocks MD's DRC lacks (none when it holds them all), and a landed one is
+    # loaded unless MD's vLLM held those blocks by then (its KV events lag a step behind its cache):
+    # either way the prompt's KV was on MD (cached_tokens above) and nothing came from partial KV
+    loaded, landed = (now - was for now, was in zip(used(), before, strict=True))
+    assert 1 <= loaded <= landed <= len(runs)
