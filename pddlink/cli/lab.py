@@ -179,7 +179,11 @@ def exec_(name: str, dc: str, argv: tuple[str, ...]) -> None:
 )
 def outage(name: str, seconds: float | None, switch: bool | None, direction: str) -> None:
     """Cut the WAN for --seconds, or --on until --off (both directions unless --direction)."""
-    lab = Lab.attach(name)
+    apply_outage(Lab.attach(name), seconds, switch, direction)
+
+
+def apply_outage(lab: Any, seconds: float | None, switch: bool | None, direction: str) -> None:
+    """``outage`` of either lab kind: a timed cut (--seconds) or a switch (--on/--off), not both."""
     if seconds is not None and switch is None:
         lab.outage(seconds, direction)
     elif seconds is None and switch is not None:

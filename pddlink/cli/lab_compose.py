@@ -16,8 +16,6 @@ from typing import Any
 
 import click
 
-from pddlink.errors import InvalidInput
-
 NAME_OPTION = click.option(
     "--name", default="default", show_default=True, help="Which compose lab (several may run)."
 )
@@ -138,14 +136,9 @@ def status(name: str | None, as_json: bool) -> None:
 def outage(name: str, seconds: float | None, switch: bool | None, direction: str) -> None:
     """Cut the WAN for --seconds, or --on until --off (both directions unless --direction)."""
     from netlab.compose.lab import ComposeLab
+    from pddlink.cli.lab import apply_outage
 
-    lab = ComposeLab.attach(name)
-    if seconds is not None and switch is None:
-        lab.outage(seconds, direction)
-    elif seconds is None and switch is not None:
-        lab.set_outage(switch, direction)
-    else:
-        raise InvalidInput("give exactly one of --seconds S, --on, --off")
+    apply_outage(ComposeLab.attach(name), seconds, switch, direction)
 
 
 @compose.command(name="measure")
