@@ -17,6 +17,7 @@ import click
 
 from netlab import state as labstate
 from netlab.lab import Lab
+from pddlink.cli.outage import apply_outage
 from pddlink.errors import InvalidInput, PddlinkError
 
 NAME_OPTION = click.option(
@@ -180,16 +181,6 @@ def exec_(name: str, dc: str, argv: tuple[str, ...]) -> None:
 def outage(name: str, seconds: float | None, switch: bool | None, direction: str) -> None:
     """Cut the WAN for --seconds, or --on until --off (both directions unless --direction)."""
     apply_outage(Lab.attach(name), seconds, switch, direction)
-
-
-def apply_outage(lab: Any, seconds: float | None, switch: bool | None, direction: str) -> None:
-    """``outage`` of either lab kind: a timed cut (--seconds) or a switch (--on/--off), not both."""
-    if seconds is not None and switch is None:
-        lab.outage(seconds, direction)
-    elif seconds is None and switch is not None:
-        lab.set_outage(switch, direction)
-    else:
-        raise InvalidInput("give exactly one of --seconds S, --on, --off")
 
 
 @net.command(name="profile")

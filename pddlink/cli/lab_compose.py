@@ -136,7 +136,7 @@ def status(name: str | None, as_json: bool) -> None:
 def outage(name: str, seconds: float | None, switch: bool | None, direction: str) -> None:
     """Cut the WAN for --seconds, or --on until --off (both directions unless --direction)."""
     from netlab.compose.lab import ComposeLab
-    from pddlink.cli.lab import apply_outage
+    from pddlink.cli.outage import apply_outage
 
     apply_outage(ComposeLab.attach(name), seconds, switch, direction)
 
