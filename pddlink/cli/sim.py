@@ -21,6 +21,7 @@ from typing import Any
 import click
 
 from pddlink.sim.engine import Simulation
+from pddlink.sim.fallbacks import FAULTS, fallback_table
 from pddlink.sim.generate import GeneratorConfig, generate, generate_trace
 from pddlink.sim.goodput import GeneratedTraffic, sustained_goodputs
 from pddlink.sim.scenario import (
@@ -154,6 +155,7 @@ def group(
     result["scenario"] = {"source": source, "knobs": _knobs_dict(knobs) if trace_path is None else None}
     result["fitted"] = FITTED
     result["published"] = workload.published.get("ttft_s", {})
+    result["fallbacks"] = fallback_table()  # what the router's machine does under each fault
     if plots is not None:
         from pddlink.sim.plots import plot_ttft_cdfs
 
@@ -391,6 +393,27 @@ def _run_demo_scale(workload: Workload, seed: int, rate: float | None, started: 
 
 def _knobs_dict(knobs: PaperKnobs) -> dict[str, Any]:
     return {f: getattr(knobs, f) for f in knobs.__dataclass_fields__}
+
+
+@group.command("fallbacks")
+@click.option("--max-tokens", type=int, default=16, show_default=True, help="Output tokens per request.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
+def fallbacks_cmd(max_tokens: int, as_json: bool) -> None:
+    """Each pipeline under each fault, as the router's lifecycle machine decides it (the same
+    ``RequestRun`` the router runs, driven in memory): outcome, fallbacks and tokens by decoder."""
+    if max_tokens < 1:
+        raise click.BadParameter("must be at least 1", param_hint="--max-tokens")
+    table = fallback_table(max_tokens)
+    if as_json:
+        print(json.dumps(table, indent=2))
+        return
+    print(f"{'pipeline':<12}{'fault':<26}{'outcome':<10}{'fallbacks / reason':<40}tokens")
+    for pipeline, row in table.items():
+        for fault in FAULTS:
+            cell = row[fault]
+            why = ",".join(cell["fallbacks"]) or cell["reason"] or "-"
+            tokens = " ".join(f"{src}:{n}" for src, n in cell["tokens"].items())
+            print(f"{pipeline:<12}{fault:<26}{cell['outcome']:<10}{why:<40}{tokens}")
 
 
 @group.command("generate")

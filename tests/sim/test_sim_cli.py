@@ -28,6 +28,7 @@ def test_generate_then_replay_trace_json(tmp_path: Path) -> None:
     for d in data["deployments"].values():
         assert {"p50", "p90", "p99"} <= set(d["ttft_s"]) and {"goodput_rps", "cost", "bcr"} <= set(d)
     assert 0 <= data["rld_token_share"] < 1 and data["simulated_s"] > 0 and data["wall_s"] > 0
+    assert data["fallbacks"]["p_md"]["md_lost_mid_stream"]["fallbacks"] == ["md_lost_p_rld"]
     assert (tmp_path / "plots" / "ttft_cdf.png").stat().st_size > 1000
 
 
@@ -81,3 +82,16 @@ def test_wan_load_needs_its_values() -> None:
     assert out.returncode != 0 and "--wan-load" in out.stderr
     bad = _run("sweep", "--wan-load", "0,1")
     assert bad.returncode != 0 and "> 0" in bad.stderr
+
+
+def test_fallbacks_table_is_the_routers_machine() -> None:
+    out = _run("fallbacks", "--json", "--max-tokens", "8")
+    assert out.returncode == 0, out.stderr
+    table = json.loads(out.stdout)
+    relay = table["p_rld_md"]
+    assert relay["md_unreachable"]["fallbacks"] == ["md_unreachable_rld_finishes"]
+    assert relay["md_unreachable"]["tokens"] == {"rld": 8}
+    assert table["p_md"]["md_unreachable_rld_down"]["outcome"] == "failed"
+    assert table["p_md"]["md_unreachable_rld_down"]["reason"] == "md_unreachable"
+    bad = _run("fallbacks", "--max-tokens", "0")
+    assert bad.returncode == 2 and "--max-tokens" in bad.stderr
