@@ -34,14 +34,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 
+from engines_adapter import SamplingParams
 from engines_adapter.vllm.pair import PairSpec, VllmPair
 from engines_adapter.vllm.tiny_model import TinyLlamaSpec, build_tiny_llama
 from netlab import Lab
 from netlab.profile import parse_profile
 from pddlink.errors import PddlinkError
-from router.vllm_driver import DriveRequest, VllmDriver
+from router import Router, RouterConfig, VllmEngineConfig
+from router.vllm_legs import generate_alone
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +62,7 @@ class VllmDemoSpec:
     seed: int = 1
     extra_args: tuple[str, ...] = ()
     concurrent: bool = False
+    seeded: bool = False  # odd sessions sample (seed, temperature 0.8, top-p 0.95)
 
 
 def say(msg: str) -> None:
@@ -81,76 +85,134 @@ def _prefix_counters(url: str) -> tuple[float, float]:
     return total("vllm:prefix_cache_queries_total"), total("vllm:prefix_cache_hits_total")
 
 
-async def _replay(pair: VllmPair, spec: VllmDemoSpec, model: str) -> dict[str, Any]:
+def _workload(spec: VllmDemoSpec) -> tuple[list[int], list[list[list[int]]]]:
     rng = random.Random(spec.seed)
     system = [rng.randrange(3, 1000) for _ in range(spec.system_tokens)]
     users = [
         [[rng.randrange(3, 1000) for _ in range(rng.randint(*spec.user_tokens))] for _ in range(spec.turns)]
         for _ in range(spec.sessions)
     ]
-    driver = VllmDriver(pair.p.url, pair.md.url, model)  # type: ignore[union-attr]
+    return system, users
+
+
+def router_config(urls: dict[str, str], model: str, spec: VllmDemoSpec, **kw: Any) -> RouterConfig:
+    """The router in front of the demo's vLLM servers (``router.vllm_legs``)."""
+    v = VllmEngineConfig(
+        p_url=urls["p"], md_url=urls["md"], rld_url=urls.get("rld", ""), model=model, ignore_eos=True
+    )
+    return RouterConfig(
+        engine="vllm",
+        vllm=v,
+        vocab_size=1024,
+        line_mbit=spec.line_mbit,
+        rtt_ms=spec.rtt_ms,
+        deadline_s=spec.deadline_s,
+        relay_enabled=bool(urls.get("rld")),
+        **kw,
+    )
+
+
+def sampling_of(spec: VllmDemoSpec, session: int, turn: int) -> SamplingParams:
+    """Greedy, or (``spec.seeded``: odd sessions) seeded sampling at temperature 0.8, top-p 0.95."""
+    if spec.seeded and session % 2 == 1:
+        return SamplingParams(
+            seed=1000 * session + turn, temperature=0.8, top_p=0.95, max_tokens=spec.max_tokens
+        )
+    return SamplingParams(max_tokens=spec.max_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    request_id: str
+    prompt: tuple[int, ...]
+    sampling: SamplingParams
+    tokens: tuple[int, ...]
+    trace: dict[str, Any]
+
+
+async def _replay(
+    cfg: RouterConfig, spec: VllmDemoSpec, pipeline: str, alone_url: str, label: str
+) -> dict[str, Any]:
+    """Every session's turns through the Router (``pipeline`` forced, or "" for the router's own
+    choice), then every answer against ``alone_url``'s vLLM generating alone."""
+    system, users = _workload(spec)
+    router = Router(cfg)
+    await router.start()
     ttft: list[float] = []
     failed: list[str] = []
-    done: list[tuple[DriveRequest, tuple[int, ...]]] = []
+    done: list[Done] = []
 
     async def session(s: int) -> None:
         history = list(system)
         for turn in range(spec.turns):
             history += users[s][turn]
-            req = DriveRequest(tuple(history), spec.max_tokens, spec.deadline_s)
+            rid = f"{label}-{s}-{turn}-{time.time_ns() % 10**9}"
+            sampling = sampling_of(spec, s, turn)
+            tokens: list[int] = []
+            final: dict[str, Any] = {}
             try:
-                got = await driver.run_p_md(req)
+                async for ev in router.generate(
+                    history, sampling, deadline_s=spec.deadline_s, pipeline=pipeline, request_id=rid
+                ):
+                    if ev.get("done"):
+                        final = ev
+                    else:
+                        tokens.append(int(ev["token_id"]))
             except PddlinkError as exc:
-                failed.append(f"{req.request_id}: {exc.message}")
-                say(f"  request failed: {exc.message}")
+                failed.append(f"{rid}: {exc.message}")
                 continue
-            ttft.append(got.ttft_s)
-            done.append((req, got.tokens))
-            history += list(got.tokens)
+            if final.get("outcome") != "finished":
+                failed.append(f"{rid}: {final.get('reason')}")
+                say(f"  request failed: {final.get('reason')}")
+                continue
+            ttft.append(float(final["trace"]["ttft_s"]))
+            done.append(Done(rid, tuple(history), sampling, tuple(tokens), final["trace"]))
+            history += tokens
 
+    divergences = []
     try:
         if spec.concurrent:  # every session at once (vLLM batches them: not batch-invariant on CPU)
             await asyncio.gather(*(session(s) for s in range(spec.sessions)))
         else:
             for s in range(spec.sessions):
                 await session(s)
-                say(f"  session {s + 1}/{spec.sessions}: {len(done)} done, {len(failed)} failed")
-        divergences = []
-        for req, tokens in done:  # P's vLLM alone: same model and dtype, greedy, no connector
-            alone = await driver.generate_alone(pair.p.url, req)  # type: ignore[union-attr]
-            if alone != tokens:
-                divergences.append(await _divergence(driver, pair, model, req, alone, tokens))
+                say(f"  {label} session {s + 1}/{spec.sessions}: {len(done)} done, {len(failed)} failed")
+        async with httpx.AsyncClient(timeout=None) as http:
+            for d in done:  # one vLLM alone: same model and dtype, same sampling, no connector
+                alone = await generate_alone(http, alone_url, cfg.vllm.model, d.prompt, d.sampling)
+                if alone != d.tokens:
+                    divergences.append(await _divergence(http, alone_url, cfg.vllm.model, d, alone))
     finally:
-        await driver.close()
+        await router.close()
     return {"done": done, "failed": failed, "ttft": ttft, "divergences": divergences}
 
 
 async def _divergence(
-    driver: VllmDriver,
-    pair: VllmPair,
-    model: str,
-    req: DriveRequest,
-    alone: tuple[int, ...],
-    got: tuple[int, ...],
+    http: httpx.AsyncClient, url: str, model: str, d: Done, alone: tuple[int, ...]
 ) -> dict[str, Any]:
-    """Where MD's answer left vLLM alone's, and the top-2 logprob gap vLLM alone had there."""
-    i = next(k for k, (a, b) in enumerate(zip(alone, got, strict=False)) if a != b)
+    """Where the router's answer left vLLM alone's, and the top-2 logprob gap vLLM alone had there."""
+    got = d.tokens
+    i = next(
+        (k for k, (a, b) in enumerate(zip(alone, got, strict=False)) if a != b), min(len(alone), len(got))
+    )
     body = {
         "model": model,
-        "prompt": [*req.prompt, *alone[:i]],
+        "prompt": [*d.prompt, *alone[:i]],
         "max_tokens": 1,
         "temperature": 0,
         "logprobs": 2,
     }
-    r = await driver.http.post(pair.p.url + "/v1/completions", json=body, timeout=60)  # type: ignore[union-attr]
+    r = await http.post(url + "/v1/completions", json=body, timeout=60)
     top = sorted((r.json()["choices"][0]["logprobs"]["top_logprobs"][0] or {}).values(), reverse=True)
     gap = float(top[0] - top[1]) if len(top) >= 2 else None
     return {
-        "request": req.request_id,
+        "request": d.request_id,
         "position": i,
-        "alone": alone[i],
-        "got": got[i],
+        "alone": alone[i] if i < len(alone) else None,
+        "got": got[i] if i < len(got) else None,
         "top2_logprob_gap": gap,
+        "pipeline": d.trace.get("pipeline"),
+        "seeded": d.sampling.temperature > 0,
     }
 
 
@@ -180,7 +242,9 @@ def run(spec: VllmDemoSpec, json_path: str | None) -> dict[str, Any]:
             pair.start()
             say(f"P and MD vLLM servers up in {time.monotonic() - t0:.1f} s ({lab.mode} lab)")
             q0, h0 = _prefix_counters(pair.md.url)  # type: ignore[union-attr]
-            out = asyncio.run(_replay(pair, spec, str(model)))
+            urls = {"p": pair.p.url, "md": pair.md.url}  # type: ignore[union-attr]
+            cfg = router_config(urls, str(model), spec)
+            out = asyncio.run(_replay(cfg, spec, "p_md", pair.p.url, "baseline"))  # type: ignore[union-attr]
             q1, h1 = _prefix_counters(pair.md.url)  # type: ignore[union-attr]
             time.sleep(0.5)
             status = pair.status()
@@ -210,7 +274,7 @@ def _report(
     wan = expected = padding = drc_tokens = prompt_tokens = wire = 0
     codecs: dict[str, int] = {}
     per_token = 0
-    for req, _tokens in out["done"]:
+    for req in out["done"]:
         s, e = shipped.get(req.request_id, {}), ends.get(req.request_id, {})
         n = len(req.prompt)
         blocks = (n - 1) // bs - int(s.get("first_block", 0))
