@@ -102,7 +102,6 @@ MEANINGS: dict[str, str] = {
     "vllm.rld_url": "RLD's vLLM OpenAI server beside P ('' = no RelayDecode: P->MD only)",
     "vllm.model": "the model name the vLLM servers serve (sent as the body's model)",
     "vllm.wan_share": "time share P's transfer to MD may take (MD then reports a miss in time)",
-    "vllm.ignore_eos": "generate max_tokens whatever the model's EOS (benchmarks, the demo)",
     "vllm.rld_gets_kv": "P ships the prompt's KV to RLD over the fast path (else RLD prefills it itself)",
     # router [api]
     "api.model": "model name that /v1/models lists and requests may name",

@@ -25,7 +25,6 @@ class VllmEngineConfig:
     rld_url: str = ""  # RLD's vLLM beside P; "" = no RelayDecode (P->MD only)
     model: str = ""  # the model name the servers serve (the body's "model")
     wan_share: float = 0.6  # share of the request's time left that P's transfer to MD may take
-    ignore_eos: bool = False  # generate max_tokens whatever the model's EOS (benchmarks, the demo)
     rld_gets_kv: bool = False  # P ships the prompt's KV to RLD (else RLD prefills it itself)
 
     def __post_init__(self) -> None:

@@ -79,9 +79,11 @@ HEALTH_INTERVAL_S = 1.0
 FINISHED = ("length", "stop")
 
 
-def sampling_body(sampling: SamplingParams, *, ignore_eos: bool) -> dict[str, Any]:
+def sampling_body(sampling: SamplingParams, *, ignore_eos: bool = True) -> dict[str, Any]:
     """vLLM's sampling fields for ``sampling`` (seeded draws need ``PositionSeededSampling`` on
-    the servers to continue exactly across instances)."""
+    the servers to continue exactly across instances). The router's requests stop only at
+    ``stop_token_ids`` (its API adds the model's EOS there unless the client set ``ignore_eos``),
+    so vLLM is told to ignore its own EOS: the same request stops at the same token on every role."""
     body: dict[str, Any] = {"temperature": sampling.temperature, "top_p": sampling.top_p}
     if sampling.top_k > 0:
         body["top_k"] = sampling.top_k
@@ -211,13 +213,14 @@ class VllmLegs:
         self.b = backend
         self.deadline = deadline
         self.inbox: asyncio.Queue[RunEvent] = asyncio.Queue()
-        self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.tasks: dict[str, asyncio.Task[Any]] = {}
         self.leg_numbers: dict[str, int] = {}
         self.rld_tokens: dict[str, list[int]] = {}  # per leg: what RLD streamed so far
         self.rld_pos: dict[str, int] = {}  # per leg: the next position RLD will stream
         self.md_reached: dict[str, asyncio.Event] = {}  # catch-up: MD streamed RLD's position
         self.handoff_mode: dict[str, HandoffMode] = {}
         self._legs: dict[str, Leg] = {}
+        self.primes: dict[str, asyncio.Task[bool]] = {}  # relay legs: MD loading the prompt's KV
 
     def left(self) -> float:
         return max(self.deadline - time.monotonic(), MIN_TIMEOUT_S)
@@ -232,7 +235,7 @@ class VllmLegs:
             "prompt": list(prompt),
             "max_tokens": max_tokens,
             "return_token_ids": True,
-            **sampling_body(sampling, ignore_eos=self.b.v.ignore_eos),
+            **sampling_body(sampling),
         }
 
     def execute(self, cmd: RunCommand) -> None:
@@ -243,7 +246,8 @@ class VllmLegs:
                 self.c.rld_active += 1
                 self._spawn(f"rld{n}", self._rld_stream(cmd.leg))
             elif cmd.leg.pipeline is Pipeline.P_RLD_MD:
-                self._spawn(f"md{n}", self._md_prime(cmd.leg))
+                prime = asyncio.get_running_loop().create_task(self._md_prime(cmd.leg))
+                self.primes[cmd.leg.sid] = self.tasks[f"md{n}"] = prime
             else:
                 self._spawn(f"md{n}", self._md_stream(cmd.leg))
         elif isinstance(cmd, SendPrefill):
@@ -279,8 +283,12 @@ class VllmLegs:
         leg = cmd.leg
         t0 = time.monotonic()
         body = self._body(leg.prompt, leg.sampling, 1)
-        if cmd.ship_to_md:
+        rld_kv = cmd.ship_to_rld and self.b.v.rld_gets_kv
+        if cmd.ship_to_md or rld_kv:
             body["kv_transfer_params"] = self._kv(leg.sid)
+            if self.b.v.rld_gets_kv:  # P's sidecar has both destinations: name this leg's
+                to = [r for r, on in (("rld", rld_kv), ("md", cmd.ship_to_md)) if on]
+                body["kv_transfer_params"]["pddlink"]["to"] = to
         try:
             out = await post_completion(self.b.http, self.b.v.p_url, body, self.deadline)
         except (RemoteError, DeadlineExceeded) as exc:
@@ -352,26 +360,28 @@ class VllmLegs:
         closed = await self._stream(Role.MD, self.b.v.md_url, leg.sid, leg.prompt, body)
         await self.inbox.put(StreamEnded(leg.sid, Role.MD, closed))
 
-    async def _md_prime(self, leg: Leg) -> None:
+    async def _md_prime(self, leg: Leg) -> bool:
         """Relay leg: MD loads the prompt's KV into its prefix cache and waits for the handoff
-        (a failed load is MD lost: RLD finishes)."""
+        (a failed load is MD lost: RLD finishes). True once MD holds the prompt's blocks."""
         body = {**self._body(leg.prompt, leg.sampling, 1), "kv_transfer_params": self._kv(leg.sid)}
         try:
             out = await post_completion(self.b.http, self.b.v.md_url, body, self.deadline)
         except (RemoteError, DeadlineExceeded) as exc:
             closed = StreamClosed(StreamEnd.FAILED, f"md_prime:{exc.message}"[:200])
             await self.inbox.put(StreamEnded(leg.sid, Role.MD, closed))
-            return
+            return False
         finish = out["choices"][0].get("finish_reason")
         if finish not in FINISHED:
             closed = StreamClosed(StreamEnd.FAILED, f"md_kv_load_failed:{finish}")
             await self.inbox.put(StreamEnded(leg.sid, Role.MD, closed))
+            return False
+        return True
 
     async def _rld_stream(self, leg: Leg) -> None:
         url = self.b.v.rld_url
         body = self._body(leg.prompt, leg.sampling, leg.sampling.max_tokens)
-        if self.b.v.rld_gets_kv:
-            body["kv_transfer_params"] = self._kv(leg.sid + "@rld")
+        if self.b.v.rld_gets_kv:  # the same transfer: RLD's vLLM parks it until the fast path landed
+            body["kv_transfer_params"] = self._kv(leg.sid)
         got = self.rld_tokens.setdefault(leg.sid, [])
         self.rld_pos[leg.sid] = len(leg.prompt)
 
@@ -394,37 +404,43 @@ class VllmLegs:
     # -- the handoff by token ids ----------------------------------------------------------------
 
     async def _handoff(self, sid: str) -> None:
-        leg_rld = next((n for n, t in self.tasks.items() if n.startswith("rld") and not t.done()), None)
-        given = tuple(self.rld_tokens.get(sid, ()))
         leg = self._legs.get(sid)
-        if leg_rld is None or leg is None:
+        rld = next((t for n, t in self.tasks.items() if n.startswith("rld") and not t.done()), None)
+        prime = self.primes.get(sid)
+        if prime is not None and rld is not None:
+            # MD holds the prompt's KV once its prime answered (the transfer landed and loaded)
+            await asyncio.wait({prime, rld}, timeout=self.left(), return_when=asyncio.FIRST_COMPLETED)
+        if leg is None or rld is None or rld.done():
             await self.inbox.put(HandoffDone(sid, HandoffResult(HandoffOutcome.FINISHED_ON_RLD)))
             return
-        remaining = leg.sampling.max_tokens - len(given)
-        if remaining <= 1:
-            await self.inbox.put(HandoffDone(sid, HandoffResult(HandoffOutcome.FINISHED_ON_RLD)))
+        if prime is not None and (not prime.done() or prime.result() is not True):
+            result = HandoffResult(HandoffOutcome.FAILED, "md_kv_not_loaded")
+            await self.inbox.put(HandoffDone(sid, result))
             return
         mode = choose_handoff_mode(self.b.rld_load(self.c.rld_active), self.b.policy).mode
+        given = tuple(self.rld_tokens.get(sid, ()))
+        if leg.sampling.max_tokens - len(given) <= 1:
+            await self.inbox.put(HandoffDone(sid, HandoffResult(HandoffOutcome.FINISHED_ON_RLD)))
+            return
         self.handoff_mode[sid] = mode
-        rld_task = self.tasks[leg_rld]
         if mode is HandoffMode.ONE_SHOT:
-            rld_task.cancel()  # RLD is aborted at once; MD continues from what it streamed
-            given = tuple(self.rld_tokens.get(sid, ()))
-        reached = self.md_reached[sid] = asyncio.Event()
-        extend = self._extend(leg, given, reached)
-        self._spawn(f"md{self._number(leg)}h", extend)
+            rld.cancel()  # RLD is aborted at once; MD continues from what it streamed
+        reached = asyncio.Event()
+        name = f"md{self._number(leg)}h"
+        self._spawn(name, self._extend(leg, given, reached if mode is HandoffMode.CATCH_UP else None))
         if mode is HandoffMode.CATCH_UP:
             # RLD keeps streaming until MD's stream reaches RLD's position; then RLD is closed
             waiter = asyncio.ensure_future(reached.wait())
             done, _ = await asyncio.wait(
-                {waiter, rld_task}, timeout=self.left(), return_when=asyncio.FIRST_COMPLETED
+                {waiter, rld}, timeout=self.left(), return_when=asyncio.FIRST_COMPLETED
             )
             waiter.cancel()
-            if rld_task in done:  # RLD finished before MD caught up: MD's extend is not needed
-                self._cancel_name(f"md{self._number(leg)}h")
-                await self.inbox.put(HandoffDone(sid, HandoffResult(HandoffOutcome.FINISHED_ON_RLD), mode))
+            if rld in done:  # RLD finished before MD caught up: MD's extend is not needed
+                self._cancel_name(name)
+                result = HandoffResult(HandoffOutcome.FINISHED_ON_RLD)
+                await self.inbox.put(HandoffDone(sid, result, mode))
                 return
-            rld_task.cancel()
+            rld.cancel()
         await self.inbox.put(HandoffDone(sid, HandoffResult(HandoffOutcome.HANDED_OFF), mode))
 
     def _cancel_name(self, name: str) -> None:

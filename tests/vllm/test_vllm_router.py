@@ -50,9 +50,7 @@ def pair() -> Iterator[Any]:
 def _cfg(pair: Any, **kw: Any) -> Any:
     from router import RouterConfig, VllmEngineConfig
 
-    v = VllmEngineConfig(
-        p_url=pair.p.url, md_url=pair.md.url, rld_url=pair.p.url, model=str(pair.spec.model), ignore_eos=True
-    )
+    v = VllmEngineConfig(p_url=pair.p.url, md_url=pair.md.url, rld_url=pair.p.url, model=str(pair.spec.model))
     vk = {k: kw.pop(k) for k in list(kw) if k in VllmEngineConfig.__dataclass_fields__}
     return RouterConfig(engine="vllm", vllm=replace(v, **vk), vocab_size=1024, **kw)
 
