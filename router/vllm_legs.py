@@ -50,6 +50,7 @@ from pddlink.lifecycle import (
     HandoffDone,
     HandoffResult,
     Leg,
+    MdReady,
     OpenStream,
     PrefillDone,
     PrefillFailed,
@@ -361,9 +362,14 @@ class VllmLegs:
         await self.inbox.put(StreamEnded(leg.sid, Role.MD, closed))
 
     async def _md_prime(self, leg: Leg) -> bool:
-        """Relay leg: MD loads the prompt's KV into its prefix cache and waits for the handoff
-        (a failed load is MD lost: RLD finishes). True once MD holds the prompt's blocks."""
-        body = {**self._body(leg.prompt, leg.sampling, 1), "kv_transfer_params": self._kv(leg.sid)}
+        """Relay leg: MD gets the prompt's KV into its prefix cache (loads P's transfer, or on relay
+        + recompute prefills the prompt itself, then ``MdReady``) and waits for the handoff. A
+        failed load is MD lost (RLD finishes). True once MD holds the prompt's blocks."""
+        body = self._body(leg.prompt, leg.sampling, 1)
+        recompute = leg.recompute is not RecomputeMode.NONE
+        if not recompute:
+            body["kv_transfer_params"] = self._kv(leg.sid)
+        t0 = time.monotonic()
         try:
             out = await post_completion(self.b.http, self.b.v.md_url, body, self.deadline)
         except (RemoteError, DeadlineExceeded) as exc:
@@ -375,6 +381,10 @@ class VllmLegs:
             closed = StreamClosed(StreamEnd.FAILED, f"md_kv_load_failed:{finish}")
             await self.inbox.put(StreamEnded(leg.sid, Role.MD, closed))
             return False
+        if recompute:
+            seconds, cached = time.monotonic() - t0, _cached_tokens(out)
+            self.c.on_md_ready(leg.sid, len(leg.prompt) - cached, seconds)
+            await self.inbox.put(MdReady(leg.sid, seconds, cached))
         return True
 
     async def _rld_stream(self, leg: Leg) -> None:
