@@ -137,6 +137,7 @@ def router_config(
         kv_bytes_per_token=2048 if spec.dtype == "float32" else 1024,
         rld_capacity=3,  # two sessions at once: one relayed request = load 0.33 (catch-up), two = 0.67
         singular_max_tokens=1,  # the demo asks 16 tokens: never singular
+        recompute=False,  # PDD as published: relay, not MD prefilling a missing suffix itself
     )
 
 
