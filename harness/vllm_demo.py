@@ -251,6 +251,10 @@ FQCN = "engines_adapter.vllm.sampling:PositionSeededSampling"
 
 
 def _start(spec: VllmDemoSpec, workdir: Path, model: Path, dtype: str, wan: Any, relay: bool) -> VllmPair:
+    # MD's sidecar imports vLLM's event types on its loop's thread when its KV-event feed starts:
+    # on a loaded machine that import outlasts the pair's 60 s wait for the sidecar; import it here
+    import vllm.distributed.kv_events  # noqa: F401
+
     extra = ("--logits-processors", FQCN, *spec.extra_args)
     pair = VllmPair(
         PairSpec(
