@@ -158,6 +158,8 @@ def vllm_clients(
     from engines_adapter.vllm.pair import PairSpec, VllmPair
 
     vc, model = bare_vllm
+    import vllm.distributed.kv_events  # noqa: F401  (before the sidecars' loop imports it)
+
     work = Path(tempfile.mkdtemp(prefix="pddlink-conf-"))  # sockets: keep the path short
     pair = VllmPair(PairSpec(work / "w", model, dtype="bfloat16"))
     procs = []

@@ -34,6 +34,7 @@ FQCN = "engines_adapter.vllm.sampling:PositionSeededSampling"
 def pair() -> Iterator[Any]:
     pytest.importorskip("vllm", reason="vLLM is not installed here (pip install 'pddlink[vllm]')")
     from engines_adapter.vllm.pair import PairSpec, VllmPair
+    import vllm.distributed.kv_events  # noqa: F401  (before the sidecars' loop imports it)
     from engines_adapter.vllm.tiny_model import TinyLlamaSpec, build_tiny_llama
 
     root = Path(tempfile.mkdtemp(prefix="pddlink-vrouter-"))  # sockets: keep the path short
