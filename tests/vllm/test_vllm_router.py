@@ -33,8 +33,9 @@ FQCN = "engines_adapter.vllm.sampling:PositionSeededSampling"
 @pytest.fixture(scope="module")
 def pair() -> Iterator[Any]:
     pytest.importorskip("vllm", reason="vLLM is not installed here (pip install 'pddlink[vllm]')")
-    from engines_adapter.vllm.pair import PairSpec, VllmPair
     import vllm.distributed.kv_events  # noqa: F401  (before the sidecars' loop imports it)
+
+    from engines_adapter.vllm.pair import PairSpec, VllmPair
     from engines_adapter.vllm.tiny_model import TinyLlamaSpec, build_tiny_llama
 
     root = Path(tempfile.mkdtemp(prefix="pddlink-vrouter-"))  # sockets: keep the path short
