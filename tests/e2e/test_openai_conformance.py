@@ -79,7 +79,7 @@ def _env() -> dict[str, str]:
 
 
 def _wait_models(client: Any, proc: Any, log: Path) -> None:
-    deadline = time.monotonic() + 240
+    deadline = time.monotonic() + 600  # vLLM's start on a loaded 2-core machine
     while True:
         try:
             client.models.list()
