@@ -11,7 +11,7 @@ import dataclasses
 import sys
 from typing import Any
 
-from router import RouterConfig
+from router import RouterConfig, VllmEngineConfig
 from sidecar.client_guard import ApiConfig
 from sidecar.config import DataPlaneConfig, DecodeConfig, EngineConfig, PeersConfig, SidecarConfig
 
@@ -62,9 +62,11 @@ MEANINGS: dict[str, str] = {
     "decode.catch_up_below_load": "RLD hands over by catch-up below this load, one-shot above",
     "decode.slice_tokens": "tokens per catch-up handoff slice",
     # router, top level
-    "router.p": "P sidecar's gRPC address host:port; required",
-    "router.rld": "RLD sidecar's gRPC address host:port; required",
-    "router.md": "MD sidecar's gRPC address host:port (across the WAN); required",
+    "router.p": "P sidecar's gRPC address host:port; required with engine reference",
+    "router.rld": "RLD sidecar's gRPC address host:port; required with engine reference",
+    "router.md": "MD sidecar's gRPC address host:port (across the WAN); required with engine reference",
+    "router.engine": "reference (the sidecars p, rld, md over gRPC) or vllm (the [vllm] table's servers)",
+    "router.vllm": "the [vllm] table: the roles as vLLM OpenAI servers (engine vllm)",
     "router.relay_enabled": "use RelayDecode at all (false: the cross-datacenter P->MD baseline)",
     "router.relay_min_wan_s": "relay through RLD when the WAN estimate for the missing KV is longer",
     "router.rld_capacity": "requests at which RLD's load is 1.0",
@@ -94,6 +96,13 @@ MEANINGS: dict[str, str] = {
     "router.http_port": "HTTP port of the OpenAI-compatible API (0: off)",
     "router.allow_plaintext_non_loopback": "allow tls_dir = '' on a non-loopback host (an explicit choice)",
     "router.unix": "also serve HTTP on this unix socket and gRPC on <path>.grpc (local, keyless, mode 0600)",
+    # router [vllm]
+    "vllm.p_url": "P's vLLM OpenAI server, http://host:port (its PddlinkConnector a kv_producer)",
+    "vllm.md_url": "MD's vLLM OpenAI server across the WAN (kv_consumer)",
+    "vllm.rld_url": "RLD's vLLM OpenAI server beside P ('' = no RelayDecode: P->MD only)",
+    "vllm.model": "the model name the vLLM servers serve (sent as the body's model)",
+    "vllm.wan_share": "time share P's transfer to MD may take (MD then reports a miss in time)",
+    "vllm.rld_gets_kv": "P ships the prompt's KV to RLD over the fast path (else RLD prefills it itself)",
     # router [api]
     "api.model": "model name that /v1/models lists and requests may name",
     "api.tokenizer": "model directory with tokenizer.json (and a chat template): text prompts and text out",
@@ -162,6 +171,7 @@ TABLES: list[tuple[str, type[Any]]] = [
     ("data_plane", DataPlaneConfig),
     ("decode", DecodeConfig),
     ("router", RouterConfig),
+    ("vllm", VllmEngineConfig),
     ("api", ApiConfig),
 ]
 
@@ -172,6 +182,7 @@ TITLES = {
     "data_plane": "### `[data_plane]`",
     "decode": "### `[decode]`",
     "router": "## Router (`pddlink router --config FILE`): top level",
+    "vllm": '### `[vllm]`: the roles as vLLM servers (`engine = "vllm"`)',
     "api": "### `[api]`: the client API",
 }
 

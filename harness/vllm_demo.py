@@ -2,16 +2,31 @@
 
 What it does: builds the tiny random Llama (or serves ``--model``), brings a netlab WAN up
 (loopback mode: the relay delays and rate-limits the TCP that P's sidecar opens to MD's KV port),
-starts the ``VllmPair``, replays an agentic workload (sessions whose every turn re-sends the whole
-conversation: a shared system prompt, earlier turns and MD's own answers, plus new user tokens)
-P->MD through ``VllmDriver``, then checks every answer against P's vLLM generating alone (same
-model, dtype, greedy; no connector involved). Figures (one JSON):
+starts P, RLD and MD (``VllmPair(relay=True)``) and replays an agentic workload (sessions whose
+every turn re-sends the whole conversation: a shared system prompt, earlier turns and the answers,
+plus new user tokens) through the ``Router`` (``engine = "vllm"``, ``router.vllm_legs``): first as
+the P->MD baseline (pipeline forced), then as PDD (the router's own choice per request; a workload
+of the same shape with other tokens, so MD's cache holds none of it). Every answer is checked
+against P's vLLM generating alone (same model, dtype and sampling; greedy, and seeded sampling at
+temperature 0.8, top-p 0.95 in odd sessions through ``PositionSeededSampling``; no connector
+involved). Then a short bfloat16 P->MD phase on its own P and MD: its KV crosses with the byte-plane
+codec (float32 KV compresses only ~1.19x losslessly), reported as the top-level ``codec``.
+
+The WAN: 16 Mbit/s, 20 ms RTT by default. The tiny model's KV is 2 KB per token in float32, about
+1/160 of a 70B-class model's (~320 KB per token in bf16), so 16 Mbit/s here is ~2.6 Gbit/s for such a
+model: the published regime (a 10-100 Gbit/s line shared by many flows, "seconds to ship a low-hit
+request's KV"), where shipping a turn's new ~600 tokens (~1.2 MB, ~0.6 s) dominates P's prefill
+(tens of ms). Figures (one JSON):
 
   requests, failed, token_mismatches, ttft_s {run: {p50, p90, p99}}, wan_bytes (KV bytes that
   crossed), wan_bytes_expected (sum of (prompt tokens - tokens MD's vLLM already held) x KV bytes
   per token), drc_hit_rate (prefix tokens MD's DRC reserved / prompt tokens),
   vllm_prefix_cache_hit_rate (vLLM's own counters on MD over the run), codec, engine = "vllm",
-  held (what the sidecars hold at the end: slots, bytes, transfers: all 0 when nothing leaked).
+  held (what the sidecars hold at the end: slots, bytes, transfers: all 0 when nothing leaked);
+  with PDD: ttft_s {baseline, pdd}, p90_ratio, handoffs {one_shot, catch_up}, tokens {rld, md},
+  rld_token_share, pdd {...}; bfloat16 {divergences with vLLM alone's top-2 logprob gap, ...}.
+  The connector figures (wan_bytes, drc_hit_rate, ...) are the baseline's; token_mismatches counts
+  both float32 runs.
 
 Only whole blocks travel and MD recomputes the prompt's tail (< 1 block, see
 ``sidecar.vllm_kv.producer``), so wan_bytes falls short of wan_bytes_expected by that tail's KV
@@ -30,18 +45,22 @@ import sys
 import tempfile
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 
+from engines_adapter import SamplingParams
 from engines_adapter.vllm.pair import PairSpec, VllmPair
 from engines_adapter.vllm.tiny_model import TinyLlamaSpec, build_tiny_llama
+from harness.demo_report import plot
 from netlab import Lab
 from netlab.profile import parse_profile
 from pddlink.errors import PddlinkError
-from router.vllm_driver import DriveRequest, VllmDriver
+from router import Router, RouterConfig, VllmEngineConfig
+from router.vllm_legs import generate_alone
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,12 +72,16 @@ class VllmDemoSpec:
     max_tokens: int = 16
     dtype: str = "float32"
     model: Path | None = None  # a real model directory; None = the tiny random Llama
-    line_mbit: float = 200.0
+    line_mbit: float = 16.0  # see run(): the WAN transfer dominates TTFT, as in the published regime
     rtt_ms: float = 20.0
     deadline_s: float = 60.0
     seed: int = 1
     extra_args: tuple[str, ...] = ()
     concurrent: bool = False
+    seeded: bool = True  # odd sessions sample (seed, temperature 0.8, top-p 0.95)
+    pdd: bool = True  # after the P->MD baseline, PDD on P + RLD + MD
+    parallel: int = 2  # sessions replayed at once (RLD's load, hence the handoff kind, varies)
+    bf16_sessions: int = 4  # the short bfloat16 P->MD phase (its KV crosses with the byte-plane codec)
 
 
 def say(msg: str) -> None:
@@ -81,77 +104,227 @@ def _prefix_counters(url: str) -> tuple[float, float]:
     return total("vllm:prefix_cache_queries_total"), total("vllm:prefix_cache_hits_total")
 
 
-async def _replay(pair: VllmPair, spec: VllmDemoSpec, model: str) -> dict[str, Any]:
+def _workload(spec: VllmDemoSpec) -> tuple[list[int], list[list[list[int]]]]:
     rng = random.Random(spec.seed)
     system = [rng.randrange(3, 1000) for _ in range(spec.system_tokens)]
     users = [
         [[rng.randrange(3, 1000) for _ in range(rng.randint(*spec.user_tokens))] for _ in range(spec.turns)]
         for _ in range(spec.sessions)
     ]
-    driver = VllmDriver(pair.p.url, pair.md.url, model)  # type: ignore[union-attr]
+    return system, users
+
+
+def router_config(
+    urls: dict[str, str], model: str, spec: VllmDemoSpec, *, relay: bool, rld_gets_kv: bool = False
+) -> RouterConfig:
+    """The router in front of the demo's vLLM servers (``router.vllm_legs``). KV bytes per token:
+    the tiny Llama's (2 layers x K,V x 2 heads x 64 x 4 bytes in float32)."""
+    v = VllmEngineConfig(
+        p_url=urls["p"],
+        md_url=urls["md"],
+        rld_url=urls.get("rld", ""),
+        model=model,
+        rld_gets_kv=rld_gets_kv,
+    )
+    return RouterConfig(
+        engine="vllm",
+        vllm=v,
+        vocab_size=1024,
+        line_mbit=spec.line_mbit,
+        rtt_ms=spec.rtt_ms,
+        deadline_s=spec.deadline_s,
+        relay_enabled=relay and bool(urls.get("rld")),
+        kv_bytes_per_token=2048 if spec.dtype == "float32" else 1024,
+        rld_capacity=3,  # two sessions at once: one relayed request = load 0.33 (catch-up), two = 0.67
+        singular_max_tokens=1,  # the demo asks 16 tokens: never singular
+        recompute=False,  # PDD as published: relay, not MD prefilling a missing suffix itself
+    )
+
+
+def sampling_of(spec: VllmDemoSpec, session: int, turn: int) -> SamplingParams:
+    """Greedy, or (``spec.seeded``: odd sessions) seeded sampling at temperature 0.8, top-p 0.95."""
+    if spec.seeded and session % 2 == 1:
+        return SamplingParams(
+            seed=1000 * session + turn, temperature=0.8, top_p=0.95, max_tokens=spec.max_tokens
+        )
+    return SamplingParams(max_tokens=spec.max_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    request_id: str
+    prompt: tuple[int, ...]
+    sampling: SamplingParams
+    tokens: tuple[int, ...]
+    trace: dict[str, Any]
+
+
+async def _replay(
+    cfg: RouterConfig, spec: VllmDemoSpec, pipeline: str, alone_url: str, label: str
+) -> dict[str, Any]:
+    """Every session's turns through the Router (``pipeline`` forced, or "" for the router's own
+    choice), then every answer against ``alone_url``'s vLLM generating alone."""
+    system, users = _workload(spec)
+    router = Router(cfg)
+    await router.start()
     ttft: list[float] = []
     failed: list[str] = []
-    done: list[tuple[DriveRequest, tuple[int, ...]]] = []
+    done: list[Done] = []
 
     async def session(s: int) -> None:
         history = list(system)
         for turn in range(spec.turns):
             history += users[s][turn]
-            req = DriveRequest(tuple(history), spec.max_tokens, spec.deadline_s)
+            rid = f"{label}-{s}-{turn}-{time.time_ns() % 10**9}"
+            sampling = sampling_of(spec, s, turn)
+            tokens: list[int] = []
+            final: dict[str, Any] = {}
             try:
-                got = await driver.run_p_md(req)
+                async for ev in router.generate(
+                    history, sampling, deadline_s=spec.deadline_s, pipeline=pipeline, request_id=rid
+                ):
+                    if ev.get("done"):
+                        final = ev
+                    else:
+                        tokens.append(int(ev["token_id"]))
             except PddlinkError as exc:
-                failed.append(f"{req.request_id}: {exc.message}")
-                say(f"  request failed: {exc.message}")
+                failed.append(f"{rid}: {exc.message}")
                 continue
-            ttft.append(got.ttft_s)
-            done.append((req, got.tokens))
-            history += list(got.tokens)
+            if final.get("outcome") != "finished":
+                failed.append(f"{rid}: {final.get('reason')}")
+                say(f"  request failed: {final.get('reason')}")
+                continue
+            ttft.append(float(final["trace"]["ttft_s"]))
+            done.append(Done(rid, tuple(history), sampling, tuple(tokens), final["trace"]))
+            history += tokens
 
+    divergences = []
     try:
         if spec.concurrent:  # every session at once (vLLM batches them: not batch-invariant on CPU)
             await asyncio.gather(*(session(s) for s in range(spec.sessions)))
-        else:
-            for s in range(spec.sessions):
-                await session(s)
-                say(f"  session {s + 1}/{spec.sessions}: {len(done)} done, {len(failed)} failed")
-        divergences = []
-        for req, tokens in done:  # P's vLLM alone: same model and dtype, greedy, no connector
-            alone = await driver.generate_alone(pair.p.url, req)  # type: ignore[union-attr]
-            if alone != tokens:
-                divergences.append(await _divergence(driver, pair, model, req, alone, tokens))
+        else:  # ``parallel`` sessions at a time
+            for s0 in range(0, spec.sessions, spec.parallel):
+                group = range(s0, min(s0 + spec.parallel, spec.sessions))
+                await asyncio.gather(*(session(s) for s in group))
+                n = group[-1] + 1
+                say(f"  {label} sessions {n}/{spec.sessions}: {len(done)} done, {len(failed)} failed")
+        async with httpx.AsyncClient(timeout=None) as http:
+            for d in done:  # one vLLM alone: same model and dtype, same sampling, no connector
+                alone = await generate_alone(http, alone_url, cfg.vllm.model, d.prompt, d.sampling)
+                if alone != d.tokens:
+                    divergences.append(await _divergence(http, alone_url, cfg.vllm.model, d, alone))
     finally:
-        await driver.close()
+        await router.close()
     return {"done": done, "failed": failed, "ttft": ttft, "divergences": divergences}
 
 
 async def _divergence(
-    driver: VllmDriver,
-    pair: VllmPair,
-    model: str,
-    req: DriveRequest,
-    alone: tuple[int, ...],
-    got: tuple[int, ...],
+    http: httpx.AsyncClient, url: str, model: str, d: Done, alone: tuple[int, ...]
 ) -> dict[str, Any]:
-    """Where MD's answer left vLLM alone's, and the top-2 logprob gap vLLM alone had there."""
-    i = next(k for k, (a, b) in enumerate(zip(alone, got, strict=False)) if a != b)
+    """Where the router's answer left vLLM alone's, and the top-2 logprob gap vLLM alone had there."""
+    got = d.tokens
+    i = next(
+        (k for k, (a, b) in enumerate(zip(alone, got, strict=False)) if a != b), min(len(alone), len(got))
+    )
     body = {
         "model": model,
-        "prompt": [*req.prompt, *alone[:i]],
+        "prompt": [*d.prompt, *alone[:i]],
         "max_tokens": 1,
         "temperature": 0,
         "logprobs": 2,
     }
-    r = await driver.http.post(pair.p.url + "/v1/completions", json=body, timeout=60)  # type: ignore[union-attr]
+    r = await http.post(url + "/v1/completions", json=body, timeout=60)
     top = sorted((r.json()["choices"][0]["logprobs"]["top_logprobs"][0] or {}).values(), reverse=True)
     gap = float(top[0] - top[1]) if len(top) >= 2 else None
     return {
-        "request": req.request_id,
+        "request": d.request_id,
         "position": i,
-        "alone": alone[i],
-        "got": got[i],
+        "alone": alone[i] if i < len(alone) else None,
+        "got": got[i] if i < len(got) else None,
         "top2_logprob_gap": gap,
+        "pipeline": d.trace.get("pipeline"),
+        "seeded": d.sampling.temperature > 0,
     }
+
+
+FQCN = "engines_adapter.vllm.sampling:PositionSeededSampling"
+
+
+def _start(spec: VllmDemoSpec, workdir: Path, model: Path, dtype: str, wan: Any, relay: bool) -> VllmPair:
+    # MD's sidecar imports vLLM's event types on its loop's thread when its KV-event feed starts:
+    # on a loaded machine that import outlasts the pair's 60 s wait for the sidecar; import it here
+    import vllm.distributed.kv_events  # noqa: F401
+
+    extra = ("--logits-processors", FQCN, *spec.extra_args)
+    pair = VllmPair(
+        PairSpec(
+            workdir, model, dtype=dtype, wan=wan, extra_args=extra, wan_line_mbit=spec.line_mbit, relay=relay
+        )
+    )
+    t0 = time.monotonic()
+    pair.start()
+    roles = "P, RLD and MD" if relay else "P and MD"
+    say(f"{roles} vLLM servers ({dtype}) up in {time.monotonic() - t0:.1f} s")
+    return pair
+
+
+def _records(pair: VllmPair) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    time.sleep(0.5)  # P's last shipments and MD's last releases
+    status = pair.status()
+    shipped = pair.loop.call(lambda: dict(pair.p_side.producer.done))  # type: ignore[union-attr]
+    ends = pair.loop.call(lambda: dict(pair.md_side.consumer.finished))  # type: ignore[union-attr]
+    return status, shipped, ends
+
+
+def _urls(pair: VllmPair) -> dict[str, str]:
+    urls = {"p": pair.p.url, "md": pair.md.url}  # type: ignore[union-attr]
+    if pair.rld is not None:
+        urls["rld"] = pair.rld.url
+    return urls
+
+
+def _float32_runs(spec: VllmDemoSpec, root: Path, model: Path, wan: Any) -> dict[str, Any]:
+    """P->MD baseline, then PDD (router's own choice) on one P+RLD+MD deployment; the two runs replay
+    workloads of the same shape with different tokens (so PDD does not find the baseline's prompts
+    in MD's cache)."""
+    pair = _start(spec, root / "f32", model, spec.dtype, wan, relay=spec.pdd)
+    try:
+        urls = _urls(pair)
+        p_url, md_url = urls["p"], urls["md"]
+        rld = spec.pdd and "rld" in urls
+        q0, h0 = _prefix_counters(md_url)
+        cfg = router_config(urls, str(model), spec, relay=False, rld_gets_kv=rld)
+        base = asyncio.run(_replay(cfg, spec, "p_md", p_url, "baseline"))
+        q1, h1 = _prefix_counters(md_url)
+        status, shipped, ends = _records(pair)
+        out: dict[str, Any] = {
+            "baseline": base,
+            "records": (status, shipped, ends),
+            "prefix": (q1 - q0, h1 - h0),
+        }
+        if rld:
+            pdd_spec = replace(spec, seed=spec.seed + 1)
+            cfg = router_config(urls, str(model), spec, relay=True, rld_gets_kv=True)
+            out["pdd"] = asyncio.run(_replay(cfg, pdd_spec, "", p_url, "pdd"))
+            out["pdd_status"] = _records(pair)[0]
+        return out
+    finally:
+        pair.close()
+
+
+def _bf16_run(spec: VllmDemoSpec, root: Path, wan: Any) -> dict[str, Any]:
+    """A short bfloat16 P->MD phase: its KV crosses with the byte-plane codec."""
+    model = build_tiny_llama(root / "model-bf16", TinyLlamaSpec(dtype="bfloat16"))
+    pair = _start(spec, root / "bf16", model, "bfloat16", wan, relay=False)
+    try:
+        urls = _urls(pair)
+        bspec = replace(spec, sessions=spec.bf16_sessions, seed=spec.seed + 2, dtype="bfloat16")
+        cfg = router_config(urls, str(model), bspec, relay=False)
+        out = asyncio.run(_replay(cfg, bspec, "p_md", urls["p"], "bf16"))
+        status, shipped, ends = _records(pair)
+        return {"run": out, "records": (status, shipped, ends), "spec": bspec}
+    finally:
+        pair.close()
 
 
 def run(spec: VllmDemoSpec, json_path: str | None) -> dict[str, Any]:
@@ -161,41 +334,122 @@ def run(spec: VllmDemoSpec, json_path: str | None) -> dict[str, Any]:
         f'description = "pddlink vLLM demo WAN: {spec.line_mbit:g} Mbit/s, {spec.rtt_ms:g} ms RTT"\n'
         f"[link]\ndelay_ms = {spec.rtt_ms / 2}\nrate_mbit = {spec.line_mbit}\nqueue_packets = 400\n"
     )
-    t0 = time.monotonic()
-    with Lab.up(
-        parse_profile(profile, name="pddlink-vllm-demo"), name=f"vdemo{os.getpid() % 100000}", mode="loopback"
-    ) as lab:
-        wan = lambda port: "{}:{}".format(*lab.endpoint("dc-b", port))  # noqa: E731
-        pair = VllmPair(
-            PairSpec(
-                root / "w",
-                Path(model),
-                dtype=spec.dtype,
-                wan=wan,
-                extra_args=spec.extra_args,
-                wan_line_mbit=spec.line_mbit,
-            )
-        )
-        try:
-            pair.start()
-            say(f"P and MD vLLM servers up in {time.monotonic() - t0:.1f} s ({lab.mode} lab)")
-            q0, h0 = _prefix_counters(pair.md.url)  # type: ignore[union-attr]
-            out = asyncio.run(_replay(pair, spec, str(model)))
-            q1, h1 = _prefix_counters(pair.md.url)  # type: ignore[union-attr]
-            time.sleep(0.5)
-            status = pair.status()
-            shipped = pair.loop.call(lambda: dict(pair.p_side.producer.done))  # type: ignore[union-attr]
-            ends = pair.loop.call(lambda: dict(pair.md_side.consumer.finished))  # type: ignore[union-attr]
-        finally:
-            pair.close()
-            if not os.environ.get("PDDLINK_KEEP_WORKDIR"):
-                shutil.rmtree(root, ignore_errors=True)
-    report = _report(spec, out, shipped, ends, status, (q1 - q0, h1 - h0))
+    try:
+        with Lab.up(
+            parse_profile(profile, name="pddlink-vllm-demo"),
+            name=f"vdemo{os.getpid() % 100000}",
+            mode="loopback",
+        ) as lab:
+            wan = lambda port: "{}:{}".format(*lab.endpoint("dc-b", port))  # noqa: E731
+            f32 = _float32_runs(spec, root, Path(model), wan)
+            bf16 = _bf16_run(spec, root, wan) if spec.bf16_sessions and spec.model is None else None
+    finally:
+        if not os.environ.get("PDDLINK_KEEP_WORKDIR"):
+            shutil.rmtree(root, ignore_errors=True)
+    status, shipped, ends = f32["records"]
+    report = _report(spec, f32["baseline"], shipped, ends, status, f32["prefix"])
+    if "pdd" in f32:
+        report.update(_pdd_report(f32["baseline"], f32["pdd"], f32["pdd_status"]))
+        report["requests"] += report["pdd"]["requests"]
+        report["failed"] += report["pdd"]["failed"]
+        report["token_mismatches"] += report["pdd"]["token_mismatches"]  # both float32 runs
+    if bf16 is not None:
+        bstatus, bshipped, bends = bf16["records"]
+        b = _report(bf16["spec"], bf16["run"], bshipped, bends, bstatus, (0.0, 0.0))
+        report["codec_float32"] = report["codec"]
+        report["codec"] = {**b["codec"], "dtype": "bfloat16"}
+        report["bfloat16"] = {
+            "requests": b["requests"],
+            "failed": b["failed"],
+            "token_mismatches": b["token_mismatches"],
+            "divergences": b["divergences"],  # each with vLLM alone's top-2 logprob gap there
+            "wan_bytes": b["wan_bytes"],
+            "wan_bytes_expected": b["wan_bytes_expected"],
+            "codec": report["codec"],
+            "held": b["held"],
+        }
+        report["failed"] += b["failed"]
     text = json.dumps(report, indent=2)
     if json_path:
         Path(json_path).write_text(text + "\n")
+        if "pdd" in f32:
+            plot(
+                {"ttft_values": f32["baseline"]["ttft"]},
+                {"ttft_values": f32["pdd"]["ttft"]},
+                Path(json_path).with_suffix(".png"),
+            )
     print(text)
+    say(table(report))
     return report
+
+
+def _pdd_report(base: dict[str, Any], pdd: dict[str, Any], status: dict[str, Any]) -> dict[str, Any]:
+    tokens = {"rld": 0, "md": 0}
+    handoffs = {"one_shot": 0, "catch_up": 0}
+    pipelines: dict[str, int] = {}
+    fallbacks: dict[str, int] = {}
+    for d in pdd["done"]:
+        t = d.trace
+        for src, n in t.get("tokens", {}).items():
+            tokens[src] = tokens.get(src, 0) + n
+        pipelines[t["pipeline"]] = pipelines.get(t["pipeline"], 0) + 1
+        if t.get("handoff_outcome") == "handed_off" and t.get("handoff_mode") in handoffs:
+            handoffs[t["handoff_mode"]] += 1
+        for f in t.get("fallbacks", []):
+            fallbacks[f] = fallbacks.get(f, 0) + 1
+    b90, p90 = _pcts(base["ttft"])["p90"], _pcts(pdd["ttft"])["p90"]
+    total = sum(tokens.values())
+    return {
+        "ttft_s": {"baseline": _pcts(base["ttft"]), "pdd": _pcts(pdd["ttft"])},
+        "p90_ratio": p90 / b90 if b90 else None,
+        "handoffs": handoffs,
+        "tokens": tokens,
+        "rld_token_share": tokens["rld"] / total if total else 0.0,
+        "pdd": {
+            "requests": len(pdd["done"]) + len(pdd["failed"]),
+            "failed": len(pdd["failed"]),
+            "failures": pdd["failed"][:20],
+            "token_mismatches": len(pdd["divergences"]),
+            "divergences": pdd["divergences"],
+            "pipelines": pipelines,
+            "fallbacks": fallbacks,
+            "held": {
+                side: {k: status[side][k] for k in ("held_slots", "held_bytes", "in_flight")}
+                for side in status
+            },
+        },
+    }
+
+
+def table(r: dict[str, Any]) -> str:
+    pdd = r.get("pdd")
+    t = r["ttft_s"]
+    rows = [("TTFT P50 / P90 / P99 (s), P->MD", "{p50:.3f} / {p90:.3f} / {p99:.3f}".format(**t["baseline"]))]
+    if pdd is not None:
+        rows += [
+            ("TTFT P50 / P90 / P99 (s), PDD", "{p50:.3f} / {p90:.3f} / {p99:.3f}".format(**t["pdd"])),
+            ("PDD TTFT P90 / baseline", f"{r['p90_ratio']:.2f}x (target <= 0.6x; published 0.54x)"),
+            ("handoffs one-shot / catch-up", f"{r['handoffs']['one_shot']} / {r['handoffs']['catch_up']}"),
+            ("RLD token share", f"{r['rld_token_share']:.1%}"),
+            ("PDD pipelines", ", ".join(f"{k}={v}" for k, v in sorted(pdd["pipelines"].items()))),
+        ]
+    rows += [
+        ("requests / failed", f"{r['requests']} / {r['failed']}"),
+        ("token mismatches (float32, vs vLLM alone)", str(r["token_mismatches"])),
+        ("WAN bytes / expected (P->MD)", f"{r['wan_bytes']} / {r['wan_bytes_expected']}"),
+        (
+            "DRC hit / vLLM prefix-cache hit (MD)",
+            f"{r['drc_hit_rate']:.3f} / {r['vllm_prefix_cache_hit_rate']:.3f}",
+        ),
+        (
+            "WAN codec ({})".format(r["codec"].get("dtype", r["dtype"])),
+            "{name}, {ratio}x, {bytes_saved} B saved".format(**r["codec"]),
+        ),
+    ]
+    if "bfloat16" in r:
+        rows.append(("bfloat16 divergences (near-ties)", str(r["bfloat16"]["token_mismatches"])))
+    w = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:{w}}  {v}" for k, v in rows)
 
 
 def _report(
@@ -210,7 +464,7 @@ def _report(
     wan = expected = padding = drc_tokens = prompt_tokens = wire = 0
     codecs: dict[str, int] = {}
     per_token = 0
-    for req, _tokens in out["done"]:
+    for req in out["done"]:
         s, e = shipped.get(req.request_id, {}), ends.get(req.request_id, {})
         n = len(req.prompt)
         blocks = (n - 1) // bs - int(s.get("first_block", 0))

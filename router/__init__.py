@@ -2,18 +2,20 @@
 (``RunDriver`` of ``pddlink.lifecycle.RequestRun``), and a DRC mirror fed by MD's events. Its
 client APIs (gRPC ``Router`` service, OpenAI-style HTTP with SSE) are in ``router.api``.
 
-Lifecycle: ``Router(cfg)``; ``await start()`` connects to the sidecars (gRPC channels are lazy; mutual
-TLS 1.3 with each sidecar's identity checked when ``tls_dir`` is set, see ``sidecar.grpc_tls``) and
-starts following MD's DRC and P's transfer state; ``generate(request)`` admits the request or
-raises ``Overloaded`` (``sidecar.admission``), then yields merged tokens and ends with the trace;
-``close()``. Per-request choices use only local state: the mirror (never blocks on MD), the link
-model (its own flows plus P's reported backlog toward MD), P's and MD's prefill books and the
-count of requests RLD is streaming.
+The engine kind (``RouterConfig.engine``: the reference engine's sidecars over gRPC, or vLLM's
+OpenAI servers beside pddlink's vLLM sidecars) lives behind one interface, ``router.backend``.
+
+Lifecycle: ``Router(cfg)``; ``await start()`` starts the backend (reference: connects to the sidecars
+-- gRPC channels are lazy; mutual TLS 1.3 with each sidecar's identity checked when ``tls_dir`` is
+set, see ``sidecar.grpc_tls`` -- and follows MD's DRC and P's transfer state); ``generate(request)``
+admits the request or raises ``Overloaded`` (``sidecar.admission``), then yields merged tokens and
+ends with the trace; ``close()``. Per-request choices use only local state: the DRC view (never
+blocks on MD), the link model (its own flows plus P's reported backlog toward MD), P's and MD's
+prefill books and the count of requests RLD is streaming.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import itertools
 import time
@@ -31,19 +33,15 @@ from pddlink.routing import (
     RoutingInputs,
     RoutingPolicy,
 )
-from pddlink.transport import PeerIdentity
-from router.config import RouterConfig
-from router.mirror import MirrorFollower
+from router.backend import EngineBackend, make_backend
+from router.config import RouterConfig, VllmEngineConfig
 from router.options import FORCEABLE, decide_option, forced_option, option_trace
 from router.run import RunDriver
 from sidecar.admission import Overloaded
-from sidecar.backlog import POLL_INTERVAL_S, follow_backlog
-from sidecar.grpc_tls import CallerCheck, open_channel
-from sidecar.pb import pb2, pb2_grpc
+from sidecar.grpc_tls import CallerCheck
 from sidecar.recompute import PrefillBook, TpotBook
-from sidecar.role_health import RoleHealth
 
-__all__ = ["Router", "RouterConfig"]
+__all__ = ["Router", "RouterConfig", "VllmEngineConfig"]
 
 RLD_COOL_DOWN_S = 2.0  # after RLD failed a request, new requests keep off it this long
 
@@ -51,26 +49,10 @@ RLD_COOL_DOWN_S = 2.0  # after RLD failed a request, new requests keep off it th
 class Router:
     def __init__(self, cfg: RouterConfig) -> None:
         self.cfg = cfg
-        opts = [("grpc.max_receive_message_length", 64 << 20)]
         self.tls = cfg.load_tls()
-        self.health = RoleHealth(("p", "rld", "md"))  # which roles may get traffic (sidecar.role_health)
-        self.channels = {
-            role: open_channel(
-                addr,
-                self.tls,
-                PeerIdentity.parse(ident),
-                opts,
-                interceptors=self.health.interceptors(role.value),
-            )
-            for role, addr, ident in cfg.sidecars()
-        }
-        self.p = pb2_grpc.SidecarStub(self.channels[Role.P])
-        self.rld = pb2_grpc.SidecarStub(self.channels[Role.RLD])
-        self.md = pb2_grpc.SidecarStub(self.channels[Role.MD])
-        self.health.watch({role.value: ch for role, ch in self.channels.items()})
+        self.backend: EngineBackend = make_backend(cfg, self.tls)  # what differs per engine kind
         self.rld_active = 0
         self.rld_down_until = 0.0
-        self.drc = MirrorFollower(self.md)
         self.link = LinkModel(cfg.line_mbit * 1e6 / 8, cfg.rtt_ms / 1e3, pool_size=cfg.wan_links)
         self.policy = RoutingPolicy(
             relay_enabled=cfg.relay_enabled,
@@ -82,32 +64,19 @@ class Router:
         self.p_book = PrefillBook(cfg.p_prefill_tokens_per_s)
         self.md_book = PrefillBook(cfg.md_prefill_tokens_per_s)
         self.md_tpot = TpotBook(cfg.md_tpot_s)
-        self._backlog_task: asyncio.Task[None] | None = None
         self.ids = itertools.count(1)
         self.in_flight: dict[str, RunDriver] = {}
-        self._mirror_task: asyncio.Task[None] | None = None
         self.caller_check: CallerCheck | None = None  # set by the gRPC server (who calls, with TLS)
 
     async def start(self) -> None:
-        loop = asyncio.get_running_loop()
-        self.health.start()
-        self._mirror_task = loop.create_task(self.drc.follow())
-        self._backlog_task = loop.create_task(
-            follow_backlog(self.p, pb2.StatusRequest(), self.link, POLL_INTERVAL_S)
-        )
+        await self.backend.start(self.link)
 
     async def close(self) -> None:
-        for task in (self._mirror_task, self._backlog_task):
-            if task is not None:
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-        await self.health.close()
-        for ch in self.channels.values():
-            await ch.close(None)
+        await self.backend.close()
 
     def rld_usable(self, now: float | None = None) -> bool:
         t = time.monotonic() if now is None else now
-        return self.cfg.relay_enabled and t >= self.rld_down_until and self.health.usable("rld")
+        return self.cfg.relay_enabled and t >= self.rld_down_until and self.backend.usable("rld")
 
     # -- policy -------------------------------------------------------------------------------------
 
@@ -116,7 +85,7 @@ class Router:
     ) -> tuple[OptionDecision, int]:
         """Ship, relay, recompute, relay + recompute or singular (``router.options``); a
         forced pipeline (tests, the demo's warm-up) skips the choice and admission."""
-        matched = min(self.drc.matched_tokens(prompt), len(prompt))
+        matched = min(self.backend.matched_tokens(prompt), len(prompt))
         now = time.monotonic()
         routing = RoutingInputs(
             prompt_tokens=len(prompt),
@@ -188,7 +157,8 @@ class Router:
             mirror_matched_tokens=matched,
             option=option,
         )
-        run = self.in_flight[rid] = RunDriver(self, spec, self.rld_usable)
+        legs = lambda deadline: self.backend.legs(self, deadline)  # noqa: E731
+        run = self.in_flight[rid] = RunDriver(legs, spec, self.rld_usable)
         flow = rid  # P reports its transfer state by request id (``sidecar.backlog``)
         now = time.monotonic()
         if option.ships_kv:
@@ -224,8 +194,6 @@ class Router:
 
     def status(self) -> dict[str, Any]:
         now = time.monotonic()
-        mirror = self.drc.mirror
-        st = mirror.staleness(now)
         by_pipeline: dict[str, int] = {}
         for run in self.in_flight.values():
             by_pipeline[run.spec.pipeline.value] = by_pipeline.get(run.spec.pipeline.value, 0) + 1
@@ -234,16 +202,8 @@ class Router:
             "role": Role.ROUTER.value,
             "in_flight": by_pipeline,
             "rld_active": self.rld_active,
-            "roles": self.health.status(),
             "grpc_tls": self.caller_check.status() if self.caller_check is not None else None,
-            "drc_mirror": {
-                "blocks": len(mirror),
-                "epoch": st.epoch,
-                "applied_seq": st.applied_seq,
-                "seq_lag": st.seq_lag,
-                "needs_resync": st.needs_resync,
-                "last_error": self.drc.last_error,
-            },
+            **self.backend.status(),  # engine, roles, drc_mirror
             "link": {
                 "goodput_mbit": est.line_bytes_per_s * 8 / 1e6,
                 "rtt_ms": est.rtt_s * 1e3,

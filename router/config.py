@@ -1,21 +1,43 @@
-"""The router's configuration: where the sidecars are, the pipeline policy's knobs, the limits on
-a client request, and the TLS identities (``RouterConfig``, validated on construction)."""
+"""The router's configuration: which kind of engine serves the roles and where they are, the
+pipeline policy's knobs, the limits on a client request, and the TLS identities (``RouterConfig``,
+validated on construction). ``engine = "reference"``: ``p``, ``rld``, ``md`` are the sidecars' gRPC
+addresses; ``engine = "vllm"``: the ``[vllm]`` table (``VllmEngineConfig``) names vLLM's OpenAI
+servers, each running beside its pddlink vLLM sidecar (``sidecar.vllm_kv``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pddlink.errors import InvalidInput
 from pddlink.roles import Role
 from pddlink.transport import PeerIdentity, TlsConfig, load_node
 
+ENGINES = ("reference", "vllm")
+
+
+@dataclass(frozen=True, slots=True)
+class VllmEngineConfig:
+    """The ``[vllm]`` table: the roles as vLLM OpenAI servers (``router.vllm_legs``)."""
+
+    p_url: str = ""  # http://host:port of P's vLLM (its connector is a kv_producer)
+    md_url: str = ""  # MD's vLLM (kv_consumer), across the WAN from P
+    rld_url: str = ""  # RLD's vLLM beside P; "" = no RelayDecode (P->MD only)
+    model: str = ""  # the model name the servers serve (the body's "model")
+    wan_share: float = 0.6  # share of the request's time left that P's transfer to MD may take
+    rld_gets_kv: bool = False  # P ships the prompt's KV to RLD (else RLD prefills it itself)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.wan_share < 1:
+            raise InvalidInput(f"router [vllm]: wan_share must be in (0, 1), got {self.wan_share}")
+
 
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
-    p: str
-    rld: str
-    md: str
+    p: str = ""
+    rld: str = ""
+    md: str = ""
+    engine: str = "reference"
     relay_enabled: bool = True
     relay_min_wan_s: float = 0.15
     rld_capacity: int = 8
@@ -40,8 +62,15 @@ class RouterConfig:
     p_identity: str = "p/p0"  # who must answer at p, rld, md (checked against their certificates)
     rld_identity: str = "rld/rld0"
     md_identity: str = "md/md0"
+    vllm: VllmEngineConfig = field(default_factory=VllmEngineConfig)
 
     def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise InvalidInput(f"router: engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.engine == "reference" and not (self.p and self.rld and self.md):
+            raise InvalidInput("router: p, rld and md (the sidecars' gRPC addresses) are required")
+        if self.engine == "vllm" and not (self.vllm.p_url and self.vllm.md_url and self.vllm.model):
+            raise InvalidInput("router: engine vllm needs [vllm] p_url, md_url and model")
         if self.rld_capacity < 1 or self.line_mbit <= 0 or self.rtt_ms < 0 or self.deadline_s <= 0:
             raise InvalidInput("router: rld_capacity >= 1, line_mbit > 0, rtt_ms >= 0, deadline_s > 0")
         if (

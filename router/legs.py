@@ -53,11 +53,9 @@ MD_IMPORT_GRACE_S = 0.2  # MD imports right after P's transfer; release it after
 
 
 class Cluster(Protocol):
-    """What a run needs of the router: its sidecar stubs and RLD's slot count."""
+    """What a run needs of the router, whatever the engine: RLD's slot count and where to report
+    P's and MD's prefill figures."""
 
-    p: Any
-    rld: Any
-    md: Any
     rld_active: int
 
     def on_prefilled(self, request_id: str, new_tokens: int, seconds: float) -> None: ...
@@ -65,9 +63,20 @@ class Cluster(Protocol):
     def on_md_ready(self, request_id: str, new_tokens: int, seconds: float) -> None: ...
 
 
+class Stubs(Protocol):
+    """The sidecars' gRPC stubs (``router.backend.GrpcBackend``)."""
+
+    p: Any
+    rld: Any
+    md: Any
+
+
 class LegCalls:
-    def __init__(self, cluster: Cluster, deadline: float) -> None:
+    """``router.backend.Legs`` for the reference engine's sidecars."""
+
+    def __init__(self, cluster: Cluster, stubs: Stubs, deadline: float) -> None:
         self.c = cluster
+        self.s = stubs
         self.deadline = deadline
         self.inbox: asyncio.Queue[RunEvent] = asyncio.Queue()
         self.tasks: dict[str, asyncio.Task[None]] = {}
@@ -78,7 +87,7 @@ class LegCalls:
 
     def execute(self, cmd: RunCommand) -> None:
         if isinstance(cmd, OpenStream):
-            stub = self.c.rld if cmd.on is Role.RLD else self.c.md
+            stub = self.s.rld if cmd.on is Role.RLD else self.s.md
             if cmd.on is Role.RLD:
                 self.c.rld_active += 1
             self._spawn(f"{cmd.on.value}{self._number(cmd.leg)}", self._stream(cmd.on, stub, cmd.leg))
@@ -150,7 +159,7 @@ class LegCalls:
             deadline_s=max(self.deadline - time.monotonic() - 0.2, MIN_TIMEOUT_S),
         )
         try:
-            reply = await self.c.p.Prefill(req, timeout=self.left())
+            reply = await self.s.p.Prefill(req, timeout=self.left())
             self.c.on_prefilled(leg.sid, len(leg.prompt) - reply.p_cached_tokens, reply.prefill_seconds)
             await self.inbox.put(PrefillDone(leg.sid, report_from_pb(reply)))
         except grpc.aio.AioRpcError as exc:
@@ -159,7 +168,7 @@ class LegCalls:
     async def _start_handoff(self, sid: str) -> None:
         try:
             deadline_s = max(self.deadline - time.monotonic() - 0.1, MIN_TIMEOUT_S)
-            r = await self.c.rld.StartHandoff(
+            r = await self.s.rld.StartHandoff(
                 pb2.HandoffStart(request_id=sid, deadline_s=deadline_s), timeout=self.left()
             )
             mode = mode_from_text(r.mode)
@@ -173,7 +182,7 @@ class LegCalls:
         s = HandoffSlice(leg.sid, cmd.first_position, cmd.token_ids, True, HandoffMode.ONE_SHOT)
         req = pb2.HandoffRequest(handoff=slice_to_wire(s, leg.sampling), emit_given=cmd.emit_given)
         try:
-            await self.c.md.Handoff(req, timeout=self.left())
+            await self.s.md.Handoff(req, timeout=self.left())
         except grpc.aio.AioRpcError as exc:
             await self.inbox.put(TakeoverFailed(leg.sid, exc.code().name.lower()))
 

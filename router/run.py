@@ -1,7 +1,8 @@
 """One request at the router: the asyncio driver of ``pddlink.lifecycle.RequestRun``.
 
 The machine decides (legs, merge, fallbacks, deadline); this driver feeds it: it runs each command
-through ``LegCalls`` (``router.legs``), hands every event from the inbox to the machine,
+through the engine backend's ``Legs`` (``router.backend``: gRPC ``router.legs`` or HTTP
+``router.vllm_legs``), hands every event from the inbox to the machine,
 re-arms the machine's timer, and yields the merged tokens. If the client goes away (the generator
 is closed) the machine is told so, and the legs are torn down either way. Metrics are counted here.
 """
@@ -15,16 +16,22 @@ from collections.abc import AsyncGenerator, Callable
 from pddlink import metrics
 from pddlink.handoff import MergedToken
 from pddlink.lifecycle import Emit, FallbackTaken, RequestRun, RunCommand, RunSpec, RunState, RunTrace
-from router.legs import Cluster, LegCalls
+from router.backend import Legs
+from router.legs import Cluster
 
 __all__ = ["Cluster", "RunDriver"]
 
 
 class RunDriver:
-    def __init__(self, cluster: Cluster, spec: RunSpec, rld_usable: Callable[[float], bool]) -> None:
+    def __init__(
+        self,
+        legs: Callable[[float], Legs],
+        spec: RunSpec,
+        rld_usable: Callable[[float], bool],
+    ) -> None:
         self.spec = spec
         self.machine = RequestRun(spec, now=time.monotonic(), rld_usable=rld_usable)
-        self.calls = LegCalls(cluster, self.machine.deadline)
+        self.calls = legs(self.machine.deadline)
 
     @property
     def trace(self) -> RunTrace:

@@ -1,30 +1,26 @@
-"""The router's driver for vLLM engines: one P->MD request through vLLM's own OpenAI API.
+"""A small client for one P->MD request on vLLM, for the connector's tests and the bench: it runs the
+request through the router itself (``Router(RouterConfig(engine="vllm"))``, pipeline forced to
+``p_md``), so there is one way a request crosses from P to MD -- ``router.vllm_legs``.
 
-``EngineDriver`` is the engine-facing interface a router run needs for P->MD (prefill on P with
-the KV leaving for MD, then MD's stream); ``VllmDriver`` implements it over HTTP:
-
-  P:  POST /v1/completions {prompt: token ids, max_tokens: 1, kv_transfer_params: {"pddlink":
-      {"transfer": ID, "deadline_s": S}}}   -- vLLM prefills, the connector hands the KV to P's sidecar
-  MD: POST /v1/completions {the same prompt, max_tokens, stream: true, the same kv_transfer_params}
-      -- MD's connector waits for the transfer (vLLM parks the request), then MD streams
-
-Every call runs under the request's deadline; on timeout or a client that goes away the HTTP
-stream is closed, which aborts the request in vLLM (the connector's ``request_finished`` then
-releases what the sidecars hold). A failed KV load makes vLLM end the stream with finish reason
-``error`` (policy "fail"): reported as a failure, never as tokens.
+``VllmDriver(p_url, md_url, model)``: ``run_p_md(DriveRequest)`` returns the tokens and timings or
+raises ``RemoteError`` with the run's reason (never tokens from KV that did not fully arrive: the
+legs turn a failed load into a failed stream); ``generate_alone(url, req)`` is the exactness
+reference (``router.vllm_legs.generate_alone``); ``close()``.
 """
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Protocol
 
 import httpx
 
-from pddlink.errors import DeadlineExceeded, PddlinkError, RemoteError
+from engines_adapter.base import SamplingParams
+from pddlink.errors import PddlinkError, RemoteError
+from router import Router
+from router.config import RouterConfig, VllmEngineConfig
+from router.vllm_legs import generate_alone
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,8 +30,6 @@ class DriveResult:
     ttft_s: float
     seconds: float
     finish_reason: str
-    p_first_token: int
-    cached_tokens: int | None = None  # MD's own prefix-cache hit, when vLLM reports it
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,102 +39,66 @@ class DriveRequest:
     deadline_s: float
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     temperature: float = 0.0
+    seed: int = 0
+    top_p: float = 1.0
 
-
-class EngineDriver(Protocol):
-    async def run_p_md(self, req: DriveRequest) -> DriveResult: ...
-
-    async def generate_alone(self, url: str, req: DriveRequest) -> tuple[int, ...]: ...
+    @property
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(self.seed, self.temperature, 0, self.top_p, self.max_tokens)
 
 
 class VllmDriver:
     def __init__(self, p_url: str, md_url: str, model: str, *, wan_share: float = 0.6) -> None:
-        self.p_url, self.md_url, self.model, self.wan_share = p_url, md_url, model, wan_share
+        v = VllmEngineConfig(p_url=p_url, md_url=md_url, model=model, wan_share=wan_share)
+        self.cfg = RouterConfig(  # the servers' own limits apply (max model length, vocabulary)
+            engine="vllm", vllm=v, relay_enabled=False, vocab_size=1 << 20, max_prompt_tokens=1 << 20
+        )
+        self.model = model
         self.http = httpx.AsyncClient(timeout=None)
+        self._router: Router | None = None
 
-    def _body(self, req: DriveRequest, max_tokens: int, **extra: object) -> dict[str, Any]:
-        return {
-            "model": self.model,
-            "prompt": list(req.prompt),
-            "max_tokens": max_tokens,
-            "temperature": req.temperature,
-            "ignore_eos": True,
-            "return_token_ids": True,
-            **extra,
-        }
+    async def _started(self) -> Router:
+        if self._router is None:
+            self._router = Router(self.cfg)
+            await self._router.start()
+        return self._router
 
     async def run_p_md(self, req: DriveRequest) -> DriveResult:
+        router = await self._started()
         t0 = time.monotonic()
-        deadline = t0 + req.deadline_s
-        # the transfer gets a share of the deadline, so MD's failure report still arrives in time
-        kv = {"pddlink": {"transfer": req.request_id, "deadline_s": self.wan_share * req.deadline_s}}
-        p = await self._post(self.p_url, self._body(req, 1, kv_transfer_params=kv), deadline)
-        p_first = int(p["choices"][0]["token_ids"][0])
-        body = self._body(
-            req, req.max_tokens, kv_transfer_params=kv, stream=True, stream_options={"include_usage": True}
-        )
         tokens: list[int] = []
-        ttft = 0.0
-        finish = ""
-        cached: int | None = None
-        try:
-            async with self.http.stream(
-                "POST", self.md_url + "/v1/completions", json=body, timeout=_left(deadline)
-            ) as resp:
-                if resp.status_code != 200:
-                    raise RemoteError(f"MD answered {resp.status_code}: {(await resp.aread())[:300]!r}")
-                async for line in resp.aiter_lines():
-                    if time.monotonic() > deadline:
-                        raise DeadlineExceeded(f"request {req.request_id} outlived its deadline")
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[6:])
-                    for choice in chunk.get("choices") or []:
-                        new = choice.get("token_ids") or []
-                        if new and not tokens:
-                            ttft = time.monotonic() - t0
-                        tokens += [int(t) for t in new]
-                        finish = choice.get("finish_reason") or finish
-                    usage = chunk.get("usage") or {}
-                    details = usage.get("prompt_tokens_details") or {}
-                    if details.get("cached_tokens") is not None:
-                        cached = int(details["cached_tokens"])
-        except httpx.TimeoutException as exc:
-            raise DeadlineExceeded(f"request {req.request_id}: MD's stream outlived the deadline") from exc
-        except httpx.HTTPError as exc:
-            raise RemoteError(f"request {req.request_id}: MD's stream broke: {exc!r}") from exc
-        if finish not in ("length", "stop"):
-            raise RemoteError(f"request {req.request_id}: MD ended with finish reason {finish!r}")
+        final: dict[str, object] = {}
+        gen = router.generate(
+            list(req.prompt),
+            req.sampling,
+            deadline_s=req.deadline_s,
+            pipeline="p_md",
+            request_id=req.request_id,
+        )
+        async for ev in gen:
+            if ev.get("done"):
+                final = ev
+            else:
+                tokens.append(int(ev["token_id"]))
+        if final.get("outcome") != "finished":
+            raise RemoteError(f"request {req.request_id}: {final.get('reason')}")
+        trace = final["trace"]
+        assert isinstance(trace, dict)
+        finish = "length" if len(tokens) >= req.max_tokens else "stop"
         return DriveResult(
-            req.request_id, tuple(tokens), ttft, time.monotonic() - t0, finish, p_first, cached
+            req.request_id, tuple(tokens), float(trace["ttft_s"]), time.monotonic() - t0, finish
         )
 
     async def generate_alone(self, url: str, req: DriveRequest) -> tuple[int, ...]:
         """One vLLM generating alone (no connector involved): the exactness reference."""
-        out = await self._post(url, self._body(req, req.max_tokens), time.monotonic() + req.deadline_s)
-        return tuple(int(t) for t in out["choices"][0]["token_ids"])
-
-    async def _post(self, url: str, body: dict[str, object], deadline: float) -> dict[str, Any]:
-        try:
-            r = await self.http.post(url + "/v1/completions", json=body, timeout=_left(deadline))
-        except httpx.TimeoutException as exc:
-            raise DeadlineExceeded(f"{url} did not answer before the deadline") from exc
-        except httpx.HTTPError as exc:
-            raise RemoteError(f"{url}: {exc!r}") from exc
-        if r.status_code != 200:
-            raise RemoteError(f"{url} answered {r.status_code}: {r.text[:300]}")
-        out: dict[str, Any] = r.json()
-        return out
+        return await generate_alone(
+            self.http, url, self.model, req.prompt, req.sampling, deadline_s=req.deadline_s
+        )
 
     async def close(self) -> None:
+        if self._router is not None:
+            await self._router.close()
         await self.http.aclose()
 
 
-def _left(deadline: float) -> float:
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise DeadlineExceeded("no time left")
-    return left
-
-
-__all__ = ["DriveRequest", "DriveResult", "EngineDriver", "PddlinkError", "VllmDriver"]
+__all__ = ["DriveRequest", "DriveResult", "PddlinkError", "VllmDriver"]

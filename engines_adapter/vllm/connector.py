@@ -8,7 +8,13 @@ Load it with::
       "kv_connector_extra_config": {"control_socket": "/run/pddlink/p.sock"}}'
 
 A request takes part when its ``kv_transfer_params`` hold ``{"pddlink": {"transfer": ID,
-"deadline_s": S}}`` (the router sets them); others run as if no connector were loaded.
+"deadline_s": S}}`` (the router sets them); others run as if no connector were loaded. Optional:
+``"to": ["rld", "md"]`` on P (the destinations to ship to; default: every one P's sidecar links),
+``"kv_tokens": N`` on a consumer (the transfer carries the KV of the first N tokens of this request's
+prompt, i.e. P's prompt; the default is the whole prompt). With ``kv_tokens`` the token-id handoff is
+one request: MD gets P's prompt + the k tokens RelayDecode generated, loads the whole blocks below
+token N from the transfer, and vLLM computes the prompt's tail and the k tokens in one step (the
+extend), then decodes on.
 
 vLLM builds the connector twice: scheduler side (in the engine core process, ``role=SCHEDULER``)
 and worker side (in each worker, ``role=WORKER``); in-process mode both live in one process.
@@ -25,10 +31,11 @@ P (kv_producer)
   worker     ``wait_for_save`` (after the step's forward, which wrote the KV): ALLOC a region slot
              (the answer carries MD's reserved prefix when known), copies the blocks from there on
              out of vLLM's paged cache into it, COMMIT; the sidecar ships them over the WAN.
-MD (kv_consumer)
+MD and RelayDecode (kv_consumer; RLD is fed over the fast path, MD across the WAN)
   scheduler  ``get_num_new_matched_tokens``: asks the sidecar (EXPECT) where the transfer starts
              (the prefix MD reserved for it); ``None`` (ask again) until known; then
-             ``(tail start - computed, True)``: an asynchronous load, vLLM parks the request. When
+             ``(tail start - computed, True)``, tail start being the last whole block below
+             ``kv_tokens`` (or the prompt's last token): an asynchronous load, vLLM parks the request. When
              vLLM's own prefix cache no longer holds the reserved prefix (evicted meanwhile), or
              the transfer failed or missed its deadline before it was known: 0, and vLLM
              recomputes the prompt itself (correct tokens, counted by reason).
@@ -81,6 +88,8 @@ PARAMS_KEY = "pddlink"
 class TransferParams:
     transfer: str
     deadline_at: float  # wall clock (time.time()): shared by the processes of one host
+    to: tuple[str, ...] | None = None  # P: the destinations (None: every configured one)
+    kv_tokens: int | None = None  # consumer: the transfer covers this many prompt tokens
 
     @classmethod
     def of(cls, request: Request) -> TransferParams | None:
@@ -88,7 +97,14 @@ class TransferParams:
         if not isinstance(params, dict) or not isinstance(params.get("transfer"), str):
             return None
         deadline_s = float(params.get("deadline_s", 30.0))
-        return cls(params["transfer"], request.arrival_time + deadline_s)
+        to = params.get("to")
+        kv_tokens = params.get("kv_tokens")
+        return cls(
+            params["transfer"],
+            request.arrival_time + deadline_s,
+            tuple(str(t) for t in to) if isinstance(to, list) and to else None,
+            kv_tokens if isinstance(kv_tokens, int) and not isinstance(kv_tokens, bool) else None,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +160,8 @@ class PddlinkConnector(KVConnectorBase_V1):
         self.control = ControlClient(Path(sock))
         dump = cfg.get_from_extra_config("kv_dump_dir", None)  # tests: the KV bytes each side held
         self.dump_dir = Path(dump) if dump else None
+        # the dump files' prefix: "P" / "MD" by role; RelayDecode's launcher sets "RLD"
+        self.dump_tag = str(cfg.get_from_extra_config("dump_tag", "P" if self.producer else "MD"))
         timing = cfg.get_from_extra_config("timing_file", None)  # bench: hook timings, JSON lines
         self.timing_file = Path(timing) if timing else None
         self.num_blocks = kv_cache_config.num_blocks
@@ -180,8 +198,13 @@ class PddlinkConnector(KVConnectorBase_V1):
         if self.producer:
             if rid not in self._producing:
                 self._producing[rid] = _Producing(params, len(prompt))
+                extra = {} if params.to is None else {"to": list(params.to)}
                 self._call(
-                    Op.PREPARE, transfer=params.transfer, prompt=prompt, deadline_at=params.deadline_at
+                    Op.PREPARE,
+                    transfer=params.transfer,
+                    prompt=prompt,
+                    deadline_at=params.deadline_at,
+                    **extra,
                 )
             return 0, False
         return self._consumer_match(request, params, len(prompt), num_computed_tokens)
@@ -204,7 +227,12 @@ class PddlinkConnector(KVConnectorBase_V1):
             return None, False  # not known yet: vLLM asks again next step
         if computed < first * self.block_size:
             return self._recompute(rid, params, "reserved_prefix_evicted")
-        todo = (prompt_len - 1) // self.block_size * self.block_size - computed  # see _maybe_save
+        carried = prompt_len if params.kv_tokens is None else params.kv_tokens
+        if not 0 < carried <= prompt_len:
+            return self._recompute(
+                rid, params, f"bad_request: kv_tokens {carried} of a {prompt_len}-token prompt"
+            )
+        todo = (carried - 1) // self.block_size * self.block_size - computed  # see _maybe_save
         if todo <= 0:
             return self._recompute(rid, params, "nothing_to_load")
         self._consuming[rid] = _Consuming(params, first, computed)
@@ -342,7 +370,7 @@ class PddlinkConnector(KVConnectorBase_V1):
         buf = self._mapped().buffer(slot) if slot.nbytes else memoryview(b"")
         self._kv.gather(save.block_ids[first:], buf)
         if self.dump_dir is not None and slot.nbytes:
-            (self.dump_dir / f"P-{save.transfer}-{first}.bin").write_bytes(buf)
+            (self.dump_dir / f"{self.dump_tag}-{save.transfer}-{first}.bin").write_bytes(buf)
         self.control.call(
             Op.COMMIT,
             transfer=save.transfer,
@@ -406,7 +434,7 @@ class PddlinkConnector(KVConnectorBase_V1):
         if self.dump_dir is not None:  # read back what vLLM's blocks now hold
             out = bytearray(need * per_block)
             self._kv.gather(load.block_ids, memoryview(out))
-            (self.dump_dir / f"MD-{load.transfer}-{load.first_block}.bin").write_bytes(out)
+            (self.dump_dir / f"{self.dump_tag}-{load.transfer}-{load.first_block}.bin").write_bytes(out)
         return True
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:

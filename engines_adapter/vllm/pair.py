@@ -1,11 +1,17 @@
-"""P and MD as two vLLM servers, each beside its pddlink sidecar: what the tests, the demo and the
-bench start.
+"""P and MD (and, with ``relay=True``, RelayDecode) as vLLM servers, each beside its pddlink
+sidecar: what the tests, the demo and the bench start.
 
 ``VllmPair(workdir, model, ...)``: ``start()`` runs both sidecars on one asyncio loop in a
 background thread (``SidecarLoop``), then both vLLM servers (child processes) with the
 ``PddlinkConnector`` pointed at their sidecar's control socket; MD's vLLM publishes KV-cache events
 to MD's sidecar. ``md_addr`` lets the WAN run through netlab (P's sidecar dials that address, which
 forwards to MD's KV port). ``close()`` stops the servers, then the sidecars.
+
+``PairSpec(relay=True)`` (or ``VllmTrio``) adds RelayDecode in datacenter A: a consumer sidecar
+whose KV port P's sidecar dials directly on loopback (the fast path, never through the WAN; its
+transport is ``rld_transport``: "auto" = RDMA where a device is, else TCP) and a vLLM server with
+the connector as ``kv_consumer``. One prefill on P then ships to both: RLD every whole block, MD the
+suffix its DRC lacks. ``status()`` has a key per sidecar: "p", "md" and "rld".
 """
 
 from __future__ import annotations
@@ -72,6 +78,9 @@ class PairSpec:
     md_orphan_s: float = 120.0
     wan_line_mbit: float = 0.0  # the WAN's rate, for P's codec choice (0 = measured)
     timing_dir: Path | None = None  # bench: each connector appends its hook timings here
+    relay: bool = False  # also start RelayDecode beside P (fast path, not through the WAN)
+    rld_transport: str = "auto"  # P -> RLD: auto | tcp | rdma
+    rld_extra_args: tuple[str, ...] | None = None  # RLD's vLLM engine arguments (None: extra_args)
 
 
 class VllmPair:
@@ -80,8 +89,10 @@ class VllmPair:
         self.loop = SidecarLoop()
         self.md_side: VllmSidecar | None = None
         self.p_side: VllmSidecar | None = None
+        self.rld_side: VllmSidecar | None = None
         self.md: VllmServer | None = None
         self.p: VllmServer | None = None
+        self.rld: VllmServer | None = None
 
     def start(self, timeout_s: float = 300.0) -> VllmPair:
         try:
@@ -107,8 +118,23 @@ class VllmPair:
         self.md_side = self.loop.run(VllmSidecar(md_cfg).start())
         port = self.md_side.kv_port
         md_addr = s.md_addr or (s.wan(port) if s.wan is not None else f"127.0.0.1:{port}")
+        rld_addr = ""
+        if s.relay:
+            rld_cfg = VllmSidecarConfig(
+                Role.RLD, "rld0", s.workdir, s.model_id, s.block_size, orphan_s=s.md_orphan_s
+            )
+            self.rld_side = self.loop.run(VllmSidecar(rld_cfg).start())
+            rld_addr = f"127.0.0.1:{self.rld_side.kv_port}"
         p_cfg = VllmSidecarConfig(
-            Role.P, "p0", s.workdir, s.model_id, s.block_size, md_addr=md_addr, wan_line_mbit=s.wan_line_mbit
+            Role.P,
+            "p0",
+            s.workdir,
+            s.model_id,
+            s.block_size,
+            md_addr=md_addr,
+            wan_line_mbit=s.wan_line_mbit,
+            rld_addr=rld_addr,
+            rld_transport=s.rld_transport,
         )
         self.p_side = self.loop.run(VllmSidecar(p_cfg).start())
         base = VllmServerSpec(
@@ -136,22 +162,50 @@ class VllmPair:
             replace(base, port=free_port(), kv_role="kv_producer", control_socket=self.p_side.control_path),
             s.workdir / "p-vllm.log",
         ).start()
-        self.md.wait_ready(timeout_s)
-        self.p.wait_ready(timeout_s)
+        if self.rld_side is not None:
+            rld_base = base if s.rld_extra_args is None else replace(base, extra_args=s.rld_extra_args)
+            self.rld = VllmServer(
+                replace(
+                    rld_base,
+                    port=free_port(),
+                    kv_role="kv_consumer",
+                    control_socket=self.rld_side.control_path,
+                    connector_extra=(("dump_tag", "RLD"),),
+                ),
+                s.workdir / "rld-vllm.log",
+            ).start()
+        for server in (self.md, self.p, self.rld):
+            if server is not None:
+                server.wait_ready(timeout_s)
         return self
 
+    def sides(self) -> dict[str, VllmSidecar]:
+        named = {"p": self.p_side, "md": self.md_side, "rld": self.rld_side}
+        return {k: v for k, v in named.items() if v is not None}
+
     def status(self) -> dict[str, Any]:
-        assert self.p_side is not None and self.md_side is not None
-        p, md = self.p_side, self.md_side
-        return self.loop.call(lambda: {"p": p.status(), "md": md.status()})
+        sides = self.sides()
+        return self.loop.call(lambda: {k: side.status() for k, side in sides.items()})
+
+    def shipped(self, transfer: str) -> dict[str, Any] | None:
+        """P's finished record of ``transfer`` (per leg under "legs"), None while it is in flight."""
+        p = self.p_side
+        assert p is not None and p.producer is not None
+        producer = p.producer
+        return self.loop.call(lambda: producer.result(transfer))
 
     def close(self) -> None:
         if self.loop.loop.is_closed():
             return
-        for server in (self.p, self.md):
+        for server in (self.p, self.rld, self.md):
             if server is not None:
                 server.stop()
-        for side in (self.p_side, self.md_side):
+        for side in (self.p_side, self.rld_side, self.md_side):
             if side is not None:
                 self.loop.run(side.close())
         self.loop.close()
+
+
+def VllmTrio(spec: PairSpec) -> VllmPair:
+    """P, RelayDecode and MD: a ``VllmPair`` with ``relay=True``."""
+    return VllmPair(replace(spec, relay=True))

@@ -109,7 +109,7 @@ def command(
         run_vllm_demo(
             json_path=json_path,
             seed=seed,
-            line_mbit=line_mbit if line_mbit != 16.0 else 200.0,
+            line_mbit=line_mbit,
             rtt_ms=rtt_ms,
             sessions=sessions,
             turns=turns,

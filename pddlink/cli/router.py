@@ -59,6 +59,27 @@ def load_router_config(config_path: str | None, flags: dict[str, Any]) -> tuple[
     return cfg, serve, api
 
 
+def _vllm(section: Any) -> Any:
+    """The ``[vllm]`` table (``router.config.VllmEngineConfig``): unknown keys and wrong types refused."""
+    from router.config import VllmEngineConfig
+
+    if not isinstance(section, dict):
+        raise ConfigError("router config: [vllm] must be a table")
+    fields = VllmEngineConfig.__dataclass_fields__
+    unknown = set(section) - set(fields)
+    if unknown:
+        raise ConfigError(f"router config [vllm]: unknown key(s) {', '.join(sorted(unknown))}")
+    kinds: dict[str, Any] = {"str": str, "float": (int, float), "bool": bool}
+    for key, value in section.items():
+        want = str(fields[key].type)
+        if not isinstance(value, kinds[want]) or (want != "bool" and isinstance(value, bool)):
+            raise ConfigError(f"router config [vllm]: {key} must be {want}, got {value!r}")
+    kwargs: dict[str, Any] = {
+        k: float(v) if str(fields[k].type) == "float" else v for k, v in section.items()
+    }
+    return VllmEngineConfig(**kwargs)
+
+
 def _load(config_path: str | None, flags: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     cfg, serve, _ = load_router_config(config_path, flags)
     return cfg, serve
@@ -77,12 +98,14 @@ def _load_table(table: dict[str, Any], flags: dict[str, Any]) -> tuple[Any, dict
     for key in _SERVE:
         if key in table:
             serve[key] = table.pop(key)
+    if "vllm" in table:
+        table["vllm"] = _vllm(table["vllm"])
     known = set(RouterConfig.__dataclass_fields__)
     unknown = set(table) - known
     if unknown:
         raise ConfigError(f"router config: unknown key(s) {', '.join(sorted(unknown))}")
     missing = {r.value for r in SIDECAR_ROLES} - set(table)
-    if missing:
+    if missing and table.get("engine", "reference") == "reference":
         raise ConfigError(
             f"router config: {', '.join(sorted(missing))} required (--p/--rld/--md or the file)"
         )

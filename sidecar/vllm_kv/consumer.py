@@ -7,7 +7,8 @@ One transfer's life on MD::
     transfer arrives    -> copied into a landing slot          (or: failed, with the reason)
     POLL from vLLM      -> pending (with the start once known) / landed (slot) / failed (reason)
     RELEASE from vLLM   -> the landing slot is freed, the lease ends
-    nobody comes        -> after ``orphan_s`` the sweeper frees it (counted as ``swept``)
+    nobody comes        -> ``orphan_s`` after it landed (or after the reservation, when nothing
+                           lands) the sweeper frees it (counted as ``swept``)
 
 A transfer that lands after its RELEASE (the request was aborted or recomputed) is dropped at once.
 """
@@ -101,6 +102,7 @@ class ConsumerBridge:
             self.region.free(slot)
             raise
         e.slot, e.first_block, e.num_blocks = slot, begin.first_block, nblocks
+        e.since = time.monotonic()  # the orphan clock runs from the landing on
         e.bytes_per_block = begin.total_bytes // nblocks
         e.info = {"wan_bytes": begin.total_bytes, "wan_seconds": received.seconds}
         self.wan_bytes += begin.total_bytes
@@ -122,6 +124,10 @@ class ConsumerBridge:
             transfers = msg.get("transfers")
             if not isinstance(transfers, list) or not all(isinstance(t, str) for t in transfers):
                 raise InvalidInput("POLL needs a list of transfer ids")
+            now = time.monotonic()
+            for t in transfers:  # a vLLM that still asks cares: its entries are not orphans
+                if (e := self.inc.get(t)) is not None:
+                    e.since = max(e.since, now)
             return {"states": {t: self._state(t) for t in transfers}}
         if op is Op.RELEASE:
             transfer = cfield(msg, "transfer", str)

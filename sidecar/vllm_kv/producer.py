@@ -1,13 +1,22 @@
-"""P's bridge: answers vLLM's connector (PREPARE/ALLOC/COMMIT/RELEASE) and ships region slots to MD.
+"""P's bridge: answers vLLM's connector (PREPARE/ALLOC/COMMIT/RELEASE) and ships region slots to
+its destinations: MD across the WAN and, when configured, RelayDecode (RLD) over the fast path.
 
-One transfer's life on P::
+Each destination is a *leg* (``md``, ``rld``) with its own link, reservation and ship task; one
+prefill on P feeds them all from one region slot. One transfer's life on P::
 
-    PREPARE (vLLM starts the request)   -> reserve MD's cached prefix over the WAN link (a task)
-    ALLOC   (prefill done, in vLLM)     -> a region slot for the blocks from MD's prefix on
-                                           (all of them while the reservation is unanswered)
-    COMMIT  (the slot holds the KV)     -> a task: wait for the reservation, ship the suffix MD
-                                           lacks, free the slot (acked, failed or past deadline)
-    RELEASE (the request ended early)   -> cancel the reservation, free what is held
+    PREPARE (vLLM starts the request)   -> per leg: reserve the destination's cached prefix (a task);
+                                           RLD's sidecar keeps no DRC, so RLD's answer is 0 blocks
+                                           and RLD gets every whole block
+    ALLOC   (prefill done, in vLLM)     -> a region slot for the blocks from the smallest reserved
+                                           prefix on (all of them while a reservation is unanswered)
+    COMMIT  (the slot holds the KV)     -> per leg, a task: wait for its reservation, ship the suffix
+                                           that destination lacks; the slot is freed once every leg
+                                           ended (acked, failed or past deadline)
+    RELEASE (the request ended early)   -> cancel the reservations, free what is held
+
+``PREPARE`` may name the legs (``to``: ["rld", "md"]); by default every configured leg.
+The finished record (``done[transfer]``) holds the MD leg's result at its top level (as before RLD
+existed) and every leg's under ``legs``.
 
 Only whole blocks below the one holding the prompt's last token travel: MD's vLLM recomputes that
 tail (fewer than ``block_size`` tokens) from a block-aligned prefix, as after a local prefix hit.
@@ -40,36 +49,56 @@ LEASE_S = 30.0
 
 
 @dataclass
+class Leg:
+    """One destination of a transfer: its reservation, its ship task and its result."""
+
+    name: str
+    peer: KVPeer
+    reservation: asyncio.Task[int] | None = None
+    ship: asyncio.Task[None] | None = None
+    result: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class Outgoing:
     transfer: str
     hashes: list[int]
     num_tokens: int
     deadline_at: float  # wall clock
-    reservation: asyncio.Task[int] | None = None
+    legs: dict[str, Leg] = field(default_factory=dict)
     slot: Slot | None = None
-    ship: asyncio.Task[None] | None = None
+    copied_first: int = 0
     per_block: int = 0
-    result: dict[str, Any] = field(default_factory=dict)
+    committed: bool = False
 
 
 class ProducerBridge:
     def __init__(
         self,
         region: ShmRegion,
-        md: KVPeer,
+        md: KVPeer | None,
         *,
         model_id: str,
         block_size: int,
         chunk_bytes: int = 4 << 20,
         wan_codec: WanCodec | None = None,
+        rld: KVPeer | None = None,
     ) -> None:
-        self.region, self.md = region, md
+        self.region = region
+        self.peers = {name: peer for name, peer in (("md", md), ("rld", rld)) if peer is not None}
+        if not self.peers:
+            raise InvalidInput("P's bridge needs a destination (MD, RLD or both)")
         self.wan_codec = wan_codec or WanCodec()  # per line: compress when the line is slower
         self.hasher = BlockHasher(model_id, block_size)
         self.model_id, self.block_size, self.chunk_bytes = model_id, block_size, chunk_bytes
         self.out: dict[str, Outgoing] = {}
         self.done: dict[str, dict[str, Any]] = {}  # finished transfers' results (bounded)
         self.counts = {"shipped": 0, "failed": 0, "released": 0}
+        self.leg_counts = {name: {"shipped": 0, "failed": 0, "bytes": 0} for name in self.peers}
+
+    @property
+    def md(self) -> KVPeer | None:
+        return self.peers.get("md")
 
     def handle(self, op: Op, msg: dict[str, Any]) -> dict[str, Any]:
         if op is Op.STATUS:
@@ -92,73 +121,95 @@ class ProducerBridge:
             raise NotFound(f"unknown transfer {transfer!r} (no PREPARE)")
         return out
 
+    def _legs(self, msg: dict[str, Any]) -> list[str]:
+        to = msg.get("to")
+        if to is None:
+            return list(self.peers)
+        if not isinstance(to, list) or not to or not all(isinstance(t, str) for t in to):
+            raise InvalidInput(f"PREPARE's 'to' must be a non-empty list of destinations, got {to!r}")
+        unknown = [t for t in to if t not in self.peers]
+        if unknown:
+            raise InvalidInput(f"P's sidecar has no link to {unknown} (configured: {list(self.peers)})")
+        return list(dict.fromkeys(to))
+
     def _prepare(self, transfer: str, msg: dict[str, Any]) -> dict[str, Any]:
         prompt = msg.get("prompt")
         if not isinstance(prompt, list) or not prompt or not all(isinstance(t, int) for t in prompt):
             raise InvalidInput("PREPARE needs the prompt's token ids")
         if transfer in self.out:
             raise InvalidInput(f"transfer {transfer!r} is already in flight")
+        names = self._legs(msg)
         out = Outgoing(
             transfer, self.hasher.hash_blocks(prompt), len(prompt), cfield(msg, "deadline_at", float)
         )
-        out.reservation = asyncio.ensure_future(self._reserve(out))
+        for name in names:
+            leg = out.legs[name] = Leg(name, self.peers[name])
+            leg.reservation = asyncio.ensure_future(self._reserve(out, leg))
         self.out[transfer] = out
-        return {}
+        return {"legs": names}
 
-    async def _reserve(self, out: Outgoing) -> int:
+    async def _reserve(self, out: Outgoing, leg: Leg) -> int:
         deadline = time.monotonic() + max(out.deadline_at - time.time(), 0.01)
-        client = await self.md.client(deadline)
+        client = await leg.peer.client(deadline)
         msg = Reserve(request_id=out.transfer, block_hashes=tuple(out.hashes), lease_ms=int(LEASE_S * 1000))
         try:
             answer = await client.request(msg, timeout_s=max(deadline - time.monotonic(), 0.01))
         except PddlinkError as exc:
             if exc.code in (ErrorCode.PEER_UNREACHABLE, ErrorCode.CANCELLED, ErrorCode.UNAVAILABLE):
-                await self.md.drop()
+                await leg.peer.drop()
             raise
         if not isinstance(answer, ReserveAnswer) or answer.code is not None:
-            raise Unavailable(f"MD refused the reservation: {getattr(answer, 'reason', answer)}")
+            raise Unavailable(f"{leg.name} refused the reservation: {getattr(answer, 'reason', answer)}")
         return int(answer.cached_blocks)
+
+    @staticmethod
+    def _reserved(leg: Leg) -> int | None:
+        r = leg.reservation
+        if r is not None and r.done() and not r.cancelled() and r.exception() is None:
+            return r.result()
+        return None
 
     def _alloc(self, out: Outgoing, msg: dict[str, Any]) -> dict[str, Any]:
         num_blocks, per_block = cfield(msg, "num_blocks", int), cfield(msg, "bytes_per_block", int)
         if out.slot is not None:
             raise InvalidInput(f"transfer {out.transfer!r} already holds a slot")
-        first = 0
-        r = out.reservation
-        if r is not None and r.done() and not r.cancelled() and r.exception() is None:
-            first = min(r.result(), num_blocks)
-        out.per_block = per_block
-        if first == num_blocks:  # MD holds every block that travels: nothing to copy or ship
+        known = [self._reserved(leg) for leg in out.legs.values()]
+        first = min(min(k if k is not None else 0 for k in known), num_blocks)
+        out.per_block, out.copied_first = per_block, first
+        if first == num_blocks:  # every destination holds every block that travels: nothing to copy
             return {"offset": 0, "nbytes": 0, "first_block": first}
         out.slot = self.region.alloc((num_blocks - first) * per_block)
         return {"offset": out.slot.offset, "nbytes": out.slot.nbytes, "first_block": first}
 
     def _commit(self, out: Outgoing, msg: dict[str, Any]) -> dict[str, Any]:
-        if out.ship is not None:
+        if out.committed:
             raise InvalidInput(f"transfer {out.transfer!r}: COMMIT twice")
+        out.committed = True
         copied_first, num_blocks = cfield(msg, "first_block", int), cfield(msg, "num_blocks", int)
-        if out.slot is None:  # nothing was copied: MD already holds it all
-            out.result.update(ok=True, wan_bytes=0, wan_seconds=0.0, first_block=copied_first)
-            self.counts["shipped"] += 1
-            self._finish(out)
-            return {}
         layout = KVLayoutSpec(**{"model_id": self.model_id, **cfield(msg, "layout", dict)})
-        out.ship = asyncio.ensure_future(self._ship(out, layout, copied_first, num_blocks))
+        for leg in out.legs.values():
+            leg.ship = asyncio.ensure_future(self._ship(out, leg, layout, copied_first, num_blocks))
         return {}
 
-    async def _ship(self, out: Outgoing, layout: KVLayoutSpec, copied_first: int, num_blocks: int) -> None:
-        assert out.slot is not None and out.reservation is not None
-        slot = out.slot
+    async def _ship(
+        self, out: Outgoing, leg: Leg, layout: KVLayoutSpec, copied_first: int, num_blocks: int
+    ) -> None:
+        assert leg.reservation is not None
         per_block = out.per_block
         t0 = time.perf_counter()
         try:
             deadline = time.monotonic() + max(out.deadline_at - time.time(), 0.01)
             try:
-                reserved = await out.reservation
-            except PddlinkError as exc:  # MD could not say what it holds: ship everything copied
-                out.result["reserve_error"] = f"{exc.code.name.lower()}: {exc.message}"
+                reserved = await leg.reservation
+            except PddlinkError as exc:  # the destination could not say what it holds: ship it all
+                leg.result["reserve_error"] = f"{exc.code.name.lower()}: {exc.message}"
                 reserved = 0
-            first = max(copied_first, min(reserved, num_blocks - 1))  # the slot holds >= 1 block
+            first = max(copied_first, min(reserved, num_blocks))
+            if first >= num_blocks or out.slot is None:  # it holds every block that travels
+                leg.result.update(ok=True, wan_bytes=0, wan_seconds=0.0, first_block=min(first, num_blocks))
+                self.leg_counts[leg.name]["shipped"] += 1
+                return
+            slot = out.slot
             start = slot.offset + (first - copied_first) * per_block
             payload = self.region.view[start : slot.end]
             begin = TransferBegin(
@@ -174,11 +225,13 @@ class ProducerBridge:
                 chunk_bytes=self.chunk_bytes,
                 deadline_ms=max(1, int((deadline - time.monotonic()) * 1000)),
             )
-            decision = self.wan_codec.decide(layout.dtype, payload)
-            begin = dataclasses.replace(begin, codec=decision.codec)
-            client = await self.md.client(deadline)
+            wan = leg.name == "md"  # the byte-plane codec is for the WAN; the fast path goes raw
+            if wan:
+                begin = dataclasses.replace(begin, codec=self.wan_codec.decide(layout.dtype, payload).codec)
+            client = await leg.peer.client(deadline)
             flow = f"{out.transfer}/{begin.transfer_id}"
-            self.wan_codec.started(flow, payload.nbytes, time.monotonic())
+            if wan:
+                self.wan_codec.started(flow, payload.nbytes, time.monotonic())
             result = None
             try:
                 result = await client.send_transfer(
@@ -186,50 +239,62 @@ class ProducerBridge:
                 )
             finally:
                 payload.release()
-                self.wan_codec.finished(flow, layout.dtype, result, time.monotonic(), client.stats().rtt_s)
+                if wan:
+                    self.wan_codec.finished(
+                        flow, layout.dtype, result, time.monotonic(), client.stats().rtt_s
+                    )
             codec = result.codec.name.lower()
-            out.result.update(
+            leg.result.update(
                 ok=True,
                 wan_bytes=result.kv_bytes,  # KV before the codec; wire_bytes is what crossed
                 wire_bytes=result.bytes,
                 codec=codec,
                 wan_seconds=result.seconds,
                 first_block=first,
+                transport=leg.peer.transport_name,
             )
-            metrics.KV_BYTES.labels(path="wan").inc(result.kv_bytes)
-            metrics.KV_WIRE_BYTES.labels(path="wan", codec=codec).inc(result.bytes)
-            metrics.KV_CODEC_RAW_BYTES.labels(path="wan", codec=codec).inc(result.kv_bytes)
-            self.counts["shipped"] += 1
+            path = "wan" if wan else "fast"
+            metrics.KV_BYTES.labels(path=path).inc(result.kv_bytes)
+            metrics.KV_WIRE_BYTES.labels(path=path, codec=codec).inc(result.bytes)
+            metrics.KV_CODEC_RAW_BYTES.labels(path=path, codec=codec).inc(result.kv_bytes)
+            self.leg_counts[leg.name]["shipped"] += 1
+            self.leg_counts[leg.name]["bytes"] += result.kv_bytes
         except (PddlinkError, TimeoutError, ConnectionError, OSError) as exc:
             reason = f"{exc.code.name.lower()}: {exc.message}" if isinstance(exc, PddlinkError) else repr(exc)
-            out.result.update(ok=False, error=reason)
+            leg.result.update(ok=False, error=reason)
             metrics.TRANSFER_ABORTS.labels(reason=reason.split(":")[0]).inc()
-            self.counts["failed"] += 1
+            self.leg_counts[leg.name]["failed"] += 1
             if isinstance(exc, PddlinkError) and exc.code in (
                 ErrorCode.PEER_UNREACHABLE,
                 ErrorCode.CANCELLED,
             ):
-                await self.md.drop()
+                await leg.peer.drop()
         finally:
-            out.result["ship_seconds"] = time.perf_counter() - t0
-            self._finish(out)
+            leg.result["ship_seconds"] = time.perf_counter() - t0
+            if all(x.ship is not None and (x is leg or x.ship.done()) for x in out.legs.values()):
+                self._finish(out)
 
     def _release(self, transfer: str, reason: str) -> None:
         out = self.out.get(transfer)
-        if out is None or out.ship is not None:
-            return  # unknown, or already shipping (the ship task frees it)
-        if out.reservation is not None:
-            out.reservation.cancel()
-        out.result.update(ok=False, error=f"released: {reason}")
-        self.counts["released"] += 1
-        self._finish(out)
+        if out is None or out.committed:
+            return  # unknown, or already shipping (the ship tasks free it)
+        for leg in out.legs.values():
+            if leg.reservation is not None:
+                leg.reservation.cancel()
+            leg.result.update(ok=False, error=f"released: {reason}")
+        self._finish(out, released=True)
 
-    def _finish(self, out: Outgoing) -> None:
+    def _finish(self, out: Outgoing, *, released: bool = False) -> None:
         if out.slot is not None:
             self.region.free(out.slot)
             out.slot = None
         self.out.pop(out.transfer, None)
-        self.done[out.transfer] = out.result
+        legs = {name: leg.result for name, leg in out.legs.items()}
+        ok = all(r.get("ok") for r in legs.values())
+        key = "released" if released else "shipped" if ok else "failed"
+        self.counts[key] += 1
+        top = legs.get("md") or next(iter(legs.values()))
+        self.done[out.transfer] = {**top, "ok": ok, "legs": legs}
         while len(self.done) > 10_000:
             self.done.pop(next(iter(self.done)))
 
@@ -239,11 +304,18 @@ class ProducerBridge:
             "held_slots": self.region.held_slots,
             "held_bytes": self.region.held_bytes,
             "in_flight": len(self.out),
+            "legs": {name: dict(c) for name, c in self.leg_counts.items()},
             **self.counts,
         }
 
+    def result(self, transfer: str) -> dict[str, Any] | None:
+        """A finished transfer's record (``{"ok", ..., "legs": {...}}``), None while in flight."""
+        return self.done.get(transfer)
+
     async def close(self) -> None:
-        tasks = [t for o in self.out.values() for t in (o.reservation, o.ship) if t is not None]
+        tasks = [
+            t for o in self.out.values() for leg in o.legs.values() for t in (leg.reservation, leg.ship) if t
+        ]
         for t in tasks:
             t.cancel()
         for t in tasks:

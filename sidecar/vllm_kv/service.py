@@ -1,6 +1,10 @@
 """One sidecar beside one vLLM: the shared-memory region, the control channel vLLM's connector
 dials, and the role's bridge (P: ``ProducerBridge`` + the WAN link to MD; MD: ``ConsumerBridge`` +
-the KV server P ships to, and the DRC that vLLM's KV events feed).
+the KV server P ships to, and the DRC that vLLM's KV events feed; RLD: the same consumer bridge and
+KV server, fed over the fast path, without a DRC feed -- its reservations answer 0 blocks, so P
+ships RLD every whole block). P's links: MD across the WAN (``md_addr``, ``transport``) and RLD over
+the fast path (``rld_addr``, ``rld_transport``: "auto" picks RDMA where a device is, else TCP, as
+the reference sidecar does).
 
 Lifecycle: ``await VllmSidecar(cfg).start()`` creates ``<workdir>/<name>.kv`` (the region) and
 ``<workdir>/<name>.sock`` (the channel) and, on MD, listens for P; ``status()`` is what the admin
@@ -19,7 +23,15 @@ from typing import Any
 
 from pddlink.drc import PrefixIndex
 from pddlink.errors import ConfigError
-from pddlink.transport import KVServer, LinkOptions, PeerIdentity, TlsConfig, load_or_create_peer
+from pddlink.transport import (
+    FastPathChoice,
+    KVServer,
+    LinkOptions,
+    PeerIdentity,
+    TlsConfig,
+    choose_fast_path,
+    load_or_create_peer,
+)
 from sidecar.peers import KVPeer
 from sidecar.vllm_kv.consumer import ConsumerBridge
 from sidecar.vllm_kv.control import Op, serve_control
@@ -32,6 +44,7 @@ from sidecar.wan_codec import WanCodec
 class Role(StrEnum):
     P = "p"
     MD = "md"
+    RLD = "rld"
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +55,9 @@ class VllmSidecarConfig:
     model_id: str
     block_size: int
     region_bytes: int = 256 << 20
-    md_addr: str = ""  # P: MD's KV server, host:port
+    md_addr: str = ""  # P: MD's KV server, host:port ("" with rld_addr set: P ships to RLD only)
+    rld_addr: str = ""  # P: RLD's KV server, host:port (the fast path inside datacenter A)
+    rld_transport: str = "auto"  # P: the fast path's transport (auto | tcp | rdma)
     kv_host: str = "127.0.0.1"  # MD: where P ships to
     kv_port: int = 0
     transport: str = "tcp"
@@ -54,8 +69,8 @@ class VllmSidecarConfig:
     wan_codec: str = "auto"  # P: auto | raw | planes_zstd
 
     def __post_init__(self) -> None:
-        if self.role is Role.P and not self.md_addr:
-            raise ConfigError("P's vLLM sidecar needs md_addr (MD's KV server, host:port)")
+        if self.role is Role.P and not (self.md_addr or self.rld_addr):
+            raise ConfigError("P's vLLM sidecar needs md_addr and/or rld_addr (host:port)")
         if self.block_size <= 0:
             raise ConfigError(f"block_size must be positive, got {self.block_size}")
 
@@ -70,6 +85,8 @@ class VllmSidecar:
         self._control: asyncio.AbstractServer | None = None
         self._kv: KVServer | None = None
         self._md: KVPeer | None = None
+        self._rld: KVPeer | None = None
+        self.fast_path: FastPathChoice | None = None
         self._sweeper: asyncio.Task[None] | None = None
 
     @property
@@ -91,16 +108,30 @@ class VllmSidecar:
         identity = PeerIdentity(cfg.role.value, cfg.name)
         handler: Any
         if cfg.role is Role.P:
-            self._md = KVPeer(
-                cfg.md_addr,
-                identity=identity,
-                tls=self._tls(identity),
-                transport=cfg.transport,
-                options=cfg.options,
-            )
+            if cfg.md_addr:
+                self._md = KVPeer(
+                    cfg.md_addr,
+                    identity=identity,
+                    tls=self._tls(identity),
+                    transport=cfg.transport,
+                    options=cfg.options,
+                )
+            if cfg.rld_addr:
+                transport = cfg.rld_transport
+                if transport == "auto":
+                    self.fast_path = choose_fast_path()
+                    transport = self.fast_path.name
+                self._rld = KVPeer(
+                    cfg.rld_addr,
+                    identity=identity,
+                    tls=self._tls(identity),
+                    transport=transport,
+                    options=LinkOptions(streams=1, chunk_bytes=cfg.options.chunk_bytes),
+                )
             self.producer = ProducerBridge(
                 self.region,
                 self._md,
+                rld=self._rld,
                 model_id=cfg.model_id,
                 block_size=cfg.block_size,
                 chunk_bytes=cfg.options.chunk_bytes,
@@ -123,7 +154,7 @@ class VllmSidecar:
                 transport=cfg.transport,
                 options=cfg.options,
             )
-            if cfg.kv_events_endpoint:
+            if cfg.kv_events_endpoint and cfg.role is Role.MD:
                 self.feed = KvEventFeed(index, model_id=cfg.model_id, block_size=cfg.block_size)
                 self.feed.start(cfg.kv_events_endpoint)
             handler = self.consumer.handle
@@ -143,6 +174,8 @@ class VllmSidecar:
         out = bridge.handle(Op.STATUS, {}) if bridge is not None else {}
         if self.feed is not None:
             out["kv_events"] = self.feed.stats()
+        if self._rld is not None:
+            out["fast_path"] = self._rld.transport_name
         return out
 
     async def close(self) -> None:
@@ -158,8 +191,9 @@ class VllmSidecar:
             await self.feed.close()
         if self.producer is not None:
             await self.producer.close()
-        if self._md is not None:
-            await self._md.drop()
+        for peer in (self._md, self._rld):
+            if peer is not None:
+                await peer.drop()
         if self._kv is not None:
             await self._kv.close()
         if self.region is not None:

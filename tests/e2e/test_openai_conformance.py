@@ -10,6 +10,11 @@ add up, the refusals' status codes. pddlink's own extension is one ``pddlink`` o
 the only key vLLM lacks. Calls where pddlink deliberately differs (``n`` > 1, ``best_of``: a 400
 naming the field, where vLLM samples) are listed in ``DIFFERENT``. The table of calls and verdicts
 is printed (``pytest -s``) and written to ``$PDDLINK_CONFORMANCE_REPORT`` when set.
+
+The same calls run a second time against the router in front of vLLM itself
+(``engine = "vllm"``, started with ``pddlink router --config``: P and MD are vLLM servers of the
+same model beside their pddlink sidecars, ``engines_adapter.vllm.pair``): there the models are the
+same, so every greedy call must also give vLLM's own text and token ids (``GREEDY_SAME``).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -38,6 +44,12 @@ pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PORT = 28500
 ROUTER_URL = "http://127.0.0.1:28000/v1"
+VLLM_ROUTER_PORT = 28510
+# greedy calls whose text and token ids must equal vLLM's own when the router fronts the same model
+GREEDY_SAME = {
+    "text", "ids", "ids_return_token_ids", "max_tokens_1", "stop_string", "stop_token_id", "two_prompts",
+    "chat", "stream_text", "stream_ids", "stream_stop_string", "stream_two_prompts", "chat_stream",
+}  # fmt: skip
 PDDLINK_EXTENSIONS = {"pddlink"}
 DIFFERENT = {"n_2", "best_of_2"}
 
@@ -60,33 +72,64 @@ def _stop(procs: list[Any]) -> None:
             p.wait()
 
 
+def _env() -> dict[str, str]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
+    return env
+
+
+def _wait_models(client: Any, proc: Any, log: Path) -> None:
+    deadline = time.monotonic() + 600  # vLLM's start on a loaded 2-core machine
+    while True:
+        try:
+            client.models.list()
+            return
+        except openai.APIConnectionError:
+            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()[-3000:]
+            time.sleep(1.0)
+
+
 @pytest.fixture(scope="module")
-def clients(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Any]]:
+def bare_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Path]]:
+    """vLLM's own OpenAI server on the tiny random Llama: the side every answer is held against."""
+    from engines_adapter.vllm.tiny_model import build_tiny_llama
+
+    work = tmp_path_factory.mktemp("vllm")
+    model = build_tiny_llama(work / "vllm-tiny")
+    venv = dict(_env(), VLLM_HOST_IP="127.0.0.1", VLLM_CPU_KVCACHE_SPACE="1")
+    proc = _start(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+         "--served-model-name", "tiny", "--block-size", "32", "--host", "127.0.0.1",
+         "--port", str(VLLM_PORT), "--enable-prompt-tokens-details", "--max-model-len", "2048"],
+        work, venv, work / "vllm.log",
+    )  # fmt: skip
+    try:
+        vc = openai.OpenAI(base_url=f"http://127.0.0.1:{VLLM_PORT}/v1", api_key="none", max_retries=0)
+        _wait_models(vc, proc, work / "vllm.log")
+        yield vc, model
+    finally:
+        _stop([proc])
+
+
+@pytest.fixture(scope="module")
+def clients(
+    bare_vllm: tuple[Any, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Any, Any]]:
     from engines_adapter.vllm.tiny_model import TinyLlamaSpec, build_tiny_llama
 
     work = tmp_path_factory.mktemp("conformance")
-    model = build_tiny_llama(work / "vllm-tiny")
     shutil.copytree(ROOT / "examples", work / "examples")
     (work / "run").mkdir()
     build_tiny_llama(work / "run" / "tiny", TinyLlamaSpec(vocab_size=2048))
     key = "conformance-key-0123456789"
     (work / "run" / "api-keys").write_text(key + "\n")
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
-    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
+    env = _env()
     pki = work / "run" / "pki"  # as docs/deploy.md step 1: a CA kept apart, one directory per node
     subprocess.run(["pddlink", "pki", "init", str(pki / "ca")], env=env, check=True, capture_output=True)
     for role, ident in (("md", "md/md0"), ("rld", "rld/rld0"), ("p", "p/p0"), ("router", "router/router0")):
         argv = ["pddlink", "pki", "issue", "--ca", str(pki / "ca"), "--out", str(pki / role), ident]
         subprocess.run(argv, env=env, check=True, capture_output=True)
-    venv = dict(env, VLLM_HOST_IP="127.0.0.1", VLLM_CPU_KVCACHE_SPACE="1")
-    procs = [
-        _start(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-             "--served-model-name", "tiny", "--block-size", "32", "--host", "127.0.0.1",
-             "--port", str(VLLM_PORT), "--enable-prompt-tokens-details", "--max-model-len", "2048"],
-            work, venv, work / "vllm.log",
-        )
-    ]  # fmt: skip
+    procs = []
     try:
         for role in ("md", "rld", "p", "router"):
             cmd = "sidecar" if role != "router" else "router"
@@ -100,21 +143,45 @@ def clients(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Any
             procs.append(p)
             line = p.stdout.readline()
             assert line.startswith("READY"), (role, (work / f"{role}.log").read_text()[-2000:])
-        vc = openai.OpenAI(base_url=f"http://127.0.0.1:{VLLM_PORT}/v1", api_key="none", max_retries=0)
-        deadline = time.monotonic() + 240
-        while True:
-            try:
-                vc.models.list()
-                break
-            except openai.APIConnectionError:
-                assert time.monotonic() < deadline and procs[0].poll() is None, (
-                    work / "vllm.log"
-                ).read_text()[-3000:]
-                time.sleep(1.0)
         pc = openai.OpenAI(base_url=ROUTER_URL, api_key=key, max_retries=0)
+        yield bare_vllm[0], pc
+    finally:
+        _stop(procs)
+
+
+@pytest.fixture(scope="module")
+def vllm_clients(
+    bare_vllm: tuple[Any, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Any, Any]]:
+    """The router (``pddlink router --config``, ``engine = "vllm"``) in front of P and MD as vLLM
+    servers of the bare server's model, each beside its pddlink sidecar."""
+    from engines_adapter.vllm.pair import PairSpec, VllmPair
+
+    vc, model = bare_vllm
+    import vllm.distributed.kv_events  # noqa: F401  (before the sidecars' loop imports it)
+
+    work = Path(tempfile.mkdtemp(prefix="pddlink-conf-"))  # sockets: keep the path short
+    pair = VllmPair(PairSpec(work / "w", model, dtype="bfloat16"))
+    procs = []
+    try:
+        pair.start()
+        assert pair.p is not None and pair.md is not None
+        (work / "router.toml").write_text(
+            f'engine = "vllm"\nhost = "127.0.0.1"\ngrpc_port = 0\nhttp_port = {VLLM_ROUTER_PORT}\n'
+            f"vocab_size = 1024\nmax_prompt_tokens = 1900\n"
+            f'[vllm]\np_url = "{pair.p.url}"\nmd_url = "{pair.md.url}"\nmodel = "{model}"\n'
+            f'[api]\nmodel = "tiny"\ntokenizer = "{model}"\n'
+        )
+        p = _start(f"pddlink router --config {work / 'router.toml'}", work, _env(), work / "router.log", True)
+        procs.append(p)
+        line = p.stdout.readline()
+        assert line.startswith("READY"), (work / "router.log").read_text()[-2000:]
+        pc = openai.OpenAI(base_url=f"http://127.0.0.1:{VLLM_ROUTER_PORT}/v1", api_key="none", max_retries=0)
         yield vc, pc
     finally:
         _stop(procs)
+        pair.close()
+        shutil.rmtree(work, ignore_errors=True)
 
 
 # -- shapes --------------------------------------------------------------------------------------
@@ -272,11 +339,30 @@ def _semantics(name: str, status: int, body: Any) -> list[str]:
     return problems
 
 
-def _compare(name: str, kind: str, vcall: Any, pcall: Any, vc: Any, pc: Any) -> dict[str, Any]:
+def _output(kind: str, body: Any) -> list[tuple[str, list[int]]]:
+    """(text, token ids) of each choice, a stream's chunks joined."""
+    chunks = body if kind == "stream" else [body]
+    out: dict[int, tuple[str, list[int]]] = {}
+    for c in chunks:
+        for ch in c.get("choices") or []:
+            text, ids = out.get(ch.get("index", 0), ("", []))
+            piece = ch.get("text")
+            if piece is None:
+                piece = (ch.get("delta") or ch.get("message") or {}).get("content") or ""
+            out[ch.get("index", 0)] = (text + piece, ids + list(ch.get("token_ids") or []))
+    return [out[k] for k in sorted(out)]
+
+
+def _compare(
+    name: str, kind: str, vcall: Any, pcall: Any, vc: Any, pc: Any, exact: bool = False
+) -> dict[str, Any]:
+    same: list[str] = []
     if kind == "stop_id":
         (vs, vb), (ps, pb) = _stop_id_call(vc), _stop_id_call(pc)
+        vfull, pfull = vb, pb
     elif kind == "stream":
-        vb, pb = stream_parts(vcall()), stream_parts(pcall())
+        vfull, pfull = vcall(), pcall()
+        vb, pb = stream_parts(vfull), stream_parts(pfull)
         if vb["first"] is vb["finish"] or pb["first"] is pb["finish"]:
             del (
                 vb["first"],
@@ -285,6 +371,11 @@ def _compare(name: str, kind: str, vcall: Any, pcall: Any, vc: Any, pc: Any) -> 
         vs = ps = 200
     else:
         (vs, vb), (ps, pb) = vcall(), pcall()
+        vfull, pfull = vb, pb
+    if exact and name in GREEDY_SAME:  # the same model behind both: the same text and token ids
+        vo, po = _output(kind, vfull), _output(kind, pfull)
+        if vo != po:
+            same.append(f"output differs: vLLM {vo} vs pddlink {po}"[:300])
     if name in DIFFERENT:
         ok = ps == 400 and name.rsplit("_", 1)[0] in pb["error"]["message"]
         return {"call": name, "matched": f"documented difference: pddlink 400 naming it, vLLM {vs}", "ok": ok}
@@ -298,21 +389,22 @@ def _compare(name: str, kind: str, vcall: Any, pcall: Any, vc: Any, pc: Any) -> 
             problems.append(f"finish_reason {vf['finish_reason']} vs {pf['finish_reason']}")
         if ("usage" in vb) != ("usage" in pb):
             problems.append("usage chunk present in one only")
+    problems += same
     what = "status, fields and types" + (
         "" if kind == "stream" else ", finish_reason/usage/refusal semantics"
     )
+    if exact and name in GREEDY_SAME:
+        what += ", the same text and token ids"
     return {"call": name, "matched": what if not problems else "; ".join(problems[:4]), "ok": not problems}
 
 
-@pytest.mark.timeout(600)
-def test_openai_conformance(clients: tuple[Any, Any]) -> None:
-    vc, pc = clients
+def _conformance(vc: Any, pc: Any, *, exact: bool, report_env: str) -> None:
     vcalls, pcalls = calls(vc), calls(pc)
     report = []
     for name, (kind, vcall) in vcalls.items():
         pcall = pcalls[name][1]
         try:
-            row = _compare(name, kind, vcall, pcall, vc, pc)
+            row = _compare(name, kind, vcall, pcall, vc, pc, exact)
         except Exception as exc:  # recorded, so that one broken call does not hide the others
             row = {"call": name, "matched": f"raised {type(exc).__name__}: {exc}"[:300], "ok": False}
         report.append(row)
@@ -321,7 +413,18 @@ def test_openai_conformance(clients: tuple[Any, Any]) -> None:
         "\n"
         + "\n".join(f"{'ok ' if r['ok'] else 'BAD'} {r['call']:<{width}}  {r['matched']}" for r in report)
     )
-    if os.environ.get("PDDLINK_CONFORMANCE_REPORT"):
-        Path(os.environ["PDDLINK_CONFORMANCE_REPORT"]).write_text(json.dumps(report, indent=1))
+    if os.environ.get(report_env):
+        Path(os.environ[report_env]).write_text(json.dumps(report, indent=1))
     assert len(report) >= 20
     assert all(r["ok"] for r in report), [r for r in report if not r["ok"]]
+
+
+@pytest.mark.timeout(600)
+def test_openai_conformance(clients: tuple[Any, Any]) -> None:
+    _conformance(*clients, exact=False, report_env="PDDLINK_CONFORMANCE_REPORT")
+
+
+@pytest.mark.timeout(900)
+def test_openai_conformance_router_in_front_of_vllm(vllm_clients: tuple[Any, Any]) -> None:
+    """The same calls with the router fronting vLLM: shapes as above, and greedy outputs equal."""
+    _conformance(*vllm_clients, exact=True, report_env="PDDLINK_CONFORMANCE_VLLM_REPORT")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -62,3 +63,28 @@ def test_api_keys_file(tmp_path: Path) -> None:
         ApiConfig(api_keys_file=str(keys)).load_keys()
     with pytest.raises(ConfigError, match="api_keys_file"):
         ApiConfig(api_keys_file=str(tmp_path / "missing")).load_keys()
+
+
+def test_vllm_engine_config_loads_and_is_checked(tmp_path: Path) -> None:
+    """``engine = "vllm"``: the [vllm] table names the servers; p/rld/md are not needed then."""
+    from pddlink.errors import InvalidInput
+    from router import Router
+
+    cfg, serve, api = load_router_config(str(DEPLOY / "vllm" / "router.toml"), {})
+    assert cfg.engine == "vllm" and cfg.vllm.md_url.startswith("http://") and cfg.vllm.rld_gets_kv
+    assert serve["http_port"] == 28000 and api.model == "tiny"
+    router = Router(cfg)
+    assert router.backend.status()["engine"] == "vllm"
+    asyncio.run(router.close())
+    f = tmp_path / "router.toml"
+    bad = {
+        'engine = "vllm"\n[vllm]\np_url = "http://a:1"\nmd_url = "http://b"\nmodel = "m"\nnope = 1\n': "nope",
+        'engine = "vllm"\n[vllm]\np_url = "http://a:1"\nmodel = "m"\n': "md_url",
+        'engine = "vllm"\n[vllm]\np_url = 3\n': "p_url must be str",
+        'engine = "sglang"\n': "engine must be one of",
+        'engine = "reference"\n': "required",
+    }
+    for text, words in bad.items():
+        f.write_text(text)
+        with pytest.raises((ConfigError, InvalidInput), match=words):
+            load_router_config(str(f), {})

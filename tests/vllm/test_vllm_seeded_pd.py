@@ -48,13 +48,7 @@ def pair() -> Iterator[Any]:
 def _driver(pair: Any) -> Any:
     from router.vllm_driver import VllmDriver
 
-    class SeededDriver(VllmDriver):  # the same HTTP calls, with seed and top_p in the body
-        seed = 0
-
-        def _body(self, req: Any, max_tokens: int, **extra: object) -> dict[str, object]:
-            return {**super()._body(req, max_tokens, **extra), "seed": self.seed, "top_p": 0.95}
-
-    return SeededDriver(pair.p.url, pair.md.url, str(pair.spec.model))
+    return VllmDriver(pair.p.url, pair.md.url, str(pair.spec.model))
 
 
 def _prompts(n: int, seed: int = 7) -> list[tuple[int, ...]]:
@@ -70,12 +64,12 @@ def test_seeded_p_md_and_a_continuation_equal_one_vllm_alone(pair: Any) -> None:
         out = []
         try:
             for i, prompt in enumerate(_prompts(12)):
-                driver.seed = 1000 + i
-                req = DriveRequest(prompt, MAX_TOKENS, 60.0, temperature=0.8)
+                seeded = {"temperature": 0.8, "seed": 1000 + i, "top_p": 0.95}
+                req = DriveRequest(prompt, MAX_TOKENS, 60.0, **seeded)
                 alone = await driver.generate_alone(pair.p.url, req)
                 got = (await driver.run_p_md(req)).tokens
                 k = 1 + i % (MAX_TOKENS - 1)
-                cont_req = DriveRequest(prompt + alone[:k], MAX_TOKENS - k, 60.0, temperature=0.8)
+                cont_req = DriveRequest(prompt + alone[:k], MAX_TOKENS - k, 60.0, **seeded)
                 continued = await driver.generate_alone(pair.md.url, cont_req)  # MD, no connector
                 out.append((alone, got, alone[:k] + continued, k))
         finally:
@@ -105,15 +99,16 @@ def test_handoff_on_vllm_prime_then_extend_continues_exactly(pair: Any) -> None:
         try:
             for i, prompt in enumerate(_prompts(8, seed=11)):  # prompts MD has never seen
                 seeded = i % 2 == 1
-                driver.seed = 2000 + i
                 sampling = (
                     {"temperature": 0.8, "top_p": 0.95, "seed": 2000 + i} if seeded else {"temperature": 0.0}
                 )
-                req = DriveRequest(prompt, MAX_TOKENS, 60.0, temperature=sampling["temperature"])
+                req = DriveRequest(prompt, MAX_TOKENS, 60.0, **sampling)
                 alone = await driver.generate_alone(pair.p.url, req)
                 transfer = f"handoff-{i}"
                 kv = {"pddlink": {"transfer": transfer, "deadline_s": 30.0}}
-                body = {**driver._body(req, 1, kv_transfer_params=kv), **sampling}
+                body = {"model": str(pair.spec.model), "prompt": list(prompt), "max_tokens": 1,
+                        "return_token_ids": True, "ignore_eos": True, "kv_transfer_params": kv,
+                        **sampling}  # fmt: skip
                 shipped = await http.post(pair.p.url + "/v1/completions", json=body)
                 assert shipped.status_code == 200, shipped.text
                 k = 1 + (i * 3) % (MAX_TOKENS - 1)  # the tokens RelayDecode generated

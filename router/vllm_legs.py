@@ -1,0 +1,499 @@
+"""The router's legs on vLLM: ``RequestRun``'s commands as calls on vLLM's own OpenAI servers.
+
+Each role is a vLLM OpenAI server beside its pddlink vLLM sidecar (``sidecar.vllm_kv``), whose
+``PddlinkConnector`` moves the KV. A request takes part in a transfer when its
+``kv_transfer_params`` hold ``{"pddlink": {"transfer": ID, "deadline_s": S}}``; the ID is the leg's
+sub-request id. The commands become (``VllmLegs``)::
+
+  SendPrefill   P:  {prompt ids, max_tokens 1, transfer}  -> vLLM prefills, the connector hands
+                    the KV to P's sidecar, which ships it to MD  (-> PrefillDone / PrefillFailed)
+  OpenStream MD (P->MD leg)     {the same prompt, stream, the same transfer} -> MD's connector
+                    parks the request until the KV is in, then MD streams from the prompt's end
+  OpenStream MD (relay leg)     prime: {prompt, max_tokens 1, transfer}: MD loads the KV into its
+                    prefix cache and waits for the handoff
+  OpenStream RLD                {prompt, stream} on RLD (the KV from P when ``rld_gets_kv``)
+  StartHandoff  by token ids: MD extends prompt + the k ids RLD streamed so far in one step, then
+                    decodes (``router.vllm_handoff``). One-shot: RLD's stream is closed at once;
+                    catch-up: RLD keeps streaming until MD's stream reaches RLD's position. Chosen by
+                    RLD's load (``choose_handoff_mode``), as RLD's sidecar does for the reference
+  TakeOver      MD extends prompt + the given ids (RLD lost)
+  CancelStreams the role's HTTP streams are closed (vLLM aborts the request; the connector's
+                    ``request_finished`` frees what the sidecars hold)
+
+Tokens carry absolute positions (``len(leg prompt) + i``); every event goes to ``inbox``, and the
+lifecycle machine merges, falls back and ends the run. Every call runs under the request's time left.
+A stream that vLLM ends with a finish reason other than ``length``/``stop`` (a failed KV load under
+policy ``fail``) is a failed stream, never tokens.
+
+``VllmBackend`` is the router's ``EngineBackend`` for vLLM: one HTTP client, the roles' health (each
+server's ``/health`` polled; a dead one is avoided until it answers again).
+``generate_alone`` is the exactness reference: one vLLM generating alone, no connector involved.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import Coroutine
+from typing import Any
+
+import httpx
+
+from engines_adapter.base import SamplingParams
+from pddlink.errors import DeadlineExceeded, RemoteError
+from pddlink.handoff import HandoffMode
+from pddlink.lifecycle import (
+    CancelStreams,
+    DetachHandoff,
+    HandoffDone,
+    HandoffResult,
+    Leg,
+    MdReady,
+    OpenStream,
+    PrefillDone,
+    PrefillFailed,
+    PrefillReport,
+    ReleaseRldSlot,
+    RunCommand,
+    RunEvent,
+    SendPrefill,
+    StartHandoff,
+    StreamClosed,
+    StreamEnd,
+    StreamEnded,
+    TakeOver,
+    TakeoverFailed,
+    TokenArrived,
+)
+from pddlink.lifecycle.outcomes import HandoffOutcome
+from pddlink.roles import Role
+from pddlink.routing import LinkModel, Pipeline, RecomputeMode, RoutingPolicy, choose_handoff_mode
+from router.config import RouterConfig, VllmEngineConfig
+from router.legs import Cluster
+
+__all__ = ["VllmBackend", "VllmLegs", "generate_alone", "sampling_body"]
+
+MIN_TIMEOUT_S = 0.01
+HEALTH_INTERVAL_S = 1.0
+FINISHED = ("length", "stop")
+
+
+def sampling_body(sampling: SamplingParams, *, ignore_eos: bool = True) -> dict[str, Any]:
+    """vLLM's sampling fields for ``sampling`` (seeded draws need ``PositionSeededSampling`` on
+    the servers to continue exactly across instances). The router's requests stop only at
+    ``stop_token_ids`` (its API adds the model's EOS there unless the client set ``ignore_eos``),
+    so vLLM is told to ignore its own EOS: the same request stops at the same token on every role."""
+    body: dict[str, Any] = {"temperature": sampling.temperature, "top_p": sampling.top_p}
+    if sampling.top_k > 0:
+        body["top_k"] = sampling.top_k
+    if sampling.temperature > 0:
+        body["seed"] = sampling.seed
+    if sampling.stop_token_ids:
+        body["stop_token_ids"] = list(sampling.stop_token_ids)
+    if ignore_eos:
+        body["ignore_eos"] = True
+    return body
+
+
+def _left(deadline: float) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise DeadlineExceeded("no time left")
+    return left
+
+
+async def post_completion(
+    http: httpx.AsyncClient, url: str, body: dict[str, Any], deadline: float
+) -> dict[str, Any]:
+    """One non-streaming completion; typed errors at the edge."""
+    try:
+        r = await http.post(url + "/v1/completions", json=body, timeout=_left(deadline))
+    except httpx.TimeoutException as exc:
+        raise DeadlineExceeded(f"{url} did not answer before the deadline") from exc
+    except httpx.HTTPError as exc:
+        raise RemoteError(f"{url}: {exc!r}") from exc
+    if r.status_code != 200:
+        raise RemoteError(f"{url} answered {r.status_code}: {r.text[:300]}")
+    out: dict[str, Any] = r.json()
+    return out
+
+
+async def generate_alone(
+    http: httpx.AsyncClient,
+    url: str,
+    model: str,
+    prompt: tuple[int, ...],
+    sampling: SamplingParams,
+    *,
+    deadline_s: float = 60.0,
+    ignore_eos: bool = True,
+) -> tuple[int, ...]:
+    """One vLLM generating alone (no transfer params: the connector stays out): the exactness
+    reference for whatever the router produced."""
+    body = {
+        "model": model,
+        "prompt": list(prompt),
+        "max_tokens": sampling.max_tokens,
+        "return_token_ids": True,
+        **sampling_body(sampling, ignore_eos=ignore_eos),
+    }
+    out = await post_completion(http, url, body, time.monotonic() + deadline_s)
+    return tuple(int(t) for t in out["choices"][0]["token_ids"])
+
+
+class VllmBackend:
+    """``router.backend.EngineBackend`` for vLLM servers (``RouterConfig.vllm``)."""
+
+    def __init__(self, cfg: RouterConfig) -> None:
+        self.cfg = cfg
+        self.v: VllmEngineConfig = cfg.vllm
+        self.http = httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=512))
+        self.urls = {"p": self.v.p_url, "md": self.v.md_url, "rld": self.v.rld_url}
+        self.roles: dict[str, dict[str, Any]] = {
+            role: {"url": url, "usable": bool(url), "error": "" if url else "not configured"}
+            for role, url in self.urls.items()
+        }
+        self.policy = RoutingPolicy(rld_max_load=cfg.rld_max_load)
+        self._health: asyncio.Task[None] | None = None
+
+    def legs(self, cluster: Cluster, deadline: float) -> VllmLegs:
+        return VllmLegs(cluster, self, deadline)
+
+    def matched_tokens(self, prompt: tuple[int, ...]) -> int:
+        # MD's DRC lives in MD's vLLM sidecar (fed by vLLM's KV events) and P's sidecar reserves
+        # against it before it ships; the router keeps no mirror of it for vLLM yet (ship/recompute
+        # choices start from 0 matched tokens; the transfer itself ships only what MD lacks).
+        return 0
+
+    def usable(self, role: str) -> bool:
+        return bool(self.roles[role]["usable"])
+
+    def rld_load(self, rld_active: int) -> float:
+        return rld_active / self.cfg.rld_capacity
+
+    async def start(self, link: LinkModel) -> None:
+        self._health = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        while True:
+            for role, url in self.urls.items():
+                if url:
+                    await self._probe(role, url)
+            await asyncio.sleep(HEALTH_INTERVAL_S)
+
+    async def _probe(self, role: str, url: str) -> None:
+        try:
+            r = await self.http.get(url + "/health", timeout=HEALTH_INTERVAL_S)
+            ok, err = r.status_code == 200, "" if r.status_code == 200 else f"health {r.status_code}"
+        except httpx.HTTPError as exc:
+            ok, err = False, type(exc).__name__
+        self.roles[role].update(usable=ok, error=err)
+
+    async def close(self) -> None:
+        if self._health is not None:
+            self._health.cancel()
+            await asyncio.gather(self._health, return_exceptions=True)
+        await self.http.aclose()
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "engine": "vllm",
+            "model": self.v.model,
+            "roles": {role: dict(st) for role, st in self.roles.items()},
+            "drc_mirror": {"source": "md's vLLM sidecar (not mirrored at the router)"},
+        }
+
+
+class VllmLegs:
+    """``router.backend.Legs`` on vLLM servers; see the module docstring."""
+
+    def __init__(self, cluster: Cluster, backend: VllmBackend, deadline: float) -> None:
+        self.c = cluster
+        self.b = backend
+        self.deadline = deadline
+        self.inbox: asyncio.Queue[RunEvent] = asyncio.Queue()
+        self.tasks: dict[str, asyncio.Task[Any]] = {}
+        self.leg_numbers: dict[str, int] = {}
+        self.rld_tokens: dict[str, list[int]] = {}  # per leg: what RLD streamed so far
+        self.rld_pos: dict[str, int] = {}  # per leg: the next position RLD will stream
+        self.md_reached: dict[str, asyncio.Event] = {}  # catch-up: MD streamed RLD's position
+        self.handoff_mode: dict[str, HandoffMode] = {}
+        self._legs: dict[str, Leg] = {}
+        self.primes: dict[str, asyncio.Task[bool]] = {}  # relay legs: MD loading the prompt's KV
+
+    def left(self) -> float:
+        return max(self.deadline - time.monotonic(), MIN_TIMEOUT_S)
+
+    def _kv(self, sid: str) -> dict[str, Any]:
+        share = self.b.v.wan_share * self.left()  # MD's failure report still arrives in time
+        return {"pddlink": {"transfer": sid, "deadline_s": share}}
+
+    def _body(self, prompt: tuple[int, ...], sampling: SamplingParams, max_tokens: int) -> dict[str, Any]:
+        return {
+            "model": self.b.v.model,
+            "prompt": list(prompt),
+            "max_tokens": max_tokens,
+            "return_token_ids": True,
+            **sampling_body(sampling),
+        }
+
+    def execute(self, cmd: RunCommand) -> None:
+        if isinstance(cmd, OpenStream):
+            n = self._number(cmd.leg)
+            self._legs[cmd.leg.sid] = cmd.leg
+            if cmd.on is Role.RLD:
+                self.c.rld_active += 1
+                self._spawn(f"rld{n}", self._rld_stream(cmd.leg))
+            elif cmd.leg.pipeline is Pipeline.P_RLD_MD:
+                prime = asyncio.get_running_loop().create_task(self._md_prime(cmd.leg))
+                self.primes[cmd.leg.sid] = self.tasks[f"md{n}"] = prime
+            else:
+                self._spawn(f"md{n}", self._md_stream(cmd.leg))
+        elif isinstance(cmd, SendPrefill):
+            self._spawn(f"p{self._number(cmd.leg)}", self._prefill(cmd))
+        elif isinstance(cmd, StartHandoff):
+            self._spawn("handoff", self._handoff(cmd.sid))
+        elif isinstance(cmd, TakeOver):
+            self._spawn(f"md{len(self.leg_numbers) + 50}", self._take_over(cmd))
+        elif isinstance(cmd, CancelStreams):
+            self._cancel(cmd.on)
+        elif isinstance(cmd, ReleaseRldSlot):
+            self.c.rld_active -= 1
+        elif isinstance(cmd, DetachHandoff):
+            self.tasks.pop("handoff", None)
+
+    def _number(self, leg: Leg) -> int:
+        return self.leg_numbers.setdefault(leg.sid, len(self.leg_numbers) + 1)
+
+    def _spawn(self, name: str, coro: Coroutine[Any, Any, None]) -> None:
+        old = self.tasks.get(name)
+        if old is not None and not old.done():
+            name = f"{name}x{len(self.tasks)}"
+        self.tasks[name] = asyncio.get_running_loop().create_task(coro)
+
+    def _cancel(self, role: Role) -> None:
+        for name, task in list(self.tasks.items()):
+            if name.startswith(role.value) and name[len(role.value) :][:1].isdigit():
+                task.cancel()
+
+    # -- P ---------------------------------------------------------------------------------------
+
+    async def _prefill(self, cmd: SendPrefill) -> None:
+        leg = cmd.leg
+        t0 = time.monotonic()
+        body = self._body(leg.prompt, leg.sampling, 1)
+        rld_kv = cmd.ship_to_rld and self.b.v.rld_gets_kv
+        if cmd.ship_to_md or rld_kv:
+            body["kv_transfer_params"] = self._kv(leg.sid)
+            if self.b.v.rld_gets_kv:  # P's sidecar has both destinations: name this leg's
+                to = [r for r, on in (("rld", rld_kv), ("md", cmd.ship_to_md)) if on]
+                body["kv_transfer_params"]["pddlink"]["to"] = to
+        try:
+            out = await post_completion(self.b.http, self.b.v.p_url, body, self.deadline)
+        except (RemoteError, DeadlineExceeded) as exc:
+            await self.inbox.put(PrefillFailed(leg.sid, exc.message))
+            return
+        seconds = time.monotonic() - t0
+        cached = _cached_tokens(out)
+        self.c.on_prefilled(leg.sid, len(leg.prompt) - cached, seconds)
+        report = PrefillReport(
+            first_token=int(out["choices"][0]["token_ids"][0]),
+            md_ok=cmd.ship_to_md,  # the shipment is under way; MD's stream says whether it landed
+            rld_ok=cmd.ship_to_rld,
+            p_cached_tokens=cached,
+            prefill_seconds=seconds,
+            fast_path="tcp" if cmd.ship_to_rld and self.b.v.rld_gets_kv else "",
+        )
+        await self.inbox.put(PrefillDone(leg.sid, report))
+
+    # -- streams ---------------------------------------------------------------------------------
+
+    async def _stream(
+        self,
+        role: Role,
+        url: str,
+        sid: str,
+        prompt: tuple[int, ...],
+        body: dict[str, Any],
+        on_token: Any = None,
+    ) -> StreamClosed:
+        """One streaming completion: each token to the inbox at its absolute position; how it ended."""
+        body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        pos = len(prompt)
+        finish = ""
+        try:
+            async with self.b.http.stream(
+                "POST", url + "/v1/completions", json=body, timeout=self.left()
+            ) as resp:
+                if resp.status_code != 200:
+                    text = (await resp.aread())[:300].decode(errors="replace")
+                    return StreamClosed(StreamEnd.FAILED, f"http_{resp.status_code}:{text}")
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    for choice in chunk.get("choices") or []:
+                        ids = [int(t) for t in choice.get("token_ids") or []]
+                        finish = choice.get("finish_reason") or finish
+                        for i, tok in enumerate(ids):
+                            last = bool(finish) and i == len(ids) - 1
+                            if finish and finish not in FINISHED:
+                                break  # never tokens from a request vLLM failed
+                            await self.inbox.put(TokenArrived(sid, role, pos, tok, last))
+                            pos += 1
+                            if on_token is not None:
+                                on_token(pos, tok)
+        except httpx.TimeoutException:
+            return StreamClosed(StreamEnd.FAILED, "deadline_exceeded")
+        except httpx.HTTPError as exc:
+            return StreamClosed(StreamEnd.FAILED, f"unreachable:{type(exc).__name__}")
+        if finish in FINISHED:
+            return StreamClosed(StreamEnd.FINISHED, finish)
+        return StreamClosed(StreamEnd.FAILED, f"finish_reason_{finish or 'missing'}")
+
+    async def _md_stream(self, leg: Leg) -> None:
+        """P->MD: MD loads the transfer (unless it recomputes the prompt itself) and streams."""
+        body = self._body(leg.prompt, leg.sampling, leg.sampling.max_tokens)
+        if leg.recompute is RecomputeMode.NONE:
+            body["kv_transfer_params"] = self._kv(leg.sid)
+        closed = await self._stream(Role.MD, self.b.v.md_url, leg.sid, leg.prompt, body)
+        await self.inbox.put(StreamEnded(leg.sid, Role.MD, closed))
+
+    async def _md_prime(self, leg: Leg) -> bool:
+        """Relay leg: MD gets the prompt's KV into its prefix cache (loads P's transfer, or on relay
+        + recompute prefills the prompt itself, then ``MdReady``) and waits for the handoff. A
+        failed load is MD lost (RLD finishes). True once MD holds the prompt's blocks."""
+        body = self._body(leg.prompt, leg.sampling, 1)
+        recompute = leg.recompute is not RecomputeMode.NONE
+        if not recompute:
+            body["kv_transfer_params"] = self._kv(leg.sid)
+        t0 = time.monotonic()
+        try:
+            out = await post_completion(self.b.http, self.b.v.md_url, body, self.deadline)
+        except (RemoteError, DeadlineExceeded) as exc:
+            closed = StreamClosed(StreamEnd.FAILED, f"md_prime:{exc.message}"[:200])
+            await self.inbox.put(StreamEnded(leg.sid, Role.MD, closed))
+            return False
+        finish = out["choices"][0].get("finish_reason")
+        if finish not in FINISHED:
+            closed = StreamClosed(StreamEnd.FAILED, f"md_kv_load_failed:{finish}")
+            await self.inbox.put(StreamEnded(leg.sid, Role.MD, closed))
+            return False
+        if recompute:
+            seconds, cached = time.monotonic() - t0, _cached_tokens(out)
+            self.c.on_md_ready(leg.sid, len(leg.prompt) - cached, seconds)
+            await self.inbox.put(MdReady(leg.sid, seconds, cached))
+        return True
+
+    async def _rld_stream(self, leg: Leg) -> None:
+        url = self.b.v.rld_url
+        body = self._body(leg.prompt, leg.sampling, leg.sampling.max_tokens)
+        if self.b.v.rld_gets_kv:  # the same transfer: RLD's vLLM parks it until the fast path landed
+            body["kv_transfer_params"] = self._kv(leg.sid)
+        got = self.rld_tokens.setdefault(leg.sid, [])
+        self.rld_pos[leg.sid] = len(leg.prompt)
+
+        def seen(pos: int, tok: int) -> None:
+            got.append(tok)
+            self.rld_pos[leg.sid] = pos
+
+        closed = StreamClosed(StreamEnd.FAILED, "rld_cancelled")
+        try:
+            closed = await self._stream(Role.RLD, url, leg.sid, leg.prompt, body, seen)
+        except asyncio.CancelledError:
+            mode = self.handoff_mode.get(leg.sid)
+            if mode is not None:  # the handoff closed RLD's stream: it handed the request over
+                await self.inbox.put(
+                    StreamEnded(leg.sid, Role.RLD, StreamClosed(StreamEnd.HANDED_OFF, mode.value), mode)
+                )
+            raise
+        await self.inbox.put(StreamEnded(leg.sid, Role.RLD, closed))
+
+    # -- the handoff by token ids ----------------------------------------------------------------
+
+    async def _handoff(self, sid: str) -> None:
+        leg = self._legs.get(sid)
+        rld = next((t for n, t in self.tasks.items() if n.startswith("rld") and not t.done()), None)
+        prime = self.primes.get(sid)
+        if prime is not None and rld is not None:
+            # MD holds the prompt's KV once its prime answered (the transfer landed and loaded)
+            await asyncio.wait({prime, rld}, timeout=self.left(), return_when=asyncio.FIRST_COMPLETED)
+        if leg is None or rld is None or rld.done():
+            await self.inbox.put(HandoffDone(sid, HandoffResult(HandoffOutcome.FINISHED_ON_RLD)))
+            return
+        if prime is not None and (not prime.done() or prime.result() is not True):
+            result = HandoffResult(HandoffOutcome.FAILED, "md_kv_not_loaded")
+            await self.inbox.put(HandoffDone(sid, result))
+            return
+        mode = choose_handoff_mode(self.b.rld_load(self.c.rld_active), self.b.policy).mode
+        given = tuple(self.rld_tokens.get(sid, ()))
+        if leg.sampling.max_tokens - len(given) <= 1:
+            await self.inbox.put(HandoffDone(sid, HandoffResult(HandoffOutcome.FINISHED_ON_RLD)))
+            return
+        self.handoff_mode[sid] = mode
+        if mode is HandoffMode.ONE_SHOT:
+            rld.cancel()  # RLD is aborted at once; MD continues from what it streamed
+        reached = asyncio.Event()
+        name = f"md{self._number(leg)}h"
+        self._spawn(name, self._extend(leg, given, reached if mode is HandoffMode.CATCH_UP else None))
+        if mode is HandoffMode.CATCH_UP:
+            # RLD keeps streaming until MD's stream reaches RLD's position; then RLD is closed
+            waiter = asyncio.ensure_future(reached.wait())
+            done, _ = await asyncio.wait(
+                {waiter, rld}, timeout=self.left(), return_when=asyncio.FIRST_COMPLETED
+            )
+            waiter.cancel()
+            if rld in done:  # RLD finished before MD caught up: MD's extend is not needed
+                self._cancel_name(name)
+                result = HandoffResult(HandoffOutcome.FINISHED_ON_RLD)
+                await self.inbox.put(HandoffDone(sid, result, mode))
+                return
+            rld.cancel()
+        await self.inbox.put(HandoffDone(sid, HandoffResult(HandoffOutcome.HANDED_OFF), mode))
+
+    def _cancel_name(self, name: str) -> None:
+        task = self.tasks.get(name)
+        if task is not None:
+            task.cancel()
+
+    async def _extend(self, leg: Leg, given: tuple[int, ...], reached: asyncio.Event | None) -> None:
+        """MD continues after prompt + ``given`` (the prompt's blocks from its prefix cache)."""
+        prompt = leg.prompt + given
+        body = self._body(prompt, leg.sampling, leg.sampling.max_tokens - len(given))
+
+        def seen(pos: int, tok: int) -> None:
+            if reached is not None and pos >= self.rld_pos.get(leg.sid, 0):
+                reached.set()
+
+        closed = await self._stream(Role.MD, self.b.v.md_url, leg.sid, prompt, body, seen)
+        await self.inbox.put(StreamEnded(leg.sid, Role.MD, closed))
+
+    async def _take_over(self, cmd: TakeOver) -> None:
+        """MD takes over from the given ids (RLD lost); MD recomputes what its cache lacks."""
+        leg = cmd.leg
+        if cmd.emit_given:
+            for i, tok in enumerate(cmd.token_ids):
+                await self.inbox.put(TokenArrived(leg.sid, Role.MD, cmd.first_position + i, tok))
+        prompt = leg.prompt + cmd.token_ids
+        body = self._body(prompt, leg.sampling, leg.sampling.max_tokens - len(cmd.token_ids))
+        closed = await self._stream(Role.MD, self.b.v.md_url, leg.sid, prompt, body)
+        if closed.end is not StreamEnd.FINISHED:
+            await self.inbox.put(TakeoverFailed(leg.sid, closed.render()))
+            return
+        await self.inbox.put(StreamEnded(leg.sid, Role.MD, closed))
+
+    # -- teardown --------------------------------------------------------------------------------
+
+    async def close(self, *, finished: bool) -> None:
+        tasks = list(self.tasks.values())
+        for task in tasks:
+            task.cancel()
+        with contextlib.suppress(Exception):
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _cached_tokens(out: dict[str, Any]) -> int:
+    details = (out.get("usage") or {}).get("prompt_tokens_details") or {}
+    return int(details.get("cached_tokens") or 0)
