@@ -235,6 +235,10 @@ def test_wan_cut_past_deadline_rld_finishes_and_md_ends_in_time(trio: Any) -> No
     trio.lab.set_outage(True)
     try:
         alone, rld, (md, md_finish, _), at = asyncio.run(run())
+        until = time.monotonic() + 15  # the cut lasts past P's deadline for its md leg
+        while (shipped := trio.shipped("cut-1")) is None:
+            assert time.monotonic() < until, "P's shipment did not end"
+            time.sleep(0.2)
     finally:
         trio.lab.set_outage(False)
     assert rld == alone  # MD unreachable: RLD has the whole KV and finishes
@@ -246,10 +250,6 @@ def test_wan_cut_past_deadline_rld_finishes_and_md_ends_in_time(trio: Any) -> No
         assert md_finish, "MD's request ended without a reason"
     recomputed = trio.status()["md"]["recomputed"]
     assert recomputed.get("deadline_exceeded", 0) >= 1, recomputed
-    deadline = time.monotonic() + 15
-    while (shipped := trio.shipped("cut-1")) is None:
-        assert time.monotonic() < deadline, "P's shipment did not end"
-        time.sleep(0.2)
     assert shipped["legs"]["rld"]["ok"] is True
     assert shipped["legs"]["md"]["ok"] is False and shipped["legs"]["md"]["error"], shipped
     assert _wait_released(trio) == [0] * 6
