@@ -21,21 +21,24 @@ and worker side (in each worker, ``role=WORKER``); in-process mode both live in 
 Which hook runs when, on each side:
 
 P (kv_producer)
-  scheduler  ``get_num_new_matched_tokens`` (first sight of the request): PREPARE to the sidecar,
-             which reserves MD's cached prefix while vLLM prefills; answers 0 (nothing to load).
+  scheduler  ``get_num_new_matched_tokens`` (first sight of the request): PREPARE to the sidecar
+             (with ``to`` when given), which reserves each destination's cached prefix while vLLM
+             prefills (RLD's answer is 0: it gets every whole block); answers 0 (nothing to load).
              ``build_connector_meta`` (each step): follows the request's blocks; in the step where
              its prefill completes it adds a save of its whole blocks below the last prompt token
              (MD recomputes that tail of < 1 block itself) to the step's metadata.
              ``request_finished``: forgets it; a request that ended before its save releases the
              transfer at the sidecar. Blocks are freed at once (the save was synchronous).
   worker     ``wait_for_save`` (after the step's forward, which wrote the KV): ALLOC a region slot
-             (the answer carries MD's reserved prefix when known), copies the blocks from there on
-             out of vLLM's paged cache into it, COMMIT; the sidecar ships them over the WAN.
+             (the answer carries the smallest reserved prefix when known), copies the blocks from
+             there on out of vLLM's paged cache into it, COMMIT; the sidecar ships each destination
+             its suffix from that one slot (RLD over the fast path, MD over the WAN).
 MD and RelayDecode (kv_consumer; RLD is fed over the fast path, MD across the WAN)
   scheduler  ``get_num_new_matched_tokens``: asks the sidecar (EXPECT) where the transfer starts
              (the prefix MD reserved for it); ``None`` (ask again) until known; then
              ``(tail start - computed, True)``, tail start being the last whole block below
-             ``kv_tokens`` (or the prompt's last token): an asynchronous load, vLLM parks the request. When
+             ``kv_tokens`` (or the prompt's last token): an asynchronous load, vLLM parks the
+             request (on MD handed prompt + k, the tail and the k tokens are then one step). When
              vLLM's own prefix cache no longer holds the reserved prefix (evicted meanwhile), or
              the transfer failed or missed its deadline before it was known: 0, and vLLM
              recomputes the prompt itself (correct tokens, counted by reason).

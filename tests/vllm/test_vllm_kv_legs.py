@@ -1,0 +1,142 @@
+"""P's vLLM sidecar ships one slot to two destinations (no vLLM needed: real sidecars, real
+sockets, the connector's control calls made by hand): RelayDecode gets every whole block over the
+fast path, MD only the blocks its DRC lacks; a leg that fails does not fail the other; the slot is
+freed once every leg ended; ``to`` picks the legs."""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from pddlink.kv.hashing import BlockHasher
+from sidecar.vllm_kv.control import Op, TransferState
+from sidecar.vllm_kv.service import Role, VllmSidecar, VllmSidecarConfig
+from sidecar.vllm_kv.shm import MappedRegion, Slot
+
+BS, PER_BLOCK, MODEL = 32, 4096, "tiny"
+LAYOUT = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 64, "dtype": "float32", "block_size": BS}
+
+
+async def _until(pred: Any, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+async def _trio(root: Path, *, md_addr: str | None = None) -> tuple[VllmSidecar, VllmSidecar, VllmSidecar]:
+    md = await VllmSidecar(VllmSidecarConfig(Role.MD, "md", root, MODEL, BS, region_bytes=8 << 20)).start()
+    rld = await VllmSidecar(VllmSidecarConfig(Role.RLD, "rld", root, MODEL, BS, region_bytes=8 << 20)).start()
+    p_cfg = VllmSidecarConfig(
+        Role.P,
+        "p",
+        root,
+        MODEL,
+        BS,
+        region_bytes=8 << 20,
+        md_addr=md_addr or f"127.0.0.1:{md.kv_port}",
+        rld_addr=f"127.0.0.1:{rld.kv_port}",
+        rld_transport="auto",
+    )
+    return await VllmSidecar(p_cfg).start(), rld, md
+
+
+async def _ship(p: VllmSidecar, transfer: str, prompt: list[int], **prepare: Any) -> bytes:
+    """What P's connector does: PREPARE, ALLOC, fill the slot, COMMIT; returns the bytes copied."""
+    assert p.producer is not None and p.region is not None
+    h = p.producer.handle
+    h(Op.PREPARE, {"transfer": transfer, "prompt": prompt, "deadline_at": time.time() + 5, **prepare})
+    out = p.producer.out[transfer]
+    await _until(
+        lambda: all(leg.reservation is not None and leg.reservation.done() for leg in out.legs.values())
+    )
+    n = (len(prompt) - 1) // BS
+    a = h(Op.ALLOC, {"transfer": transfer, "num_blocks": n, "bytes_per_block": PER_BLOCK})
+    region = MappedRegion(p.region.path)
+    data = bytes((i * 7 + int(a["first_block"])) % 251 for i in range(int(a["nbytes"])))
+    if a["nbytes"]:
+        region.buffer(Slot(int(a["offset"]), int(a["nbytes"])))[:] = data
+    h(
+        Op.COMMIT,
+        {
+            "transfer": transfer,
+            "offset": a["offset"],
+            "nbytes": a["nbytes"],
+            "first_block": a["first_block"],
+            "num_blocks": n,
+            "num_tokens": len(prompt),
+            "layout": LAYOUT,
+        },
+    )
+    await _until(lambda: p.producer is not None and transfer in p.producer.done)
+    return data
+
+
+def _landed(side: VllmSidecar, transfer: str) -> bytes | None:
+    assert side.consumer is not None and side.region is not None
+    st = side.consumer.handle(Op.POLL, {"transfers": [transfer]})["states"][transfer]
+    if st["state"] != TransferState.LANDED:
+        return None
+    n = int(st["num_blocks"]) * int(st["bytes_per_block"])
+    return bytes(side.region.view[int(st["offset"]) : int(st["offset"]) + n])
+
+
+async def _close(*sides: VllmSidecar) -> None:
+    for s in sides:
+        await s.close()
+
+
+def test_one_slot_ships_every_block_to_rld_and_the_missing_suffix_to_md() -> None:
+    async def run() -> None:
+        root = Path(tempfile.mkdtemp(prefix="pddlink-legs-"))
+        p, rld, md = await _trio(root)
+        try:
+            prompt = list(range(3, 3 + 5 * BS + 7))  # 5 whole blocks travel
+            assert md.consumer is not None
+            md.consumer.index.insert(BlockHasher(MODEL, BS).hash_blocks(prompt)[:2], time.monotonic())
+            data = await _ship(p, "t1", prompt)
+            rec = p.producer.done["t1"]  # type: ignore[union-attr]
+            assert (
+                rec["ok"] and rec["legs"]["rld"]["first_block"] == 0 and rec["legs"]["md"]["first_block"] == 2
+            )
+            assert rec["first_block"] == 2 and rec["wan_bytes"] == 3 * PER_BLOCK  # MD's leg at the top
+            await _until(lambda: _landed(rld, "t1") is not None and _landed(md, "t1") is not None)
+            assert _landed(rld, "t1") == data  # every whole block, from block 0
+            assert _landed(md, "t1") == data[2 * PER_BLOCK :]  # only what MD's DRC lacked
+            st = p.status()
+            assert st["held_slots"] == 0 and st["in_flight"] == 0 and st["fast_path"] == "tcp"
+            assert st["legs"]["rld"]["bytes"] == 5 * PER_BLOCK and st["legs"]["md"]["bytes"] == 3 * PER_BLOCK
+            for side in (rld, md):
+                side.consumer.handle(Op.RELEASE, {"transfer": "t1", "reason": "loaded"})  # type: ignore[union-attr]
+                assert side.status()["held_slots"] == 0 and side.status()["loaded"] == 1
+            # "to" picks the legs: the P->MD baseline in the same deployment
+            await _ship(p, "t2", [t + 1 for t in prompt], to=["md"])
+            assert list(p.producer.done["t2"]["legs"]) == ["md"]  # type: ignore[union-attr]
+            assert _landed(rld, "t2") is None
+        finally:
+            await _close(p, rld, md)
+
+    asyncio.run(run())
+
+
+def test_md_unreachable_fails_its_leg_only_and_frees_the_slot() -> None:
+    async def run() -> None:
+        root = Path(tempfile.mkdtemp(prefix="pddlink-legs-"))
+        p, rld, md = await _trio(root, md_addr="127.0.0.1:1")  # nothing listens there
+        try:
+            prompt = list(range(3, 3 + 3 * BS + 1))
+            data = await _ship(p, "t1", prompt)
+            rec = p.producer.done["t1"]  # type: ignore[union-attr]
+            assert rec["ok"] is False and rec["legs"]["rld"]["ok"] is True
+            assert rec["legs"]["md"]["ok"] is False and rec["legs"]["md"]["error"]
+            assert _landed(rld, "t1") == data
+            st = p.status()
+            assert (st["held_slots"], st["in_flight"], st["failed"]) == (0, 0, 1)
+            assert st["legs"]["md"]["failed"] == 1 and st["legs"]["rld"]["shipped"] == 1
+        finally:
+            await _close(p, rld, md)
+
+    asyncio.run(run())
