@@ -323,12 +323,11 @@ class PddlinkConnector(KVConnectorBase_V1):
                 log.warning("request %s: KV not handed to the sidecar: %s", save.req_id, exc)
                 self._call(Op.RELEASE, transfer=save.transfer, reason=f"save failed: {exc}")
 
-    def _time(self, op: str, transfer: str, seconds: float, nbytes: int) -> None:
+    def _time(self, op: str, transfer: str, seconds: float, nbytes: int, **phases: float) -> None:
         if self.timing_file is not None:
+            rec = {"op": op, "transfer": transfer, "seconds": seconds, "bytes": nbytes, **phases}
             with self.timing_file.open("a") as f:
-                f.write(
-                    json.dumps({"op": op, "transfer": transfer, "seconds": seconds, "bytes": nbytes}) + "\n"
-                )
+                f.write(json.dumps(rec) + "\n")
 
     def _save(self, save: SaveSpec) -> None:
         t0 = time.perf_counter()
@@ -339,8 +338,10 @@ class PddlinkConnector(KVConnectorBase_V1):
         )
         first = min(int(answer["first_block"]), n)
         slot = Slot(int(answer["offset"]), int(answer["nbytes"]))
+        t_alloc = time.perf_counter()
         buf = self._mapped().buffer(slot) if slot.nbytes else memoryview(b"")
         self._kv.gather(save.block_ids[first:], buf)
+        t_copy = time.perf_counter()
         if self.dump_dir is not None and slot.nbytes:
             (self.dump_dir / f"P-{save.transfer}-{first}.bin").write_bytes(buf)
         self.control.call(
@@ -353,7 +354,11 @@ class PddlinkConnector(KVConnectorBase_V1):
             num_tokens=save.num_tokens,
             layout=self.layout,
         )
-        self._time("save", save.transfer, time.perf_counter() - t0, slot.nbytes)
+        t1 = time.perf_counter()
+        self._time(
+            "save", save.transfer, t1 - t0, slot.nbytes, alloc_s=t_alloc - t0, copy_s=t_copy - t_alloc,
+            commit_s=t1 - t_copy,
+        )  # fmt: skip
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         results = KVConnectorTransferResults()
