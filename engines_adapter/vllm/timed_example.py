@@ -12,6 +12,7 @@ metadata only to tell MLA layers apart: none here), so the baseline's take-in is
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -19,6 +20,8 @@ from types import SimpleNamespace
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import ExampleConnector
+
+log = logging.getLogger("pddlink.vllm")
 
 
 class TimedExampleConnector(ExampleConnector):
@@ -42,7 +45,12 @@ class TimedExampleConnector(ExampleConnector):
                 attn_metadata=defaultdict(lambda: None),  # per layer: not MLA
             )
         t0 = time.perf_counter()
-        super().start_load_kv(forward_context, **kwargs)
+        try:
+            super().start_load_kv(forward_context, **kwargs)
+        except Exception as exc:  # the stand-in metadata did not fit this vLLM: report, do not crash
+            log.warning("ExampleConnector load with stand-in metadata failed: %r", exc)
+            self._log("load_error", time.perf_counter() - t0)
+            return
         if loads:
             self._log("load", time.perf_counter() - t0)
 
