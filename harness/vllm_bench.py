@@ -5,11 +5,14 @@ Per size (``--repeats`` distinct random prompts each, median reported):
   prefill_s      P's vLLM prefilling the prompt alone (max_tokens 1, no prefix hit, no connector
                  work: a request without kv_transfer_params)
   kv_bytes       the prompt's KV (whole blocks)
-  pddlink        save_s: P's connector handing the KV out (slot, copy out of the paged cache,
-                 commit); load_s: MD's connector taking it in (copy into the allocated blocks);
-                 the wire is excluded (P->MD over loopback); overhead = (save + load) / prefill
+  pddlink        save_s: P's connector handing the KV out (ALLOC sent before the forward, its
+                 answer read after it, copy out of the paged cache, COMMIT sent), with its phases
+                 (save_phases: alloc_send_s, alloc_s, copy_s, commit_s, and the copy path);
+                 load_s: MD's connector taking it in (copy into the allocated blocks); the wire
+                 is excluded (P->MD over loopback); overhead = (save + load) / prefill
   example        the same two hooks of vLLM's ExampleConnector (safetensors files in a temp dir)
-                 on one vLLM (prefix caching off, so the second request loads from the connector)
+                 on one vLLM (prefix caching off, so the second request loads from the connector;
+                 ``TimedExampleConnector`` makes its load run on vLLM's CPU runner)
 """
 
 from __future__ import annotations
@@ -34,13 +37,28 @@ from router.vllm_driver import DriveRequest, VllmDriver
 SIZES = (512, 2048, 8192)
 
 
-def _timings(d: Path, op: str) -> list[float]:
+def _records(d: Path, op: str) -> list[dict[str, Any]]:
     out = []
     for f in d.glob("*.jsonl"):
         for line in f.read_text().splitlines():
             rec = json.loads(line)
             if rec["op"] == op:
-                out.append(float(rec["seconds"]))
+                out.append(rec)
+    return out
+
+
+def _timings(d: Path, op: str) -> list[float]:
+    return [float(r["seconds"]) for r in _records(d, op)]
+
+
+def _phases(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median of each timed phase of the records, and the copy path(s) they took."""
+    out: dict[str, Any] = {
+        k: statistics.median(float(r[k]) for r in records)
+        for k in ("alloc_send_s", "alloc_s", "copy_s", "commit_s")
+        if records and all(k in r for r in records)
+    }
+    out["path"] = sorted({str(r.get("path")) for r in records})
     return out
 
 
@@ -87,17 +105,20 @@ def run(dtype: str, repeats: int, sizes: tuple[int, ...] = SIZES) -> dict[str, A
             driver = VllmDriver(pair.p.url, pair.md.url, str(model))
             try:
                 for n in sizes:
-                    pre, saves, loads = [], [], []
+                    pre: list[float] = []
+                    saves: list[dict[str, Any]] = []
+                    loads: list[float] = []
                     for _ in range(repeats):
                         pre.append(await _prefill_s(http, pair.p.url, str(model), _prompt(rng, n)))
                         _clear(timing)
                         await driver.run_p_md(DriveRequest(_prompt(rng, n), 1, 120.0))
-                        saves += _timings(timing, "save")
+                        saves += _records(timing, "save")
                         loads += _timings(timing, "load")
                     results[n]["prefill_s"] = statistics.median(pre)
                     results[n]["pddlink"] = {
-                        "save_s": statistics.median(saves),
+                        "save_s": statistics.median(float(r["seconds"]) for r in saves),
                         "load_s": statistics.median(loads),
+                        "save_phases": _phases(saves),
                     }
             finally:
                 await driver.close()

@@ -1,7 +1,9 @@
-"""P's codec choice for the WAN leg: compress bf16 KV when the line is slower than the compressor.
+"""P's codec choice for the WAN leg: compress KV (bf16, fp16, fp32) when the line is slower than the
+compressor.
 
 One ``WanCodec`` per WAN line (P's pool of links to one MD). At start it times the codec on
-synthetic bf16 KV (``LinkCodecChooser.measure_at_start``); for every transfer it takes the rate a
+synthetic bf16 and fp32 KV (``LinkCodecChooser.measure_at_start``; fp16 is sampled on its first
+real KV); for every transfer it takes the rate a
 new flow gets on the line now -- from a ``pddlink.routing.LinkModel`` seeded with the configured
 line rate (``data_plane.wan_line_mbit``) and fed by the transfers it sees, or, with no line rate
 configured, the goodput measured on earlier transfers (the first one then goes RAW) -- and asks
@@ -24,6 +26,7 @@ from pddlink.transport import TransferResult
 from pddlink.transport.api import CODEC_THREADS
 
 MODES = ("auto", "raw", "planes_zstd")
+START_DTYPES = (KVDtype.bfloat16, KVDtype.float32)  # sampled at start: the dtypes vLLM and the engine run
 _GOODPUT_WEIGHT = 0.3
 
 
@@ -32,7 +35,8 @@ class WanCodecStatus:
     mode: str
     line_bytes_per_s: float | None
     rate_bytes_per_s: float | None  # what the next transfer's decision uses
-    sample: CodecSample | None
+    sample: CodecSample | None  # bf16's
+    samples: dict[str, CodecSample]  # every dtype measured so far, by name
 
 
 class WanCodec:
@@ -46,7 +50,8 @@ class WanCodec:
         self.mode = mode
         self.chooser = LinkCodecChooser(CodecPolicy(threads=CODEC_THREADS, pipelined=False))
         if mode == "auto":
-            self.chooser.measure_at_start(KVDtype.bfloat16)
+            for kind in START_DTYPES:
+                self.chooser.measure_at_start(kind)
         self.model = LinkModel(line_mbit * 1e6 / 8, rtt_s, pool_size=pool_size) if line_mbit else None
         self._goodput: float | None = None
 
@@ -94,22 +99,29 @@ class WanCodec:
 
     def status(self, now: float) -> WanCodecStatus:
         line = self.model.line_bytes_per_s if self.model is not None else None
+        samples = self.chooser.samples
         return WanCodecStatus(
-            self.mode, line, self.rate_bytes_per_s(now), self.chooser.samples.get(KVDtype.bfloat16)
+            self.mode,
+            line,
+            self.rate_bytes_per_s(now),
+            samples.get(KVDtype.bfloat16),
+            {kind.name: sample for kind, sample in samples.items()},
         )
 
     def status_json(self, now: float) -> dict[str, Any]:
         st = self.status(now)
-        sample = st.sample
         return {
             "mode": st.mode,
             "line_bytes_per_s": st.line_bytes_per_s,
             "rate_bytes_per_s": st.rate_bytes_per_s,
-            "bf16_sample": None
-            if sample is None
-            else {
-                "ratio": sample.ratio,
-                "compress_gb_per_s": sample.compress_gb_per_s,
-                "decompress_gb_per_s": sample.decompress_gb_per_s,
-            },
+            "bf16_sample": None if st.sample is None else _sample_json(st.sample),
+            "samples": {name: _sample_json(s) for name, s in st.samples.items()},
         }
+
+
+def _sample_json(sample: CodecSample) -> dict[str, float]:
+    return {
+        "ratio": sample.ratio,
+        "compress_gb_per_s": sample.compress_gb_per_s,
+        "decompress_gb_per_s": sample.decompress_gb_per_s,
+    }

@@ -29,10 +29,13 @@ P (kv_producer)
              (MD recomputes that tail of < 1 block itself) to the step's metadata.
              ``request_finished``: forgets it; a request that ended before its save releases the
              transfer at the sidecar. Blocks are freed at once (the save was synchronous).
-  worker     ``wait_for_save`` (after the step's forward, which wrote the KV): ALLOC a region slot
-             (the answer carries the smallest reserved prefix when known), copies the blocks from
-             there on out of vLLM's paged cache into it, COMMIT; the sidecar ships each destination
-             its suffix from that one slot (RLD over the fast path, MD over the WAN).
+  worker     ``bind_connector_metadata`` (before the step's forward): sends ALLOC for each of the
+             step's saves without waiting (the answer, a region slot and the smallest reserved prefix
+             when known, is read after the forward). ``wait_for_save`` (after the forward, which
+             wrote the KV): copies the blocks from the slot's first one on out of vLLM's paged
+             cache into it (``PagedKV.gather``), sends COMMIT (its answer is read on the next
+             step: a refused COMMIT releases the transfer then); the sidecar ships each
+             destination its suffix from that one slot (RLD over the fast path, MD over the WAN).
 MD and RelayDecode (kv_consumer; RLD is fed over the fast path, MD across the WAN)
   scheduler  ``get_num_new_matched_tokens``: asks the sidecar (EXPECT) where the transfer starts
              (the prefix MD reserved for it); ``None`` (ask again) until known; then
@@ -71,7 +74,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from engines_adapter.vllm.paged_kv import PagedKV
 from pddlink.errors import PddlinkError
-from sidecar.vllm_kv.control import ControlClient, Op, TransferState
+from sidecar.vllm_kv.control import ControlClient, Op, Pending, TransferState
 from sidecar.vllm_kv.shm import MappedRegion, Slot
 
 if TYPE_CHECKING:
@@ -187,6 +190,8 @@ class PddlinkConnector(KVConnectorBase_V1):
         self._kv: PagedKV | None = None
         self._region: MappedRegion | None = None
         self._loads: dict[str, LoadSpec] = {}
+        self._allocs: dict[str, tuple[Pending, float]] = {}  # transfer -> ALLOC sent, seconds it took
+        self._commits: list[tuple[SaveSpec, Pending]] = []  # COMMITs whose answer is not read yet
 
     # ---------------------------------------------------------------- scheduler side
 
@@ -330,6 +335,30 @@ class PddlinkConnector(KVConnectorBase_V1):
             self._region = MappedRegion(Path(status["region"]))
         return self._region
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if not self.producer or self._kv is None or not isinstance(connector_metadata, PddlinkMetadata):
+            return
+        self._check_commits()
+        for save in connector_metadata.saves:  # ALLOC now; the answer is read after the forward
+            t0 = time.perf_counter()
+            pending = self.control.send(
+                Op.ALLOC,
+                transfer=save.transfer,
+                num_blocks=len(save.block_ids),
+                bytes_per_block=self._kv.bytes_per_block,
+            )
+            self._allocs[save.transfer] = (pending, time.perf_counter() - t0)
+
+    def _check_commits(self) -> None:
+        commits, self._commits = self._commits, []
+        for save, pending in commits:
+            try:
+                pending.result()
+            except PddlinkError as exc:
+                log.warning("request %s: the sidecar refused its KV: %s", save.req_id, exc)
+                self._call(Op.RELEASE, transfer=save.transfer, reason=f"commit failed: {exc}")
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, PddlinkMetadata)
@@ -354,27 +383,31 @@ class PddlinkConnector(KVConnectorBase_V1):
                 log.warning("request %s: KV not handed to the sidecar: %s", save.req_id, exc)
                 self._call(Op.RELEASE, transfer=save.transfer, reason=f"save failed: {exc}")
 
-    def _time(self, op: str, transfer: str, seconds: float, nbytes: int) -> None:
+    def _time(self, op: str, transfer: str, seconds: float, nbytes: int, **extra: float | str) -> None:
         if self.timing_file is not None:
+            rec = {"op": op, "transfer": transfer, "seconds": seconds, "bytes": nbytes, **extra}
             with self.timing_file.open("a") as f:
-                f.write(
-                    json.dumps({"op": op, "transfer": transfer, "seconds": seconds, "bytes": nbytes}) + "\n"
-                )
+                f.write(json.dumps(rec) + "\n")
 
     def _save(self, save: SaveSpec) -> None:
         t0 = time.perf_counter()
         assert self._kv is not None
         n = len(save.block_ids)
-        answer = self.control.call(
-            Op.ALLOC, transfer=save.transfer, num_blocks=n, bytes_per_block=self._kv.bytes_per_block
-        )
+        pending, sent_s = self._allocs.pop(save.transfer, (None, 0.0))
+        if pending is None:  # not sent before the forward (no bind_connector_metadata): ask now
+            pending = self.control.send(
+                Op.ALLOC, transfer=save.transfer, num_blocks=n, bytes_per_block=self._kv.bytes_per_block
+            )
+        answer = pending.result()
         first = min(int(answer["first_block"]), n)
         slot = Slot(int(answer["offset"]), int(answer["nbytes"]))
+        t_alloc = time.perf_counter()
         buf = self._mapped().buffer(slot) if slot.nbytes else memoryview(b"")
         self._kv.gather(save.block_ids[first:], buf)
+        t_copy = time.perf_counter()
         if self.dump_dir is not None and slot.nbytes:
             (self.dump_dir / f"{self.dump_tag}-{save.transfer}-{first}.bin").write_bytes(buf)
-        self.control.call(
+        commit = self.control.send(
             Op.COMMIT,
             transfer=save.transfer,
             offset=slot.offset,
@@ -384,7 +417,12 @@ class PddlinkConnector(KVConnectorBase_V1):
             num_tokens=save.num_tokens,
             layout=self.layout,
         )
-        self._time("save", save.transfer, time.perf_counter() - t0, slot.nbytes)
+        self._commits.append((save, commit))
+        t1 = time.perf_counter()
+        self._time(
+            "save", save.transfer, sent_s + t1 - t0, slot.nbytes, alloc_send_s=sent_s,
+            alloc_s=t_alloc - t0, copy_s=t_copy - t_alloc, commit_s=t1 - t_copy, path=self._kv.path,
+        )  # fmt: skip
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         results = KVConnectorTransferResults()

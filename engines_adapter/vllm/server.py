@@ -66,7 +66,9 @@ class VllmServerSpec:
             "--max-model-len",
             str(self.max_model_len),
             "--enforce-eager",
-            "--enable-prefix-caching",
+            # the field was ignored (always on): the bench's ExampleConnector baseline then hit
+            # vLLM's own prefix cache and never loaded
+            "--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching",
             "--disable-uvicorn-access-log",
         ]
         if self.kv_role:

@@ -1,15 +1,19 @@
 """Lossless KV codec: independent, self-describing frames, one per chunk of KV bytes.
 
 A transfer cuts KV into chunks (about 1 MiB) and each chunk becomes one frame, so frames can be
-encoded by several threads, sent as soon as each is ready, and decoded in any order. For bf16/fp16
-the chunk is split into byte planes (``pddlink.kv.planes``): the exponent plane is compressed with
-zstd tuned for speed, the mantissa-and-sign plane is sent raw. Other dtypes (fp32, fp64, fp8,
-int8) and chunks that would not shrink travel as RAW frames. Frame layout (little endian)::
+encoded by several threads, sent as soon as each is ready, and decoded in any order. For
+bf16/fp16/fp32 the chunk is split into byte planes (``pddlink.kv.planes``): the exponent plane (one
+byte per value) is compressed with zstd tuned for speed, the mantissa-and-sign plane (the value's
+other bytes) is sent raw. Other dtypes (fp64, fp8, int8) and chunks that would not shrink travel as
+RAW frames. Frame layout (little endian)::
 
     magic "KC" | version u8 | codec u8 | dtype u8 | flags u8 (0) | reserved u16 (0)
     | raw_bytes u32 | packed_bytes u32 | xxh3_64 of the frame's other bytes u64   (24 bytes)
     RAW:    raw_bytes of data                                  (packed_bytes == 0)
-    PLANES: packed_bytes of zstd(exponent plane) | raw_bytes/2 of mantissa plane
+    PLANES: packed_bytes of zstd(exponent plane) | raw_bytes * (itemsize-1)/itemsize of mantissa plane
+
+(fp32 PLANES frames came with version 1's fp32 support; a build from before it reports one as
+corrupt, its body length disagreeing with the bf16 rule it knew.)
 
 The checksum covers the first 16 header bytes and the whole body, so any damage to a frame is found
 before its payload is decompressed. Decoding validates every field and raises ``CorruptFrame`` (or
@@ -56,10 +60,10 @@ class CodecId(IntEnum):
     """Wire ids of codecs. Never renumber."""
 
     RAW = 0
-    PLANES_ZSTD = 1  # bf16/fp16 byte planes, exponent plane zstd-compressed
+    PLANES_ZSTD = 1  # bf16/fp16/fp32 byte planes, exponent plane zstd-compressed
 
 
-_DTYPE_BY_WIRE: Final = {d.wire_id: d for d in KVDtype}
+DTYPE_BY_WIRE: Final = {d.wire_id: d for d in KVDtype}
 
 # Level-1-like zstd, retuned for an exponent plane (few long matches, skewed byte histogram): a tiny
 # hash table and 7-byte minimum match keep the match finder out of the way of the Huffman literal
@@ -120,10 +124,10 @@ def encode_chunk(
     if n % kind.itemsize:
         raise InvalidInput(f"chunk of {n} bytes is not a whole number of {kind.name} items")
     if compress and kind.plane_codable and n:
-        high, low = planes.split(view)
+        high, low = planes.split(view, kind.itemsize)
         packed = _compressor().compress(high.data)
         if len(packed) < high.size:  # else the plane did not shrink: RAW is smaller
-            return _frame(CodecId.PLANES_ZSTD, kind, n, len(packed), (packed, low.data))
+            return _frame(CodecId.PLANES_ZSTD, kind, n, len(packed), (packed, *(p.data for p in low)))
     return _frame(CodecId.RAW, kind, n, 0, (view,))
 
 
@@ -143,7 +147,7 @@ def _parse_header(view: memoryview) -> tuple[CodecId, KVDtype, int, int]:
         raise UnsupportedFrame(f"KV codec frame version {version}, this build speaks {FRAME_VERSION}")
     if codec_id not in CodecId._value2member_map_:
         raise UnsupportedFrame(f"unknown KV codec id {codec_id}")
-    kind = _DTYPE_BY_WIRE.get(dtype_id)
+    kind = DTYPE_BY_WIRE.get(dtype_id)
     if kind is None:
         raise UnsupportedFrame(f"unknown KV dtype id {dtype_id}")
     codec = CodecId(codec_id)
@@ -151,11 +155,7 @@ def _parse_header(view: memoryview) -> tuple[CodecId, KVDtype, int, int]:
         raise CorruptFrame(f"reserved header bits set (flags {flags:#x}, reserved {reserved:#x})")
     if raw_bytes > MAX_CHUNK_BYTES or raw_bytes % kind.itemsize:
         raise CorruptFrame(f"frame claims {raw_bytes} decoded bytes of {kind.name}")
-    if codec is CodecId.RAW:
-        expect = raw_bytes if packed_bytes == 0 else -1
-    else:
-        expect = packed_bytes + raw_bytes // 2 if kind.plane_codable and packed_bytes else -1
-    if expect != len(view) - HEADER.size:
+    if body_bytes(codec, kind, raw_bytes, packed_bytes) != len(view) - HEADER.size:
         raise CorruptFrame(
             f"{codec.name} frame body of {len(view) - HEADER.size} bytes disagrees with its header"
         )
@@ -166,20 +166,30 @@ def _parse_header(view: memoryview) -> tuple[CodecId, KVDtype, int, int]:
     return codec, kind, raw_bytes, packed_bytes
 
 
+def body_bytes(codec: CodecId, kind: KVDtype, raw_bytes: int, packed_bytes: int) -> int:
+    """The body length a frame's header implies; -1 for a combination no encoder makes."""
+    if codec is CodecId.RAW:
+        return raw_bytes if packed_bytes == 0 else -1
+    if not kind.plane_codable or not packed_bytes:
+        return -1
+    return packed_bytes + raw_bytes - raw_bytes // kind.itemsize
+
+
 def decode_chunk(frame: bytes | bytearray | memoryview) -> bytes:
     """The original chunk. Raises ``CorruptFrame``/``UnsupportedFrame``; never returns wrong bytes."""
     view = memoryview(frame).cast("B")
-    codec, _, raw_bytes, packed_bytes = _parse_header(view)
+    codec, kind, raw_bytes, packed_bytes = _parse_header(view)
     body = view[HEADER.size :]
     if codec is CodecId.RAW:
         return bytes(body)
+    values = raw_bytes // kind.itemsize
     try:
-        high = _decompressor().decompress(body[:packed_bytes], max_output_size=raw_bytes // 2)
+        high = _decompressor().decompress(body[:packed_bytes], max_output_size=values)
     except zstandard.ZstdError as exc:
         raise CorruptFrame(f"exponent plane does not decompress: {exc}") from None
-    if len(high) != raw_bytes // 2:
-        raise CorruptFrame(f"exponent plane is {len(high)} bytes, expected {raw_bytes // 2}")
-    return planes.merge(high, body[packed_bytes:]).tobytes()
+    if len(high) != values:
+        raise CorruptFrame(f"exponent plane is {len(high)} bytes, expected {values}")
+    return planes.merge(high, body[packed_bytes:], kind.itemsize).tobytes()
 
 
 def iter_chunks(

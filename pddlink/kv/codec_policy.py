@@ -7,15 +7,17 @@ without it. A transfer that compresses its whole payload before sending and deco
 last byte arrived (``pipelined=False``, what ``pddlink.transport.KVClient`` does) pays the three in
 series: ``1/(compress * threads) + 1/(link * ratio) + 1/(decompress * threads)`` seconds per raw byte
 against ``1/link``. The policy therefore skips compression for dtypes the codec cannot shrink (fp8,
-int8, fp32, fp64), for data whose measured ratio is below ``min_ratio`` (about 1.1: the gain would
+int8, fp64), for data whose measured ratio is below ``min_ratio`` (about 1.1: the gain would
 not repay the CPU), and for links faster than the compressor.
 
 Lifecycle: a sender measures one ``CodecSample`` per transfer (or per layout, cached) with
 ``measure_sample`` on a slice of the KV it is about to send, then asks ``CodecPolicy.choose`` with
 the link estimate. ``LinkCodecChooser`` is that loop for one link: a sample per dtype (measured at
-start on synthetic KV-like bf16, or on the first real KV of a dtype), the ratio then followed from
-what each compressed transfer achieved. ``choose`` is pure; the measuring functions take their
-clock as an argument.
+start on synthetic KV-like values of a dtype, or on the first real KV of a dtype), the ratio then
+followed from what each compressed transfer achieved. fp32 KV goes through the same loop: its
+ratio is lower (about 1.2x: three of its four bytes are mantissa, sent raw), so it pays only on a
+line well below the compressor's rate. ``choose`` is pure; the measuring functions take their clock
+as an argument.
 """
 
 from __future__ import annotations
@@ -137,12 +139,14 @@ def measure_sample(
 
 
 def synthetic_kv(dtype: KVDtype | str, nbytes: int, *, seed: int = 0) -> bytes:
-    """KV-like bytes of a 16-bit float dtype: Gaussian values (scale 1), for measuring the
-    compressor's speed before any real KV exists. Its ratio is only a first guess."""
+    """KV-like bytes of a float dtype the codec compresses: Gaussian values (scale 1), for
+    measuring the compressor's speed before any real KV exists. Its ratio is only a first guess."""
     kind = KVDtype.parse(dtype)
     if not kind.plane_codable:
         raise InvalidInput(f"no synthetic KV for {kind.name}: the codec does not compress it")
-    values = np.random.default_rng(seed).standard_normal(nbytes // 2, dtype=np.float32)
+    values = np.random.default_rng(seed).standard_normal(nbytes // kind.itemsize, dtype=np.float32)
+    if kind is KVDtype.float32:
+        return values.astype("<f4").tobytes()
     if kind is KVDtype.float16:
         return values.astype("<f2").tobytes()
     return (values.view("<u4") >> np.uint32(16)).astype("<u2").tobytes()  # bf16: the top 16 bits
@@ -151,8 +155,8 @@ def synthetic_kv(dtype: KVDtype | str, nbytes: int, *, seed: int = 0) -> bytes:
 class LinkCodecChooser:
     """The codec decision for one link, from measurements: per-dtype samples and achieved ratios.
 
-    ``measure_at_start`` times the compressor on synthetic bf16 KV (speed is what the decision
-    needs first); ``choose(dtype, link_bytes_per_s, data)`` measures a sample on ``data`` for a
+    ``measure_at_start`` times the compressor on synthetic KV of a dtype (speed is what the
+    decision needs first); ``choose(dtype, link_bytes_per_s, data)`` measures a sample on ``data`` for a
     dtype it has none for; ``observe(dtype, raw, wire)`` after each compressed transfer moves the
     ratio towards what real KV gives (exponentially weighted). Not thread-safe; one per link."""
 

@@ -33,8 +33,8 @@ class KVDtype(Enum):
 
     @property
     def plane_codable(self) -> bool:
-        """Whether the byte-plane transform applies (16-bit floats)."""
-        return self in (KVDtype.bfloat16, KVDtype.float16)
+        """Whether the byte-plane transform applies (16- and 32-bit floats)."""
+        return self in (KVDtype.bfloat16, KVDtype.float16, KVDtype.float32)
 
     @classmethod
     def parse(cls, dtype: KVDtype | str) -> KVDtype:

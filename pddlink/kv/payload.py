@@ -17,11 +17,15 @@ from typing import Final
 
 from pddlink.errors import InvalidInput
 from pddlink.kv.codec import (
+    DTYPE_BY_WIRE,
+    FRAME_MAGIC,
     HEADER,
     CodecId,
     CorruptFrame,
     KVDtype,
     ParallelCodec,
+    UnsupportedFrame,
+    body_bytes,
     decode_chunk,
     encode_chunk,
     frame_info,
@@ -29,7 +33,8 @@ from pddlink.kv.codec import (
 )
 
 FRAME_BYTES: Final = 1 << 20  # KV bytes per codec frame
-_RAW_BYTES, _PACKED_BYTES = 6, 7  # HEADER fields: magic, version, codec, dtype, flags, reserved, raw, packed
+# HEADER fields: magic, version, codec, dtype, flags, reserved, raw, packed
+_CODEC, _DTYPE, _RAW_BYTES, _PACKED_BYTES = 2, 3, 6, 7
 
 
 def encode_payload(
@@ -58,8 +63,14 @@ def split_frames(payload: memoryview) -> list[memoryview]:
         if end - pos < HEADER.size:
             raise CorruptFrame(f"payload ends {end - pos} bytes into a frame header")
         fields = HEADER.unpack_from(payload, pos)
-        raw_bytes, packed_bytes = fields[_RAW_BYTES], fields[_PACKED_BYTES]
-        body = raw_bytes if packed_bytes == 0 else packed_bytes + raw_bytes // 2
+        if fields[0] != FRAME_MAGIC:
+            raise CorruptFrame(f"bad frame magic {bytes(fields[0])!r} at payload byte {pos}")
+        codec, kind = CodecId._value2member_map_.get(fields[_CODEC]), DTYPE_BY_WIRE.get(fields[_DTYPE])
+        if not isinstance(codec, CodecId) or kind is None:
+            raise UnsupportedFrame(f"frame with codec id {fields[_CODEC]}, dtype id {fields[_DTYPE]}")
+        body = body_bytes(codec, kind, fields[_RAW_BYTES], fields[_PACKED_BYTES])
+        if body < 0:
+            raise CorruptFrame(f"a {codec.name} frame header with lengths no {kind.name} frame has")
         if pos + HEADER.size + body > end:
             raise CorruptFrame("payload ends inside a frame body")
         frames.append(payload[pos : pos + HEADER.size + body])

@@ -5,7 +5,10 @@ region (``sidecar.vllm_kv.shm``). One request line, one answer line: ``{"op": ..
 ``{"ok": true, ...}`` or ``{"ok": false, "error": "code: text"}``. The connector's side is a
 blocking client (vLLM's scheduler and worker call it from their own threads, a round trip is tens
 of microseconds); the sidecar's side is an asyncio server whose handler answers at once (anything
-slow, like a WAN transfer, runs as a task the handler only starts).
+slow, like a WAN transfer, runs as a task the handler only starts). Answers come back in request
+order, so the client can also pipeline: ``send`` writes a request and returns a ``Pending`` whose
+answer is read later (the connector sends P's ALLOC before vLLM's forward and reads it after, and
+does not wait for COMMIT's answer), or by the next ``call``, which reads every answer still owed.
 
 Operations (who sends them):
   PREPARE  P scheduler: a request will produce KV for ``transfer`` (``prompt`` token ids); the
@@ -99,6 +102,38 @@ async def serve_control(path: Path, handler: Handler) -> asyncio.AbstractServer:
     return server
 
 
+class Pending:
+    """An answer owed by the sidecar for a request ``ControlClient.send`` wrote."""
+
+    def __init__(self, client: ControlClient, op: Op) -> None:
+        self._client, self.op = client, op
+        self._answer: dict[str, Any] | None = None
+        self._error: PddlinkError | None = None
+
+    @property
+    def done(self) -> bool:
+        return self._answer is not None or self._error is not None
+
+    def _set(self, answer: dict[str, Any] | None, error: PddlinkError | None = None) -> None:
+        self._answer, self._error = answer, error
+
+    def result(self) -> dict[str, Any]:
+        """The answer (blocking until it is read); raises as ``ControlClient.call`` does."""
+        if not self.done:
+            with self._client._lock:
+                self._client._drain(until=self)
+        if self._error is not None:
+            raise self._error
+        assert self._answer is not None
+        return _checked(self.op, self._answer)
+
+
+def _checked(op: Op, answer: dict[str, Any]) -> dict[str, Any]:
+    if not answer.get("ok"):
+        raise RemoteError(f"sidecar refused {op.value}: {answer.get('error')}")
+    return dict(answer)
+
+
 class ControlClient:
     """The connector's side: one blocking connection, reopened once after a failure."""
 
@@ -107,10 +142,56 @@ class ControlClient:
         self._sock: socket.socket | None = None
         self._file: Any = None
         self._lock = threading.Lock()
+        self._owed: list[Pending] = []  # answers not read yet, in request order
+
+    def send(self, op: Op, **fields: Any) -> Pending:
+        """Write a request without waiting for its answer (read it with ``Pending.result``)."""
+        line = json.dumps({"op": op.value, **fields}).encode() + b"\n"
+        pending = Pending(self, op)
+        with self._lock:
+            try:
+                if self._file is None:
+                    self._open()
+                assert self._sock is not None
+                self._sock.sendall(line)
+            except OSError as exc:
+                self._fail_owed(exc)
+                self._close()
+                pending._set(None, self._unavailable(exc))
+                return pending
+            self._owed.append(pending)
+        return pending
+
+    def _drain(self, until: Pending | None = None) -> None:
+        """Read owed answers in order (all of them, or up to ``until``); under ``_lock``."""
+        while self._owed:
+            pending = self._owed[0]
+            try:
+                assert self._file is not None
+                reply = self._file.readline(MAX_LINE)
+                if not reply:
+                    raise ConnectionError("sidecar closed the control channel")
+            except OSError as exc:
+                self._fail_owed(exc)
+                self._close()
+                return
+            self._owed.pop(0)
+            pending._set(json.loads(reply))
+            if pending is until:
+                return
+
+    def _fail_owed(self, exc: OSError) -> None:
+        for pending in self._owed:
+            pending._set(None, self._unavailable(exc))
+        self._owed.clear()
+
+    def _unavailable(self, exc: OSError) -> Unavailable:
+        return Unavailable(f"sidecar control channel {self.path}: {exc}", code=ErrorCode.PEER_UNREACHABLE)
 
     def call(self, op: Op, **fields: Any) -> dict[str, Any]:
         line = json.dumps({"op": op.value, **fields}).encode() + b"\n"
         with self._lock:
+            self._drain()
             for attempt in (0, 1):
                 try:
                     if self._file is None:
@@ -124,13 +205,8 @@ class ControlClient:
                 except OSError as exc:
                     self._close()
                     if attempt:
-                        raise Unavailable(
-                            f"sidecar control channel {self.path}: {exc}", code=ErrorCode.PEER_UNREACHABLE
-                        ) from exc
-        answer = json.loads(reply)
-        if not answer.get("ok"):
-            raise RemoteError(f"sidecar refused {op.value}: {answer.get('error')}")
-        return dict(answer)
+                        raise self._unavailable(exc) from exc
+        return _checked(op, json.loads(reply))
 
     def _open(self) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -149,4 +225,5 @@ class ControlClient:
 
     def close(self) -> None:
         with self._lock:
+            self._fail_owed(ConnectionError("control client closed"))
             self._close()

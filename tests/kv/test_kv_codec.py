@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import struct
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import xxhash
+import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -51,10 +53,24 @@ def special_values_16bit() -> bytes:
 # ---------------------------------------------------------------- byte planes
 
 
+def _mantissa(parts: tuple[np.ndarray, ...]) -> np.ndarray:
+    return np.concatenate(parts)
+
+
 def test_planes_round_trip_every_16_bit_pattern() -> None:
     words = np.arange(65536, dtype="<u2")
     high, low = planes.split(words.tobytes())
-    assert np.array_equal(planes.merge(high, low), words)
+    assert np.array_equal(planes.merge(high, _mantissa(low)), words)
+
+
+def test_planes_round_trip_every_fp32_sign_and_exponent_with_any_mantissa() -> None:
+    rng = np.random.default_rng(4)
+    top = np.arange(512, dtype=np.uint32) << np.uint32(23)  # sign and exponent: all 512 patterns
+    words = (top[:, None] | rng.integers(0, 1 << 23, (512, 64), dtype=np.uint32)).reshape(-1)
+    words = np.concatenate([words, top, top | np.uint32(0x7FFFFF)]).astype("<u4")
+    high, low = planes.split(words.tobytes(), 4)
+    assert high.size == words.size and sum(p.size for p in low) == 3 * words.size
+    assert np.array_equal(planes.merge(high, _mantissa(low), 4), words)
 
 
 def test_exponent_plane_is_exactly_the_bf16_exponent() -> None:
@@ -62,14 +78,30 @@ def test_exponent_plane_is_exactly_the_bf16_exponent() -> None:
     bf16 = (values.view(np.uint32) >> 16).astype("<u2")
     high, low = planes.split(bf16.tobytes())
     assert high.tolist() == [127, 127, 128, 126, 254]
-    assert [int(b) & 1 for b in low] == [0, 1, 0, 1, 0]  # the sign moved to the mantissa plane
+    assert [int(b) & 1 for b in low[0]] == [0, 1, 0, 1, 0]  # the sign moved to the mantissa plane
+
+
+def test_fp32_planes_golden_layout() -> None:
+    # 1.0 = 0x3F800000, -2.0 = 0xC0000000, 1.5 + 2**-23 = 0x3FC00001; rotated left by one bit:
+    # 0x7F000000, 0x80000001, 0x7F800002 -> exponents 127, 128, 127; the mantissa plane is the low
+    # 16 bits of each rotated word (little endian), then each one's bits 16-23.
+    values = np.array([1.0, -2.0, np.nextafter(np.float32(1.5), np.float32(2))], dtype="<f4")
+    high, low = planes.split(values.tobytes(), 4)
+    assert high.tolist() == [127, 128, 127]
+    assert _mantissa(low).tobytes() == bytes([0, 0, 1, 0, 2, 0]) + bytes([0, 0, 0x80])
 
 
 def test_planes_refuse_odd_length_and_mismatched_planes() -> None:
     with pytest.raises(InvalidInput):
         planes.split(b"\x00\x01\x02")
     with pytest.raises(InvalidInput):
+        planes.split(b"\x00\x01\x02\x03\x04\x05", 4)
+    with pytest.raises(InvalidInput):
+        planes.split(b"\x00" * 8, 8)
+    with pytest.raises(InvalidInput):
         planes.merge(b"\x00\x01", b"\x00")
+    with pytest.raises(InvalidInput):
+        planes.merge(b"\x00\x01", b"\x00\x01", 4)
 
 
 # ---------------------------------------------------------------- lossless round trips
@@ -89,10 +121,18 @@ def test_any_bytes_round_trip_for_every_dtype(dtype: str, data: st.DataObject, c
     values=st.lists(
         st.floats(width=32, allow_nan=True, allow_infinity=True, allow_subnormal=True), max_size=512
     ),
-    dtype=st.sampled_from(["bfloat16", "float16"]),
+    dtype=st.sampled_from(["bfloat16", "float16", "float32"]),
 )
 def test_float_values_incl_nan_inf_denormals_round_trip(values: list[float], dtype: str) -> None:
     f32 = np.array(values, dtype=np.float32)
+    if dtype == "float32":
+        specials = np.array(
+            [0, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00001, 0x7F800001, 1, 0x807FFFFF],
+            dtype="<u4",
+        )
+        raw = f32.astype("<f4").tobytes() + specials.tobytes()
+        assert decode_chunk(encode_chunk(raw, dtype)) == raw
+        return
     if dtype == "bfloat16":
         words = (f32.view(np.uint32) >> 16).astype("<u2")
     else:
@@ -109,6 +149,31 @@ def test_gaussian_bf16_compresses_with_planes_and_beats_plain_size() -> None:
     assert (codec, dtype, length) == (CodecId.PLANES_ZSTD, KVDtype.bfloat16, len(raw))
     assert len(raw) / len(frame) > 1.35
     assert decode_chunk(frame) == raw
+
+
+def gaussian_fp32(n_values: int, seed: int = 0) -> bytes:
+    return (np.random.default_rng(seed).standard_normal(n_values).astype("<f4") * 0.5).tobytes()
+
+
+def test_gaussian_fp32_compresses_its_exponent_plane_only() -> None:
+    raw = gaussian_fp32(1 << 18)
+    frame = encode_chunk(raw, "float32")
+    assert frame_info(frame) == (CodecId.PLANES_ZSTD, KVDtype.float32, len(raw))
+    assert 1.15 < len(raw) / len(frame) < 4 / 3  # at most the whole exponent byte saved
+    assert decode_chunk(frame) == raw
+    packed = struct.unpack_from("<I", frame, 12)[0]
+    assert len(frame) == HEADER.size + packed + 3 * len(raw) // 4
+    high, low = planes.split(raw, 4)
+    body = frame[HEADER.size :]
+    assert zstandard.ZstdDecompressor().decompress(body[:packed]) == high.tobytes()
+    assert body[packed:] == _mantissa(low).tobytes()
+
+
+def test_a_plane_frame_whose_body_fits_another_dtype_is_corrupt() -> None:
+    frame = bytearray(encode_chunk(gaussian_fp32(4096), "float32"))
+    frame[4] = KVDtype.bfloat16.wire_id  # same header, bf16's body rule: the lengths disagree
+    with pytest.raises(CorruptFrame, match="disagrees"):
+        decode_chunk(bytes(frame))
 
 
 def test_incompressible_or_unplaned_data_travels_raw_with_only_the_header_added() -> None:
@@ -141,7 +206,8 @@ def test_encode_refuses_bad_input() -> None:
 @given(data=st.data())
 def test_any_bit_flip_is_a_typed_error(data: st.DataObject) -> None:
     raw = gaussian_bf16(2048, seed=data.draw(st.integers(0, 3)))
-    frame = bytearray(encode_chunk(raw, data.draw(st.sampled_from(["bfloat16", "float32"]))))
+    dtype = data.draw(st.sampled_from(["bfloat16", "float32"]))
+    frame = bytearray(encode_chunk(gaussian_fp32(1024) if dtype == "float32" else raw, dtype))
     bit = data.draw(st.integers(0, len(frame) * 8 - 1))
     frame[bit // 8] ^= 1 << (bit % 8)
     with pytest.raises(CorruptFrame):
@@ -180,7 +246,7 @@ def test_frame_claiming_a_huge_chunk_is_refused_before_allocating() -> None:
 SAMPLE = CodecSample(KVDtype.bfloat16, 1 << 20, ratio=1.5, compress_gb_per_s=0.6)
 
 
-@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "int8", "float32", "float64"])
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "int8", "float64"])
 def test_policy_skips_dtypes_the_codec_cannot_shrink(dtype: str) -> None:
     assert CodecPolicy().choose(dtype, 1.0, SAMPLE).codec is CodecId.RAW
 
@@ -192,6 +258,27 @@ def test_policy_compresses_over_a_slow_link_and_skips_a_poor_ratio_or_no_sample(
     assert "ratio" in policy.choose("float16", 1.0, poor).reason
     assert policy.choose("float16", 1.0, poor).codec is CodecId.RAW
     assert policy.choose("bfloat16", 1.0, None).codec is CodecId.RAW
+
+
+def test_policy_prices_fp32_with_its_own_lower_ratio() -> None:
+    fp32 = CodecSample(KVDtype.float32, 1 << 20, ratio=1.2, compress_gb_per_s=0.8, decompress_gb_per_s=1.0)
+    serial = CodecPolicy(pipelined=False)
+    assert serial.choose("float32", 0.1, fp32).codec is CodecId.PLANES_ZSTD  # 100 Mbit/s: pays
+    assert serial.choose("float32", 2.0, fp32).codec is CodecId.RAW  # 2 Gbit/s: compress+decompress cost more
+    assert serial.choose("float32", 0.1, replace(fp32, ratio=1.05)).codec is CodecId.RAW
+
+
+def test_link_chooser_measures_fp32_at_start_and_follows_it_apart_from_bf16() -> None:
+    chooser = LinkCodecChooser(CodecPolicy(pipelined=False))
+    bf16 = chooser.measure_at_start("bfloat16", sample_bytes=256 << 10)
+    fp32 = chooser.measure_at_start("float32", sample_bytes=256 << 10)
+    assert 1.15 < fp32.ratio < bf16.ratio
+    assert chooser.choose("float32", 2e6).codec is CodecId.PLANES_ZSTD  # 16 Mbit/s
+    assert chooser.choose("float32", 1e12).codec is CodecId.RAW
+    for _ in range(20):
+        chooser.observe("float32", 1000, 1000)
+    assert chooser.choose("float32", 2e6).codec is CodecId.RAW
+    assert chooser.choose("bfloat16", 2e6).codec is CodecId.PLANES_ZSTD
 
 
 def test_policy_skips_a_link_faster_than_the_compressor_unless_threads_keep_up() -> None:
@@ -255,12 +342,14 @@ def test_link_chooser_samples_the_first_real_kv_of_a_dtype() -> None:
     assert KVDtype.float16 in chooser.samples and decision.reason
 
 
-def test_synthetic_kv_is_bf16_gaussian() -> None:
+def test_synthetic_kv_is_gaussian_in_each_codable_dtype() -> None:
     data = np.frombuffer(synthetic_kv("bfloat16", 1 << 16), dtype="<u2")
     values = (data.astype(np.uint32) << np.uint32(16)).view(np.float32)
     assert abs(float(values.std()) - 1.0) < 0.05
+    fp32 = np.frombuffer(synthetic_kv("float32", 1 << 16), dtype="<f4")
+    assert fp32.size == 1 << 14 and abs(float(fp32.std()) - 1.0) < 0.05
     with pytest.raises(InvalidInput):
-        synthetic_kv("float32", 64)
+        synthetic_kv("float64", 64)
 
 
 # ---------------------------------------------------------------- chunks and the thread pool

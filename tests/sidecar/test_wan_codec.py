@@ -24,6 +24,17 @@ def test_a_slow_configured_line_compresses_bf16_and_a_fast_one_does_not() -> Non
     assert "outpaces" in fast.decide("bfloat16", KV, 0.0).reason
 
 
+def test_fp32_kv_is_priced_with_its_own_sample_measured_at_start() -> None:
+    fp32 = memoryview(synthetic_kv("float32", 64 << 10))
+    slow = WanCodec("auto", line_mbit=16.0, rtt_s=0.02)
+    assert slow.decide("float32", fp32, 0.0).codec is CodecId.PLANES_ZSTD
+    samples = slow.status_json(0.0)["samples"]
+    assert set(samples) == {"bfloat16", "float32"}
+    assert 1.1 < samples["float32"]["ratio"] < samples["bfloat16"]["ratio"]
+    fast = WanCodec("auto", line_mbit=1e7, rtt_s=0.0001)
+    assert fast.decide("float32", fp32, 0.0).codec is CodecId.RAW
+
+
 def test_without_a_line_rate_the_first_transfer_goes_raw_then_goodput_decides() -> None:
     codec = WanCodec("auto")
     first = codec.decide("bfloat16", KV, 0.0)
@@ -49,7 +60,8 @@ def test_fair_share_of_a_busy_line_and_achieved_ratios_feed_back() -> None:
 def test_forced_modes_and_bad_config() -> None:
     assert WanCodec("raw", line_mbit=1.0).decide("bfloat16", KV).codec is CodecId.RAW
     assert WanCodec("planes_zstd").decide("bfloat16", KV).codec is CodecId.PLANES_ZSTD
-    assert WanCodec("planes_zstd").decide("float32", KV).codec is CodecId.RAW
+    assert WanCodec("planes_zstd").decide("float32", KV).codec is CodecId.PLANES_ZSTD
+    assert WanCodec("planes_zstd").decide("float64", KV).codec is CodecId.RAW
     with pytest.raises(ConfigError):
         WanCodec("lz4")
     with pytest.raises(ConfigError):
