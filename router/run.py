@@ -3,7 +3,10 @@
 The machine decides (legs, merge, fallbacks, deadline); this driver feeds it: it runs each command
 through ``LegCalls`` (``router.legs``), hands every event from the inbox to the machine,
 re-arms the machine's timer, and yields the merged tokens. If the client goes away (the generator
-is closed) the machine is told so, and the legs are torn down either way. Metrics are counted here.
+is closed) the machine is told so, and the legs are torn down either way: in the background, so
+the run's end (and the client's closing event) never waits for a sidecar to answer ``Release``
+(one behind a cut WAN answers late or never; each teardown is bounded by its calls' own timeouts).
+Metrics are counted here.
 """
 
 from __future__ import annotations
@@ -17,7 +20,14 @@ from pddlink.handoff import MergedToken
 from pddlink.lifecycle import Emit, FallbackTaken, RequestRun, RunCommand, RunSpec, RunState, RunTrace
 from router.legs import Cluster, LegCalls
 
-__all__ = ["Cluster", "RunDriver"]
+__all__ = ["Cluster", "RunDriver", "teardowns_pending"]
+
+_TEARDOWNS: set[asyncio.Task[None]] = set()  # legs being torn down after their run ended
+
+
+def teardowns_pending() -> int:
+    """Runs whose legs are still being torn down (each ends within its calls' timeouts)."""
+    return sum(not t.done() for t in _TEARDOWNS)
 
 
 class RunDriver:
@@ -43,7 +53,9 @@ class RunDriver:
         finally:
             if m.state is not RunState.ENDED:  # the client went away
                 self._apply(m.cancel(time.monotonic()))
-            await self.calls.close(finished=m.merger.finished)
+            task = asyncio.get_running_loop().create_task(self.calls.close(finished=m.merger.finished))
+            _TEARDOWNS.add(task)
+            task.add_done_callback(_TEARDOWNS.discard)
             self._count(self.trace)
 
     async def _next(self) -> list[RunCommand]:
