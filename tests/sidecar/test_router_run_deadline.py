@@ -30,18 +30,18 @@ class Silent:
     def __init__(self) -> None:
         self.releases = 0
 
-    def Attach(self, req: Any, timeout: float) -> AsyncIterator[Any]:  # noqa: N802 (gRPC's name)
+    def Attach(self, req: Any, timeout: float) -> AsyncIterator[Any]:
         async def events() -> AsyncIterator[Any]:
             await asyncio.sleep(HANG_S)
             yield None  # pragma: no cover
 
         return events()
 
-    async def Release(self, req: Any) -> None:  # noqa: N802
+    async def Release(self, req: Any) -> None:
         self.releases += 1
         await asyncio.sleep(HANG_S)
 
-    async def Prefill(self, req: Any, timeout: float) -> None:  # noqa: N802
+    async def Prefill(self, req: Any, timeout: float) -> None:
         await asyncio.sleep(HANG_S)
 
 
