@@ -23,10 +23,12 @@ from typing import Any
 from engines_adapter import SamplingParams
 from pddlink import metrics
 from pddlink.errors import InvalidInput, NotFound
-from pddlink.lifecycle import RunSpec
+from pddlink.lifecycle import RunSpec, StallBreaker, md_stall_bound
 from pddlink.roles import Role
 from pddlink.routing import (
+    DecisionReason,
     LinkModel,
+    Option,
     OptionDecision,
     RoutingInputs,
     RoutingPolicy,
@@ -70,6 +72,7 @@ class Router:
         self.health.watch({role.value: ch for role, ch in self.channels.items()})
         self.rld_active = 0
         self.rld_down_until = 0.0
+        self.md_stalls = StallBreaker()  # MD stalled lately: the requests the router places avoid it
         self.drc = MirrorFollower(self.md)
         self.link = LinkModel(cfg.line_mbit * 1e6 / 8, cfg.rtt_ms / 1e3, pool_size=cfg.wan_links)
         self.policy = RoutingPolicy(
@@ -109,6 +112,11 @@ class Router:
         t = time.monotonic() if now is None else now
         return self.cfg.relay_enabled and t >= self.rld_down_until and self.health.usable("rld")
 
+    def md_usable(self, now: float | None = None) -> bool:
+        """MD may get new requests the router places: not stalled lately, its channel healthy."""
+        t = time.monotonic() if now is None else now
+        return self.md_stalls.usable(t) and self.health.usable("md")
+
     # -- policy -------------------------------------------------------------------------------------
 
     def decide(
@@ -131,6 +139,8 @@ class Router:
         )
         if forced:
             return forced_option(routing, forced, self.policy), matched
+        if not self.md_usable(now) and routing.rld_available and self.rld_active < self.cfg.rld_capacity:
+            return OptionDecision(Option.SINGULAR, DecisionReason.MD_UNAVAILABLE, 0, 0.0, ()), matched
         return decide_option(self, routing, deadline_s), matched
 
     # -- what the runs report back (``router.legs.Cluster``) -------------------------------
@@ -140,6 +150,11 @@ class Router:
 
     def on_md_ready(self, request_id: str, new_tokens: int, seconds: float) -> None:
         self.md_book.ready(request_id, new_tokens, seconds)
+
+    def on_md_stalled(self, seconds: float) -> None:
+        """A run saw MD's stream make no progress (``pddlink.lifecycle.stall``): new requests the
+        router places keep off MD until it is healthy again (``StallBreaker``)."""
+        self.md_stalls.stalled(time.monotonic())
 
     def validate(self, prompt: list[int], sampling: SamplingParams, deadline_s: float, pipeline: str) -> None:
         cfg = self.cfg
@@ -187,6 +202,7 @@ class Router:
             decision.wan_estimate_s,
             mirror_matched_tokens=matched,
             option=option,
+            md_stall_s=md_stall_bound(self.link.estimate(time.monotonic()).rtt_s, self.md_tpot.tpot_s),
         )
         run = self.in_flight[rid] = RunDriver(self, spec, self.rld_usable)
         flow = rid  # P reports its transfer state by request id (``sidecar.backlog``)
@@ -211,6 +227,8 @@ class Router:
                     self.link.finish_flow(flow, time.monotonic(), completed=bool(trace.wan_bytes))
             if trace.rld_suspect:
                 self.rld_down_until = time.monotonic() + RLD_COOL_DOWN_S
+            if trace.md_streamed:
+                self.md_stalls.healthy()
         out = trace.to_dict()
         out.update(option_trace(decision))
         self.md_tpot.observe(out)
@@ -234,6 +252,7 @@ class Router:
             "role": Role.ROUTER.value,
             "in_flight": by_pipeline,
             "rld_active": self.rld_active,
+            "md": {"usable": self.md_usable(now), "stalls": self.md_stalls.stalls},
             "roles": self.health.status(),
             "grpc_tls": self.caller_check.status() if self.caller_check is not None else None,
             "drc_mirror": {

@@ -64,6 +64,8 @@ class Cluster(Protocol):
 
     def on_md_ready(self, request_id: str, new_tokens: int, seconds: float) -> None: ...
 
+    def on_md_stalled(self, seconds: float) -> None: ...
+
 
 class LegCalls:
     def __init__(self, cluster: Cluster, deadline: float) -> None:

@@ -17,7 +17,16 @@ from collections.abc import AsyncGenerator, Callable
 
 from pddlink import metrics
 from pddlink.handoff import MergedToken
-from pddlink.lifecycle import Emit, FallbackTaken, RequestRun, RunCommand, RunSpec, RunState, RunTrace
+from pddlink.lifecycle import (
+    Emit,
+    FallbackTaken,
+    MdStalled,
+    RequestRun,
+    RunCommand,
+    RunSpec,
+    RunState,
+    RunTrace,
+)
 from router.legs import Cluster, LegCalls
 
 __all__ = ["Cluster", "RunDriver", "teardowns_pending"]
@@ -33,6 +42,7 @@ def teardowns_pending() -> int:
 class RunDriver:
     def __init__(self, cluster: Cluster, spec: RunSpec, rld_usable: Callable[[float], bool]) -> None:
         self.spec = spec
+        self.cluster = cluster
         self.machine = RequestRun(spec, now=time.monotonic(), rld_usable=rld_usable)
         self.calls = LegCalls(cluster, self.machine.deadline)
 
@@ -81,6 +91,8 @@ class RunDriver:
                 tokens.append(cmd.token)
             elif isinstance(cmd, FallbackTaken):
                 metrics.FALLBACKS.labels(kind=cmd.fallback.value).inc()
+            elif isinstance(cmd, MdStalled):
+                self.cluster.on_md_stalled(cmd.seconds)
             else:
                 self.calls.execute(cmd)
         return tokens
