@@ -58,7 +58,7 @@ class StallBreaker:
     """The router's memory of MD's stalls (a circuit breaker): after a stall new requests keep off
     MD for ``cool_s``; a stall again soon after the cool-down (MD still stopped) doubles it, up to
     ``COOL_DOWN_MAX_S``; a request that got tokens from MD without a stall shows it is healthy
-    again and resets it."""
+    again: new requests may use MD at once, and the next stall starts from the base cool-down."""
 
     cool_s: float = COOL_DOWN_S
     down_until: float = 0.0
@@ -71,7 +71,7 @@ class StallBreaker:
         self.down_until = max(self.down_until, now + self.cool_s)
 
     def healthy(self) -> None:
-        self.cool_s = COOL_DOWN_S
+        self.cool_s, self.down_until = COOL_DOWN_S, 0.0
 
     def usable(self, now: float) -> bool:
         return now >= self.down_until

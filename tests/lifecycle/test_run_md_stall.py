@@ -132,9 +132,9 @@ def test_the_breaker_keeps_new_requests_off_md_until_it_is_healthy_again() -> No
     for _ in range(10):
         b.stalled(b.down_until + 0.1)
     assert b.cool_s == COOL_DOWN_MAX_S  # bounded
+    t = b.down_until - 1.0
     b.healthy()  # a request got tokens from MD without a stall
-    assert b.cool_s == COOL_DOWN_S
-    t = b.down_until + 100.0  # long after: a new stall starts from the base cool-down
+    assert b.cool_s == COOL_DOWN_S and b.usable(t)
     b.stalled(t)
     assert b.down_until == t + COOL_DOWN_S
 
