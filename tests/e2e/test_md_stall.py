@@ -36,7 +36,7 @@ PROMPT = list(range(5, 60))
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     spec = ClusterSpec(Path(tmp_path_factory.mktemp("stall")), relay=True, engine_mode="process")
-    with Cluster(NoWan(), spec) as c:  # type: ignore[arg-type]
+    with Cluster(NoWan(), spec) as c:
         yield c
 
 
