@@ -179,9 +179,11 @@ class Router:
         deadline_s: float = 0.0,
         pipeline: str = "",
         request_id: str = "",
+        arrived: float | None = None,
     ) -> AsyncIterator[dict[str, Any]]:
         """Validates (``InvalidInput``, nothing changed), admits (``Overloaded``, nothing started),
-        then yields token dicts and a final trace."""
+        then yields token dicts and a final trace. The deadline counts from ``arrived`` (when the
+        API got the request; default now), so time spent in the checks and queues is its own."""
         deadline_s = deadline_s or self.cfg.deadline_s
         self.validate(prompt, sampling, deadline_s, pipeline)
         rid = request_id or f"req-{next(self.ids)}-{time.time_ns() % 10**9}"
@@ -204,7 +206,7 @@ class Router:
             option=option,
             md_stall_s=md_stall_bound(self.link.estimate(time.monotonic()).rtt_s, self.md_tpot.tpot_s),
         )
-        run = self.in_flight[rid] = RunDriver(self, spec, self.rld_usable)
+        run = self.in_flight[rid] = RunDriver(self, spec, self.rld_usable, arrived=arrived)
         flow = rid  # P reports its transfer state by request id (``sidecar.backlog``)
         now = time.monotonic()
         if option.ships_kv:

@@ -40,10 +40,21 @@ def teardowns_pending() -> int:
 
 
 class RunDriver:
-    def __init__(self, cluster: Cluster, spec: RunSpec, rld_usable: Callable[[float], bool]) -> None:
+    def __init__(
+        self,
+        cluster: Cluster,
+        spec: RunSpec,
+        rld_usable: Callable[[float], bool],
+        *,
+        arrived: float | None = None,
+    ) -> None:
+        """``arrived``: when the request reached the router (its deadline counts from then)."""
         self.spec = spec
         self.cluster = cluster
-        self.machine = RequestRun(spec, now=time.monotonic(), rld_usable=rld_usable)
+        now = time.monotonic()
+        self.machine = RequestRun(
+            spec, now=now if arrived is None else min(arrived, now), rld_usable=rld_usable
+        )
         self.calls = LegCalls(cluster, self.machine.deadline)
 
     @property

@@ -79,3 +79,21 @@ def test_run_ends_at_its_deadline_although_release_hangs(pipeline: Pipeline) -> 
         assert cluster.rld_active == 0
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(30)
+def test_the_deadline_counts_from_when_the_request_arrived() -> None:
+    """Time the request spent in the router's checks and queues before its run began is its own
+    (under load that was part of the chaos suite's hung requests)."""
+
+    async def main() -> None:
+        spec = RunSpec("r", (1, 2, 3), SamplingParams(max_tokens=4), 0.5, Pipeline.P_MD, "test", 0.1)
+        t0 = time.monotonic()
+        driver = RunDriver(Cluster(), spec, lambda now: True, arrived=t0 - 0.3)
+        async for _ in driver.run():
+            pass
+        took = time.monotonic() - t0
+        assert driver.trace.reason_text == "deadline_exceeded"
+        assert 0.15 < took < 0.45, took
+
+    asyncio.run(main())
