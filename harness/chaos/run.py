@@ -2,11 +2,12 @@
 separate processes across a netlab WAN, mutual TLS between all of them), a bounded streaming load,
 a fault schedule applied while it runs, then the invariants.
 
-Lifecycle: lab up -> deployment up -> warm-up (the same mix; RSS sampled after it) -> load and faults
-together (a fault fires once its share of the load has ended; a killed role is restarted on its
-ports, as a supervisor would) -> 10 s of quiet, then what every process still holds and its RSS ->
-deployment and lab down -> reference pass (one engine alone, separate process) -> invariants,
-table, JSON, PNG timeline. Progress goes to stderr.
+Lifecycle: lab up -> deployment up -> warm-up (the same mix, then one wave at the burst's peak
+concurrency; after QUIET_S of quiet, each process's RSS baseline: the state the end is measured in
+too) -> load and faults together (a fault fires once its share of the load has ended; a killed
+role is restarted on its ports, as a supervisor would) -> 10 s of quiet, then what every process
+still holds and its RSS -> deployment and lab down -> reference pass (one engine alone, separate
+process) -> invariants, table, JSON, PNG timeline. Progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -279,6 +280,10 @@ def main(
     bursts = sum(f.kind is FaultKind.BURST for f in faults)
     reqs = workload(requests + bursts * BURST_FACTOR * concurrency, seed, max_output)
     warm = workload(max(WARMUP_MIN, 2 * concurrency), seed + 1, max_output)  # the same mix
+    # the run's peak: a burst puts (1 + BURST_FACTOR) x concurrency in flight; the warm-up meets it
+    # once too, so buffers sized by what is in flight have their size before the baseline
+    peak = (1 + BURST_FACTOR) * concurrency if bursts else 0
+    warm_peak = workload(peak, seed + 2, max_output) if peak else []
     say(f"chaos: {len(reqs)} requests, {concurrency} at once, deadline {deadline_s:g} s, faults: "
         + ", ".join(f.name for f in faults))  # fmt: skip
     lab = Lab.up(parse_profile(wan_profile(spec), name="pddlink-chaos"), name=f"chaos{os.getpid() % 100000}")
@@ -286,15 +291,19 @@ def main(
     try:
         with Cluster(lab, spec) as cluster:
             say(f"[chaos] deployment up ({lab.mode} lab, mutual TLS between all roles)")
-            asyncio.run(
-                drive(
-                    cluster.router_target,
-                    warm,
-                    concurrency=concurrency,
-                    deadline_s=deadline_s,
-                    t0=time.monotonic(),
-                )
-            )
+            for batch, at_once in ((warm, concurrency), (warm_peak, peak)):
+                if batch:
+                    asyncio.run(
+                        drive(
+                            cluster.router_target,
+                            batch,
+                            concurrency=at_once,
+                            deadline_s=deadline_s,
+                            t0=time.monotonic(),
+                        )
+                    )
+            say(f"[chaos] warm-up over; {QUIET_S:g} s of quiet, then each process's RSS baseline")
+            time.sleep(QUIET_S)  # as before the end's figure: the same state, nothing in flight
             rss.sample(cluster, ("p", "rld", "md", "router"))
             runner = FaultRunner(lab, cluster, rss, time.monotonic(), wan_profile(spec))
             sampler = RssSampler(cluster, runner.t0)
