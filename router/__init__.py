@@ -41,6 +41,7 @@ from router.run import RunDriver
 from sidecar.admission import Overloaded
 from sidecar.backlog import POLL_INTERVAL_S, follow_backlog
 from sidecar.grpc_tls import CallerCheck, open_channel
+from sidecar.malloc_trim import trim_every
 from sidecar.pb import pb2, pb2_grpc
 from sidecar.recompute import PrefillBook, TpotBook
 from sidecar.role_health import RoleHealth
@@ -89,6 +90,7 @@ class Router:
         self.ids = itertools.count(1)
         self.in_flight: dict[str, RunDriver] = {}
         self._mirror_task: asyncio.Task[None] | None = None
+        self._trim_task: asyncio.Task[None] | None = None
         self.caller_check: CallerCheck | None = None  # set by the gRPC server (who calls, with TLS)
 
     async def start(self) -> None:
@@ -98,9 +100,10 @@ class Router:
         self._backlog_task = loop.create_task(
             follow_backlog(self.p, pb2.StatusRequest(), self.link, POLL_INTERVAL_S)
         )
+        self._trim_task = loop.create_task(trim_every())  # freed memory back to the OS, as the sidecars
 
     async def close(self) -> None:
-        for task in (self._mirror_task, self._backlog_task):
+        for task in (self._mirror_task, self._backlog_task, self._trim_task):
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
