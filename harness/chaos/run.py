@@ -43,6 +43,7 @@ from sidecar.http import fetch
 
 WARMUP_MIN = 40  # requests before the RSS baseline (allocators and caches reach their size)
 QUIET_S = 10.0  # after the load: what is still held then must be 0
+REFERENCE_TIMEOUT_S = 480.0  # the reference pass of ~1,150 requests on one core of a busy machine
 BURST_FACTOR = 3  # a burst adds this many times the concurrency at once: 4x in flight
 ENGINE_DEATH_EXIT_S = 10.0  # a sidecar whose engine died has stopped by then
 RESTART_ESTIMATE_S = 10.0  # a killed role is back (engine loaded, READY) in about this long
@@ -325,8 +326,15 @@ def main(
                 growth = rss.growth(cluster)
     finally:
         lab.down()
+    with open(work / "rss.jsonl", "w") as f:  # every process's RSS once a second: (s, role:pid, MiB)
+        f.writelines(json.dumps(row) + "\n" for row in sampler.rows)
+    with open(work / "requests.jsonl", "w") as f:  # per-request records, for diagnosis
+        for r in results:
+            row = {"index": r.index, "pipeline": r.pipeline, "start": r.started_s, "end": r.ended_s}
+            row |= {"outcome": r.outcome, "reason": r.reason, "sources": r.sources, "trace": r.trace}
+            f.write(json.dumps(row) + "\n")
     say("reference: one engine generating every request alone (separate process, float64)")
-    reference = reference_tokens([r for r, _ in reqs], spec, work)
+    reference = reference_tokens([r for r, _ in reqs], spec, work, timeout_s=REFERENCE_TIMEOUT_S)
     doc = evaluate(
         results, reference, [len(r.prompt) for r, _ in reqs], runner.records, deadline_s=deadline_s
     )
@@ -344,13 +352,6 @@ def main(
         "engine_mode": engine_mode,
         "work_dir": str(work),
     }
-    with open(work / "rss.jsonl", "w") as f:  # every process's RSS once a second: (s, role:pid, MiB)
-        f.writelines(json.dumps(row) + "\n" for row in sampler.rows)
-    with open(work / "requests.jsonl", "w") as f:  # per-request records, for diagnosis
-        for r in results:
-            row = {"index": r.index, "pipeline": r.pipeline, "start": r.started_s, "end": r.ended_s}
-            row |= {"outcome": r.outcome, "reason": r.reason, "sources": r.sources, "trace": r.trace}
-            f.write(json.dumps(row) + "\n")
     print(table(doc))
     timeline(results, runner.records, Path(plot_path))
     say(f"timeline: {plot_path}; logs: {work}")
