@@ -138,7 +138,9 @@ def sidecar_counters(cluster: Any) -> dict[str, float]:
     return out
 
 
-def reference_tokens(requests: list[DemoRequest], spec: ClusterSpec, work: Path) -> list[list[int]]:
+def reference_tokens(
+    requests: list[DemoRequest], spec: ClusterSpec, work: Path, timeout_s: float = 240.0
+) -> list[list[int]]:
     job = {
         "engine": {"preset": spec.preset, "dtype": spec.dtype, "block_size": 16, "num_blocks": 4096},
         "requests": [{"prompt": list(r.prompt), "sampling": r.sampling.to_dict()} for r in requests],
@@ -153,7 +155,7 @@ def reference_tokens(requests: list[DemoRequest], spec: ClusterSpec, work: Path)
             str(work / "reference.json"),
         ],
         check=True,
-        timeout=240,
+        timeout=timeout_s,
     )
     tokens: list[list[int]] = json.loads((work / "reference.json").read_text())["tokens"]
     return tokens

@@ -16,6 +16,7 @@ prefill books and the count of requests RLD is streaming.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import time
@@ -25,10 +26,12 @@ from typing import Any
 from engines_adapter import SamplingParams
 from pddlink import metrics
 from pddlink.errors import InvalidInput, NotFound
-from pddlink.lifecycle import RunSpec
+from pddlink.lifecycle import RunSpec, StallBreaker, md_stall_bound
 from pddlink.roles import Role
 from pddlink.routing import (
+    DecisionReason,
     LinkModel,
+    Option,
     OptionDecision,
     RoutingInputs,
     RoutingPolicy,
@@ -39,6 +42,7 @@ from router.options import FORCEABLE, decide_option, forced_option, option_trace
 from router.run import RunDriver
 from sidecar.admission import Overloaded
 from sidecar.grpc_tls import CallerCheck
+from sidecar.malloc_trim import trim_every
 from sidecar.recompute import PrefillBook, TpotBook
 
 __all__ = ["Router", "RouterConfig", "VllmEngineConfig"]
@@ -53,6 +57,7 @@ class Router:
         self.backend: EngineBackend = make_backend(cfg, self.tls)  # what differs per engine kind
         self.rld_active = 0
         self.rld_down_until = 0.0
+        self.md_stalls = StallBreaker()  # MD stalled lately: the requests the router places avoid it
         self.link = LinkModel(cfg.line_mbit * 1e6 / 8, cfg.rtt_ms / 1e3, pool_size=cfg.wan_links)
         self.policy = RoutingPolicy(
             relay_enabled=cfg.relay_enabled,
@@ -66,17 +71,27 @@ class Router:
         self.md_tpot = TpotBook(cfg.md_tpot_s)
         self.ids = itertools.count(1)
         self.in_flight: dict[str, RunDriver] = {}
+        self._trim_task: asyncio.Task[None] | None = None
         self.caller_check: CallerCheck | None = None  # set by the gRPC server (who calls, with TLS)
 
     async def start(self) -> None:
         await self.backend.start(self.link)
+        self._trim_task = asyncio.get_running_loop().create_task(trim_every())  # freed heap back to the OS
 
     async def close(self) -> None:
+        if self._trim_task is not None:
+            self._trim_task.cancel()
+            await asyncio.gather(self._trim_task, return_exceptions=True)
         await self.backend.close()
 
     def rld_usable(self, now: float | None = None) -> bool:
         t = time.monotonic() if now is None else now
         return self.cfg.relay_enabled and t >= self.rld_down_until and self.backend.usable("rld")
+
+    def md_usable(self, now: float | None = None) -> bool:
+        """MD may get new requests the router places: not stalled lately, its channel healthy."""
+        t = time.monotonic() if now is None else now
+        return self.md_stalls.usable(t) and self.backend.usable("md")
 
     # -- policy -------------------------------------------------------------------------------------
 
@@ -100,6 +115,8 @@ class Router:
         )
         if forced:
             return forced_option(routing, forced, self.policy), matched
+        if not self.md_usable(now) and routing.rld_available and self.rld_active < self.cfg.rld_capacity:
+            return OptionDecision(Option.SINGULAR, DecisionReason.MD_UNAVAILABLE, 0, 0.0, ()), matched
         return decide_option(self, routing, deadline_s), matched
 
     # -- what the runs report back (``router.legs.Cluster``) -------------------------------
@@ -109,6 +126,11 @@ class Router:
 
     def on_md_ready(self, request_id: str, new_tokens: int, seconds: float) -> None:
         self.md_book.ready(request_id, new_tokens, seconds)
+
+    def on_md_stalled(self, seconds: float) -> None:
+        """A run saw MD's stream make no progress (``pddlink.lifecycle.stall``): new requests the
+        router places keep off MD until it is healthy again (``StallBreaker``)."""
+        self.md_stalls.stalled(time.monotonic())
 
     def validate(self, prompt: list[int], sampling: SamplingParams, deadline_s: float, pipeline: str) -> None:
         cfg = self.cfg
@@ -133,9 +155,11 @@ class Router:
         deadline_s: float = 0.0,
         pipeline: str = "",
         request_id: str = "",
+        arrived: float | None = None,
     ) -> AsyncIterator[dict[str, Any]]:
         """Validates (``InvalidInput``, nothing changed), admits (``Overloaded``, nothing started),
-        then yields token dicts and a final trace."""
+        then yields token dicts and a final trace. The deadline counts from ``arrived`` (when the
+        API got the request; default now), so time spent in the checks and queues is its own."""
         deadline_s = deadline_s or self.cfg.deadline_s
         self.validate(prompt, sampling, deadline_s, pipeline)
         rid = request_id or f"req-{next(self.ids)}-{time.time_ns() % 10**9}"
@@ -156,9 +180,12 @@ class Router:
             decision.wan_estimate_s,
             mirror_matched_tokens=matched,
             option=option,
+            md_stall_s=md_stall_bound(self.link.estimate(time.monotonic()).rtt_s, self.md_tpot.tpot_s),
         )
         legs = lambda deadline: self.backend.legs(self, deadline)  # noqa: E731
-        run = self.in_flight[rid] = RunDriver(legs, spec, self.rld_usable)
+        run = self.in_flight[rid] = RunDriver(
+            legs, spec, self.rld_usable, arrived=arrived, on_md_stalled=self.on_md_stalled
+        )
         flow = rid  # P reports its transfer state by request id (``sidecar.backlog``)
         now = time.monotonic()
         if option.ships_kv:
@@ -181,6 +208,8 @@ class Router:
                     self.link.finish_flow(flow, time.monotonic(), completed=bool(trace.wan_bytes))
             if trace.rld_suspect:
                 self.rld_down_until = time.monotonic() + RLD_COOL_DOWN_S
+            if trace.md_streamed:
+                self.md_stalls.healthy()
         out = trace.to_dict()
         out.update(option_trace(decision))
         self.md_tpot.observe(out)
@@ -202,6 +231,7 @@ class Router:
             "role": Role.ROUTER.value,
             "in_flight": by_pipeline,
             "rld_active": self.rld_active,
+            "md": {"usable": self.md_usable(now), "stalls": self.md_stalls.stalls},
             "grpc_tls": self.caller_check.status() if self.caller_check is not None else None,
             **self.backend.status(),  # engine, roles, drc_mirror
             "link": {

@@ -199,6 +199,7 @@ class RouterService(pb2_grpc.RouterServicer):  # type: ignore[misc,name-defined]
         return client
 
     async def Generate(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
+        arrived = time.monotonic()  # the deadline counts from here, not from after the checks
         client = await self._who(context)
         if client is None:
             return
@@ -222,6 +223,7 @@ class RouterService(pb2_grpc.RouterServicer):  # type: ignore[misc,name-defined]
                 deadline_s=job.deadline_s,
                 pipeline=job.pipeline,
                 request_id=job.request_id,
+                arrived=arrived,
             )
             try:
                 first = await gen.__anext__()  # the router's own checks happen before the first event

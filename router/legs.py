@@ -62,6 +62,8 @@ class Cluster(Protocol):
 
     def on_md_ready(self, request_id: str, new_tokens: int, seconds: float) -> None: ...
 
+    def on_md_stalled(self, seconds: float) -> None: ...
+
 
 class Stubs(Protocol):
     """The sidecars' gRPC stubs (``router.backend.GrpcBackend``)."""

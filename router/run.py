@@ -4,7 +4,10 @@ The machine decides (legs, merge, fallbacks, deadline); this driver feeds it: it
 through the engine backend's ``Legs`` (``router.backend``: gRPC ``router.legs`` or HTTP
 ``router.vllm_legs``), hands every event from the inbox to the machine,
 re-arms the machine's timer, and yields the merged tokens. If the client goes away (the generator
-is closed) the machine is told so, and the legs are torn down either way. Metrics are counted here.
+is closed) the machine is told so, and the legs are torn down either way: in the background, so
+the run's end (and the client's closing event) never waits for a sidecar to answer ``Release``
+(one behind a cut WAN answers late or never; each teardown is bounded by its calls' own timeouts).
+Metrics are counted here.
 """
 
 from __future__ import annotations
@@ -15,11 +18,27 @@ from collections.abc import AsyncGenerator, Callable
 
 from pddlink import metrics
 from pddlink.handoff import MergedToken
-from pddlink.lifecycle import Emit, FallbackTaken, RequestRun, RunCommand, RunSpec, RunState, RunTrace
+from pddlink.lifecycle import (
+    Emit,
+    FallbackTaken,
+    MdStalled,
+    RequestRun,
+    RunCommand,
+    RunSpec,
+    RunState,
+    RunTrace,
+)
 from router.backend import Legs
 from router.legs import Cluster
 
-__all__ = ["Cluster", "RunDriver"]
+__all__ = ["Cluster", "RunDriver", "teardowns_pending"]
+
+_TEARDOWNS: set[asyncio.Task[None]] = set()  # legs being torn down after their run ended
+
+
+def teardowns_pending() -> int:
+    """Runs whose legs are still being torn down (each ends within its calls' timeouts)."""
+    return sum(not t.done() for t in _TEARDOWNS)
 
 
 class RunDriver:
@@ -28,9 +47,18 @@ class RunDriver:
         legs: Callable[[float], Legs],
         spec: RunSpec,
         rld_usable: Callable[[float], bool],
+        *,
+        arrived: float | None = None,
+        on_md_stalled: Callable[[float], None] | None = None,
     ) -> None:
+        """``legs``: the engine backend's legs for a deadline; ``arrived``: when the request reached
+        the router (its deadline counts from then); ``on_md_stalled``: told when MD stalled."""
         self.spec = spec
-        self.machine = RequestRun(spec, now=time.monotonic(), rld_usable=rld_usable)
+        self.on_md_stalled = on_md_stalled
+        now = time.monotonic()
+        self.machine = RequestRun(
+            spec, now=now if arrived is None else min(arrived, now), rld_usable=rld_usable
+        )
         self.calls = legs(self.machine.deadline)
 
     @property
@@ -50,7 +78,9 @@ class RunDriver:
         finally:
             if m.state is not RunState.ENDED:  # the client went away
                 self._apply(m.cancel(time.monotonic()))
-            await self.calls.close(finished=m.merger.finished)
+            task = asyncio.get_running_loop().create_task(self.calls.close(finished=m.merger.finished))
+            _TEARDOWNS.add(task)
+            task.add_done_callback(_TEARDOWNS.discard)
             self._count(self.trace)
 
     async def _next(self) -> list[RunCommand]:
@@ -76,6 +106,9 @@ class RunDriver:
                 tokens.append(cmd.token)
             elif isinstance(cmd, FallbackTaken):
                 metrics.FALLBACKS.labels(kind=cmd.fallback.value).inc()
+            elif isinstance(cmd, MdStalled):
+                if self.on_md_stalled is not None:
+                    self.on_md_stalled(cmd.seconds)
             else:
                 self.calls.execute(cmd)
         return tokens

@@ -11,6 +11,7 @@ not glibc, ``trim`` does nothing and says so.
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import ctypes.util
 import functools
@@ -38,6 +39,13 @@ def _malloc_trim() -> Callable[[int], int] | None:
 
 def available() -> bool:
     return _malloc_trim() is not None
+
+
+async def trim_every(seconds: float = TRIM_EVERY_S) -> None:
+    """``trim`` every ``seconds``, for a process without a sweeper (the router)."""
+    while True:
+        await asyncio.sleep(seconds)
+        trim()
 
 
 def trim() -> bool:

@@ -20,7 +20,6 @@ as before). The router asks ``usable(role)``; ``status()`` feeds its ``/status``
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -140,6 +139,10 @@ class RoleHealth:
         st = self.roles[role]
         ready_seen = False
         next_probe = 0.0
+        # ``wait_for_state_change`` has no deadline: each call is a watch in gRPC's core that lives
+        # until the state changes. So one watch at a time, awaited across ticks and never cancelled
+        # by a tick (a cancelled one stays registered: two a second per role on a READY channel).
+        change: asyncio.Future[None] | None = None
         while True:
             state = channel.get_state(try_to_connect=True)
             st.state = state.name
@@ -151,8 +154,15 @@ class RoleHealth:
                     next_probe = time.monotonic() + self.probe_every_s
             elif ready_seen or state is grpc.ChannelConnectivity.TRANSIENT_FAILURE:
                 self._set(role, False, f"channel {state.name}")  # lost: no traffic until probed
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(channel.wait_for_state_change(state), WATCH_TICK_S)
+            if change is None or change.done():
+                if change is not None and not change.cancelled():
+                    change.exception()  # retrieved (a closed channel's watch may fail)
+                change = asyncio.ensure_future(channel.wait_for_state_change(state))
+            try:
+                await asyncio.wait({change}, timeout=WATCH_TICK_S)
+            except asyncio.CancelledError:
+                change.cancel()
+                raise
 
 
 if TYPE_CHECKING:  # generic in the type stubs only

@@ -2,11 +2,12 @@
 separate processes across a netlab WAN, mutual TLS between all of them), a bounded streaming load,
 a fault schedule applied while it runs, then the invariants.
 
-Lifecycle: lab up -> deployment up -> warm-up (the same mix; RSS sampled after it) -> load and faults
-together (a fault fires once its share of the load has ended; a killed role is restarted on its
-ports, as a supervisor would) -> 10 s of quiet, then what every process still holds and its RSS ->
-deployment and lab down -> reference pass (one engine alone, separate process) -> invariants,
-table, JSON, PNG timeline. Progress goes to stderr.
+Lifecycle: lab up -> deployment up -> warm-up (the same mix, then one wave at the burst's peak
+concurrency; after QUIET_S of quiet, each process's RSS baseline: the state the end is measured in
+too) -> load and faults together (a fault fires once its share of the load has ended; a killed
+role is restarted on its ports, as a supervisor would) -> 10 s of quiet, then what every process
+still holds and its RSS -> deployment and lab down -> reference pass (one engine alone, separate
+process) -> invariants, table, JSON, PNG timeline. Progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
@@ -31,6 +31,7 @@ from engines_adapter import SamplingParams
 from harness.chaos.invariants import FaultRecord, evaluate
 from harness.chaos.load import StreamResult, drive
 from harness.chaos.report import table, timeline
+from harness.chaos.rss import RssBook, RssSampler
 from harness.chaos.schedule import Fault, FaultKind, default_schedule
 from harness.cluster import Cluster, ClusterSpec
 from harness.demo import VOCAB, reference_tokens, wan_profile
@@ -42,6 +43,7 @@ from sidecar.http import fetch
 
 WARMUP_MIN = 40  # requests before the RSS baseline (allocators and caches reach their size)
 QUIET_S = 10.0  # after the load: what is still held then must be 0
+REFERENCE_TIMEOUT_S = 480.0  # the reference pass of ~1,150 requests on one core of a busy machine
 BURST_FACTOR = 3  # a burst adds this many times the concurrency at once: 4x in flight
 ENGINE_DEATH_EXIT_S = 10.0  # a sidecar whose engine died has stopped by then
 RESTART_ESTIMATE_S = 10.0  # a killed role is back (engine loaded, READY) in about this long
@@ -70,56 +72,6 @@ def workload(requests: int, seed: int, max_output: int) -> list[tuple[DemoReques
         )
         out.append((replace(r, index=i, sampling=sampling), pipeline))
     return out
-
-
-def rss_bytes(pid: int) -> int:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
-class RssBook:
-    """Each process's RSS after warm-up; a restarted one's once WARMUP_MIN more requests have ended
-    after it came back (its own warm-up)."""
-
-    def __init__(self) -> None:
-        self.base: dict[int, tuple[str, int]] = {}
-        self.ended = 0
-        self.pending: dict[str, int] = {}  # role -> requests ended at which to take its baseline
-        self._lock = threading.Lock()
-
-    def restarted(self, role: str) -> None:
-        with self._lock:
-            self.pending[role] = self.ended + WARMUP_MIN
-
-    def on_done(self, cluster: Cluster) -> None:
-        with self._lock:
-            self.ended += 1
-            due = [role for role, at in self.pending.items() if self.ended >= at]
-            for role in due:
-                del self.pending[role]
-        if due:
-            self.sample(cluster, due)
-
-    def sample(self, cluster: Cluster, roles: Sequence[str]) -> None:
-        for role in roles:
-            for pid in cluster.pids(role):
-                rss = rss_bytes(pid)
-                if rss:
-                    self.base[pid] = (role, rss)
-
-    def growth(self, cluster: Cluster) -> dict[str, float | None]:
-        """End RSS / baseline per process ("role:pid"); None: restarted too late for a baseline."""
-        out: dict[str, float | None] = {}
-        for role in ("p", "rld", "md", "router"):
-            for pid in cluster.pids(role):
-                now = rss_bytes(pid)
-                out[f"{role}:{pid}"] = now / self.base[pid][1] if pid in self.base and now else None
-        return out
 
 
 def admin_status(target: str) -> dict[str, Any]:
@@ -329,49 +281,67 @@ def main(
     bursts = sum(f.kind is FaultKind.BURST for f in faults)
     reqs = workload(requests + bursts * BURST_FACTOR * concurrency, seed, max_output)
     warm = workload(max(WARMUP_MIN, 2 * concurrency), seed + 1, max_output)  # the same mix
+    # the run's peak: a burst puts (1 + BURST_FACTOR) x concurrency in flight; the warm-up meets it
+    # once too, so buffers sized by what is in flight have their size before the baseline
+    peak = (1 + BURST_FACTOR) * concurrency if bursts else 0
+    warm_peak = workload(peak, seed + 2, max_output) if peak else []
     say(f"chaos: {len(reqs)} requests, {concurrency} at once, deadline {deadline_s:g} s, faults: "
         + ", ".join(f.name for f in faults))  # fmt: skip
     lab = Lab.up(parse_profile(wan_profile(spec), name="pddlink-chaos"), name=f"chaos{os.getpid() % 100000}")
-    rss = RssBook()
+    rss = RssBook(len(warm))
     try:
         with Cluster(lab, spec) as cluster:
             say(f"[chaos] deployment up ({lab.mode} lab, mutual TLS between all roles)")
-            asyncio.run(
-                drive(
-                    cluster.router_target,
-                    warm,
-                    concurrency=concurrency,
-                    deadline_s=deadline_s,
-                    t0=time.monotonic(),
-                )
-            )
+            for batch, at_once in ((warm, concurrency), (warm_peak, peak)):
+                if batch:
+                    asyncio.run(
+                        drive(
+                            cluster.router_target,
+                            batch,
+                            concurrency=at_once,
+                            deadline_s=deadline_s,
+                            t0=time.monotonic(),
+                        )
+                    )
+            say(f"[chaos] warm-up over; {QUIET_S:g} s of quiet, then each process's RSS baseline")
+            time.sleep(QUIET_S)  # as before the end's figure: the same state, nothing in flight
             rss.sample(cluster, ("p", "rld", "md", "router"))
             runner = FaultRunner(lab, cluster, rss, time.monotonic(), wan_profile(spec))
-            results = asyncio.run(
-                load_and_faults(
-                    cluster,
-                    runner,
-                    reqs[:requests],
-                    faults,
-                    concurrency=concurrency,
-                    deadline_s=deadline_s,
-                    extra=reqs[requests:],
+            sampler = RssSampler(cluster, runner.t0)
+            with sampler:
+                results = asyncio.run(
+                    load_and_faults(
+                        cluster,
+                        runner,
+                        reqs[:requests],
+                        faults,
+                        concurrency=concurrency,
+                        deadline_s=deadline_s,
+                        extra=reqs[requests:],
+                    )
                 )
-            )
-            say(f"[chaos] load over; {QUIET_S:g} s of quiet, then what is still held")
-            time.sleep(QUIET_S)
-            held = held_now(cluster)
-            growth = rss.growth(cluster)
+                say(f"[chaos] load over; {QUIET_S:g} s of quiet, then what is still held")
+                time.sleep(QUIET_S)
+                held = held_now(cluster)
+                growth = rss.growth(cluster)
     finally:
         lab.down()
+    with open(work / "rss.jsonl", "w") as f:  # every process's RSS once a second: (s, role:pid, MiB)
+        f.writelines(json.dumps(row) + "\n" for row in sampler.rows)
+    with open(work / "requests.jsonl", "w") as f:  # per-request records, for diagnosis
+        for r in results:
+            row = {"index": r.index, "pipeline": r.pipeline, "start": r.started_s, "end": r.ended_s}
+            row |= {"outcome": r.outcome, "reason": r.reason, "sources": r.sources, "trace": r.trace}
+            f.write(json.dumps(row) + "\n")
     say("reference: one engine generating every request alone (separate process, float64)")
-    reference = reference_tokens([r for r, _ in reqs], spec, work)
+    reference = reference_tokens([r for r, _ in reqs], spec, work, timeout_s=REFERENCE_TIMEOUT_S)
     doc = evaluate(
         results, reference, [len(r.prompt) for r, _ in reqs], runner.records, deadline_s=deadline_s
     )
     doc["held_after_s10"] = held
     doc["rss_growth_max"] = max((g for g in growth.values() if g is not None), default=0.0)
     doc["rss_growth"] = growth
+    doc["rss_baseline_mib"] = {f"{role}:{pid}": round(b / 2**20, 1) for pid, (role, b) in rss.base.items()}
     doc["setting"] = {
         "concurrency": concurrency,
         "deadline_s": deadline_s,
@@ -382,11 +352,6 @@ def main(
         "engine_mode": engine_mode,
         "work_dir": str(work),
     }
-    with open(work / "requests.jsonl", "w") as f:  # per-request records, for diagnosis
-        for r in results:
-            row = {"index": r.index, "pipeline": r.pipeline, "start": r.started_s, "end": r.ended_s}
-            row |= {"outcome": r.outcome, "reason": r.reason, "sources": r.sources, "trace": r.trace}
-            f.write(json.dumps(row) + "\n")
     print(table(doc))
     timeline(results, runner.records, Path(plot_path))
     say(f"timeline: {plot_path}; logs: {work}")

@@ -11,6 +11,7 @@ from pddlink.lifecycle.events import (
     HandoffDone,
     Leg,
     MdReady,
+    MdStalled,
     OpenStream,
     PrefillDone,
     PrefillFailed,
@@ -38,6 +39,7 @@ from pddlink.lifecycle.outcomes import (
     StreamEnd,
 )
 from pddlink.lifecycle.run import RequestRun, RunState
+from pddlink.lifecycle.stall import StallBreaker, StallWatch, md_stall_bound
 from pddlink.lifecycle.trace import RunSpec, RunTrace
 
 __all__ = [
@@ -55,6 +57,7 @@ __all__ = [
     "Leg",
     "Loss",
     "MdReady",
+    "MdStalled",
     "OpenStream",
     "PrefillDone",
     "PrefillFailed",
@@ -73,6 +76,8 @@ __all__ = [
     "SeqState",
     "Situation",
     "SliceStep",
+    "StallBreaker",
+    "StallWatch",
     "StartHandoff",
     "StreamClosed",
     "StreamEnd",
@@ -80,4 +85,5 @@ __all__ = [
     "TakeOver",
     "TakeoverFailed",
     "TokenArrived",
+    "md_stall_bound",
 ]

@@ -166,6 +166,14 @@ class DetachHandoff:
 
 
 @dataclass(frozen=True, slots=True)
+class MdStalled:
+    """MD's stream made no progress for the stall bound (its stream is cancelled, a fallback
+    follows): the router keeps new requests off MD for a while."""
+
+    seconds: float  # how long MD had been silent
+
+
+@dataclass(frozen=True, slots=True)
 class FallbackTaken:
     fallback: Fallback
 
@@ -190,6 +198,7 @@ RunCommand = (
     | CancelStreams
     | ReleaseRldSlot
     | DetachHandoff
+    | MdStalled
     | FallbackTaken
     | Emit
     | RunEnded

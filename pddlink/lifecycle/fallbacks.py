@@ -116,6 +116,11 @@ TABLE: dict[Loss, tuple[Row, ...]] = {
         (rerun_on_rld,       Fallback.MD_LOST_P_RLD,                 Recovery.NEW_LEG_P_RLD),
         (always,             None,                                   Recovery.FAIL),
     ),
+    Loss.MD_STALLED: (
+        (rld_streaming,      Fallback.MD_STALLED_RLD_FINISHES,       Recovery.RLD_FINISHES),
+        (rerun_on_rld,       Fallback.MD_STALLED_P_RLD,              Recovery.NEW_LEG_P_RLD),
+        (always,             None,                                   Recovery.FAIL),
+    ),
 }
 # fmt: on
 

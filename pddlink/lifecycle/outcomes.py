@@ -84,6 +84,7 @@ class FailReason(StrEnum):
     RLD_UNREACHABLE = "rld_unreachable"
     RLD_LOST = "rld_lost"
     MD_LOST = "md_lost"
+    MD_STALLED = "md_stalled"
 
 
 class Fallback(StrEnum):
@@ -98,6 +99,8 @@ class Fallback(StrEnum):
     RLD_LOST_P_MD = "rld_lost_p_md"
     MD_LOST_RLD_FINISHES = "md_lost_rld_finishes"
     MD_LOST_P_RLD = "md_lost_p_rld"
+    MD_STALLED_RLD_FINISHES = "md_stalled_rld_finishes"
+    MD_STALLED_P_RLD = "md_stalled_p_rld"
     HANDOFF_FAILED_RLD_FINISHES = "handoff_failed_rld_finishes"
 
 
@@ -109,3 +112,4 @@ class Loss(Enum):
     RLD_UNREACHABLE = "rld_unreachable"  # P's reply: the fast-path shipment failed, or RLD's stream is gone
     RLD_LOST = "rld_lost"  # RLD's stream broke before the request finished
     MD_LOST = "md_lost"  # MD's stream broke, or the router's takeover handoff to MD failed
+    MD_STALLED = "md_stalled"  # MD's stream is open but made no progress for the stall bound

@@ -18,6 +18,12 @@ ready by ``HANDOFF_MARGIN_S`` before the deadline, the handoff counts as failed
 ``Loss.MD_CONGESTED`` (``wan_congested_*`` fallbacks), any other missed shipment
 ``Loss.MD_UNREACHABLE``.
 
+MD stalls (``pddlink.lifecycle.stall``): while MD owes the request tokens (P's reply said it holds
+the KV, its recompute is ready, RLD handed over, or MD took over) a ``StallWatch`` runs; no token
+from MD for ``RunSpec.md_stall_s`` is ``Loss.MD_STALLED``: MD's stream is cancelled, ``MdStalled``
+tells the router to keep new requests off MD, and the table's row recovers (a new leg on RLD from
+the merged position while P holds the KV) or fails the run ``md_stalled`` -- before its deadline.
+
 States (``RUN_TRANSITIONS``)::
 
     RUNNING --merged stream complete--> AWAITING_P_REPLY --P's reply or 1 s--> ENDED
@@ -45,6 +51,7 @@ from pddlink.lifecycle.events import (
     HandoffDone,
     Leg,
     MdReady,
+    MdStalled,
     OpenStream,
     PrefillDone,
     PrefillFailed,
@@ -69,6 +76,7 @@ from pddlink.lifecycle.outcomes import (
     RunOutcome,
     StreamEnd,
 )
+from pddlink.lifecycle.stall import StallWatch
 from pddlink.lifecycle.trace import RunSpec, RunTrace, TraceBuilder
 from pddlink.roles import Role
 from pddlink.routing import Pipeline, RecomputeMode, md_miss_label
@@ -98,6 +106,7 @@ _LOSS_REASON = {
     Loss.RLD_UNREACHABLE: FailReason.RLD_UNREACHABLE,
     Loss.RLD_LOST: FailReason.RLD_LOST,
     Loss.MD_LOST: FailReason.MD_LOST,
+    Loss.MD_STALLED: FailReason.MD_STALLED,
 }
 
 
@@ -123,6 +132,7 @@ class RequestRun:
         self.rld_handed_off = False
         self.md_ready = False  # a recomputing leg: MD's ready event arrived (it holds the prompt)
         self.handoff_waits_until: float | None = None  # P replied; StartHandoff waits for MD's ready
+        self.md_watch = StallWatch(spec.md_stall_s)  # armed while MD owes the request tokens
         self.notes = TraceBuilder(spec)
         self.reason: FailReason | None = None
         self.detail = ""
@@ -138,27 +148,29 @@ class RequestRun:
 
     def get_timer(self) -> float | None:
         if self.state is RunState.RUNNING:
-            if self.handoff_waits_until is not None:
-                return min(self.deadline, self.handoff_waits_until)
-            return self.deadline
+            timers = (self.deadline, self.handoff_waits_until, self.md_watch.due())
+            return min(t for t in timers if t is not None)
         if self.state is RunState.AWAITING_P_REPLY:
             return self._grace_until
         return None
 
     def handle_timer(self, now: float) -> list[RunCommand]:
-        timer = self.get_timer()
-        if timer is not None and now >= timer:
-            waits = self.handoff_waits_until
-            if self.state is RunState.RUNNING and waits is not None and now < self.deadline:
-                assert self.leg is not None  # MD's recompute is late: RLD finishes the request
-                self.handoff_waits_until = None
-                late = HandoffDone(self.leg.sid, HandoffResult(HandoffOutcome.FAILED, "md_recompute_late"))
-                self._on_handoff(late, now)
-                self._after(now)
-                return self._drain()
-            if self.state is RunState.RUNNING:
-                self._fail(FailReason.DEADLINE_EXCEEDED)
+        if self.state is RunState.AWAITING_P_REPLY and now >= self._grace_until:
             self._end(now)
+        elif self.state is not RunState.RUNNING:
+            pass
+        elif now >= self.deadline:
+            self._fail(FailReason.DEADLINE_EXCEEDED)
+            self._end(now)
+        elif self.handoff_waits_until is not None and now >= self.handoff_waits_until:
+            assert self.leg is not None  # MD's recompute is late: RLD finishes the request
+            self.handoff_waits_until = None
+            late = HandoffDone(self.leg.sid, HandoffResult(HandoffOutcome.FAILED, "md_recompute_late"))
+            self._on_handoff(late, now)
+            self._after(now)
+        elif self.md_watch.stalled(now):
+            self._md_stalled(now)
+            self._after(now)
         return self._drain()
 
     def cancel(self, now: float) -> list[RunCommand]:
@@ -187,6 +199,8 @@ class RequestRun:
 
     def _on_token(self, ev: TokenArrived, now: float) -> None:
         out: list[MergedToken] = self.merger.offer(ev.position, ev.token_id, ev.source.value, last=ev.last)
+        if ev.source is Role.MD and self.md_alive and self.leg is not None and ev.sid == self.leg.sid:
+            self.md_watch.arm(now)  # MD streams: it owes the next token within the bound
         if out and self.notes.ttft_s is None:
             self.notes.ttft_s = now - self.t_start
         self._out.extend(Emit(t) for t in out)
@@ -200,6 +214,7 @@ class RequestRun:
             self._loss(Loss.RLD_LOST, ev.closed.render(), now)
             return
         self.md_alive = False
+        self.md_watch.disarm()
         if end in (StreamEnd.FINISHED, StreamEnd.RELEASED) or self.merger.finished:
             return
         self._loss(Loss.MD_LOST, ev.closed.render(), now)
@@ -226,9 +241,13 @@ class RequestRun:
             self._out.append(StartHandoff(self.leg.sid))
         elif pipeline is Pipeline.SINGULAR and not r.rld_ok:
             self._loss(Loss.RLD_UNREACHABLE, r.rld_error, now)
+        if pipeline is Pipeline.P_MD and self.md_alive and r.md_ok and not recompute:
+            self.md_watch.arm(now)  # MD holds the KV: its tokens are due
 
     def _on_md_ready(self, ev: MdReady, now: float) -> None:
         self.md_ready = True
+        if self.md_alive and self.leg is not None and self.leg.pipeline is Pipeline.P_MD:
+            self.md_watch.arm(now)  # MD holds the prompt's KV (its own prefill): its tokens are due
         self.notes.md_recompute_s = ev.recompute_s
         self.notes.md_cached_tokens = ev.cached_tokens
         if self.handoff_waits_until is not None and self.leg is not None:
@@ -246,6 +265,8 @@ class RequestRun:
         outcome = ev.result.outcome
         if outcome is HandoffOutcome.HANDED_OFF:
             self.rld_handed_off = True
+            if self.md_alive:
+                self.md_watch.arm(now)  # MD continues the request: its tokens are due
             return
         if outcome is not HandoffOutcome.FINISHED_ON_RLD:
             self._fallback(Fallback.HANDOFF_FAILED_RLD_FINISHES)
@@ -272,13 +293,23 @@ class RequestRun:
     def _loss(self, loss: Loss, detail: str, now: float) -> None:
         if loss is Loss.MD_LOST:
             self.md_alive = False
+            self.md_watch.disarm()
         fallback, recovery = choose(loss, self.situation(now))
         if fallback is not None:
             self._fallback(fallback)
         _RECOVERIES[recovery](self, loss, detail)
+        if recovery is Recovery.MD_TAKES_OVER:
+            self.md_watch.arm(now)  # MD continues the request: its tokens are due
+
+    def _md_stalled(self, now: float) -> None:
+        silent = now - (self.md_watch.since or now)
+        self.md_watch.disarm()
+        self._out.append(MdStalled(silent))
+        self._cancel(Role.MD)
+        self._loss(Loss.MD_STALLED, f"no token from MD for {silent:.1f} s", now)
 
     def _rld_finishes(self, loss: Loss, detail: str) -> None:
-        if loss is Loss.MD_LOST:
+        if loss in (Loss.MD_LOST, Loss.MD_STALLED):
             self._out.append(DetachHandoff())
 
     def _md_takes_over(self, loss: Loss, detail: str) -> None:
@@ -320,6 +351,7 @@ class RequestRun:
         leg = self.leg = Leg(sid, self.spec.prompt + done, sampling, pipeline, recompute)
         self.first_token = self.md_ok = self.rld_ok = None
         self.md_ready, self.handoff_waits_until = False, None
+        self.md_watch.disarm()
         if recompute is RecomputeMode.AND_DECODE:
             # MD prefills and streams itself; P prefills too, shipping nothing, so its own prefix
             # cache keeps seeing every prompt (P's and MD's caches stay aligned)
@@ -340,6 +372,7 @@ class RequestRun:
         self._out.append(CancelStreams(role))
         if role is Role.MD:
             self.md_alive = False
+            self.md_watch.disarm()
         else:
             self._rld_gone()
 

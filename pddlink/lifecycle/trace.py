@@ -14,6 +14,7 @@ from engines_adapter.base import SamplingParams
 from pddlink.handoff import HandoffMode
 from pddlink.lifecycle.events import PrefillReport
 from pddlink.lifecycle.outcomes import FailReason, Fallback, HandoffResult, RunOutcome
+from pddlink.lifecycle.stall import MD_STALL_MIN_S
 from pddlink.routing import Option, Pipeline
 
 
@@ -30,6 +31,7 @@ class RunSpec:
     wan_estimate_s: float
     mirror_matched_tokens: int = 0
     option: Option = Option.SHIP  # ship or recompute (``pddlink.routing.choose_option``)
+    md_stall_s: float = MD_STALL_MIN_S  # no progress from MD this long is a stall (``lifecycle.stall``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +71,12 @@ class RunTrace:
     def rld_suspect(self) -> bool:
         """RLD failed this request: the router keeps new requests off it for a while."""
         return bool(self.rld_error) or Fallback.RLD_LOST_MD_TAKES_OVER in self.fallbacks
+
+    @property
+    def md_streamed(self) -> bool:
+        """MD streamed tokens for this request and never stalled: it is healthy."""
+        stalls = (Fallback.MD_STALLED_P_RLD, Fallback.MD_STALLED_RLD_FINISHES)
+        return dict(self.tokens).get("md", 0) > 0 and not any(f in stalls for f in self.fallbacks)
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {

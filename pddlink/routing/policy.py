@@ -45,6 +45,7 @@ class DecisionReason(StrEnum):
     LARGE_DELTA = "large_delta"  # hide the WAN transfer behind RelayDecode
     FORCED = "forced"  # the client named the pipeline
     RECOMPUTE = "recompute_sooner"  # MD prefills the suffix itself sooner than the WAN ships it
+    MD_UNAVAILABLE = "md_unavailable"  # MD stalled or lost recently: RelayDecode runs it alone
 
 
 def _require(ok: bool, message: str) -> None:

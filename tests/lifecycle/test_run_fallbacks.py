@@ -324,7 +324,26 @@ def _md_congested_p_rld() -> Run:
     return run
 
 
+def _md_stalled_rld_finishes() -> Run:
+    run = Run(Pipeline.P_RLD_MD)  # catch-up: MD streams too before RLD reports the handoff done
+    run.prefill()
+    run.tokens(Role.RLD, [4])
+    run.tokens(Role.MD, [5])
+    run.timer(run.now + run.m.spec.md_stall_s)
+    return run
+
+
+def _md_stalled_p_rld() -> Run:
+    run = Run(Pipeline.P_MD)
+    run.prefill()
+    run.tokens(Role.MD, [4])
+    run.timer(run.now + run.m.spec.md_stall_s)
+    return run
+
+
 SCENARIOS: dict[Fallback, Callable[[], Run]] = {
+    Fallback.MD_STALLED_RLD_FINISHES: _md_stalled_rld_finishes,
+    Fallback.MD_STALLED_P_RLD: _md_stalled_p_rld,
     Fallback.MD_UNREACHABLE_RLD_FINISHES: _md_unreachable_rld_finishes,
     Fallback.MD_UNREACHABLE_P_RLD: _md_unreachable_p_rld,
     Fallback.MD_CONGESTED_RLD_FINISHES: _md_congested_rld_finishes,
