@@ -212,14 +212,14 @@ def test_wan_cut_past_deadline_rld_finishes_and_md_ends_in_time(trio: Any) -> No
     import httpx
 
     prompt = [random.Random(5).randrange(3, 1024) for _ in range(300)]
-    deadline_s = 8.0
+    deadline_s = 12.0  # room for MD's own prefill and decode after it gave the KV up (a shared CPU)
 
     async def run() -> tuple[list[int], list[int], tuple[list[int], str, int], dict[str, float]]:
         async with httpx.AsyncClient(timeout=None) as http:
             greedy = {"temperature": 0}
             alone, _, _ = await _stream(http, trio.p.url, _body(trio, prompt, N, greedy), 60)
             kv = _kv("cut-1", deadline_s)
-            md_kv = _kv("cut-1", 0.6 * deadline_s, kv_tokens=len(prompt))  # the router's wan share
+            md_kv = _kv("cut-1", 0.4 * deadline_s, kv_tokens=len(prompt))  # the router's wan share
             t0 = time.monotonic()
             md = asyncio.ensure_future(
                 _stream(http, trio.md.url, _body(trio, prompt, N, greedy, **md_kv), 60)
@@ -235,7 +235,7 @@ def test_wan_cut_past_deadline_rld_finishes_and_md_ends_in_time(trio: Any) -> No
     trio.lab.set_outage(True)
     try:
         alone, rld, (md, md_finish, _), at = asyncio.run(run())
-        until = time.monotonic() + 15  # the cut lasts past P's deadline for its md leg
+        until = time.monotonic() + 20  # the cut lasts past P's deadline for its md leg
         while (shipped := trio.shipped("cut-1")) is None:
             assert time.monotonic() < until, "P's shipment did not end"
             time.sleep(0.2)
