@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import math
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -180,7 +181,9 @@ class Router:
             decision.wan_estimate_s,
             mirror_matched_tokens=matched,
             option=option,
-            md_stall_s=md_stall_bound(self.link.estimate(time.monotonic()).rtt_s, self.md_tpot.tpot_s),
+            md_stall_s=md_stall_bound(self.link.estimate(time.monotonic()).rtt_s, self.md_tpot.tpot_s)
+            if self.backend.md_stall_detection
+            else math.inf,
         )
         legs = lambda deadline: self.backend.legs(self, deadline)  # noqa: E731
         run = self.in_flight[rid] = RunDriver(

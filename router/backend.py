@@ -46,6 +46,9 @@ class Legs(Protocol):
 
 
 class EngineBackend(Protocol):
+    # whether MD's silence on a request it owes tokens means a stall (``pddlink.lifecycle.stall``)
+    md_stall_detection: bool
+
     def legs(self, cluster: Cluster, deadline: float) -> Legs: ...
 
     def matched_tokens(self, prompt: tuple[int, ...]) -> int: ...
@@ -62,6 +65,8 @@ class EngineBackend(Protocol):
 class GrpcBackend:
     """The reference engine's sidecars: gRPC channels (mutual TLS when configured), their health,
     the DRC mirror that follows MD and P's reported WAN backlog."""
+
+    md_stall_detection = True  # MD's sidecar says when it holds the KV: from then on tokens are due
 
     def __init__(self, cfg: RouterConfig, tls: TlsConfig | None) -> None:
         opts = [("grpc.max_receive_message_length", 64 << 20)]
