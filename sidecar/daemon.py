@@ -55,6 +55,7 @@ from sidecar.engine_loop import EngineLoop
 from sidecar.grpc_tls import SIDECAR_CALLERS, CallerCheck, bind, new_server
 from sidecar.http import Request, Response, error_response, json_response, serve_http
 from sidecar.kv_admission import KvAdmission
+from sidecar.malloc_trim import fix_mmap_threshold
 from sidecar.peers import DecoderPeer, KVPeer, KVPeerPool
 from sidecar.prefill import Prefiller
 from sidecar.reservations import ReservationIds
@@ -399,4 +400,5 @@ async def _main(cfg: SidecarConfig) -> None:
 
 
 def run(cfg: SidecarConfig) -> None:
+    fix_mmap_threshold()  # KV buffers go back to the OS when freed (sidecar.malloc_trim)
     eventloop.run(_main(cfg))

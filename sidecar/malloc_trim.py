@@ -7,6 +7,13 @@ a burst of 4x the usual concurrency P's RSS stayed at its high-water mark, twice
 warm-up, although nothing was held (issue 16, chaos: ``rss_growth_max``). ``malloc_trim(0)`` returns
 the free pages of every arena; the sweeper calls it every ``TRIM_EVERY_S``. Where the C library is
 not glibc, ``trim`` does nothing and says so.
+
+``trim`` alone was not enough after a restart: glibc's mmap threshold is dynamic (it starts at
+128 KiB and rises to the size of each mmapped block that is freed, up to 32 MiB), so after the first
+KV buffer is freed every later one comes from the arenas, where a burst leaves them fragmented: a P
+restarted mid-run ended its chaos run at 1.44x its RSS after warm-up (378 MiB, 580 MiB at the
+burst's peak). ``fix_mmap_threshold`` pins the threshold (``mallopt(M_MMAP_THRESHOLD)``): blocks of
+``MMAP_THRESHOLD`` and more are mapped on their own and unmapped when freed, whatever came before.
 """
 
 from __future__ import annotations
@@ -18,15 +25,33 @@ import functools
 from collections.abc import Callable
 
 TRIM_EVERY_S = 10.0
+MMAP_THRESHOLD = 256 << 10  # KV buffers (a block's bytes and more) are mapped on their own
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    name = ctypes.util.find_library("c")
+    return None if name is None else ctypes.CDLL(name)
+
+
+def fix_mmap_threshold(nbytes: int = MMAP_THRESHOLD) -> bool:
+    """Pin glibc's mmap threshold at ``nbytes`` (see the module docstring); True where it took."""
+    lib = _libc()
+    fn = getattr(lib, "mallopt", None) if lib is not None else None
+    if fn is None:
+        return False  # not glibc
+    fn.argtypes, fn.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return int(fn(_M_MMAP_THRESHOLD, nbytes)) == 1
 
 
 @functools.cache
 def _malloc_trim() -> Callable[[int], int] | None:
-    name = ctypes.util.find_library("c")
-    if name is None:
+    lib = _libc()
+    if lib is None:
         return None
     try:
-        fn = ctypes.CDLL(name).malloc_trim  # CDLL: the GIL is released during the call
+        fn = lib.malloc_trim  # CDLL: the GIL is released during the call
     except (OSError, AttributeError):
         return None  # musl, macOS: no malloc_trim
     fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int

@@ -29,7 +29,11 @@ def rss_bytes(pid: int) -> int:
 
 class RssBook:
     """Each process's RSS after warm-up; a restarted one's once ``warmup`` more requests have ended
-    after it came back (its own warm-up)."""
+    after it came back (its own warm-up: as many requests as the first processes' warm-up, the mix
+    and the wave at the burst's peak; the load goes on meanwhile, so it is taken in flight, where
+    the first processes' is taken in quiet). A baseline taken 40 requests after a restart caught a
+    P that had not reached its working size yet (264 MiB; its predecessor ran at 400-470 MiB under
+    the same load) and read as x1.53 growth at the end."""
 
     def __init__(self, warmup: int) -> None:
         self.warmup = warmup

@@ -48,6 +48,8 @@ BURST_FACTOR = 3  # a burst adds this many times the concurrency at once: 4x in 
 ENGINE_DEATH_EXIT_S = 10.0  # a sidecar whose engine died has stopped by then
 RESTART_ESTIMATE_S = 10.0  # a killed role is back (engine loaded, READY) in about this long
 FAULT_GAP_S = 3.0  # a restarted process's RSS baseline is taken this long after it is ready
+POOL_RETURN_S = 15.0  # a restarted role is back in the router's pool within this, or the fault says not
+POOL_POLL_S = 0.1
 PIPELINES = ("", "p_md", "p_rld_md", "singular")
 SINGULAR_MAX_TOKENS = 4
 
@@ -151,11 +153,24 @@ class FaultRunner:
         return ""
 
     def _restart(self, role: str, start: float) -> str:
+        """Start ``role`` again, then wait until the router has it back in its pool: the fault is
+        over only then (a supervisor's restart is done when the role serves traffic again), so the
+        requests that arrive after the fault had every role available."""
         try:
             self.cluster.restart(role)
         except PddlinkError as exc:  # recorded in the report; the run goes on
             return f"restart failed: {exc.message}"
-        return f"restarted after {self.now() - start:.1f} s"
+        up = self.now() - start
+        return f"restarted after {up:.1f} s, " + self._back_in_pool(role, start)
+
+    def _back_in_pool(self, role: str, start: float) -> str:
+        until = time.monotonic() + POOL_RETURN_S
+        while time.monotonic() < until:
+            roles = admin_status("unix:" + self.cluster.router_unix).get("roles", {})
+            if roles.get(role, {}).get("usable"):
+                return f"back in the router's pool after {self.now() - start:.1f} s"
+            time.sleep(POOL_POLL_S)
+        return f"not back in the router's pool {POOL_RETURN_S:g} s after its restart"
 
 
 class Phases:
@@ -288,7 +303,7 @@ def main(
     say(f"chaos: {len(reqs)} requests, {concurrency} at once, deadline {deadline_s:g} s, faults: "
         + ", ".join(f.name for f in faults))  # fmt: skip
     lab = Lab.up(parse_profile(wan_profile(spec), name="pddlink-chaos"), name=f"chaos{os.getpid() % 100000}")
-    rss = RssBook(len(warm))
+    rss = RssBook(len(warm) + len(warm_peak))  # a restarted process gets as many of its own
     try:
         with Cluster(lab, spec) as cluster:
             say(f"[chaos] deployment up ({lab.mode} lab, mutual TLS between all roles)")

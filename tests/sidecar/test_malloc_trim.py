@@ -64,3 +64,20 @@ def test_a_freed_burst_stays_in_rss_until_trimmed() -> None:
 
 def test_trim_is_harmless_and_says_whether_it_released() -> None:
     assert isinstance(malloc_trim.trim(), bool)
+
+
+@pytest.mark.skipif(not malloc_trim.available(), reason="no glibc malloc_trim here")
+def test_a_pinned_mmap_threshold_returns_the_burst_without_trim() -> None:
+    """The same burst after ``fix_mmap_threshold``: every KV-sized buffer had its own mapping, so
+    RSS is back near its start as soon as they are freed, with no ``trim`` (a restarted P ended a
+    chaos run at 1.44x its warm-up RSS, trims and all, before the threshold was pinned)."""
+    pinned = (
+        "from sidecar.malloc_trim import fix_mmap_threshold\nassert fix_mmap_threshold()\nbase = rss_mb()\n"
+    )
+    program = PROGRAM.replace("base = rss_mb()\n", pinned).replace("released = trim()", "released = False")
+    assert "fix_mmap_threshold()" in program and "trim()" not in program
+    out = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, timeout=50, check=True
+    )
+    doc = json.loads(out.stdout)
+    assert doc["after_burst_mb"] < 20, doc
