@@ -43,6 +43,8 @@ def test_chaos_small_run_holds_its_invariants(tmp_path: Path) -> None:
     ]
     assert doc["requests"] == 120 + 3 * 10  # the burst's requests on top
     assert all("restart failed" not in f["note"] for f in doc["faults"])
+    restarts = [f for f in doc["faults"] if f["name"].startswith(("kill_restart", "kill_engine"))]
+    assert all("back in the router's pool after" in f["note"] for f in restarts), restarts
     engine = next(f for f in doc["faults"] if f["name"] == "kill_engine:md")
     assert engine["note"].startswith("sidecar exited (2)"), engine  # it left the pool by itself
     assert sum(f["in_flight"] for f in doc["faults"]) >= 5  # the faults met traffic
