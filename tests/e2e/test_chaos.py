@@ -3,8 +3,10 @@ default fault schedule (kill -9 and restart of MD, RLD, P and MD's engine proces
 shorter and longer than the deadline, a one-way cut, corrupted WAN packets, a 4x burst). Asserted:
 the invariants this branch guarantees (no hung request, exact tokens, no gaps or duplicates, every
 failure typed, nothing held 10 s after, every fault met requests in flight, the JSON keys the issue
-names). Not asserted: the share of outage-stranded requests that RelayDecode finishes and the RSS
-bound, which need the lifecycle work of issue 16 (MD stall detection, RLD loss detection)"""
+names, every restarted role back in the router's pool before its fault ends). Not asserted: the
+share of outage-stranded requests that RelayDecode finishes and the RSS bound: at this size (10 at
+once) a handful of requests are stranded and restarted processes see too few requests for a
+baseline of their own; ``checks/chaos`` measures both at the default size."""
 
 from __future__ import annotations
 
