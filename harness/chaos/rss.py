@@ -27,33 +27,48 @@ def rss_bytes(pid: int) -> int:
     return 0
 
 
+def rss_parts(pid: int) -> dict[str, int]:
+    """VmRSS's split: anonymous memory (heaps), file pages (code, libraries), shared memory."""
+    out = {}
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            key, _, rest = line.partition(":")
+            if key in ("RssAnon", "RssFile", "RssShmem"):
+                out[key[3:].lower()] = int(rest.split()[0]) * 1024
+    except OSError:
+        pass
+    return out
+
+
 class RssBook:
-    """Each process's RSS after warm-up; a restarted one's once ``warmup`` more requests have ended
-    after it came back (its own warm-up: as many requests as the first processes' warm-up, the mix
-    and the wave at the burst's peak; the load goes on meanwhile, so it is taken in flight, where
-    the first processes' is taken in quiet). A baseline taken 40 requests after a restart caught a
-    P that had not reached its working size yet (264 MiB; its predecessor ran at 400-470 MiB under
-    the same load) and read as x1.53 growth at the end."""
+    """Each process's RSS after warm-up, in quiet (nothing in flight, as at the end's figure). A
+    restarted process gets a warm-up of its own: once ``warmup`` more requests have ended after it
+    came back (as many as the first processes' warm-up: the mix and the wave at the burst's peak),
+    ``due()`` names it; the chaos load then holds new requests, lets the ones in flight end, waits
+    ``QUIET_S`` and calls ``sample`` before it goes on (``harness.chaos.run``). A P's RSS follows the
+    KV it has in flight (258 MiB in quiet, 700 MiB in a WAN outage): a baseline taken 100 requests
+    after a restart with requests in flight read as x1.53 growth at the end."""
 
     def __init__(self, warmup: int) -> None:
         self.warmup = warmup
         self.base: dict[int, tuple[str, int]] = {}
+        self.parts: dict[int, dict[str, int]] = {}  # the baseline's VmRSS split (anon, file, shmem)
         self.ended = 0
-        self.pending: dict[str, int] = {}  # role -> requests ended at which to take its baseline
+        self.pending: dict[str, int] = {}  # role -> requests ended at which its warm-up is over
         self._lock = threading.Lock()
 
     def restarted(self, role: str) -> None:
         with self._lock:
             self.pending[role] = self.ended + self.warmup
 
-    def on_done(self, cluster: Pids) -> None:
+    def on_done(self) -> list[str]:
+        """One request ended; the restarted roles whose warm-up is over now (to sample in quiet)."""
         with self._lock:
             self.ended += 1
             due = [role for role, at in self.pending.items() if self.ended >= at]
             for role in due:
                 del self.pending[role]
-        if due:
-            self.sample(cluster, due)
+        return due
 
     def sample(self, cluster: Pids, roles: Sequence[str]) -> None:
         for role in roles:
@@ -61,6 +76,7 @@ class RssBook:
                 rss = rss_bytes(pid)
                 if rss:
                     self.base[pid] = (role, rss)
+                    self.parts[pid] = rss_parts(pid)
 
     def growth(self, cluster: Pids) -> dict[str, float | None]:
         """End RSS / baseline per process ("role:pid"); None: restarted too late for a baseline."""
@@ -69,6 +85,19 @@ class RssBook:
             for pid in cluster.pids(role):
                 now = rss_bytes(pid)
                 out[f"{role}:{pid}"] = now / self.base[pid][1] if pid in self.base and now else None
+        return out
+
+    def parts_report(self, cluster: Pids) -> dict[str, dict[str, dict[str, float]]]:
+        """Per process: the baseline's and the end's RSS split in MiB (anon, file, shmem)."""
+        out = {}
+        for role in ROLES:
+            for pid in cluster.pids(role):
+                if pid in self.parts:
+                    base, end = self.parts[pid], rss_parts(pid)
+                    mib = {"base": base, "end": end}
+                    out[f"{role}:{pid}"] = {
+                        k: {n: round(b / 2**20, 1) for n, b in v.items()} for k, v in mib.items()
+                    }
         return out
 
 

@@ -46,8 +46,6 @@ QUIET_S = 10.0  # after the load: what is still held then must be 0
 REFERENCE_TIMEOUT_S = 480.0  # the reference pass of ~1,150 requests on one core of a busy machine
 BURST_FACTOR = 3  # a burst adds this many times the concurrency at once: 4x in flight
 ENGINE_DEATH_EXIT_S = 10.0  # a sidecar whose engine died has stopped by then
-RESTART_ESTIMATE_S = 10.0  # a killed role is back (engine loaded, READY) in about this long
-FAULT_GAP_S = 3.0  # a restarted process's RSS baseline is taken this long after it is ready
 POOL_RETURN_S = 15.0  # a restarted role is back in the router's pool within this, or the fault says not
 POOL_POLL_S = 0.1
 PIPELINES = ("", "p_md", "p_rld_md", "singular")
@@ -102,6 +100,12 @@ def held_now(cluster: Cluster) -> dict[str, Any]:
         "waiting": waiting,
         **({"unreachable": errors} if errors else {}),
     }
+
+
+def router_in_flight(cluster: Cluster) -> int:
+    """Requests the router has in flight now (its /status); -1 where it does not answer."""
+    doc = admin_status("unix:" + cluster.router_unix)
+    return sum(int(n) for n in doc.get("in_flight", {}).values()) if "error" not in doc else -1
 
 
 class FaultRunner:
@@ -244,10 +248,34 @@ async def load_and_faults(
         )
         faults.record(fault, start, f"{len(extra)} extra requests at once")
 
+    quiet = asyncio.Event()  # cleared while a restarted process's baseline is taken in quiet
+    quiet.set()
+    loop = asyncio.get_running_loop()
+    baselines: set[asyncio.Task[None]] = set()
+
+    async def quiet_baseline(roles: list[str]) -> None:
+        quiet.clear()
+        say(
+            f"[chaos] {faults.now():6.1f} s  {', '.join(roles)} warmed up again: quiet, then its RSS baseline"
+        )
+        until = time.monotonic() + deadline_s + QUIET_S
+        while time.monotonic() < until:
+            if await asyncio.to_thread(router_in_flight, cluster) == 0:
+                break
+            await asyncio.sleep(0.2)
+        await asyncio.sleep(QUIET_S)
+        faults.rss.sample(cluster, roles)
+        quiet.set()
+
+    async def admit(k: int) -> None:
+        await quiet.wait()
+        await phases.admit(k)
+
     def on_done(r: StreamResult) -> None:
         nonlocal done
         done += 1
-        faults.rss.on_done(cluster)
+        if due := faults.rss.on_done():
+            baselines.add(loop.create_task(quiet_baseline(due)))
         if done % 50 == 0 or done == len(reqs):
             say(f"[chaos] {faults.now():6.1f} s  {done}/{len(reqs)} ended")
 
@@ -259,12 +287,13 @@ async def load_and_faults(
             deadline_s=deadline_s,
             t0=faults.t0,
             on_done=on_done,
-            admit=phases.admit,
+            admit=admit,
         )
     )
     firing = asyncio.ensure_future(phases.fire(faults.apply, burst))
     results = await load
     await firing  # every fault has begun (the phases see to it); the last one may still run
+    await asyncio.gather(*baselines)  # each bounded: deadline + 2 x QUIET_S
     return results + burst_results
 
 
@@ -303,7 +332,7 @@ def main(
     say(f"chaos: {len(reqs)} requests, {concurrency} at once, deadline {deadline_s:g} s, faults: "
         + ", ".join(f.name for f in faults))  # fmt: skip
     lab = Lab.up(parse_profile(wan_profile(spec), name="pddlink-chaos"), name=f"chaos{os.getpid() % 100000}")
-    rss = RssBook(len(warm) + len(warm_peak))  # a restarted process gets as many of its own
+    rss = RssBook(len(warm))  # a restarted process's own warm-up: as many requests, then quiet
     try:
         with Cluster(lab, spec) as cluster:
             say(f"[chaos] deployment up ({lab.mode} lab, mutual TLS between all roles)")
@@ -339,6 +368,7 @@ def main(
                 time.sleep(QUIET_S)
                 held = held_now(cluster)
                 growth = rss.growth(cluster)
+                parts = rss.parts_report(cluster)
     finally:
         lab.down()
     with open(work / "rss.jsonl", "w") as f:  # every process's RSS once a second: (s, role:pid, MiB)
@@ -356,6 +386,7 @@ def main(
     doc["held_after_s10"] = held
     doc["rss_growth_max"] = max((g for g in growth.values() if g is not None), default=0.0)
     doc["rss_growth"] = growth
+    doc["rss_parts_mib"] = parts  # baseline and end split: anon (heaps), file, shmem
     doc["rss_baseline_mib"] = {f"{role}:{pid}": round(b / 2**20, 1) for pid, (role, b) in rss.base.items()}
     doc["setting"] = {
         "concurrency": concurrency,
