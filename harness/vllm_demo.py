@@ -125,6 +125,7 @@ def router_config(
         rld_url=urls.get("rld", ""),
         model=model,
         rld_gets_kv=rld_gets_kv,
+        md_kv_events=urls.get("md_kv_events", ""),
     )
     return RouterConfig(
         engine="vllm",
@@ -157,6 +158,7 @@ class Done:
     sampling: SamplingParams
     tokens: tuple[int, ...]
     trace: dict[str, Any]
+    started_s: float = 0.0  # since the run's start
 
 
 async def _replay(
@@ -170,6 +172,7 @@ async def _replay(
     ttft: list[float] = []
     failed: list[str] = []
     done: list[Done] = []
+    run_t0 = time.monotonic()
 
     async def session(s: int) -> None:
         history = list(system)
@@ -179,6 +182,7 @@ async def _replay(
             sampling = sampling_of(spec, s, turn)
             tokens: list[int] = []
             final: dict[str, Any] = {}
+            started = time.monotonic() - run_t0
             try:
                 async for ev in router.generate(
                     history, sampling, deadline_s=spec.deadline_s, pipeline=pipeline, request_id=rid
@@ -195,7 +199,7 @@ async def _replay(
                 say(f"  request failed: {final.get('reason')}")
                 continue
             ttft.append(float(final["trace"]["ttft_s"]))
-            done.append(Done(rid, tuple(history), sampling, tuple(tokens), final["trace"]))
+            done.append(Done(rid, tuple(history), sampling, tuple(tokens), final["trace"], started))
             history += tokens
 
     divergences = []
@@ -277,7 +281,7 @@ def _records(pair: VllmPair) -> tuple[dict[str, Any], dict[str, Any], dict[str, 
 
 
 def _urls(pair: VllmPair) -> dict[str, str]:
-    urls = {"p": pair.p.url, "md": pair.md.url}  # type: ignore[union-attr]
+    urls = {"p": pair.p.url, "md": pair.md.url, "md_kv_events": pair.md_kv_events}  # type: ignore[union-attr]
     if pair.rld is not None:
         urls["rld"] = pair.rld.url
     return urls
@@ -406,6 +410,7 @@ def _pdd_report(base: dict[str, Any], pdd: dict[str, Any], status: dict[str, Any
         "tokens": tokens,
         "rld_token_share": tokens["rld"] / total if total else 0.0,
         "pdd": {
+            "per_request": [_per_request(d) for d in pdd["done"]],
             "requests": len(pdd["done"]) + len(pdd["failed"]),
             "failed": len(pdd["failed"]),
             "failures": pdd["failed"][:20],
@@ -418,6 +423,29 @@ def _pdd_report(base: dict[str, Any], pdd: dict[str, Any], status: dict[str, Any
                 for side in status
             },
         },
+    }
+
+
+PER_REQUEST = (
+    "pipeline",
+    "decision_reason",
+    "handoff_mode",
+    "handoff_outcome",
+    "ttft_s",
+    "e2e_s",
+    "tokens",
+    "prompt_tokens",
+    "mirror_matched_tokens",
+    "prefill_seconds",
+    "wan_estimate_s",
+    "fallbacks",
+)
+
+
+def _per_request(d: Done) -> dict[str, Any]:
+    """One request's trace, trimmed: what its TTFT is split by (pipeline, handoff, mirror match)."""
+    return {"request": d.request_id, "started_s": round(d.started_s, 3)} | {
+        k: d.trace[k] for k in PER_REQUEST if k in d.trace
     }
 
 
@@ -491,6 +519,7 @@ def _report(
         "failures": out["failed"][:20],
         "token_mismatches": len(out["divergences"]),
         "divergences": out["divergences"],
+        "per_request": [_per_request(d) for d in out["done"]],
         "concurrent": spec.concurrent,
         "ttft_s": {"baseline": _pcts(out["ttft"])},
         "wan_bytes": wan,

@@ -26,7 +26,9 @@ A stream that vLLM ends with a finish reason other than ``length``/``stop`` (a f
 policy ``fail``) is a failed stream, never tokens.
 
 ``VllmBackend`` is the router's ``EngineBackend`` for vLLM: one HTTP client, the roles' health (each
-server's ``/health`` polled; a dead one is avoided until it answers again).
+server's ``/health`` polled; a dead one is avoided until it answers again), and the DRC view: a
+mirror of MD's prefix cache fed by MD vLLM's own KV-cache events (``router.mirror.VllmMirror``,
+``[vllm] md_kv_events``; without it the router knows of no prefix on MD). MD found dead empties it.
 ``generate_alone`` is the exactness reference: one vLLM generating alone, no connector involved.
 """
 
@@ -72,6 +74,7 @@ from pddlink.roles import Role
 from pddlink.routing import LinkModel, Pipeline, RecomputeMode, RoutingPolicy, choose_handoff_mode
 from router.config import RouterConfig, VllmEngineConfig
 from router.legs import Cluster
+from router.mirror import VllmMirror
 
 __all__ = ["VllmBackend", "VllmLegs", "generate_alone", "sampling_body"]
 
@@ -163,15 +166,17 @@ class VllmBackend:
         }
         self.policy = RoutingPolicy(rld_max_load=cfg.rld_max_load)
         self._health: asyncio.Task[None] | None = None
+        self.mirror: VllmMirror | None = VllmMirror() if self.v.md_kv_events else None
 
     def legs(self, cluster: Cluster, deadline: float) -> VllmLegs:
         return VllmLegs(cluster, self, deadline)
 
     def matched_tokens(self, prompt: tuple[int, ...]) -> int:
-        # MD's DRC lives in MD's vLLM sidecar (fed by vLLM's KV events) and P's sidecar reserves
-        # against it before it ships; the router keeps no mirror of it for vLLM yet (ship/recompute
-        # choices start from 0 matched tokens; the transfer itself ships only what MD lacks).
-        return 0
+        # the router's view only (the policy's choice); P's sidecar still reserves against MD's own
+        # DRC before it ships, so a stale view costs a choice, never a wrong transfer
+        if self.mirror is None or not self.usable("md"):
+            return 0
+        return self.mirror.matched_tokens(prompt)
 
     def usable(self, role: str) -> bool:
         return bool(self.roles[role]["usable"])
@@ -180,6 +185,8 @@ class VllmBackend:
         return rld_active / self.cfg.rld_capacity
 
     async def start(self, link: LinkModel) -> None:
+        if self.mirror is not None:
+            self.mirror.start(self.v.md_kv_events)
         self._health = asyncio.get_running_loop().create_task(self._watch())
 
     async def _watch(self) -> None:
@@ -195,12 +202,16 @@ class VllmBackend:
             ok, err = r.status_code == 200, "" if r.status_code == 200 else f"health {r.status_code}"
         except httpx.HTTPError as exc:
             ok, err = False, type(exc).__name__
+        if not ok and role == "md" and self.mirror is not None:
+            self.mirror.forget_all()  # a restarted MD holds nothing: never claim its old blocks
         self.roles[role].update(usable=ok, error=err)
 
     async def close(self) -> None:
         if self._health is not None:
             self._health.cancel()
             await asyncio.gather(self._health, return_exceptions=True)
+        if self.mirror is not None:
+            await self.mirror.close()
         await self.http.aclose()
 
     def status(self) -> dict[str, Any]:
@@ -208,7 +219,7 @@ class VllmBackend:
             "engine": "vllm",
             "model": self.v.model,
             "roles": {role: dict(st) for role, st in self.roles.items()},
-            "drc_mirror": {"source": "md's vLLM sidecar (not mirrored at the router)"},
+            "drc_mirror": self.mirror.status() if self.mirror is not None else {"source": "none"},
         }
 
 
