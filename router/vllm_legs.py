@@ -504,11 +504,24 @@ class VllmLegs:
     # -- teardown --------------------------------------------------------------------------------
 
     async def close(self, *, finished: bool) -> None:
-        tasks = list(self.tasks.values())
+        """Every stream is closed. A relay leg's MD prime that is still loading the prompt's KV when
+        the run finished on RLD is left to end on its own (it streams nothing; it is bounded by the
+        request's deadline): MD then holds the conversation for its next turn, which ships only what
+        is new. Cancelling it aborted P's WAN transfer too, so MD never held any turn's KV and every
+        turn shipped the whole history again (measured: the demo's PDD phase matched 0 tokens on MD
+        and no handoff happened). A run that failed or was cancelled cancels its primes too."""
+        primes = {t for t in self.primes.values() if not t.done()} if finished else set()
+        tasks = [t for t in self.tasks.values() if t not in primes]
         for task in tasks:
             task.cancel()
         with contextlib.suppress(Exception):
             await asyncio.gather(*tasks, return_exceptions=True)
+        if primes:
+            _, late = await asyncio.wait(primes, timeout=self.left() + 1.0)
+            for task in late:
+                task.cancel()
+            with contextlib.suppress(Exception):
+                await asyncio.gather(*primes, return_exceptions=True)
 
 
 def _cached_tokens(out: dict[str, Any]) -> int:
