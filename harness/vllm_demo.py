@@ -69,7 +69,7 @@ class VllmDemoSpec:
     turns: int = 5
     system_tokens: int = 256
     user_tokens: tuple[int, int] = (400, 800)
-    max_tokens: int = 16
+    max_tokens: int = 128
     dtype: str = "float32"
     model: Path | None = None  # a real model directory; None = the tiny random Llama
     line_mbit: float = 16.0  # see run(): the WAN transfer dominates TTFT, as in the published regime
@@ -81,6 +81,8 @@ class VllmDemoSpec:
     seeded: bool = True  # odd sessions sample (seed, temperature 0.8, top-p 0.95)
     pdd: bool = True  # after the P->MD baseline, PDD on P + RLD + MD
     parallel: int = 2  # sessions replayed at once (RLD's load, hence the handoff kind, varies)
+    think_s: float = 1.0  # between a session's turns: the agent's own step (a tool call) before it asks again
+    stagger_s: float = 0.7  # the sessions of a group start this far apart (they do not arrive in lockstep)
     bf16_sessions: int = 4  # the short bfloat16 P->MD phase (its KV crosses with the byte-plane codec)
 
 
@@ -137,7 +139,7 @@ def router_config(
         relay_enabled=relay and bool(urls.get("rld")),
         kv_bytes_per_token=2048 if spec.dtype == "float32" else 1024,
         rld_capacity=3,  # two sessions at once: one relayed request = load 0.33 (catch-up), two = 0.67
-        singular_max_tokens=1,  # the demo asks 16 tokens: never singular
+        singular_max_tokens=1,  # the demo's answers are long: never singular
         recompute=False,  # PDD as published: relay, not MD prefilling a missing suffix itself
     )
 
@@ -175,6 +177,7 @@ async def _replay(
     run_t0 = time.monotonic()
 
     async def session(s: int) -> None:
+        await asyncio.sleep(spec.stagger_s * (s % spec.parallel))
         history = list(system)
         for turn in range(spec.turns):
             history += users[s][turn]
@@ -201,6 +204,7 @@ async def _replay(
             ttft.append(float(final["trace"]["ttft_s"]))
             done.append(Done(rid, tuple(history), sampling, tuple(tokens), final["trace"], started))
             history += tokens
+            await asyncio.sleep(spec.think_s)
 
     divergences = []
     try:
@@ -259,7 +263,9 @@ def _start(spec: VllmDemoSpec, workdir: Path, model: Path, dtype: str, wan: Any,
     # on a loaded machine that import outlasts the pair's 60 s wait for the sidecar; import it here
     import vllm.distributed.kv_events  # noqa: F401
 
-    extra = ("--logits-processors", FQCN, *spec.extra_args)
+    # five turns of up to 800 new tokens and 128-token answers outgrow vLLM's default 4096
+    room = ("--max-model-len", "8192", "--max-num-batched-tokens", "8192")
+    extra = ("--logits-processors", FQCN, *room, *spec.extra_args)
     pair = VllmPair(
         PairSpec(
             workdir, model, dtype=dtype, wan=wan, extra_args=extra, wan_line_mbit=spec.line_mbit, relay=relay
@@ -273,7 +279,12 @@ def _start(spec: VllmDemoSpec, workdir: Path, model: Path, dtype: str, wan: Any,
 
 
 def _records(pair: VllmPair) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    time.sleep(0.5)  # P's last shipments and MD's last releases
+    # P's last shipments (a relayed turn that RLD finished still ships its KV to MD, for the next
+    # turn) and MD's last releases: each ends within its request's deadline
+    end = time.monotonic() + 20.0
+    time.sleep(0.5)
+    while any(st["in_flight"] for st in pair.status().values()) and time.monotonic() < end:
+        time.sleep(0.25)
     status = pair.status()
     shipped = pair.loop.call(lambda: dict(pair.p_side.producer.done))  # type: ignore[union-attr]
     ends = pair.loop.call(lambda: dict(pair.md_side.consumer.finished))  # type: ignore[union-attr]

@@ -239,6 +239,7 @@ class VllmLegs:
         self.handoff_mode: dict[str, HandoffMode] = {}
         self._legs: dict[str, Leg] = {}
         self.primes: dict[str, asyncio.Task[bool]] = {}  # relay legs: MD loading the prompt's KV
+        self.rld_closed: dict[str, StreamClosed] = {}  # per leg: how RLD's stream ended
 
     def left(self) -> float:
         return max(self.deadline - time.monotonic(), MIN_TIMEOUT_S)
@@ -426,7 +427,14 @@ class VllmLegs:
                     StreamEnded(leg.sid, Role.RLD, StreamClosed(StreamEnd.HANDED_OFF, mode.value), mode)
                 )
             raise
+        self.rld_closed[leg.sid] = closed
         await self.inbox.put(StreamEnded(leg.sid, Role.RLD, closed))
+
+    def _rld_lost(self, sid: str) -> bool:
+        """RLD's stream ended without finishing: the machine's RLD-lost row decides (MD takes over
+        from the merged position); the handoff must not also report on it."""
+        closed = self.rld_closed.get(sid)
+        return closed is not None and closed.end is not StreamEnd.FINISHED
 
     # -- the handoff by token ids ----------------------------------------------------------------
 
@@ -437,6 +445,11 @@ class VllmLegs:
         if prime is not None and rld is not None:
             # MD holds the prompt's KV once its prime answered (the transfer landed and loaded)
             await asyncio.wait({prime, rld}, timeout=self.left(), return_when=asyncio.FIRST_COMPLETED)
+        if self._rld_lost(sid):
+            # RLD died while MD loaded: a FINISHED_ON_RLD here made the machine cancel MD's streams,
+            # the take-over among them (measured: RLD killed mid-stream, the request ran into its
+            # deadline)
+            return
         if leg is None or rld is None or rld.done():
             await self.inbox.put(HandoffDone(sid, HandoffResult(HandoffOutcome.FINISHED_ON_RLD)))
             return
@@ -464,6 +477,8 @@ class VllmLegs:
             waiter.cancel()
             if rld in done:  # RLD finished before MD caught up: MD's extend is not needed
                 self._cancel_name(name)
+                if self._rld_lost(sid):  # RLD died instead: the machine's take-over continues
+                    return
                 result = HandoffResult(HandoffOutcome.FINISHED_ON_RLD)
                 await self.inbox.put(HandoffDone(sid, result, mode))
                 return
