@@ -19,6 +19,8 @@ sub-request id. The commands become (``VllmLegs``)::
   TakeOver      MD extends prompt + the given ids (RLD lost)
   CancelStreams the role's HTTP streams are closed (vLLM aborts the request; the connector's
                     ``request_finished`` frees what the sidecars hold)
+  (run's end)   a relay leg's MD prime still loading when the run finished on RLD is left to
+                    end within the deadline: MD keeps the turn's KV for the conversation's next turn
 
 Tokens carry absolute positions (``len(leg prompt) + i``); every event goes to ``inbox``, and the
 lifecycle machine merges, falls back and ends the run. Every call runs under the request's time left.
