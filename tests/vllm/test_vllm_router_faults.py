@@ -2,7 +2,8 @@
 P, RelayDecode and MD as vLLM servers beside their sidecars (``VllmTrio``, float32,
 ``PositionSeededSampling``), MD across a netlab WAN (loopback lab), RLD on P's fast path.
 
-- The mirror: the router subscribes to MD vLLM's own KV-cache events; after a request MD served,
+- The mirror, from vLLM's event objects: never a longer prefix than it saw (late join, gaps, MD
+  dead). The router subscribes to MD vLLM's own KV-cache events; after a request MD served,
   the router's view holds the prompt's whole blocks (and the next request's trace says so); MD's
   cache evicting them (a small MD cache, other prompts) makes the view forget them; the view never
   claims more than MD's vLLM reports cached.
@@ -171,6 +172,48 @@ def _released(trio: Any, timeout_s: float = 25.0) -> dict[str, Any]:
     while (held := _held(trio)) != NOTHING and time.monotonic() < end:
         time.sleep(0.3)
     return held
+
+
+def _stored(hashes: list[int], parent: int | None, tokens: list[int], bs: int = 4) -> Any:
+    from vllm.distributed.kv_events import BlockStored
+
+    return BlockStored(
+        block_hashes=list[bytes | int](hashes),
+        parent_block_hash=parent,
+        token_ids=tokens,
+        block_size=bs,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+    )
+
+
+def test_mirror_never_answers_longer_than_what_it_saw() -> None:
+    """``VllmMirror`` fed vLLM's own event objects (no server): a block stored before the mirror
+    joined leaves its children unindexed (a shorter answer), a gap in the publisher's sequence
+    (lost batches, a restarted vLLM) and MD found dead empty it; the block size is vLLM's own."""
+    pytest.importorskip("vllm", reason="vLLM is not installed here (pip install 'pddlink[vllm]')")
+    from vllm.distributed.kv_events import BlockRemoved
+
+    from router.mirror import VllmMirror
+
+    m = VllmMirror()
+    prompt = tuple(range(10, 22))  # three 4-token blocks
+    assert m.matched_tokens(prompt) == 0  # nothing seen, block size unknown
+    m.apply([_stored([1, 2], None, list(prompt[:8]))])
+    assert m.block_size == 4 and m.matched_tokens(prompt) == 8
+    m.apply([_stored([3], 2, list(prompt[8:12]))])
+    assert m.matched_tokens(prompt) == 12
+    m.apply([BlockRemoved(block_hashes=[2], medium="GPU")])
+    assert m.matched_tokens(prompt) == 4  # block 2 and the one after it are gone
+    m.apply([_stored([9], 77, list(prompt[4:8]))])  # parent stored before the mirror joined
+    assert m.matched_tokens(prompt) == 4 and m.counts["orphans"] == 1
+    m.counts["gaps"] += 1  # what the feed counts when a batch's sequence number skips
+    m.apply([])
+    assert m.matched_tokens(prompt) == 0 and len(m.index) == 0 and m.resets == 1
+    m.apply([_stored([1, 2], None, list(prompt[:8]))])
+    m.forget_all()  # the backend found MD dead
+    assert m.matched_tokens(prompt) == 0 and m.status()["resets"] == 2
 
 
 def test_mirror_follows_md_prefix_cache_and_forgets_evicted_blocks(trio: Any) -> None:
