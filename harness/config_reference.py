@@ -103,6 +103,8 @@ MEANINGS: dict[str, str] = {
     "vllm.model": "the model name the vLLM servers serve (sent as the body's model)",
     "vllm.wan_share": "time share P's transfer to MD may take (MD then reports a miss in time)",
     "vllm.rld_gets_kv": "P ships the prompt's KV to RLD over the fast path (else RLD prefills it itself)",
+    "vllm.md_kv_events": "MD vLLM's KV-event publisher (its --kv-events-config endpoint): the router's DRC"
+    " mirror subscribes beside MD's sidecar ('' = no mirror: the router sees no prefix on MD)",
     # router [api]
     "api.model": "model name that /v1/models lists and requests may name",
     "api.tokenizer": "model directory with tokenizer.json (and a chat template): text prompts and text out",

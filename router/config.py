@@ -26,6 +26,7 @@ class VllmEngineConfig:
     model: str = ""  # the model name the servers serve (the body's "model")
     wan_share: float = 0.6  # share of the request's time left that P's transfer to MD may take
     rld_gets_kv: bool = False  # P ships the prompt's KV to RLD (else RLD prefills it itself)
+    md_kv_events: str = ""  # MD vLLM's KV-event publisher (its --kv-events-config endpoint): the DRC mirror
 
     def __post_init__(self) -> None:
         if not 0 < self.wan_share < 1:

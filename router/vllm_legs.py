@@ -19,6 +19,8 @@ sub-request id. The commands become (``VllmLegs``)::
   TakeOver      MD extends prompt + the given ids (RLD lost)
   CancelStreams the role's HTTP streams are closed (vLLM aborts the request; the connector's
                     ``request_finished`` frees what the sidecars hold)
+  (run's end)   a relay leg's MD prime still loading when the run finished on RLD is left to
+                    end within the deadline: MD keeps the turn's KV for the conversation's next turn
 
 Tokens carry absolute positions (``len(leg prompt) + i``); every event goes to ``inbox``, and the
 lifecycle machine merges, falls back and ends the run. Every call runs under the request's time left.
@@ -26,7 +28,9 @@ A stream that vLLM ends with a finish reason other than ``length``/``stop`` (a f
 policy ``fail``) is a failed stream, never tokens.
 
 ``VllmBackend`` is the router's ``EngineBackend`` for vLLM: one HTTP client, the roles' health (each
-server's ``/health`` polled; a dead one is avoided until it answers again).
+server's ``/health`` polled; a dead one is avoided until it answers again), and the DRC view: a
+mirror of MD's prefix cache fed by MD vLLM's own KV-cache events (``router.mirror.VllmMirror``,
+``[vllm] md_kv_events``; without it the router knows of no prefix on MD). MD found dead empties it.
 ``generate_alone`` is the exactness reference: one vLLM generating alone, no connector involved.
 """
 
@@ -72,6 +76,7 @@ from pddlink.roles import Role
 from pddlink.routing import LinkModel, Pipeline, RecomputeMode, RoutingPolicy, choose_handoff_mode
 from router.config import RouterConfig, VllmEngineConfig
 from router.legs import Cluster
+from router.mirror import VllmMirror
 
 __all__ = ["VllmBackend", "VllmLegs", "generate_alone", "sampling_body"]
 
@@ -163,15 +168,17 @@ class VllmBackend:
         }
         self.policy = RoutingPolicy(rld_max_load=cfg.rld_max_load)
         self._health: asyncio.Task[None] | None = None
+        self.mirror: VllmMirror | None = VllmMirror() if self.v.md_kv_events else None
 
     def legs(self, cluster: Cluster, deadline: float) -> VllmLegs:
         return VllmLegs(cluster, self, deadline)
 
     def matched_tokens(self, prompt: tuple[int, ...]) -> int:
-        # MD's DRC lives in MD's vLLM sidecar (fed by vLLM's KV events) and P's sidecar reserves
-        # against it before it ships; the router keeps no mirror of it for vLLM yet (ship/recompute
-        # choices start from 0 matched tokens; the transfer itself ships only what MD lacks).
-        return 0
+        # the router's view only (the policy's choice); P's sidecar still reserves against MD's own
+        # DRC before it ships, so a stale view costs a choice, never a wrong transfer
+        if self.mirror is None or not self.usable("md"):
+            return 0
+        return self.mirror.matched_tokens(prompt)
 
     def usable(self, role: str) -> bool:
         return bool(self.roles[role]["usable"])
@@ -180,6 +187,8 @@ class VllmBackend:
         return rld_active / self.cfg.rld_capacity
 
     async def start(self, link: LinkModel) -> None:
+        if self.mirror is not None:
+            self.mirror.start(self.v.md_kv_events)
         self._health = asyncio.get_running_loop().create_task(self._watch())
 
     async def _watch(self) -> None:
@@ -195,12 +204,16 @@ class VllmBackend:
             ok, err = r.status_code == 200, "" if r.status_code == 200 else f"health {r.status_code}"
         except httpx.HTTPError as exc:
             ok, err = False, type(exc).__name__
+        if not ok and role == "md" and self.mirror is not None:
+            self.mirror.forget_all()  # a restarted MD holds nothing: never claim its old blocks
         self.roles[role].update(usable=ok, error=err)
 
     async def close(self) -> None:
         if self._health is not None:
             self._health.cancel()
             await asyncio.gather(self._health, return_exceptions=True)
+        if self.mirror is not None:
+            await self.mirror.close()
         await self.http.aclose()
 
     def status(self) -> dict[str, Any]:
@@ -208,7 +221,7 @@ class VllmBackend:
             "engine": "vllm",
             "model": self.v.model,
             "roles": {role: dict(st) for role, st in self.roles.items()},
-            "drc_mirror": {"source": "md's vLLM sidecar (not mirrored at the router)"},
+            "drc_mirror": self.mirror.status() if self.mirror is not None else {"source": "none"},
         }
 
 
@@ -228,6 +241,7 @@ class VllmLegs:
         self.handoff_mode: dict[str, HandoffMode] = {}
         self._legs: dict[str, Leg] = {}
         self.primes: dict[str, asyncio.Task[bool]] = {}  # relay legs: MD loading the prompt's KV
+        self.rld_closed: dict[str, StreamClosed] = {}  # per leg: how RLD's stream ended
 
     def left(self) -> float:
         return max(self.deadline - time.monotonic(), MIN_TIMEOUT_S)
@@ -415,7 +429,14 @@ class VllmLegs:
                     StreamEnded(leg.sid, Role.RLD, StreamClosed(StreamEnd.HANDED_OFF, mode.value), mode)
                 )
             raise
+        self.rld_closed[leg.sid] = closed
         await self.inbox.put(StreamEnded(leg.sid, Role.RLD, closed))
+
+    def _rld_lost(self, sid: str) -> bool:
+        """RLD's stream ended without finishing: the machine's RLD-lost row decides (MD takes over
+        from the merged position); the handoff must not also report on it."""
+        closed = self.rld_closed.get(sid)
+        return closed is not None and closed.end is not StreamEnd.FINISHED
 
     # -- the handoff by token ids ----------------------------------------------------------------
 
@@ -426,6 +447,11 @@ class VllmLegs:
         if prime is not None and rld is not None:
             # MD holds the prompt's KV once its prime answered (the transfer landed and loaded)
             await asyncio.wait({prime, rld}, timeout=self.left(), return_when=asyncio.FIRST_COMPLETED)
+        if self._rld_lost(sid):
+            # RLD died while MD loaded: a FINISHED_ON_RLD here made the machine cancel MD's streams,
+            # the take-over among them (measured: RLD killed mid-stream, the request ran into its
+            # deadline)
+            return
         if leg is None or rld is None or rld.done():
             await self.inbox.put(HandoffDone(sid, HandoffResult(HandoffOutcome.FINISHED_ON_RLD)))
             return
@@ -453,6 +479,8 @@ class VllmLegs:
             waiter.cancel()
             if rld in done:  # RLD finished before MD caught up: MD's extend is not needed
                 self._cancel_name(name)
+                if self._rld_lost(sid):  # RLD died instead: the machine's take-over continues
+                    return
                 result = HandoffResult(HandoffOutcome.FINISHED_ON_RLD)
                 await self.inbox.put(HandoffDone(sid, result, mode))
                 return
@@ -493,11 +521,24 @@ class VllmLegs:
     # -- teardown --------------------------------------------------------------------------------
 
     async def close(self, *, finished: bool) -> None:
-        tasks = list(self.tasks.values())
+        """Every stream is closed. A relay leg's MD prime that is still loading the prompt's KV when
+        the run finished on RLD is left to end on its own (it streams nothing; it is bounded by the
+        request's deadline): MD then holds the conversation for its next turn, which ships only what
+        is new. Cancelling it aborted P's WAN transfer too, so MD never held any turn's KV and every
+        turn shipped the whole history again (measured: the demo's PDD phase matched 0 tokens on MD
+        and no handoff happened). A run that failed or was cancelled cancels its primes too."""
+        primes = {t for t in self.primes.values() if not t.done()} if finished else set()
+        tasks = [t for t in self.tasks.values() if t not in primes]
         for task in tasks:
             task.cancel()
         with contextlib.suppress(Exception):
             await asyncio.gather(*tasks, return_exceptions=True)
+        if primes:
+            _, late = await asyncio.wait(primes, timeout=self.left() + 1.0)
+            for task in late:
+                task.cancel()
+            with contextlib.suppress(Exception):
+                await asyncio.gather(*primes, return_exceptions=True)
 
 
 def _cached_tokens(out: dict[str, Any]) -> int:

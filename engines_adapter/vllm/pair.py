@@ -93,6 +93,7 @@ class VllmPair:
         self.md: VllmServer | None = None
         self.p: VllmServer | None = None
         self.rld: VllmServer | None = None
+        self.md_kv_events = ""  # MD vLLM's KV-event publisher (a router's DRC mirror subscribes too)
 
     def start(self, timeout_s: float = 300.0) -> VllmPair:
         try:
@@ -104,7 +105,7 @@ class VllmPair:
     def _start(self, timeout_s: float) -> VllmPair:
         s = self.spec
         s.workdir.mkdir(parents=True, exist_ok=True)
-        events = f"ipc://{s.workdir / 'md-events.ipc'}"
+        events = self.md_kv_events = f"ipc://{s.workdir / 'md-events.ipc'}"
         md_cfg = VllmSidecarConfig(
             Role.MD,
             "md0",
