@@ -40,7 +40,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import httpx
@@ -465,41 +465,52 @@ class VllmLegs:
             await self.inbox.put(HandoffDone(sid, HandoffResult(HandoffOutcome.FINISHED_ON_RLD)))
             return
         self.handoff_mode[sid] = mode
+        name = f"md{self._number(leg)}h"
         if mode is HandoffMode.ONE_SHOT:
             rld.cancel()  # RLD is aborted at once; MD continues from what it streamed
-        reached = asyncio.Event()
-        name = f"md{self._number(leg)}h"
-        self._spawn(name, self._extend(leg, given, reached if mode is HandoffMode.CATCH_UP else None))
-        if mode is HandoffMode.CATCH_UP:
-            # RLD keeps streaming until MD's stream reaches RLD's position; then RLD is closed
-            waiter = asyncio.ensure_future(reached.wait())
-            done, _ = await asyncio.wait(
-                {waiter, rld}, timeout=self.left(), return_when=asyncio.FIRST_COMPLETED
-            )
-            waiter.cancel()
-            if rld in done:  # RLD finished before MD caught up: MD's extend is not needed
-                self._cancel_name(name)
-                if self._rld_lost(sid):  # RLD died instead: the machine's take-over continues
-                    return
-                result = HandoffResult(HandoffOutcome.FINISHED_ON_RLD)
-                await self.inbox.put(HandoffDone(sid, result, mode))
+            self._spawn(name, self._extend(leg, given, None))
+            await self.inbox.put(HandoffDone(sid, HandoffResult(HandoffOutcome.HANDED_OFF), mode))
+            return
+        # catch-up: RLD keeps streaming until MD's stream reaches RLD's position. The switch is
+        # posted from MD's stream at that token, before MD's later tokens reach the inbox: posted by
+        # this task instead, it came after them whenever MD's rest arrived in one burst, the run
+        # ended first and the trace said no handoff had started although MD made most tokens
+        switched = asyncio.get_running_loop().create_future()
+
+        def switch() -> None:
+            if not switched.done():
+                switched.set_result(None)
+                rld.cancel()
+                self.inbox.put_nowait(HandoffDone(sid, HandoffResult(HandoffOutcome.HANDED_OFF), mode))
+
+        self._spawn(name, self._extend(leg, given, switch))
+        done, _ = await asyncio.wait(
+            {switched, rld}, timeout=self.left(), return_when=asyncio.FIRST_COMPLETED
+        )
+        if switched.done():
+            return
+        if rld in done:  # RLD finished before MD caught up: MD's extend is not needed
+            self._cancel_name(name)
+            if self._rld_lost(sid):  # RLD died instead: the machine's take-over continues
                 return
-            rld.cancel()
-        await self.inbox.put(HandoffDone(sid, HandoffResult(HandoffOutcome.HANDED_OFF), mode))
+            await self.inbox.put(HandoffDone(sid, HandoffResult(HandoffOutcome.FINISHED_ON_RLD), mode))
+            return
+        switch()  # out of time waiting: MD goes on alone
 
     def _cancel_name(self, name: str) -> None:
         task = self.tasks.get(name)
         if task is not None:
             task.cancel()
 
-    async def _extend(self, leg: Leg, given: tuple[int, ...], reached: asyncio.Event | None) -> None:
-        """MD continues after prompt + ``given`` (the prompt's blocks from its prefix cache)."""
+    async def _extend(self, leg: Leg, given: tuple[int, ...], reached: Callable[[], None] | None) -> None:
+        """MD continues after prompt + ``given`` (the prompt's blocks from its prefix cache);
+        ``reached()`` once MD's stream is at RLD's position (catch-up)."""
         prompt = leg.prompt + given
         body = self._body(prompt, leg.sampling, leg.sampling.max_tokens - len(given))
 
         def seen(pos: int, tok: int) -> None:
             if reached is not None and pos >= self.rld_pos.get(leg.sid, 0):
-                reached.set()
+                reached()
 
         closed = await self._stream(Role.MD, self.b.v.md_url, leg.sid, prompt, body, seen)
         await self.inbox.put(StreamEnded(leg.sid, Role.MD, closed))
