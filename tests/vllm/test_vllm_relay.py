@@ -11,7 +11,7 @@ sidecar, MD across a netlab WAN (loopback lab), RLD on P's fast path (TCP here, 
 - Faults (last, they end servers): the WAN cut past the deadline, RLD's vLLM killed, MD's vLLM killed
   mid-transfer: every request ends before its deadline with a reason; nothing is held afterwards
   (held slots and transfers in flight, from the sidecars' status).
-One lab and one trio of servers for the module.
+One lab and one trio of servers for the module (its last tests kill RLD's and MD's vLLM).
 """
 
 from __future__ import annotations
@@ -35,15 +35,14 @@ N = 12  # tokens per request
 
 
 @pytest.fixture(scope="module")
-def trio() -> Iterator[Any]:
+def trio(tiny_llama_f32: Path) -> Iterator[Any]:
     pytest.importorskip("vllm", reason="vLLM is not installed here (pip install 'pddlink[vllm]')")
     from engines_adapter.vllm.pair import PairSpec, VllmTrio
-    from engines_adapter.vllm.tiny_model import TinyLlamaSpec, build_tiny_llama
     from netlab import Lab
     from netlab.profile import parse_profile
 
     root = Path(tempfile.mkdtemp(prefix="pddlink-vrld-"))  # sockets: keep the path short
-    model = build_tiny_llama(root / "model", TinyLlamaSpec(dtype="float32"))
+    model = tiny_llama_f32
     profile = parse_profile("[link]\ndelay_ms = 5\nrate_mbit = 400\nqueue_packets = 400\n", name="vrld")
     lab = Lab.up(profile, name=f"vrld{os.getpid() % 100000}", mode="loopback")
     (root / "dump").mkdir()
