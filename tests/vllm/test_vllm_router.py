@@ -125,9 +125,11 @@ def test_p_md_and_singular_through_the_router_equal_vllm_alone(pair: Any) -> Non
 # streamed its first tokens (a handoff with nothing to hand over would be P->MD in disguise). RLD
 # (P's server) is reached through a lab of its own whose replies are slow (~6 KB/s: about 20
 # tokens a second) while MD is reached directly: MD is always faster than RLD, so a catch-up ends
-# with MD at RLD's position, long before either could finish the request.
+# with MD at RLD's position, long before either could finish the request (RELAY_TOKENS).
 RLD_LINK = "[link]\ndelay_ms = 0\n[b_to_a]\nrate_mbit = 0.05\n"
 OUTAGE_S = 1.0
+# MD still has hundreds of tokens to stream when it reaches RLD: the run cannot end first
+RELAY_TOKENS = 320
 
 
 @pytest.fixture(scope="module")
@@ -153,9 +155,9 @@ def test_relay_hands_off_by_token_ids_and_merges_exactly(
     jobs = [
         (
             p,
-            SamplingParams(max_tokens=160)
+            SamplingParams(max_tokens=RELAY_TOKENS)
             if i % 2 == 0
-            else SamplingParams(seed=7 + i, temperature=0.8, top_p=0.95, max_tokens=160),
+            else SamplingParams(seed=7 + i, temperature=0.8, top_p=0.95, max_tokens=RELAY_TOKENS),
             "p_rld_md",
         )
         for i, p in enumerate(_prompts(4, 20 + capacity))
