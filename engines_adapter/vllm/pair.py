@@ -81,6 +81,7 @@ class PairSpec:
     relay: bool = False  # also start RelayDecode beside P (fast path, not through the WAN)
     rld_transport: str = "auto"  # P -> RLD: auto | tcp | rdma
     rld_extra_args: tuple[str, ...] | None = None  # RLD's vLLM engine arguments (None: extra_args)
+    sidecar_start_s: float = 240.0  # each sidecar's start limit (60 s was too short on a loaded CPU)
 
 
 class VllmPair:
@@ -116,7 +117,7 @@ class VllmPair:
             kv_events_endpoint=events,
             orphan_s=s.md_orphan_s,
         )
-        self.md_side = self.loop.run(VllmSidecar(md_cfg).start())
+        self.md_side = self.loop.run(VllmSidecar(md_cfg).start(), s.sidecar_start_s)
         port = self.md_side.kv_port
         md_addr = s.md_addr or (s.wan(port) if s.wan is not None else f"127.0.0.1:{port}")
         rld_addr = ""
@@ -124,7 +125,7 @@ class VllmPair:
             rld_cfg = VllmSidecarConfig(
                 Role.RLD, "rld0", s.workdir, s.model_id, s.block_size, orphan_s=s.md_orphan_s
             )
-            self.rld_side = self.loop.run(VllmSidecar(rld_cfg).start())
+            self.rld_side = self.loop.run(VllmSidecar(rld_cfg).start(), s.sidecar_start_s)
             rld_addr = f"127.0.0.1:{self.rld_side.kv_port}"
         p_cfg = VllmSidecarConfig(
             Role.P,
@@ -137,7 +138,7 @@ class VllmPair:
             rld_addr=rld_addr,
             rld_transport=s.rld_transport,
         )
-        self.p_side = self.loop.run(VllmSidecar(p_cfg).start())
+        self.p_side = self.loop.run(VllmSidecar(p_cfg).start(), s.sidecar_start_s)
         base = VllmServerSpec(
             s.model,
             0,

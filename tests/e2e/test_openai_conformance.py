@@ -1,7 +1,8 @@
 """Side by side: the same calls through the official ``openai`` client against vLLM's own OpenAI
 server and against the pddlink router, compared field by field (names and JSON types, recursively).
 
-vLLM serves the tiny random Llama (``engines_adapter/vllm/tiny_model.py``); the router fronts the
+vLLM serves the tiny random Llama (``engines_adapter/vllm/tiny_model.py``, float32: P's server of the
+session's shared pair, tests/conftest.py, called without transfer parameters); the router fronts the
 loopback hand deployment of ``examples/deploy/loopback`` (reference engines, the tiny model's
 tokenizer built with the reference engine's 2048 ids). The two models differ, so texts differ; what
 must agree is the shape of every answer and its semantics: ``finish_reason`` (``length`` when
@@ -13,8 +14,8 @@ is printed (``pytest -s``) and written to ``$PDDLINK_CONFORMANCE_REPORT`` when s
 
 The same calls run a second time against the router in front of vLLM itself
 (``engine = "vllm"``, started with ``pddlink router --config``: P and MD are vLLM servers of the
-same model beside their pddlink sidecars, ``engines_adapter.vllm.pair``): there the models are the
-same, so every greedy call must also give vLLM's own text and token ids (``GREEDY_SAME``).
+same model beside their pddlink sidecars, the shared pair): there the models are the same, so every
+greedy call must also give vLLM's own text and token ids (``GREEDY_SAME``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -42,7 +42,6 @@ except Exception as exc:  # vLLM missing or broken: the whole module skips with 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
 
 ROOT = Path(__file__).resolve().parents[2]
-VLLM_PORT = 28500
 ROUTER_URL = "http://127.0.0.1:28000/v1"
 VLLM_ROUTER_PORT = 28510
 # greedy calls whose text and token ids must equal vLLM's own when the router fronts the same model
@@ -78,37 +77,13 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _wait_models(client: Any, proc: Any, log: Path) -> None:
-    deadline = time.monotonic() + 600  # vLLM's start on a loaded 2-core machine
-    while True:
-        try:
-            client.models.list()
-            return
-        except openai.APIConnectionError:
-            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()[-3000:]
-            time.sleep(1.0)
-
-
 @pytest.fixture(scope="module")
-def bare_vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Path]]:
-    """vLLM's own OpenAI server on the tiny random Llama: the side every answer is held against."""
-    from engines_adapter.vllm.tiny_model import build_tiny_llama
-
-    work = tmp_path_factory.mktemp("vllm")
-    model = build_tiny_llama(work / "vllm-tiny")
-    venv = dict(_env(), VLLM_HOST_IP="127.0.0.1", VLLM_CPU_KVCACHE_SPACE="1")
-    proc = _start(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-         "--served-model-name", "tiny", "--block-size", "32", "--host", "127.0.0.1",
-         "--port", str(VLLM_PORT), "--enable-prompt-tokens-details", "--max-model-len", "2048"],
-        work, venv, work / "vllm.log",
-    )  # fmt: skip
-    try:
-        vc = openai.OpenAI(base_url=f"http://127.0.0.1:{VLLM_PORT}/v1", api_key="none", max_retries=0)
-        _wait_models(vc, proc, work / "vllm.log")
-        yield vc, model
-    finally:
-        _stop([proc])
+def bare_vllm(vllm_pair: Any) -> tuple[Any, Path]:
+    """vLLM's own OpenAI server on the tiny random Llama: the side every answer is held against.
+    It is P's server of the session's shared pair (tests/conftest.py), which also serves the name
+    "tiny"; these calls carry no transfer parameters, so its connector takes no part."""
+    vc = openai.OpenAI(base_url=f"{vllm_pair.p.url}/v1", api_key="none", max_retries=0)
+    return vc, vllm_pair.spec.model
 
 
 @pytest.fixture(scope="module")
@@ -150,22 +125,14 @@ def clients(
 
 
 @pytest.fixture(scope="module")
-def vllm_clients(
-    bare_vllm: tuple[Any, Path], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[Any, Any]]:
+def vllm_clients(bare_vllm: tuple[Any, Path], vllm_pair: Any) -> Iterator[tuple[Any, Any]]:
     """The router (``pddlink router --config``, ``engine = "vllm"``) in front of P and MD as vLLM
-    servers of the bare server's model, each beside its pddlink sidecar."""
-    from engines_adapter.vllm.pair import PairSpec, VllmPair
-
+    servers of the bare server's model, each beside its pddlink sidecar (the shared pair)."""
     vc, model = bare_vllm
-    import vllm.distributed.kv_events  # noqa: F401  (before the sidecars' loop imports it)
-
-    work = Path(tempfile.mkdtemp(prefix="pddlink-conf-"))  # sockets: keep the path short
-    pair = VllmPair(PairSpec(work / "w", model, dtype="bfloat16"))
+    pair = vllm_pair
+    work = Path(tempfile.mkdtemp(prefix="pddlink-conf-"))
     procs = []
     try:
-        pair.start()
-        assert pair.p is not None and pair.md is not None
         (work / "router.toml").write_text(
             f'engine = "vllm"\nhost = "127.0.0.1"\ngrpc_port = 0\nhttp_port = {VLLM_ROUTER_PORT}\n'
             f"vocab_size = 1024\nmax_prompt_tokens = 1900\n"
@@ -180,7 +147,6 @@ def vllm_clients(
         yield vc, pc
     finally:
         _stop(procs)
-        pair.close()
         shutil.rmtree(work, ignore_errors=True)
 
 

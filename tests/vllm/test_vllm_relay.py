@@ -11,7 +11,7 @@ sidecar, MD across a netlab WAN (loopback lab), RLD on P's fast path (TCP here, 
 - Faults (last, they end servers): the WAN cut past the deadline, RLD's vLLM killed, MD's vLLM killed
   mid-transfer: every request ends before its deadline with a reason; nothing is held afterwards
   (held slots and transfers in flight, from the sidecars' status).
-One lab and one trio of servers for the module.
+One lab and one trio of servers for the module (its last tests kill RLD's and MD's vLLM).
 """
 
 from __future__ import annotations
@@ -35,15 +35,14 @@ N = 12  # tokens per request
 
 
 @pytest.fixture(scope="module")
-def trio() -> Iterator[Any]:
+def trio(tiny_llama_f32: Path) -> Iterator[Any]:
     pytest.importorskip("vllm", reason="vLLM is not installed here (pip install 'pddlink[vllm]')")
     from engines_adapter.vllm.pair import PairSpec, VllmTrio
-    from engines_adapter.vllm.tiny_model import TinyLlamaSpec, build_tiny_llama
     from netlab import Lab
     from netlab.profile import parse_profile
 
     root = Path(tempfile.mkdtemp(prefix="pddlink-vrld-"))  # sockets: keep the path short
-    model = build_tiny_llama(root / "model", TinyLlamaSpec(dtype="float32"))
+    model = tiny_llama_f32
     profile = parse_profile("[link]\ndelay_ms = 5\nrate_mbit = 400\nqueue_packets = 400\n", name="vrld")
     lab = Lab.up(profile, name=f"vrld{os.getpid() % 100000}", mode="loopback")
     (root / "dump").mkdir()
@@ -54,7 +53,7 @@ def trio() -> Iterator[Any]:
             dtype="float32",
             extra_args=("--logits-processors", FQCN),
             kv_dump_dir=root / "dump",
-            md_orphan_s=8.0,  # a landed slot nobody loads (a killed vLLM) is swept
+            md_orphan_s=5.0,  # a landed slot nobody loads (a killed vLLM) is swept
             wan=lambda port: "{}:{}".format(*lab.endpoint("dc-b", port)),
             rld_transport="auto",
         )
@@ -135,6 +134,18 @@ async def _pdd_one(
     }
 
 
+async def _killed(server: Any, stream: Any) -> str:
+    """SIGKILL ``server``; how the client's ``stream`` to it ended (its finish reason, or the error)."""
+    import httpx
+
+    server.kill()
+    try:
+        _, finish, _ = await stream
+    except httpx.HTTPError as exc:
+        finish = f"{type(exc).__name__}: {exc}"
+    return str(finish)
+
+
 def _held(trio: Any) -> list[int]:
     st = trio.status()
     return [st[s][key] for s in ("p", "rld", "md") for key in ("held_slots", "in_flight")]
@@ -212,7 +223,7 @@ def test_wan_cut_past_deadline_rld_finishes_and_md_ends_in_time(trio: Any) -> No
     import httpx
 
     prompt = [random.Random(5).randrange(3, 1024) for _ in range(300)]
-    deadline_s = 12.0  # room for MD's own prefill and decode after it gave the KV up (a shared CPU)
+    deadline_s = 8.0  # room for MD's own prefill and decode after it gave the KV up (a shared CPU)
 
     async def run() -> tuple[list[int], list[int], tuple[list[int], str, int], dict[str, float]]:
         async with httpx.AsyncClient(timeout=None) as http:
@@ -272,11 +283,7 @@ def test_rld_vllm_killed_request_ends_and_nothing_held(trio: Any) -> None:
                 _stream(http, trio.rld.url, _body(trio, prompt, 3000, greedy, **kv), 60)
             )
             await asyncio.sleep(0.3)
-            trio.rld.kill()
-            try:
-                _, rld_finish, _ = await rld
-            except httpx.HTTPError as exc:
-                rld_finish = f"{type(exc).__name__}: {exc}"
+            rld_finish = await _killed(trio.rld, rld)
             took = time.monotonic() - t0
             await p
             md_kv = _kv("rldkill-1", 10.0, kv_tokens=len(prompt))
@@ -308,11 +315,7 @@ def test_md_vllm_killed_mid_transfer_ends_in_time_and_nothing_held(trio: Any) ->
                 if md.done() or time.monotonic() - t0 > 8:
                     break
                 await asyncio.sleep(0.01)
-            trio.md.kill()
-            try:
-                _, finish, _ = await md
-            except httpx.HTTPError as exc:
-                finish = f"{type(exc).__name__}: {exc}"
+            finish = await _killed(trio.md, md)
             took = time.monotonic() - t0
             await p
             return finish, took

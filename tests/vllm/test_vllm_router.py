@@ -6,47 +6,30 @@ servers beside their pddlink sidecars (``VllmPair``, float32, ``PositionSeededSa
   one vLLM generating alone, and the sidecars hold nothing afterwards;
 - singular: RLD (here P's own server, beside P) streams the whole answer: equal alone;
 - relay (P->RLD->MD, RLD = P's server): RLD streams at once, MD loads the prompt's KV (prime) and
-  takes over by token ids (extend); one-shot (a loaded RLD) and catch-up (a light one) both give one
-  merged stream equal to vLLM alone, with tokens from both;
+  takes over by token ids (extend); every request hands over, one-shot (a loaded RLD) or catch-up
+  (a light one), in one merged stream equal to vLLM alone, with tokens from both;
 - MD unreachable (a dead URL): the relay falls back to RLD finishing, P->MD to a new leg on RLD
   (the lifecycle machine's table); with no RLD either, P->MD fails with a reason before its deadline.
-One pair of servers for the module."""
+The session's shared pair of servers (``vllm_pair``, tests/conftest.py)."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import random
-import shutil
-import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
-FQCN = "engines_adapter.vllm.sampling:PositionSeededSampling"
 
 
 @pytest.fixture(scope="module")
-def pair() -> Iterator[Any]:
-    pytest.importorskip("vllm", reason="vLLM is not installed here (pip install 'pddlink[vllm]')")
-    import vllm.distributed.kv_events  # noqa: F401  (before the sidecars' loop imports it)
-
-    from engines_adapter.vllm.pair import PairSpec, VllmPair
-    from engines_adapter.vllm.tiny_model import TinyLlamaSpec, build_tiny_llama
-
-    root = Path(tempfile.mkdtemp(prefix="pddlink-vrouter-"))  # sockets: keep the path short
-    model = build_tiny_llama(root / "model", TinyLlamaSpec(dtype="float32"))
-    p = VllmPair(PairSpec(root / "w", model, dtype="float32", extra_args=("--logits-processors", FQCN)))
-    try:
-        p.start()
-        yield p
-    finally:
-        p.close()
-        shutil.rmtree(root, ignore_errors=True)
+def pair(vllm_pair: Any) -> Any:
+    return vllm_pair  # the session's shared pair (tests/conftest.py)
 
 
 def _cfg(pair: Any, **kw: Any) -> Any:
@@ -79,7 +62,10 @@ async def _one(
 
 
 def _run(
-    pair: Any, cfg: Any, jobs: list[tuple[tuple[int, ...], Any, str]]
+    pair: Any,
+    cfg: Any,
+    jobs: list[tuple[tuple[int, ...], Any, str]],
+    before_each: Callable[[], None] = lambda: None,
 ) -> list[tuple[list[int], dict[str, Any], tuple[int, ...]]]:
     import httpx
 
@@ -93,6 +79,7 @@ def _run(
         try:
             async with httpx.AsyncClient() as http:
                 for prompt, sampling, pipeline in jobs:
+                    before_each()
                     got, final = await _one(router, prompt, sampling, pipeline)
                     alone = await generate_alone(http, pair.p.url, str(pair.spec.model), prompt, sampling)
                     out.append((got, final, alone))
@@ -103,10 +90,15 @@ def _run(
     return asyncio.run(go())
 
 
-def _held(pair: Any) -> dict[str, Any]:
-    time.sleep(0.5)
-    st = pair.status()
-    return {side: (st[side]["held_slots"], st[side]["held_bytes"], st[side]["in_flight"]) for side in st}
+def _held(pair: Any, timeout_s: float = 15.0) -> dict[str, Any]:
+    """What the sidecars hold, once it is nothing or after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        st = pair.status()
+        held = {side: (st[side]["held_slots"], st[side]["held_bytes"], st[side]["in_flight"]) for side in st}
+        if not any(any(v) for v in held.values()) or time.monotonic() > deadline:
+            return held
+        time.sleep(0.2)
 
 
 def test_p_md_and_singular_through_the_router_equal_vllm_alone(pair: Any) -> None:
@@ -128,30 +120,61 @@ def test_p_md_and_singular_through_the_router_equal_vllm_alone(pair: Any) -> Non
     assert _held(pair) == {"p": (0, 0, 0), "md": (0, 0, 0)}
 
 
+# The relay test's set-up, so that the handoff of the expected mode must happen. Each request starts
+# with the pair's WAN cut from P to MD for OUTAGE_S: MD can hold the prompt's KV only after RLD
+# streamed its first tokens (a handoff with nothing to hand over would be P->MD in disguise). RLD
+# (P's server) is reached through a lab of its own whose replies are slow (~6 KB/s: about 20
+# tokens a second) while MD is reached directly: MD is always faster than RLD, so a catch-up ends
+# with MD at RLD's position, long before either could finish the request (RELAY_TOKENS).
+RLD_LINK = "[link]\ndelay_ms = 0\n[b_to_a]\nrate_mbit = 0.05\n"
+OUTAGE_S = 1.0
+# MD still has hundreds of tokens to stream when it reaches RLD: the run cannot end first
+RELAY_TOKENS = 320
+
+
+@pytest.fixture(scope="module")
+def slow_rld_url(pair: Any) -> Iterator[str]:
+    from netlab import Lab
+    from netlab.profile import parse_profile
+
+    lab = Lab.up(
+        parse_profile(RLD_LINK, name="slow-rld"), name=f"vsrld{os.getpid() % 100000}", mode="loopback"
+    )
+    try:
+        yield "http://{}:{}".format(*lab.endpoint("dc-b", pair.p.spec.port))
+    finally:
+        lab.down()
+
+
 @pytest.mark.parametrize(("capacity", "mode"), [(1, "one_shot"), (8, "catch_up")])
-def test_relay_hands_off_by_token_ids_and_merges_exactly(pair: Any, capacity: int, mode: str) -> None:
+def test_relay_hands_off_by_token_ids_and_merges_exactly(
+    pair: Any, slow_rld_url: str, capacity: int, mode: str
+) -> None:
     from engines_adapter import SamplingParams
 
     jobs = [
         (
             p,
-            SamplingParams(max_tokens=160)
+            SamplingParams(max_tokens=RELAY_TOKENS)
             if i % 2 == 0
-            else SamplingParams(seed=7 + i, temperature=0.8, top_p=0.95, max_tokens=160),
+            else SamplingParams(seed=7 + i, temperature=0.8, top_p=0.95, max_tokens=RELAY_TOKENS),
             "p_rld_md",
         )
         for i, p in enumerate(_prompts(4, 20 + capacity))
     ]
-    runs = _run(pair, _cfg(pair, rld_capacity=capacity), jobs)
-    modes = []
+    cfg = _cfg(pair, rld_capacity=capacity, rld_url=slow_rld_url)
+    try:
+        runs = _run(pair, cfg, jobs, lambda: pair.lab.outage(OUTAGE_S, direction="a_to_b"))
+    finally:
+        pair.lab.set_outage(False)
     for got, final, alone in runs:
         t = final["trace"]
         assert final["outcome"] == "finished", final
         assert tuple(got) == alone, t
-        modes.append(t.get("handoff_mode"))
-        if t.get("handoff_outcome", "").startswith("handed_off"):
-            assert set(t["tokens"]) == {"rld", "md"}, t
-    assert mode in modes, modes
+        # every request hands over in the mode RLD's load picks, with tokens from both
+        assert t.get("handoff_mode") == mode, t
+        assert t.get("handoff_outcome", "").startswith("handed_off"), t
+        assert set(t["tokens"]) == {"rld", "md"}, t
     assert _held(pair) == {"p": (0, 0, 0), "md": (0, 0, 0)}
 
 

@@ -1,13 +1,11 @@
 """P->MD through two real vLLM servers and their sidecars: exact greedy tokens against vLLM alone,
 the KV that crossed equal byte for byte to what P's vLLM held, only MD's missing suffix shipped,
-nothing held afterwards. One pair of servers for the module (about 35 s to start)."""
+nothing held afterwards. The session's shared pair of servers (``vllm_pair``, tests/conftest.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import random
-import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -16,22 +14,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module")
-def pair():
-    from engines_adapter.vllm.pair import PairSpec, VllmPair
-    from engines_adapter.vllm.tiny_model import TinyLlamaSpec, build_tiny_llama
-
-    # not under pytest's basetemp: concurrent pytest runs prune old basetemps, sockets included
-    root = Path(tempfile.mkdtemp(prefix="pddlink-vllm-"))
-    model = build_tiny_llama(root / "model", TinyLlamaSpec(dtype="float32"))
-    dump = root / "dump"
-    dump.mkdir()
-    p = VllmPair(PairSpec(root / "w", model, dtype="float32", kv_dump_dir=dump))
-    try:
-        p.start()
-        yield p
-    finally:
-        p.close()
-        shutil.rmtree(root, ignore_errors=True)
+def pair(vllm_pair):
+    return vllm_pair  # the session's shared pair (tests/conftest.py): counters as deltas
 
 
 def _prompts(n: int, seed: int = 1) -> list[tuple[int, ...]]:
@@ -62,6 +46,7 @@ def test_p_md_exact_one_at_a_time_and_kv_bytes_equal(pair) -> None:
             await driver.close()
         return mismatches, ids
 
+    before = pair.status()
     mismatches, ids = asyncio.run(run())
     assert mismatches == 0
     dump: Path = pair.spec.kv_dump_dir
@@ -89,7 +74,9 @@ def test_p_md_exact_one_at_a_time_and_kv_bytes_equal(pair) -> None:
         assert p_bytes[(md_first - p_first) * per_block :] == md_bytes
         compared += -(-len(md_bytes) // per_block)
     assert compared >= 50
-    st = pair.status()
+    after = pair.status()
+    st = {side: {k: after[side][k] - before[side][k] for k in ("loaded", "landed", "shipped", "wan_bytes")
+                 if k in after[side]} for side in ("p", "md")}  # fmt: skip
     shipped_n = sum(1 for r in ids if shipped[r]["wan_bytes"])
     assert st["md"]["loaded"] == shipped_n - len(unused) and st["p"]["shipped"] == 50
     assert st["md"]["landed"] - st["md"]["loaded"] == len(unused) <= 2, unused  # rare, and counted

@@ -1,54 +1,27 @@
 """P->MD on real vLLM across a netlab WAN (loopback relay), with a small MD cache that evicts:
 MD's DRC follows vLLM's prefix cache through its KV events; a client that disconnects, a WAN cut
 past the deadline and a killed MD end every request in time with a reason and leave nothing held
-(read from the sidecars' status). One lab and one pair of servers for the module."""
+(read from the sidecars' status). The session's shared pair of servers and its lab."""
 
 from __future__ import annotations
 
 import asyncio
-import os
 import random
-import shutil
-import tempfile
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
 pytestmark = [pytest.mark.vllm, pytest.mark.netlab, pytest.mark.timeout(600)]
-MD_BLOCKS = 160  # 5120 tokens: a few 1000-token prompts evict each other
+MD_BLOCKS = 160  # the shared pair's MD cache (tests/conftest.py): 1000-token prompts evict each other
 
 
 @pytest.fixture(scope="module")
-def lab_pair():
-    from engines_adapter.vllm.pair import PairSpec, VllmPair
-    from engines_adapter.vllm.tiny_model import TinyLlamaSpec, build_tiny_llama
-    from netlab import Lab
-    from netlab.profile import parse_profile
-
-    root = Path(tempfile.mkdtemp(prefix="pddlink-vllm-faults-"))
-    model = build_tiny_llama(root / "model", TinyLlamaSpec(dtype="float32"))
-    profile = parse_profile(
-        "[link]\ndelay_ms = 5\nrate_mbit = 400\nqueue_packets = 400\n", name="vllm-faults"
-    )
-    lab = Lab.up(profile, name=f"vfault{os.getpid() % 100000}", mode="loopback")
-    pair = VllmPair(
-        PairSpec(
-            root / "w",
-            model,
-            md_num_blocks=MD_BLOCKS,
-            md_orphan_s=4.0,
-            wan=lambda port: "{}:{}".format(*lab.endpoint("dc-b", port)),
-        )
-    )
-    try:
-        pair.start()
-        yield lab, pair
-    finally:
-        pair.close()
-        lab.down()
-        shutil.rmtree(root, ignore_errors=True)
+def lab_pair(vllm_pair):
+    """The session's shared pair (tests/conftest.py): MD's cache of ``MD_BLOCKS`` blocks, P->MD
+    across its netlab WAN; the last test here leaves MD's vLLM dead (a later user gets a new pair)."""
+    assert vllm_pair.spec.md_num_blocks == MD_BLOCKS
+    return vllm_pair.lab, vllm_pair
 
 
 def _driver(pair):
