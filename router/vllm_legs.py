@@ -12,9 +12,10 @@ sub-request id. The commands become (``VllmLegs``)::
   OpenStream MD (relay leg)     prime: {prompt, max_tokens 1, transfer}: MD loads the KV into its
                     prefix cache and waits for the handoff
   OpenStream RLD                {prompt, stream} on RLD (the KV from P when ``rld_gets_kv``)
-  StartHandoff  by token ids: MD extends prompt + the k ids RLD streamed so far in one step, then
-                    decodes (``router.vllm_handoff``). One-shot: RLD's stream is closed at once;
-                    catch-up: RLD keeps streaming until MD's stream reaches RLD's position. Chosen by
+  StartHandoff  by token ids: MD gets prompt + the k ids RLD streamed so far as one request
+                    (the prompt's KV from its prefix cache, the k ids recomputed in one extend
+                    step), then decodes. One-shot: RLD's stream is closed at once; catch-up: RLD
+                    keeps streaming until MD's stream reaches RLD's position. Chosen by
                     RLD's load (``choose_handoff_mode``), as RLD's sidecar does for the reference
   TakeOver      MD extends prompt + the given ids (RLD lost)
   CancelStreams the role's HTTP streams are closed (vLLM aborts the request; the connector's
