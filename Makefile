@@ -11,7 +11,7 @@ demo: setup
 	.venv/bin/pddlink demo
 
 test: setup lint
-	.venv/bin/python -m pytest -q
+	.venv/bin/python -m pytest -q --durations=25
 
 lint:
 	.venv/bin/ruff check .
