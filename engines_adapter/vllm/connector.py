@@ -22,7 +22,8 @@ Which hook runs when, on each side:
 
 P (kv_producer)
   scheduler  ``get_num_new_matched_tokens`` (first sight of the request): PREPARE to the sidecar
-             (with ``to`` when given), which reserves each destination's cached prefix while vLLM
+             (with ``to`` when given; sent without waiting for its answer, as every RELEASE is:
+             the answer is read, and a refusal logged, when the channel is next used), which reserves each destination's cached prefix while vLLM
              prefills (RLD's answer is 0: it gets every whole block); answers 0 (nothing to load).
              ``build_connector_meta`` (each step): follows the request's blocks; in the step where
              its prefill completes it adds a save of its whole blocks below the last prompt token
@@ -58,7 +59,6 @@ MD and RelayDecode (kv_consumer; RLD is fed over the fast path, MD across the WA
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -73,6 +73,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
+from engines_adapter.vllm.hook_timing import HookClock
 from engines_adapter.vllm.paged_kv import PagedKV
 from pddlink.errors import PddlinkError
 from sidecar.vllm_kv.control import ControlClient, Op, Pending, TransferState
@@ -202,6 +203,9 @@ class PddlinkConnector(KVConnectorBase_V1):
         self.dump_tag = str(cfg.get_from_extra_config("dump_tag", "P" if self.producer else "MD"))
         timing = cfg.get_from_extra_config("timing_file", None)  # bench: hook timings, JSON lines
         self.timing_file = Path(timing) if timing else None
+        # answers nobody waits for (PREPARE, RELEASE): read when the channel is next used, logged
+        # if refused; the sidecar handles requests in order, so a later ALLOC/POLL sees their effect
+        self._unread: list[tuple[str, Pending]] = []
         self.num_blocks = kv_cache_config.num_blocks
         mc, par = vllm_config.model_config, vllm_config.parallel_config
         self.layout = {
@@ -224,6 +228,7 @@ class PddlinkConnector(KVConnectorBase_V1):
         self._loads: dict[str, LoadSpec] = {}
         self._allocs: dict[str, tuple[Pending, float]] = {}  # transfer -> ALLOC sent, seconds it took
         self._commits: list[tuple[SaveSpec, Pending]] = []  # COMMITs whose answer is not read yet
+        self._clock = HookClock.install(self, self.timing_file, worker=role == KVConnectorRole.WORKER)
 
     # ---------------------------------------------------------------- scheduler side
 
@@ -239,7 +244,7 @@ class PddlinkConnector(KVConnectorBase_V1):
             if rid not in self._producing:
                 self._producing[rid] = _Producing(params, len(prompt))
                 extra = {} if params.to is None else {"to": list(params.to)}
-                self._call(
+                self._send(
                     Op.PREPARE,
                     transfer=params.transfer,
                     prompt=prompt,
@@ -282,7 +287,7 @@ class PddlinkConnector(KVConnectorBase_V1):
         key = reason.split(":")[0]
         self.recomputed[key] = self.recomputed.get(key, 0) + 1
         log.warning("request %s: prefilled on MD itself (%s)", rid, reason)
-        self._call(Op.RELEASE, transfer=params.transfer, reason=reason)
+        self._send(Op.RELEASE, transfer=params.transfer, reason=reason)
         return 0, False
 
     def update_state_after_alloc(
@@ -335,11 +340,11 @@ class PddlinkConnector(KVConnectorBase_V1):
         rid = request.request_id
         p = self._producing.pop(rid, None)
         if p is not None and not p.saved:
-            self._call(Op.RELEASE, transfer=p.params.transfer, reason="request ended before its KV was saved")
+            self._send(Op.RELEASE, transfer=p.params.transfer, reason="request ended before its KV was saved")
         c = self._consuming.pop(rid, None)
         local = self._local_hit.pop(rid, None)
         if not self.producer and (params := TransferParams.of(request)) is not None:
-            self._call(
+            self._send(
                 Op.RELEASE,
                 transfer=params.transfer,
                 reason="request finished",
@@ -355,6 +360,29 @@ class PddlinkConnector(KVConnectorBase_V1):
         except PddlinkError as exc:
             log.warning("pddlink sidecar %s failed: %s", op.value, exc)
             return None
+        finally:
+            self._log_unread()
+
+    def _send(self, op: Op, **fields: Any) -> None:
+        """A request whose answer vLLM need not wait for: written now, its answer read (and a
+        refusal logged) the next time this side uses the channel."""
+        self._log_unread()
+        self._unread.append((str(fields.get("transfer", "")), self.control.send(op, **fields)))
+
+    def _log_unread(self) -> None:
+        if not self._unread:
+            return
+        self.control.poll_answers()
+        keep = []
+        for transfer, pending in self._unread:
+            if not pending.done:
+                keep.append((transfer, pending))
+                continue
+            try:
+                pending.result()
+            except PddlinkError as exc:
+                log.warning("pddlink sidecar %s of %s failed: %s", pending.op.value, transfer, exc)
+        self._unread = keep
 
     # ---------------------------------------------------------------- worker side
 
@@ -396,6 +424,8 @@ class PddlinkConnector(KVConnectorBase_V1):
         assert isinstance(meta, PddlinkMetadata)
         for load in meta.loads:
             self._loads[load.req_id] = load
+        if meta.loads and self._clock is not None:
+            self._clock.mark("load")
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -414,12 +444,6 @@ class PddlinkConnector(KVConnectorBase_V1):
             except PddlinkError as exc:
                 log.warning("request %s: KV not handed to the sidecar: %s", save.req_id, exc)
                 self._call(Op.RELEASE, transfer=save.transfer, reason=f"save failed: {exc}")
-
-    def _time(self, op: str, transfer: str, seconds: float, nbytes: int, **extra: float | str) -> None:
-        if self.timing_file is not None:
-            rec = {"op": op, "transfer": transfer, "seconds": seconds, "bytes": nbytes, **extra}
-            with self.timing_file.open("a") as f:
-                f.write(json.dumps(rec) + "\n")
 
     def _save(self, save: SaveSpec) -> None:
         t0 = time.perf_counter()
@@ -450,11 +474,14 @@ class PddlinkConnector(KVConnectorBase_V1):
             layout=self.layout,
         )
         self._commits.append((save, commit))
-        t1 = time.perf_counter()
-        self._time(
-            "save", save.transfer, sent_s + t1 - t0, slot.nbytes, alloc_send_s=sent_s,
-            alloc_s=t_alloc - t0, copy_s=t_copy - t_alloc, commit_s=t1 - t_copy, path=self._kv.path,
-        )  # fmt: skip
+        if self._clock is not None:
+            clock = self._clock
+            clock.mark("save")
+            for name, value in (
+                ("alloc_send_s", sent_s), ("alloc_s", t_alloc - t0), ("copy_s", t_copy - t_alloc),
+                ("commit_s", time.perf_counter() - t_copy), ("bytes", slot.nbytes), ("path", self._kv.path),
+            ):  # fmt: skip
+                clock.note(name, value)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         results = KVConnectorTransferResults()
@@ -478,7 +505,7 @@ class PddlinkConnector(KVConnectorBase_V1):
             if not ok:
                 results.failed_recving.add(load.req_id)
             results.finished_recving.add(load.req_id)
-            self._call(Op.RELEASE, transfer=transfer, reason="loaded" if ok else "load failed")
+            self._send(Op.RELEASE, transfer=transfer, reason="loaded" if ok else "load failed")
             del self._loads[load.req_id]
         return results
 
@@ -503,7 +530,10 @@ class PddlinkConnector(KVConnectorBase_V1):
         t0 = time.perf_counter()
         slot = Slot(int(state["offset"]) + skip * per_block, need * per_block)
         self._kv.scatter(load.block_ids, self._mapped().buffer(slot))
-        self._time("load", load.transfer, time.perf_counter() - t0, slot.nbytes)
+        if self._clock is not None:
+            self._clock.mark("load")
+            self._clock.note("copy_s", time.perf_counter() - t0)
+            self._clock.note("bytes", slot.nbytes)
         if self.dump_dir is not None:  # read back what vLLM's blocks now hold
             out = bytearray(need * per_block)
             self._kv.gather(load.block_ids, memoryview(out))

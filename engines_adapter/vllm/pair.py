@@ -115,7 +115,7 @@ class VllmPair:
             kv_events_endpoint=events,
             orphan_s=s.md_orphan_s,
         )
-        self.md_side = self.loop.run(VllmSidecar(md_cfg).start())
+        self.md_side = self.loop.run(VllmSidecar(md_cfg).start(), timeout_s)
         port = self.md_side.kv_port
         md_addr = s.md_addr or (s.wan(port) if s.wan is not None else f"127.0.0.1:{port}")
         rld_addr = ""
@@ -123,7 +123,7 @@ class VllmPair:
             rld_cfg = VllmSidecarConfig(
                 Role.RLD, "rld0", s.workdir, s.model_id, s.block_size, orphan_s=s.md_orphan_s
             )
-            self.rld_side = self.loop.run(VllmSidecar(rld_cfg).start())
+            self.rld_side = self.loop.run(VllmSidecar(rld_cfg).start(), timeout_s)
             rld_addr = f"127.0.0.1:{self.rld_side.kv_port}"
         p_cfg = VllmSidecarConfig(
             Role.P,
@@ -136,7 +136,7 @@ class VllmPair:
             rld_addr=rld_addr,
             rld_transport=s.rld_transport,
         )
-        self.p_side = self.loop.run(VllmSidecar(p_cfg).start())
+        self.p_side = self.loop.run(VllmSidecar(p_cfg).start(), timeout_s)
         base = VllmServerSpec(
             s.model,
             0,
