@@ -66,7 +66,7 @@ def _side(recs: list[dict[str, Any]], op: str) -> dict[str, Any]:
     for r in work:
         for k, v in r["hooks"].items():
             hooks[k] = hooks.get(k, 0.0) + v
-    skip = ("op", "seconds", "hooks", "idle_s", "idle_steps")
+    skip = ("op", "seconds", "hooks", "idle_s", "idle_steps", "cpu_s")
     notes = {k: v for r in work for k, v in r.items() if k not in skip}
     worker_s = sum(float(r["seconds"]) for r in work)
     sched_s = sum(float(r["seconds"]) for r in sched)
@@ -75,6 +75,7 @@ def _side(recs: list[dict[str, Any]], op: str) -> dict[str, Any]:
         "worker_s": worker_s,
         "sched_s": sched_s,
         "total_s": worker_s + sched_s,
+        "cpu_s": sum(float(r.get("cpu_s", 0.0)) for r in work + sched),
         "idle_s": sum(float(r.get("idle_s", 0.0)) for r in work),
         "hooks": hooks,
         "notes": notes,
@@ -146,6 +147,8 @@ def _summary(outs: list[dict[str, Any]], ins: list[dict[str, Any]]) -> dict[str,
         "load_s": med(ins, "worker_s"),
         "load_sched_s": med(ins, "sched_s"),
         "poll_idle_s": med(ins, "idle_s"),
+        "out_cpu_s": med(outs, "cpu_s"),  # the hooks' thread CPU time: out_s minus it was off CPU
+        "in_cpu_s": med(ins, "cpu_s"),
         "save_phases": notes(outs),
         "load_phases": notes(ins),
         "save_hooks": _hooks_median(outs),

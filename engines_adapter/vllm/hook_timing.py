@@ -11,9 +11,10 @@ The time is what vLLM waits on: the forward itself and the clock's own file writ
 Records (JSON lines appended to ``timing_file``):
   worker, at the end of each step the connector marked (``clock.mark("save" | "load")``): one
     record, ``{"op": kind (both joined by "+" in a step that did both), "seconds": the step's
-    hook time, "hooks": {name: s}, "idle_s": .., "idle_steps": ..}`` (idle: the unmarked steps
-    since the last record, e.g. MD polling while the KV is still on the wire; not part of
-    ``seconds``), plus any phases the connector noted (``clock.note(name, seconds)``);
+    hook time, "hooks": {name: s}, "cpu_s": the thread's CPU time in them (wall minus CPU:
+    the time the thread was off the CPU, preempted or blocked), "idle_s": .., "idle_steps": ..}``
+    (idle: the unmarked steps since the last record, e.g. MD polling while the KV is still on
+    the wire; not part of ``seconds``), plus any phases the connector noted (``clock.note(name, seconds)``);
   scheduler, after each ``request_finished``: ``{"op": "sched", "seconds": .., "hooks": {...}}``,
     the scheduler hooks' time since the previous ``request_finished`` (the bench sends one request
     at a time, so that is the request's).
@@ -60,6 +61,7 @@ class HookClock:
         self._notes: dict[str, float | str] = {}
         self._idle_s = 0.0
         self._idle_steps = 0
+        self._cpu_s = 0.0  # the calling thread's CPU time inside the hooks (wall - cpu: off CPU)
 
     @classmethod
     def install(cls, connector: Any, path: Path | None, *, worker: bool) -> HookClock | None:
@@ -87,11 +89,12 @@ class HookClock:
             if self._depth:
                 return fn(*args, **kwargs)
             self._depth += 1
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 return fn(*args, **kwargs)
             finally:
                 self._add(name, time.perf_counter() - t0)
+                self._cpu_s += time.thread_time() - c0
                 self._depth -= 1
                 if name == "request_finished" and self.role == "scheduler":
                     self._flush("sched")
@@ -114,6 +117,7 @@ class HookClock:
         if not self._marks:
             self._idle_s += sum(self._hooks.values())
             self._idle_steps += 1
+            self._cpu_s = 0.0
             self._hooks.clear()
             self._notes.clear()
             return
@@ -125,8 +129,10 @@ class HookClock:
             "op": op,
             "seconds": sum(self._hooks.values()),
             "hooks": dict(self._hooks),
+            "cpu_s": self._cpu_s,
             **self._notes,
         }
+        self._cpu_s = 0.0
         if self.role == "worker":
             rec.update(idle_s=self._idle_s, idle_steps=self._idle_steps)
             self._idle_s, self._idle_steps = 0.0, 0
