@@ -22,8 +22,10 @@ Which hook runs when, on each side:
 
 P (kv_producer)
   scheduler  ``get_num_new_matched_tokens`` (first sight of the request): PREPARE to the sidecar
-             (with ``to`` when given), which reserves each destination's cached prefix while vLLM
-             prefills (RLD's answer is 0: it gets every whole block); answers 0 (nothing to load).
+             (with ``to`` when given; sent without waiting for its answer, as every RELEASE is:
+             the answer is read, and a refusal logged, when the channel is next used), which
+             reserves each destination's cached prefix while vLLM prefills (RLD's answer is 0: it
+             gets every whole block); answers 0 (nothing to load).
              ``build_connector_meta`` (each step): follows the request's blocks; in the step where
              its prefill completes it adds a save of its whole blocks below the last prompt token
              (MD recomputes that tail of < 1 block itself) to the step's metadata.
@@ -33,23 +35,38 @@ P (kv_producer)
              step's saves without waiting (the answer, a region slot and the smallest reserved prefix
              when known, is read after the forward). ``wait_for_save`` (after the forward, which
              wrote the KV): copies the blocks from the slot's first one on out of vLLM's paged
-             cache into it (``PagedKV.gather``), sends COMMIT (its answer is read on the next
-             step: a refused COMMIT releases the transfer then); the sidecar ships each
-             destination its suffix from that one slot (RLD over the fast path, MD over the WAN).
+             cache into it (``PagedKV.gather``), sends COMMIT (its answer is read, without
+             waiting, at a later step once it arrived: a refused COMMIT releases the transfer
+             then); the sidecar ships each destination its suffix from that one slot (RLD over
+             the fast path, MD over the WAN).
 MD and RelayDecode (kv_consumer; RLD is fed over the fast path, MD across the WAN)
   scheduler  ``get_num_new_matched_tokens``: asks the sidecar (EXPECT) where the transfer starts
-             (the prefix MD reserved for it); ``None`` (ask again) until known; then
+             (the prefix MD reserved for it), without waiting: the POLL sent at one ask is read at
+             the next, when answered; ``None`` (ask again) until known; then
              ``(tail start - computed, True)``, tail start being the last whole block below
              ``kv_tokens`` (or the prompt's last token): an asynchronous load, vLLM parks the
-             request (on MD handed prompt + k, the tail and the k tokens are then one step). When
+             request (on MD handed prompt + k, the tail and the k tokens are then one step).
+             When the same answer says the transfer has already landed (all of it: a transfer
+             is landed only once its last byte is in the slot), ``(tail start - computed,
+             False)``: a synchronous load, copied by the worker before this very step's forward,
+             so the request is neither parked nor polled for (one engine step and a POLL round
+             trip fewer; the usual case when the router sends MD the request after P answered).
+             When
              vLLM's own prefix cache no longer holds the reserved prefix (evicted meanwhile), or
              the transfer failed or missed its deadline before it was known: 0, and vLLM
              recomputes the prompt itself (correct tokens, counted by reason).
              ``update_state_after_alloc``: records the blocks vLLM allocated for the load;
              ``build_connector_meta`` passes them to the worker. ``request_finished`` (also on
              abort and client disconnect): RELEASE at the sidecar (frees a landed slot).
-  worker     ``start_load_kv``: takes the step's new loads. ``get_transfer_results`` (every step,
-             also while nothing is scheduled): POLLs the sidecar; a landed transfer is copied from
+  worker     ``start_load_kv`` (before the forward when the step has a synchronous load): copies
+             each synchronous load from its landing slot into the allocated blocks and RELEASEs it;
+             a copy that cannot be made (the slot does not cover the blocks, a layout mismatch)
+             reports those blocks in ``get_block_ids_with_load_errors`` in the same step, so vLLM
+             fails the request or recomputes them (``kv_load_failure_policy``) and discards what
+             that forward computed from them. It takes the step's asynchronous loads.
+             ``get_transfer_results`` (every step,
+             also while nothing is scheduled): POLLs the sidecar (the answer to one step's POLL is
+             read, without waiting, at a later step; vLLM never waits on it); a landed transfer is copied from
              the landing slot into the allocated blocks, then RELEASEd, and reported finished; a
              failed one, or one past its deadline, is reported in ``failed_recving`` (vLLM then
              fails the request with a reason or recomputes, per ``kv_load_failure_policy``) and
@@ -58,7 +75,6 @@ MD and RelayDecode (kv_consumer; RLD is fed over the fast path, MD across the WA
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -73,6 +89,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
+from engines_adapter.vllm.hook_timing import HookClock
 from engines_adapter.vllm.paged_kv import PagedKV
 from pddlink.errors import PddlinkError
 from sidecar.vllm_kv.control import ControlClient, Op, Pending, TransferState
@@ -160,6 +177,7 @@ class LoadSpec:
     first_block: int  # the request's block index that block_ids[0] is
     block_ids: tuple[int, ...]
     deadline_at: float
+    landed: dict[str, Any] | None = None  # the landed state when planned: a synchronous load
 
 
 @dataclass
@@ -182,6 +200,7 @@ class _Consuming:
     first_block: int = 0
     computed: int = 0  # vLLM's own prefix hit when the load was planned (block aligned)
     load: LoadSpec | None = None
+    landed: dict[str, Any] | None = None  # POLL's answer, when the KV had landed already
 
 
 class PddlinkConnector(KVConnectorBase_V1):
@@ -202,6 +221,9 @@ class PddlinkConnector(KVConnectorBase_V1):
         self.dump_tag = str(cfg.get_from_extra_config("dump_tag", "P" if self.producer else "MD"))
         timing = cfg.get_from_extra_config("timing_file", None)  # bench: hook timings, JSON lines
         self.timing_file = Path(timing) if timing else None
+        # answers nobody waits for (PREPARE, RELEASE): read when the channel is next used, logged
+        # if refused; the sidecar handles requests in order, so a later ALLOC/POLL sees their effect
+        self._unread: list[tuple[str, Pending]] = []
         self.num_blocks = kv_cache_config.num_blocks
         mc, par = vllm_config.model_config, vllm_config.parallel_config
         self.layout = {
@@ -218,12 +240,16 @@ class PddlinkConnector(KVConnectorBase_V1):
         self._new_loads: list[LoadSpec] = []
         self.recomputed: dict[str, int] = {}  # reason -> requests MD prefilled itself
         self._local_hit: dict[str, int] = {}
+        self._asks: dict[str, Pending] = {}  # consumer: request -> its POLL not answered yet
         # worker side
         self._kv: PagedKV | None = None
         self._region: MappedRegion | None = None
         self._loads: dict[str, LoadSpec] = {}
         self._allocs: dict[str, tuple[Pending, float]] = {}  # transfer -> ALLOC sent, seconds it took
         self._commits: list[tuple[SaveSpec, Pending]] = []  # COMMITs whose answer is not read yet
+        self._load_errors: set[int] = set()  # blocks a synchronous load could not fill (this step)
+        self._poll: Pending | None = None  # the POLL for the asynchronous loads, not answered yet
+        self._clock = HookClock.install(self, self.timing_file, worker=role == KVConnectorRole.WORKER)
 
     # ---------------------------------------------------------------- scheduler side
 
@@ -239,7 +265,7 @@ class PddlinkConnector(KVConnectorBase_V1):
             if rid not in self._producing:
                 self._producing[rid] = _Producing(params, len(prompt))
                 extra = {} if params.to is None else {"to": list(params.to)}
-                self._call(
+                self._send(
                     Op.PREPARE,
                     transfer=params.transfer,
                     prompt=prompt,
@@ -256,8 +282,7 @@ class PddlinkConnector(KVConnectorBase_V1):
         self._local_hit.setdefault(rid, computed)  # what vLLM held itself, reported at the end
         if rid in self._consuming and self._consuming[rid].load is not None:
             return 0, False  # already loaded once (a preempted request recomputes)
-        answer = self._call(Op.POLL, transfers=[params.transfer], expect=True)
-        state = (answer or {}).get("states", {}).get(params.transfer, {}) if answer else {}
+        state = self._asked(rid, params.transfer)
         first = state.get("first_block")
         if state.get("state") == TransferState.FAILED:
             return self._recompute(rid, params, f"transfer failed: {state.get('reason')}")
@@ -275,14 +300,37 @@ class PddlinkConnector(KVConnectorBase_V1):
         todo = (carried - 1) // self.block_size * self.block_size - computed  # see _maybe_save
         if todo <= 0:
             return self._recompute(rid, params, "nothing_to_load")
-        self._consuming[rid] = _Consuming(params, first, computed)
-        return todo, True
+        landed = state if state.get("state") == TransferState.LANDED else None
+        self._consuming[rid] = _Consuming(params, first, computed, landed=landed)
+        return todo, landed is None
+
+    def _asked(self, rid: str, transfer: str) -> dict[str, Any]:
+        """The transfer's state from the POLL sent at the previous ask, when it has been answered
+        (read without waiting) and says where the transfer starts; else ``{}`` (unknown yet),
+        with a POLL in flight for the next ask. The scheduler never waits on the sidecar: vLLM
+        asks again next step, the request waiting meanwhile (it waits for its KV anyway)."""
+        pending = self._asks.pop(rid, None)
+        if pending is not None:
+            self.control.poll_answers()
+            if not pending.done:
+                self._asks[rid] = pending
+                return {}
+            try:
+                state: dict[str, Any] = pending.result().get("states", {}).get(transfer, {})
+            except PddlinkError as exc:
+                log.warning("pddlink sidecar poll of %s failed: %s", transfer, exc)
+                state = {}
+            if state.get("state") == TransferState.FAILED or isinstance(state.get("first_block"), int):
+                return state
+        self._asks[rid] = self.control.send(Op.POLL, transfers=[transfer], expect=True)
+        return {}
 
     def _recompute(self, rid: str, params: TransferParams, reason: str) -> tuple[int, bool]:
         key = reason.split(":")[0]
         self.recomputed[key] = self.recomputed.get(key, 0) + 1
         log.warning("request %s: prefilled on MD itself (%s)", rid, reason)
-        self._call(Op.RELEASE, transfer=params.transfer, reason=reason)
+        self._asks.pop(rid, None)
+        self._send(Op.RELEASE, transfer=params.transfer, reason=reason)
         return 0, False
 
     def update_state_after_alloc(
@@ -296,7 +344,12 @@ class PddlinkConnector(KVConnectorBase_V1):
         start = c.computed // self.block_size
         end = -(-(c.computed + num_external_tokens) // self.block_size)
         c.load = LoadSpec(
-            request.request_id, c.params.transfer, start, tuple(ids[start:end]), c.params.deadline_at
+            request.request_id,
+            c.params.transfer,
+            start,
+            tuple(ids[start:end]),
+            c.params.deadline_at,
+            c.landed,
         )
         self._new_loads.append(c.load)
 
@@ -335,11 +388,12 @@ class PddlinkConnector(KVConnectorBase_V1):
         rid = request.request_id
         p = self._producing.pop(rid, None)
         if p is not None and not p.saved:
-            self._call(Op.RELEASE, transfer=p.params.transfer, reason="request ended before its KV was saved")
+            self._send(Op.RELEASE, transfer=p.params.transfer, reason="request ended before its KV was saved")
         c = self._consuming.pop(rid, None)
         local = self._local_hit.pop(rid, None)
+        self._asks.pop(rid, None)
         if not self.producer and (params := TransferParams.of(request)) is not None:
-            self._call(
+            self._send(
                 Op.RELEASE,
                 transfer=params.transfer,
                 reason="request finished",
@@ -355,6 +409,29 @@ class PddlinkConnector(KVConnectorBase_V1):
         except PddlinkError as exc:
             log.warning("pddlink sidecar %s failed: %s", op.value, exc)
             return None
+        finally:
+            self._log_unread()
+
+    def _send(self, op: Op, **fields: Any) -> None:
+        """A request whose answer vLLM need not wait for: written now, its answer read (and a
+        refusal logged) the next time this side uses the channel."""
+        self._log_unread()
+        self._unread.append((str(fields.get("transfer", "")), self.control.send(op, **fields)))
+
+    def _log_unread(self) -> None:
+        if not self._unread:
+            return
+        self.control.poll_answers()
+        keep = []
+        for transfer, pending in self._unread:
+            if not pending.done:
+                keep.append((transfer, pending))
+                continue
+            try:
+                pending.result()
+            except PddlinkError as exc:
+                log.warning("pddlink sidecar %s of %s failed: %s", pending.op.value, transfer, exc)
+        self._unread = keep
 
     # ---------------------------------------------------------------- worker side
 
@@ -383,7 +460,12 @@ class PddlinkConnector(KVConnectorBase_V1):
             self._allocs[save.transfer] = (pending, time.perf_counter() - t0)
 
     def _check_commits(self) -> None:
-        commits, self._commits = self._commits, []
+        """COMMIT answers that have arrived (read without waiting); a refusal releases the transfer."""
+        if not self._commits:
+            return
+        self.control.poll_answers()
+        commits = [c for c in self._commits if c[1].done]
+        self._commits = [c for c in self._commits if not c[1].done]
         for save, pending in commits:
             try:
                 pending.result()
@@ -395,7 +477,19 @@ class PddlinkConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, PddlinkMetadata)
         for load in meta.loads:
-            self._loads[load.req_id] = load
+            if load.landed is None:
+                self._loads[load.req_id] = load  # asynchronous: polled in get_transfer_results
+                continue
+            ok = self._land(load, load.landed)  # synchronous: before this step's forward
+            if not ok:
+                self._load_errors.update(load.block_ids)
+            self._send(Op.RELEASE, transfer=load.transfer, reason="loaded" if ok else "load failed")
+        if meta.loads and self._clock is not None:
+            self._clock.mark("load")
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -414,12 +508,6 @@ class PddlinkConnector(KVConnectorBase_V1):
             except PddlinkError as exc:
                 log.warning("request %s: KV not handed to the sidecar: %s", save.req_id, exc)
                 self._call(Op.RELEASE, transfer=save.transfer, reason=f"save failed: {exc}")
-
-    def _time(self, op: str, transfer: str, seconds: float, nbytes: int, **extra: float | str) -> None:
-        if self.timing_file is not None:
-            rec = {"op": op, "transfer": transfer, "seconds": seconds, "bytes": nbytes, **extra}
-            with self.timing_file.open("a") as f:
-                f.write(json.dumps(rec) + "\n")
 
     def _save(self, save: SaveSpec) -> None:
         t0 = time.perf_counter()
@@ -450,19 +538,31 @@ class PddlinkConnector(KVConnectorBase_V1):
             layout=self.layout,
         )
         self._commits.append((save, commit))
-        t1 = time.perf_counter()
-        self._time(
-            "save", save.transfer, sent_s + t1 - t0, slot.nbytes, alloc_send_s=sent_s,
-            alloc_s=t_alloc - t0, copy_s=t_copy - t_alloc, commit_s=t1 - t_copy, path=self._kv.path,
-        )  # fmt: skip
+        if self._clock is not None:
+            clock = self._clock
+            clock.mark("save")
+            for name, value in (
+                ("alloc_send_s", sent_s), ("alloc_s", t_alloc - t0), ("copy_s", t_copy - t_alloc),
+                ("commit_s", time.perf_counter() - t_copy), ("bytes", slot.nbytes), ("path", self._kv.path),
+            ):  # fmt: skip
+                clock.note(name, value)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         results = KVConnectorTransferResults()
         if not self._loads:
             return results
+        # the POLL sent at the previous step, when answered (read without waiting): vLLM's step
+        # never waits on the sidecar; a landing is seen one step after the answer says so
+        states: dict[str, Any] = {}
+        if self._poll is not None:
+            self.control.poll_answers()
+            if self._poll.done:
+                try:
+                    states = self._poll.result().get("states", {})
+                except PddlinkError as exc:
+                    log.warning("pddlink sidecar poll failed: %s", exc)
+                self._poll = None
         by_transfer = {load.transfer: load for load in self._loads.values()}
-        answer = self._call(Op.POLL, transfers=list(by_transfer))
-        states = (answer or {}).get("states", {})
         now = time.time()
         for transfer, load in by_transfer.items():
             state = states.get(transfer, {})
@@ -478,13 +578,22 @@ class PddlinkConnector(KVConnectorBase_V1):
             if not ok:
                 results.failed_recving.add(load.req_id)
             results.finished_recving.add(load.req_id)
-            self._call(Op.RELEASE, transfer=transfer, reason="loaded" if ok else "load failed")
+            self._send(Op.RELEASE, transfer=transfer, reason="loaded" if ok else "load failed")
             del self._loads[load.req_id]
+        if self._loads and self._poll is None:
+            self._poll = self.control.send(Op.POLL, transfers=[x.transfer for x in self._loads.values()])
         return results
 
     def _land(self, load: LoadSpec, state: dict[str, Any]) -> bool:
         """Copy the landed blocks the load needs into vLLM's blocks; False (never a partial load)
         when the transfer does not cover them all."""
+        try:
+            return self._copy_in(load, state)
+        except (PddlinkError, KeyError, TypeError, ValueError) as exc:
+            log.warning("request %s: KV load failed: %r", load.req_id, exc)
+            return False
+
+    def _copy_in(self, load: LoadSpec, state: dict[str, Any]) -> bool:
         assert self._kv is not None
         per_block = self._kv.bytes_per_block
         carried_first, carried = int(state["first_block"]), int(state["num_blocks"])
@@ -503,7 +612,10 @@ class PddlinkConnector(KVConnectorBase_V1):
         t0 = time.perf_counter()
         slot = Slot(int(state["offset"]) + skip * per_block, need * per_block)
         self._kv.scatter(load.block_ids, self._mapped().buffer(slot))
-        self._time("load", load.transfer, time.perf_counter() - t0, slot.nbytes)
+        if self._clock is not None:
+            self._clock.mark("load")
+            self._clock.note("copy_s", time.perf_counter() - t0)
+            self._clock.note("bytes", slot.nbytes)
         if self.dump_dir is not None:  # read back what vLLM's blocks now hold
             out = bytearray(need * per_block)
             self._kv.gather(load.block_ids, memoryview(out))

@@ -1,6 +1,13 @@
 """vLLM's built-in ``ExampleConnector`` (KV to disk as safetensors), with its hooks timed: the
-baseline of ``pddlink bench vllm``. Each request's time in ``save_kv_layer`` (hand KV out) and
-``start_load_kv`` (take it in) is appended to ``timing_file`` (JSON lines).
+baseline of ``pddlink bench vllm``. Its hooks are timed by the same clock, at the same boundaries,
+as ``PddlinkConnector``'s (``engines_adapter.vllm.hook_timing``): every worker hook of the step that
+stores a request's KV ("save") or loads it ("load"), and the scheduler hooks per request ("sched"),
+appended to ``timing_file`` (JSON lines).
+
+ExampleConnector's own convention: a request whose prompt equals a stored one (prefix caching off)
+loads the stored KV of its whole blocks below the last prompt token, synchronously in
+``start_load_kv`` before the forward. (A prompt one token longer is "found" by its scheduler side
+but looked up under a different name by its worker side: FileNotFoundError, nothing loaded.)
 
 One change of behaviour: vLLM's CPU model runner calls ``start_load_kv`` with a forward context
 whose ``attn_metadata`` is still None, and ``ExampleConnector`` then returns without loading
@@ -11,15 +18,16 @@ metadata only to tell MLA layers apart: none here), so the baseline's take-in is
 
 from __future__ import annotations
 
-import json
 import logging
-import time
 from collections import defaultdict
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import ExampleConnector
+
+from engines_adapter.vllm.hook_timing import HookClock
 
 log = logging.getLogger("pddlink.vllm")
 
@@ -28,38 +36,30 @@ class TimedExampleConnector(ExampleConnector):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         path = self._kv_transfer_config.get_from_extra_config("timing_file", None)
-        self._timing = Path(path) if path else None
-        self._save_s = 0.0
-
-    def _log(self, op: str, seconds: float) -> None:
-        if self._timing is not None and seconds > 0:
-            with self._timing.open("a") as f:
-                f.write(json.dumps({"op": op, "seconds": seconds}) + "\n")
+        self._clock = HookClock.install(
+            self, Path(path) if path else None, worker=self.role == KVConnectorRole.WORKER
+        )
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         loads = any(not r.is_store for r in getattr(meta, "requests", []))
-        if loads and getattr(forward_context, "attn_metadata", None) is None:
+        if not loads:
+            return
+        if self._clock is not None:
+            self._clock.mark("load")
+        if getattr(forward_context, "attn_metadata", None) is None:
             forward_context = SimpleNamespace(
                 no_compile_layers=forward_context.no_compile_layers,
                 attn_metadata=defaultdict(lambda: None),  # per layer: not MLA
             )
-        t0 = time.perf_counter()
         try:
             super().start_load_kv(forward_context, **kwargs)
         except Exception as exc:  # the stand-in metadata did not fit this vLLM: report, do not crash
             log.warning("ExampleConnector load with stand-in metadata failed: %r", exc)
-            self._log("load_error", time.perf_counter() - t0)
-            return
-        if loads:
-            self._log("load", time.perf_counter() - t0)
+            if self._clock is not None:
+                self._clock.note("load_error", repr(exc))
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        t0 = time.perf_counter()
+        if self._clock is not None and any(r.is_store for r in self._get_connector_metadata().requests):  # type: ignore[attr-defined]
+            self._clock.mark("save")
         super().save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
-        self._save_s += time.perf_counter() - t0
-
-    def wait_for_save(self) -> None:
-        super().wait_for_save()  # type: ignore[no-untyped-call]
-        self._log("save", self._save_s)
-        self._save_s = 0.0

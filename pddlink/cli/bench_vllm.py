@@ -25,6 +25,7 @@ def command(as_json: bool, dtype: str, repeats: int) -> None:
         click.echo(
             f"{n:>5} tokens: prefill {r['prefill_s'] * 1e3:7.1f} ms, KV {r['kv_bytes'] / 1e6:6.2f} MB"
             " | pddlink "
-            f"out {p['save_s'] * 1e3:6.2f} in {p['load_s'] * 1e3:6.2f} ms ({p['overhead_of_prefill']:.1%}) | "
-            f"ExampleConnector out {(e['save_s'] or 0) * 1e3:6.2f} in {(e['load_s'] or 0) * 1e3:6.2f} ms"
+            f"out {p['out_s'] * 1e3:6.2f} in {p['in_s'] * 1e3:6.2f} ms ({p['overhead_of_prefill']:.1%}) | "
+            f"ExampleConnector out {e['out_s'] * 1e3:6.2f} in {e['in_s'] * 1e3:6.2f} ms"
+            f" ({e['overhead_of_prefill']:.1%})"
         )

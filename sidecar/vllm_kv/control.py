@@ -8,7 +8,8 @@ of microseconds); the sidecar's side is an asyncio server whose handler answers 
 slow, like a WAN transfer, runs as a task the handler only starts). Answers come back in request
 order, so the client can also pipeline: ``send`` writes a request and returns a ``Pending`` whose
 answer is read later (the connector sends P's ALLOC before vLLM's forward and reads it after, and
-does not wait for COMMIT's answer), or by the next ``call``, which reads every answer still owed.
+does not wait for COMMIT's, PREPARE's or RELEASE's answer), or by the next ``call``, which reads
+every answer still owed; ``poll_answers`` reads those already arrived without blocking.
 
 Operations (who sends them):
   PREPARE  P scheduler: a request will produce KV for ``transfer`` (``prompt`` token ids); the
@@ -26,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import select
 import socket
 import threading
 from collections.abc import Callable
@@ -140,7 +142,7 @@ class ControlClient:
     def __init__(self, path: Path, *, timeout_s: float = 5.0) -> None:
         self.path, self.timeout_s = path, timeout_s
         self._sock: socket.socket | None = None
-        self._file: Any = None
+        self._buf = bytearray()  # bytes read past the last whole answer line
         self._lock = threading.Lock()
         self._owed: list[Pending] = []  # answers not read yet, in request order
 
@@ -150,7 +152,7 @@ class ControlClient:
         pending = Pending(self, op)
         with self._lock:
             try:
-                if self._file is None:
+                if self._sock is None:
                     self._open()
                 assert self._sock is not None
                 self._sock.sendall(line)
@@ -162,23 +164,45 @@ class ControlClient:
             self._owed.append(pending)
         return pending
 
-    def _drain(self, until: Pending | None = None) -> None:
-        """Read owed answers in order (all of them, or up to ``until``); under ``_lock``."""
+    def _readline(self, *, block: bool = True) -> bytes | None:
+        """One answer line; None when ``block`` is False and no whole line has arrived yet."""
+        assert self._sock is not None
+        while (end := self._buf.find(b"\n")) < 0:
+            if len(self._buf) > MAX_LINE:
+                raise ConnectionError(f"control answer longer than {MAX_LINE} bytes")
+            if not block and not select.select([self._sock], [], [], 0)[0]:
+                return None
+            chunk = self._sock.recv(1 << 16)
+            if not chunk:
+                raise ConnectionError("sidecar closed the control channel")
+            self._buf += chunk
+        line = bytes(self._buf[: end + 1])
+        del self._buf[: end + 1]
+        return line
+
+    def _drain(self, until: Pending | None = None, *, block: bool = True) -> None:
+        """Read owed answers in order (all of them, or up to ``until``; with ``block`` False only
+        those already arrived); under ``_lock``."""
         while self._owed:
             pending = self._owed[0]
             try:
-                assert self._file is not None
-                reply = self._file.readline(MAX_LINE)
-                if not reply:
-                    raise ConnectionError("sidecar closed the control channel")
+                reply = self._readline(block=block)
             except OSError as exc:
                 self._fail_owed(exc)
                 self._close()
+                return
+            if reply is None:
                 return
             self._owed.pop(0)
             pending._set(json.loads(reply))
             if pending is until:
                 return
+
+    def poll_answers(self) -> None:
+        """Read the owed answers that have already arrived, without waiting for any."""
+        with self._lock:
+            if self._owed:
+                self._drain(block=False)
 
     def _fail_owed(self, exc: OSError) -> None:
         for pending in self._owed:
@@ -194,34 +218,34 @@ class ControlClient:
             self._drain()
             for attempt in (0, 1):
                 try:
-                    if self._file is None:
+                    if self._sock is None:
                         self._open()
-                    assert self._sock is not None and self._file is not None
+                    assert self._sock is not None
                     self._sock.sendall(line)
-                    reply = self._file.readline(MAX_LINE)
-                    if not reply:
-                        raise ConnectionError("sidecar closed the control channel")
+                    reply = self._readline()
                     break
                 except OSError as exc:
                     self._close()
                     if attempt:
                         raise self._unavailable(exc) from exc
+        assert reply is not None  # a blocking read returns a line or raises
         return _checked(op, json.loads(reply))
 
     def _open(self) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(self.timeout_s)
-        sock.connect(str(self.path))
-        self._sock, self._file = sock, sock.makefile("rb")
+        try:
+            sock.connect(str(self.path))
+        except OSError:
+            sock.close()
+            raise
+        self._sock, self._buf = sock, bytearray()
 
     def _close(self) -> None:
-        if self._file is not None:
-            with contextlib.suppress(OSError):
-                self._file.close()
         if self._sock is not None:
             with contextlib.suppress(OSError):
                 self._sock.close()
-        self._sock = self._file = None
+        self._sock, self._buf = None, bytearray()
 
     def close(self) -> None:
         with self._lock:

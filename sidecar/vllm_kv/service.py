@@ -6,7 +6,9 @@ ships RLD every whole block). P's links: MD across the WAN (``md_addr``, ``trans
 the fast path (``rld_addr``, ``rld_transport``: "auto" picks RDMA where a device is, else TCP, as
 the reference sidecar does).
 
-Lifecycle: ``await VllmSidecar(cfg).start()`` creates ``<workdir>/<name>.kv`` (the region) and
+Lifecycle: ``await VllmSidecar(cfg).start()`` creates the region (``region_dir``, by default
+``/dev/shm`` where it has room, so the KV copies touch RAM only: in ``<workdir>`` on a disk the
+kernel writes every KV byte copied into the mapping back to the disk; see ``shm.region_path``) and
 ``<workdir>/<name>.sock`` (the channel) and, on MD, listens for P; ``status()`` is what the admin
 endpoint and the tests read (held slots and bytes, transfers in flight, counts); ``close()`` ends
 in-flight work, closes listeners and links, unlinks the region and the socket.
@@ -37,7 +39,7 @@ from sidecar.vllm_kv.consumer import ConsumerBridge
 from sidecar.vllm_kv.control import Op, serve_control
 from sidecar.vllm_kv.kv_events import KvEventFeed
 from sidecar.vllm_kv.producer import ProducerBridge
-from sidecar.vllm_kv.shm import ShmRegion
+from sidecar.vllm_kv.shm import ShmRegion, region_path
 from sidecar.wan_codec import WanCodec
 
 
@@ -55,6 +57,7 @@ class VllmSidecarConfig:
     model_id: str
     block_size: int
     region_bytes: int = 256 << 20
+    region_dir: Path | None = None  # None: /dev/shm where it has room, else workdir
     md_addr: str = ""  # P: MD's KV server, host:port ("" with rld_addr set: P ships to RLD only)
     rld_addr: str = ""  # P: RLD's KV server, host:port (the fast path inside datacenter A)
     rld_transport: str = "auto"  # P: the fast path's transport (auto | tcp | rdma)
@@ -102,9 +105,18 @@ class VllmSidecar:
         return None if self.cfg.tls_dir is None else load_or_create_peer(self.cfg.tls_dir, identity)
 
     async def start(self) -> VllmSidecar:
+        try:
+            return await self._start()
+        except BaseException:
+            await self.close()  # the region (in RAM) and the socket do not outlive a failed start
+            raise
+
+    async def _start(self) -> VllmSidecar:
         cfg = self.cfg
         cfg.workdir.mkdir(parents=True, exist_ok=True)
-        self.region = ShmRegion(cfg.workdir / f"{cfg.name}.kv", cfg.region_bytes)
+        self.region = ShmRegion(
+            region_path(cfg.workdir, cfg.name, cfg.region_bytes, cfg.region_dir), cfg.region_bytes
+        )
         identity = PeerIdentity(cfg.role.value, cfg.name)
         handler: Any
         if cfg.role is Role.P:

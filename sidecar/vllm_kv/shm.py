@@ -1,5 +1,11 @@
 """A shared-memory KV region: one file in /dev/shm that the sidecar creates and vLLM's connector maps.
 
+``region_path`` picks where: /dev/shm (tmpfs, RAM) when it is there, writable and has room for
+twice the region, else the given fallback directory (a region on a disk-backed file system works,
+but the kernel then writes every KV byte copied into it back to the disk, and a copy into a page
+under writeback can wait for it). The file is unlinked by ``close()``; a sidecar killed outright
+leaves it in /dev/shm (its name says which sidecar and workdir it was).
+
 The sidecar owns the region and its slot allocator (first fit over free byte ranges, 4 KiB
 aligned); the connector only maps the file and reads or writes the byte range a slot names. No KV
 byte goes through a socket, protobuf or pickle between them. ``close()`` unlinks the file.
@@ -12,6 +18,7 @@ it into the blocks vLLM allocated. ``held_bytes``/``held_slots`` are what status
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import mmap
 import os
 import threading
@@ -39,6 +46,24 @@ class Slot:
 
 def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+SHM_DIR = Path("/dev/shm")
+
+
+def region_path(workdir: Path, name: str, size_bytes: int, region_dir: Path | None = None) -> Path:
+    """Where sidecar ``name`` (of ``workdir``) keeps its region: ``region_dir`` when given, else
+    /dev/shm when it can hold twice ``size_bytes``, else ``workdir``."""
+    if region_dir is None:
+        region_dir = workdir
+        with contextlib.suppress(OSError):
+            st = os.statvfs(SHM_DIR)
+            if os.access(SHM_DIR, os.W_OK) and st.f_bavail * st.f_frsize >= 2 * size_bytes:
+                region_dir = SHM_DIR
+    if region_dir == workdir:
+        return workdir / f"{name}.kv"
+    tag = hashlib.blake2b(str(workdir.resolve()).encode(), digest_size=6).hexdigest()
+    return region_dir / f"pddlink-{name}-{tag}.kv"
 
 
 class ShmRegion:
