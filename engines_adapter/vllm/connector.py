@@ -76,9 +76,7 @@ MD and RelayDecode (kv_consumer; RLD is fed over the fast path, MD across the WA
 from __future__ import annotations
 
 import logging
-import os
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -89,42 +87,22 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
+from engines_adapter.vllm.connector_meta import (
+    Consuming,
+    LoadSpec,
+    PddlinkMetadata,
+    Producing,
+    SaveSpec,
+    TransferParams,
+)
+from engines_adapter.vllm.cpu_attention import attention_without_amx
 from engines_adapter.vllm.hook_timing import HookClock
 from engines_adapter.vllm.paged_kv import PagedKV
 from pddlink.errors import PddlinkError
 from sidecar.vllm_kv.control import ControlClient, Op, Pending, TransferState
 from sidecar.vllm_kv.shm import MappedRegion, Slot
 
-
-def _attention_without_amx() -> None:
-    """Keep vLLM's CPU attention off its AMX kernel in the processes that load this connector.
-
-    On a CPU with AMX, vLLM picks the "amx" attention ISA for bfloat16 with 32-token blocks; with
-    KV loaded through this connector MD's engine then died at its first decode step with SIGILL
-    inside ``cpu_attention_with_kv_cache`` (measured 2026-12-02: every bf16 request of the demo's
-    bf16 phase failed; bare vLLM with its own prefix cache ran, and with the ISA forced to "vec"
-    the same P->MD requests finished). Until the connector's block copy is checked against that
-    kernel's cache, the "vec" kernel is used instead (``PDDLINK_VLLM_AMX=1`` keeps AMX).
-    """
-    if os.environ.get("PDDLINK_VLLM_AMX") == "1":
-        return
-    try:
-        from vllm.v1.attention.backends import cpu_attn
-    except ImportError:  # not a CPU build of vLLM
-        return
-    pick = cpu_attn._get_attn_isa
-    if getattr(pick, "_pddlink", False):
-        return
-
-    def without_amx(*args: Any, **kwargs: Any) -> str:
-        isa = pick(*args, **kwargs)
-        return "vec" if isa == "amx" else isa
-
-    without_amx._pddlink = True  # type: ignore[attr-defined]
-    cpu_attn._get_attn_isa = without_amx
-
-
-_attention_without_amx()
+attention_without_amx()
 
 if TYPE_CHECKING:
     import torch
@@ -136,71 +114,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("pddlink.vllm")
-PARAMS_KEY = "pddlink"
-
-
-@dataclass(frozen=True, slots=True)
-class TransferParams:
-    transfer: str
-    deadline_at: float  # wall clock (time.time()): shared by the processes of one host
-    to: tuple[str, ...] | None = None  # P: the destinations (None: every configured one)
-    kv_tokens: int | None = None  # consumer: the transfer covers this many prompt tokens
-
-    @classmethod
-    def of(cls, request: Request) -> TransferParams | None:
-        params = (request.kv_transfer_params or {}).get(PARAMS_KEY)
-        if not isinstance(params, dict) or not isinstance(params.get("transfer"), str):
-            return None
-        deadline_s = float(params.get("deadline_s", 30.0))
-        to = params.get("to")
-        kv_tokens = params.get("kv_tokens")
-        return cls(
-            params["transfer"],
-            request.arrival_time + deadline_s,
-            tuple(str(t) for t in to) if isinstance(to, list) and to else None,
-            kv_tokens if isinstance(kv_tokens, int) and not isinstance(kv_tokens, bool) else None,
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class SaveSpec:
-    req_id: str
-    transfer: str
-    block_ids: tuple[int, ...]
-    num_tokens: int
-
-
-@dataclass(frozen=True, slots=True)
-class LoadSpec:
-    req_id: str
-    transfer: str
-    first_block: int  # the request's block index that block_ids[0] is
-    block_ids: tuple[int, ...]
-    deadline_at: float
-    landed: dict[str, Any] | None = None  # the landed state when planned: a synchronous load
-
-
-@dataclass
-class PddlinkMetadata(KVConnectorMetadata):
-    saves: list[SaveSpec] = field(default_factory=list)
-    loads: list[LoadSpec] = field(default_factory=list)
-
-
-@dataclass
-class _Producing:
-    params: TransferParams
-    prompt_len: int
-    blocks: list[int] = field(default_factory=list)
-    saved: bool = False
-
-
-@dataclass
-class _Consuming:
-    params: TransferParams
-    first_block: int = 0
-    computed: int = 0  # vLLM's own prefix hit when the load was planned (block aligned)
-    load: LoadSpec | None = None
-    landed: dict[str, Any] | None = None  # POLL's answer, when the KV had landed already
 
 
 class PddlinkConnector(KVConnectorBase_V1):
@@ -234,8 +147,8 @@ class PddlinkConnector(KVConnectorBase_V1):
             "block_size": self.block_size,
         }
         # scheduler side
-        self._producing: dict[str, _Producing] = {}
-        self._consuming: dict[str, _Consuming] = {}
+        self._producing: dict[str, Producing] = {}
+        self._consuming: dict[str, Consuming] = {}
         self._new_saves: list[SaveSpec] = []
         self._new_loads: list[LoadSpec] = []
         self.recomputed: dict[str, int] = {}  # reason -> requests MD prefilled itself
@@ -263,7 +176,7 @@ class PddlinkConnector(KVConnectorBase_V1):
         prompt = list(request.prompt_token_ids or [])
         if self.producer:
             if rid not in self._producing:
-                self._producing[rid] = _Producing(params, len(prompt))
+                self._producing[rid] = Producing(params, len(prompt))
                 extra = {} if params.to is None else {"to": list(params.to)}
                 self._send(
                     Op.PREPARE,
@@ -301,7 +214,7 @@ class PddlinkConnector(KVConnectorBase_V1):
         if todo <= 0:
             return self._recompute(rid, params, "nothing_to_load")
         landed = state if state.get("state") == TransferState.LANDED else None
-        self._consuming[rid] = _Consuming(params, first, computed, landed=landed)
+        self._consuming[rid] = Consuming(params, first, computed, landed=landed)
         return todo, landed is None
 
     def _asked(self, rid: str, transfer: str) -> dict[str, Any]:
@@ -375,7 +288,7 @@ class PddlinkConnector(KVConnectorBase_V1):
             self._maybe_save(rid, p, cached.num_computed_tokens[i] + sched.get(rid, 0), meta)
         return meta
 
-    def _maybe_save(self, rid: str, p: _Producing, computed_after: int, meta: PddlinkMetadata) -> None:
+    def _maybe_save(self, rid: str, p: Producing, computed_after: int, meta: PddlinkMetadata) -> None:
         if p.saved or computed_after < p.prompt_len:
             return
         p.saved = True
