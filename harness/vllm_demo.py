@@ -233,13 +233,13 @@ async def _replay(
             for d in done:  # one vLLM alone: same model and dtype, same sampling, no connector
                 alone = await generate_alone(http, alone_url, cfg.vllm.model, d.prompt, d.sampling)
                 if alone != d.tokens:
-                    divergences.append(await _divergence(http, alone_url, cfg.vllm.model, d, alone))
+                    divergences.append(await divergence(http, alone_url, cfg.vllm.model, d, alone))
     finally:
         await router.close()
     return {"done": done, "failed": failed, "ttft": ttft, "divergences": divergences}
 
 
-async def _divergence(
+async def divergence(
     http: httpx.AsyncClient, url: str, model: str, d: Done, alone: tuple[int, ...]
 ) -> dict[str, Any]:
     """Where the router's answer left vLLM alone's, and the top-2 logprob gap vLLM alone had there."""

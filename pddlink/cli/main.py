@@ -67,6 +67,10 @@ BENCH_COMMANDS: dict[str, tuple[str, str]] = {
         "pddlink.cli.bench_vllm:command",
         "The vLLM KV connector's own cost against P's prefill and vLLM's ExampleConnector.",
     ),
+    "vllm-exact": (
+        "pddlink.cli.bench_vllm_exact:command",
+        "PDD on vLLM against one vLLM alone: one at a time, float32, a handoff in every request.",
+    ),
 }
 
 TOP_COMMANDS: dict[str, tuple[str, str]] = {
