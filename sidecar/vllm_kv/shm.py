@@ -3,8 +3,14 @@
 ``region_path`` picks where: /dev/shm (tmpfs, RAM) when it is there, writable and has room for
 twice the region, else the given fallback directory (a region on a disk-backed file system works,
 but the kernel then writes every KV byte copied into it back to the disk, and a copy into a page
-under writeback can wait for it). The file is unlinked by ``close()``; a sidecar killed outright
-leaves it in /dev/shm (its name says which sidecar and workdir it was).
+under writeback can wait for it). The file is unlinked by ``close()``.
+
+A sidecar killed outright cannot unlink it, and a tmpfs file is RAM until someone does (a region is
+sized for the KV pool: gigabytes on a real deployment). So the owner holds an exclusive ``flock`` on
+its region for as long as it lives (the kernel drops it with the process), and every new region
+first sweeps /dev/shm: a ``pddlink-*.kv`` whose lock it can take has no living owner and is
+removed (``sweep_stale``). The lock also refuses a second sidecar on the same region while the
+first one lives, where ``O_TRUNC`` used to cut the first one's file under it.
 
 The sidecar owns the region and its slot allocator (first fit over free byte ranges, 4 KiB
 aligned); the connector only maps the file and reads or writes the byte range a slot names. No KV
@@ -18,6 +24,7 @@ it into the blocks vLLM allocated. ``held_bytes``/``held_slots`` are what status
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import mmap
 import os
@@ -66,19 +73,76 @@ def region_path(workdir: Path, name: str, size_bytes: int, region_dir: Path | No
     return region_dir / f"pddlink-{name}-{tag}.kv"
 
 
+class RegionInUse(LocalError):
+    code = ErrorCode.UNAVAILABLE
+
+
+def _try_lock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return False
+    return (st.st_dev, st.st_ino) == (os.fstat(fd).st_dev, os.fstat(fd).st_ino)
+
+
+def sweep_stale(directory: Path = SHM_DIR) -> list[Path]:
+    """Remove the ``pddlink-*.kv`` regions in ``directory`` that no living sidecar holds (its lock
+    is free: the owner was killed before ``close()``); the paths removed."""
+    removed = []
+    for path in sorted(directory.glob("pddlink-*.kv")):
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue  # gone meanwhile, or not ours to open
+        try:
+            if _try_lock(fd) and _same_file(fd, path):
+                path.unlink(missing_ok=True)
+                removed.append(path)
+        finally:
+            os.close(fd)  # drops the lock
+    return removed
+
+
+def _open_locked(path: Path) -> int:
+    """The region's file, created if need be, with this process's exclusive lock on it."""
+    for _ in range(8):  # a sweeper may unlink the file between our open and our lock: open it again
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        if not _try_lock(fd):
+            os.close(fd)
+            raise RegionInUse(f"{path} is held by another living sidecar (the same workdir and name)")
+        if _same_file(fd, path):
+            os.fchmod(fd, 0o600)  # whatever the umask, and whoever created it before
+            return fd
+        os.close(fd)
+    raise RegionInUse(f"{path} kept disappearing while it was being created")
+
+
 class ShmRegion:
-    """The sidecar's side: creates the file, hands out and takes back slots (thread-safe)."""
+    """The sidecar's side: creates the file, hands out and takes back slots (thread-safe). It holds
+    the file's lock until ``close()`` (see the module docstring)."""
 
     def __init__(self, path: Path, size_bytes: int) -> None:
         if size_bytes <= 0:
             raise InvalidInput(f"region size must be positive, got {size_bytes}")
         self.path, self.size_bytes = path, _align(size_bytes)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        if path.parent == SHM_DIR:
+            sweep_stale(SHM_DIR)
+        self._fd = _open_locked(path)
         try:
-            os.ftruncate(fd, self.size_bytes)
-            self._map = mmap.mmap(fd, self.size_bytes)
-        finally:
-            os.close(fd)
+            os.ftruncate(self._fd, 0)  # a dead owner's bytes go; the new region reads as zeros
+            os.ftruncate(self._fd, self.size_bytes)
+            self._map = mmap.mmap(self._fd, self.size_bytes)
+        except BaseException:
+            os.close(self._fd)
+            raise
         self._free: list[tuple[int, int]] = [(0, self.size_bytes)]  # (offset, length), sorted
         self._held: dict[int, Slot] = {}
         self._lock = threading.Lock()
@@ -141,7 +205,11 @@ class ShmRegion:
             self._held.clear()
         with contextlib.suppress(BufferError):  # a view still exported: the mapping goes with the process
             self._map.close()
-        self.path.unlink(missing_ok=True)
+        if self._fd >= 0:
+            if _same_file(self._fd, self.path):
+                self.path.unlink(missing_ok=True)
+            os.close(self._fd)  # drops the lock
+            self._fd = -1
 
 
 class MappedRegion:
