@@ -15,7 +15,13 @@ import pytest
 from pddlink.drc import PrefixIndex
 from pddlink.kv.hashing import BlockHasher
 
-TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake-synthetic.jsonl"
+# the project's shared folder: beside the checkout (/work/<checkout>), or /work/shared for a clone
+# elsewhere (CI clones into a temporary directory)
+_NAME = Path("shared") / "traces" / "mooncake-synthetic.jsonl"
+TRACE = next(
+    (p for p in (Path(__file__).resolve().parents[3] / _NAME, Path("/work") / _NAME) if p.exists()),
+    Path("/work") / _NAME,
+)
 HASHER = BlockHasher("mooncake-trace", block_size=2)
 
 
