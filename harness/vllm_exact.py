@@ -46,7 +46,7 @@ from typing import Any
 import httpx
 
 from engines_adapter import SamplingParams
-from harness.vllm_demo import FQCN, Done, divergence
+from harness.vllm_demo import Done, divergence
 from pddlink.errors import PddlinkError
 
 WAN_LINK = "[link]\ndelay_ms = 5\nrate_mbit = 200\nqueue_packets = 400\n"
@@ -165,28 +165,56 @@ async def _top5(http: httpx.AsyncClient, url: str, model: str, prompt: list[int]
     return sorted(r.json()["choices"][0]["logprobs"]["top_logprobs"][0].values(), reverse=True)
 
 
+async def _greedy(http: httpx.AsyncClient, url: str, model: str, prompt: list[int], n: int) -> list[int]:
+    body = {"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True}
+    r = await http.post(url + "/v1/completions", json={**body, "return_token_ids": True}, timeout=60)
+    r.raise_for_status()
+    return [int(t) for t in r.json()["choices"][0]["token_ids"]]
+
+
 async def cache_noise(trio: Any, prompts: int = 5, n: int = 300, seed: int = 99) -> dict[str, Any]:
-    """How far vLLM alone moves its own logprobs with the state of its prefix cache: fresh prompts,
-    each computed in one prefill on RLD's and on MD's server (no transfer params: the connector stays
-    out) and, on P's, after a request for its first half (P's cache then holds 4 whole blocks,
-    computed by that shorter prefill, and the rest is computed as a chunk beside them). The
-    largest |difference| of the top-5 logprobs of the next token: cold against cold (two instances,
-    the same computation) and cached-prefix against cold. Why a conversation turn (whose earlier
-    blocks P's cache holds from other prefills) can diverge from vLLM alone in a seeded draw with no
-    handoff involved, where a fresh prompt (this benchmark's) cannot."""
+    """How far vLLM alone moves its own logprobs with where its cached KV came from. Fresh prompts
+    on the three servers with no transfer params (the connector stays out); the largest |difference|
+    of the top-5 logprobs of the next token between:
+
+    - cold / cold: the prompt computed in one prefill on RLD's and on MD's server (two instances,
+      the same computation);
+    - cached prefix / cold: on P after a request for the prompt's first half (P's cache then holds
+      4 whole blocks from that shorter prefill; the rest is computed as a chunk beside them);
+    - decode-cached / prefill: RLD generates 96 tokens greedily after the prompt's first 200, so its
+      cache holds those tokens' blocks as decode computed them; then prompt + those tokens + 32 more,
+      on RLD (hitting them) against MD (prefilling them).
+
+    A multi-turn conversation's earlier answers sit in vLLM alone's cache as decode computed them,
+    where PDD's P prefilled them: the third figure is why such a turn can leave vLLM alone in a
+    seeded draw with no handoff involved, where this benchmark's fresh prompts cannot."""
     model = str(trio.spec.model)
     rng = random.Random(seed)
-    cold = cached = 0.0
+    worst = {
+        "cold_vs_cold_max_abs": 0.0,
+        "cached_prefix_vs_cold_max_abs": 0.0,
+        "decode_vs_prefill_max_abs": 0.0,
+    }
+
+    def note(key: str, a: list[float], b: list[float]) -> None:
+        worst[key] = max(worst[key], *(abs(u - v) for u, v in zip(a, b, strict=True)))
+
     async with httpx.AsyncClient(timeout=None) as http:
         for _ in range(prompts):
             x = [rng.randrange(3, 1000) for _ in range(n)]
             a = await _top5(http, trio.rld.url, model, x)
-            b = await _top5(http, trio.md.url, model, x)
+            note("cold_vs_cold_max_abs", a, await _top5(http, trio.md.url, model, x))
             await _top5(http, trio.p.url, model, x[: n // 2])
-            c = await _top5(http, trio.p.url, model, x)
-            cold = max(cold, *(abs(u - v) for u, v in zip(a, b, strict=True)))
-            cached = max(cached, *(abs(u - v) for u, v in zip(a, c, strict=True)))
-    return {"prompts": prompts, "cold_vs_cold_max_abs": cold, "cached_prefix_vs_cold_max_abs": cached}
+            note("cached_prefix_vs_cold_max_abs", a, await _top5(http, trio.p.url, model, x))
+            head = x[:200]
+            answer = await _greedy(http, trio.rld.url, model, head, 96)
+            y = [*head, *answer, *(rng.randrange(3, 1000) for _ in range(32))]
+            note(
+                "decode_vs_prefill_max_abs",
+                await _top5(http, trio.rld.url, model, y),
+                await _top5(http, trio.md.url, model, y),
+            )
+    return {"prompts": prompts, **worst}
 
 
 def _held(trio: Any, timeout_s: float = 20.0) -> dict[str, dict[str, int]]:
@@ -246,42 +274,31 @@ def report(spec: ExactSpec, rows: list[dict[str, Any]], held: dict[str, Any]) ->
 def run(spec: ExactSpec) -> dict[str, Any]:
     import vllm.distributed.kv_events  # noqa: F401  (before the sidecars' loop imports it)
 
-    from engines_adapter.vllm.pair import PairSpec, VllmTrio
+    from engines_adapter.vllm.pair import trio_across_lab
     from engines_adapter.vllm.tiny_model import TinyLlamaSpec, build_tiny_llama
     from netlab import Lab
     from netlab.profile import parse_profile
 
     root = Path(tempfile.mkdtemp(prefix="pddlink-vx-"))  # sockets: keep the path short
-    tag = os.getpid() % 100000
     model = build_tiny_llama(root / "model", TinyLlamaSpec(dtype="float32"))
-    wan = Lab.up(parse_profile(WAN_LINK, name="vx-wan"), name=f"vxw{tag}", mode="loopback")
-    slow = None
-    trio = VllmTrio(
-        PairSpec(
-            root / "w",
-            model,
-            dtype="float32",
-            extra_args=("--logits-processors", FQCN),
-            wan=lambda port: "{}:{}".format(*wan.endpoint("dc-b", port)),
-        )
-    )
     try:
         t0 = time.monotonic()
-        trio.start()
-        say(f"P, RLD and MD vLLM servers (float32) up in {time.monotonic() - t0:.1f} s")
-        slow = Lab.up(parse_profile(RLD_LINK, name="vx-rld"), name=f"vxr{tag}", mode="loopback")
-        assert trio.rld is not None  # VllmTrio starts RLD
-        rld_url = "http://{}:{}".format(*slow.endpoint("dc-b", trio.rld.spec.port))
-        try:
-            rows = asyncio.run(_replay(trio, spec, rld_url, wan))
-        finally:
-            wan.set_outage(False)
-        out = report(spec, rows, _held(trio))
-        out["alone_cache_noise"] = asyncio.run(cache_noise(trio))
-        return out
+        with trio_across_lab(root / "w", model, WAN_LINK, "vxw") as trio:
+            say(f"P, RLD and MD vLLM servers (float32) up in {time.monotonic() - t0:.1f} s")
+            assert trio.rld is not None  # a trio starts RLD
+            slow = Lab.up(
+                parse_profile(RLD_LINK, name="vx-rld"), name=f"vxr{os.getpid() % 100000}", mode="loopback"
+            )
+            try:
+                rld_url = "http://{}:{}".format(*slow.endpoint("dc-b", trio.rld.spec.port))
+                try:
+                    rows = asyncio.run(_replay(trio, spec, rld_url, trio.lab))  # type: ignore[attr-defined]
+                finally:
+                    trio.lab.set_outage(False)  # type: ignore[attr-defined]
+                out = report(spec, rows, _held(trio))
+                out["alone_cache_noise"] = asyncio.run(cache_noise(trio))
+                return out
+            finally:
+                slow.down()
     finally:
-        trio.close()
-        if slow is not None:
-            slow.down()
-        wan.down()
         shutil.rmtree(root, ignore_errors=True)

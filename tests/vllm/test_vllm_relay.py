@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 import shutil
 import tempfile
@@ -30,41 +29,29 @@ from typing import Any
 import pytest
 
 pytestmark = [pytest.mark.vllm, pytest.mark.netlab, pytest.mark.timeout(600)]
-FQCN = "engines_adapter.vllm.sampling:PositionSeededSampling"
 N = 12  # tokens per request
 
 
 @pytest.fixture(scope="module")
 def trio(tiny_llama_f32: Path) -> Iterator[Any]:
     pytest.importorskip("vllm", reason="vLLM is not installed here (pip install 'pddlink[vllm]')")
-    from engines_adapter.vllm.pair import PairSpec, VllmTrio
-    from netlab import Lab
-    from netlab.profile import parse_profile
+    from engines_adapter.vllm.pair import trio_across_lab
 
     root = Path(tempfile.mkdtemp(prefix="pddlink-vrld-"))  # sockets: keep the path short
-    model = tiny_llama_f32
-    profile = parse_profile("[link]\ndelay_ms = 5\nrate_mbit = 400\nqueue_packets = 400\n", name="vrld")
-    lab = Lab.up(profile, name=f"vrld{os.getpid() % 100000}", mode="loopback")
     (root / "dump").mkdir()
-    t = VllmTrio(
-        PairSpec(
+    link = "[link]\ndelay_ms = 5\nrate_mbit = 400\nqueue_packets = 400\n"
+    try:
+        with trio_across_lab(
             root / "w",
-            model,
-            dtype="float32",
-            extra_args=("--logits-processors", FQCN),
+            tiny_llama_f32,
+            link,
+            "vrld",
             kv_dump_dir=root / "dump",
             md_orphan_s=5.0,  # a landed slot nobody loads (a killed vLLM) is swept
-            wan=lambda port: "{}:{}".format(*lab.endpoint("dc-b", port)),
             rld_transport="auto",
-        )
-    )
-    try:
-        t.start()
-        t.lab = lab  # type: ignore[attr-defined]
-        yield t
+        ) as t:
+            yield t
     finally:
-        t.close()
-        lab.down()
         shutil.rmtree(root, ignore_errors=True)
 
 

@@ -24,7 +24,6 @@ One lab and one trio for the module; the tests run in order (the last ones kill 
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import shutil
 import tempfile
@@ -37,7 +36,6 @@ from typing import Any
 import pytest
 
 pytestmark = [pytest.mark.vllm, pytest.mark.netlab, pytest.mark.timeout(900)]
-FQCN = "engines_adapter.vllm.sampling:PositionSeededSampling"
 MD_BLOCKS = 160  # MD's vLLM cache in 32-token blocks (5120 tokens): the mirror test evicts from it
 
 
@@ -46,33 +44,23 @@ def trio() -> Iterator[Any]:
     pytest.importorskip("vllm", reason="vLLM is not installed here (pip install 'pddlink[vllm]')")
     import vllm.distributed.kv_events  # noqa: F401  (before the sidecars' loop imports it)
 
-    from engines_adapter.vllm.pair import PairSpec, VllmTrio
+    from engines_adapter.vllm.pair import trio_across_lab
     from engines_adapter.vllm.tiny_model import TinyLlamaSpec, build_tiny_llama
-    from netlab import Lab
-    from netlab.profile import parse_profile
 
     root = Path(tempfile.mkdtemp(prefix="pddlink-vrf-"))  # sockets: keep the path short
     model = build_tiny_llama(root / "model", TinyLlamaSpec(dtype="float32"))
-    profile = parse_profile("[link]\ndelay_ms = 5\nrate_mbit = 200\nqueue_packets = 400\n", name="vrf")
-    lab = Lab.up(profile, name=f"vrf{os.getpid() % 100000}", mode="loopback")
-    t = VllmTrio(
-        PairSpec(
+    link = "[link]\ndelay_ms = 5\nrate_mbit = 200\nqueue_packets = 400\n"
+    try:
+        with trio_across_lab(
             root / "w",
             model,
-            dtype="float32",
-            extra_args=("--logits-processors", FQCN),
+            link,
+            "vrf",
             md_num_blocks=MD_BLOCKS,
             md_orphan_s=8.0,  # what a killed vLLM left landed is swept
-            wan=lambda port: "{}:{}".format(*lab.endpoint("dc-b", port)),
-        )
-    )
-    try:
-        t.start()
-        t.lab = lab  # type: ignore[attr-defined]
-        yield t
+        ) as t:
+            yield t
     finally:
-        t.close()
-        lab.down()
         shutil.rmtree(root, ignore_errors=True)
 
 
