@@ -43,7 +43,7 @@ from router.options import FORCEABLE, decide_option, forced_option, option_trace
 from router.run import RunDriver
 from sidecar.admission import Overloaded
 from sidecar.grpc_tls import CallerCheck
-from sidecar.malloc_trim import fix_mmap_threshold, trim_every
+from sidecar.malloc_trim import trim_every
 from sidecar.recompute import PrefillBook, TpotBook
 
 __all__ = ["Router", "RouterConfig", "VllmEngineConfig"]
@@ -77,7 +77,6 @@ class Router:
 
     async def start(self) -> None:
         await self.backend.start(self.link)
-        fix_mmap_threshold()  # request bodies and streams' buffers go back to the OS when freed
         self._trim_task = asyncio.get_running_loop().create_task(trim_every())  # freed heap back to the OS
 
     async def close(self) -> None:

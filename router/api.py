@@ -37,6 +37,7 @@ from sidecar.admission import Overloaded, grpc_rejection, http_rejection
 from sidecar.client_guard import ApiConfig, ClientGuard, Refusal
 from sidecar.grpc_tls import bind, new_server
 from sidecar.http import HttpLimits, Request, Response, json_response, serve_http
+from sidecar.malloc_trim import fix_mmap_threshold
 from sidecar.openai_api import Responder, error_body, models_body
 from sidecar.openai_schema import Endpoint, Job, Limits, RequestRefused, completion_job, generate_job
 from sidecar.openai_text import TextCodec
@@ -284,6 +285,9 @@ async def serve_router(
     router = Router(cfg)
     if api.http_mtls and router.tls is None:
         raise ConfigError("api.http_mtls needs tls_dir (the deployment's PKI)")
+    # the router's own process: request bodies and streams' buffers go back to the OS when freed
+    # (a process-wide malloc setting, so here and not in Router, which others embed)
+    fix_mmap_threshold()
     await router.start()
     server, router.caller_check = new_server(router.tls, local_plaintext=bool(unix))
     pb2_grpc.add_RouterServicer_to_server(RouterService(router, guard), server)
