@@ -238,10 +238,9 @@ def report(spec: ExactSpec, rows: list[dict[str, Any]], held: dict[str, Any]) ->
         t = r["trace"]
         b["requests"] += 1
         b["mismatches"] += int(r["outcome"] == "finished" and not r["exact"])
-        handed = (
-            str(t.get("handoff_outcome", "")).startswith("handed_off") and t.get("handoff_mode") == r["mode"]
-        )
-        if r["outcome"] == "finished" and handed:  # in the mode the request was set up for
+        # in the mode the request was set up for, with tokens to hand over (not "...:before_rld_first_token")
+        handed = t.get("handoff_outcome") == "handed_off" and t.get("handoff_mode") == r["mode"]
+        if r["outcome"] == "finished" and handed:
             b["handed_off"] += 1
             b["rld_tokens"].append(int(t.get("tokens", {}).get("rld", 0)))
     for b in by.values():

@@ -84,6 +84,7 @@ __all__ = ["VllmBackend", "VllmLegs", "generate_alone", "sampling_body"]
 MIN_TIMEOUT_S = 0.01
 HEALTH_INTERVAL_S = 1.0
 FINISHED = ("length", "stop")
+NOTHING_HANDED = ":before_rld_first_token"  # a one-shot handoff's detail when RLD had streamed nothing
 
 
 def sampling_body(sampling: SamplingParams, *, ignore_eos: bool = True) -> dict[str, Any]:
@@ -470,7 +471,10 @@ class VllmLegs:
         if mode is HandoffMode.ONE_SHOT:
             rld.cancel()  # RLD is aborted at once; MD continues from what it streamed
             self._spawn(name, self._extend(leg, given, None))
-            await self.inbox.put(HandoffDone(sid, HandoffResult(HandoffOutcome.HANDED_OFF), mode))
+            # MD held the KV before RLD's first token (no WAN delay to speak of): MD makes every
+            # token, a P->MD run in effect, and the trace says so rather than count a handoff
+            detail = "" if given else NOTHING_HANDED
+            await self.inbox.put(HandoffDone(sid, HandoffResult(HandoffOutcome.HANDED_OFF, detail), mode))
             return
         # catch-up: RLD keeps streaming until MD's stream reaches RLD's position. The switch is
         # posted from MD's stream at that token, before MD's later tokens reach the inbox: posted by
