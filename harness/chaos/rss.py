@@ -42,12 +42,13 @@ def rss_parts(pid: int) -> dict[str, int]:
 
 class RssBook:
     """Each process's RSS after warm-up, in quiet (nothing in flight, as at the end's figure). A
-    restarted process gets a warm-up of its own: once ``warmup`` more requests have ended after it
-    came back (as many as the first processes' warm-up: the mix and the wave at the burst's peak),
-    ``due()`` names it; the chaos load then holds new requests, lets the ones in flight end, waits
-    ``QUIET_S`` and calls ``sample`` before it goes on (``harness.chaos.run``). A P's RSS follows the
-    KV it has in flight (258 MiB in quiet, 700 MiB in a WAN outage): a baseline taken 100 requests
-    after a restart with requests in flight read as x1.53 growth at the end."""
+    restarted process gets the first processes' warm-up: once ``warmup`` more requests have ended
+    after it came back (as many as the first warm-up's mix), ``on_done()`` names it; the chaos load
+    then holds new requests, lets the ones in flight end, sends the first warm-up's wave at the
+    burst's peak concurrency again, waits ``QUIET_S`` and calls ``sample`` before it goes on
+    (``harness.chaos.run``). A P's quiet RSS follows what it last had in flight (258 MiB after the
+    mix, 700 MiB in a WAN outage): a baseline taken 100 requests after a restart with requests in
+    flight read as x1.53 growth at the end, one taken in quiet but without the wave as x1.53-1.68."""
 
     def __init__(self, warmup: int) -> None:
         self.warmup = warmup

@@ -2,7 +2,11 @@
 
 A machine says when it next needs time (``get_timer()``: monotonic seconds, or None); its driver
 ``arm``s that deadline after every step, which replaces the previous one, and the callback gets the
-time it fired at, to pass to ``handle_timer(now)``. ``cancel`` when the driver ends.
+time it fired at, to pass to ``handle_timer(now)``. ``close`` when the driver ends: the timer holds
+its driver's bound method, so driver and timer are a reference cycle, and a cycle is freed only by
+the cyclic GC, which runs rarely in a quiet process; ``close`` breaks it, so an ended transfer's
+driver (and the payload its sender holds) is freed at once (issue 16: a P kept ~90 ended transfers'
+KV, 230 MiB, in such cycles in quiet).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ class MachineTimer:
     def arm(self, when: float | None) -> None:
         """Fire at ``when`` (``time.monotonic()`` seconds; past: at once), or never (None)."""
         self.cancel()
-        if when is not None:
+        if when is not None and self._fire is not _ended:
             delay = max(0.0, when - time.monotonic())
             self._handle = asyncio.get_running_loop().call_later(delay, self._expired)
 
@@ -29,6 +33,15 @@ class MachineTimer:
             self._handle.cancel()
             self._handle = None
 
+    def close(self) -> None:
+        """Cancel, and forget the callback: ``arm`` does nothing after this."""
+        self.cancel()
+        self._fire = _ended
+
     def _expired(self) -> None:
         self._handle = None
         self._fire(time.monotonic())
+
+
+def _ended(now: float) -> None:
+    """A closed timer's callback (never called: ``arm`` ignores a closed timer)."""

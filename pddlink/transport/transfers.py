@@ -99,14 +99,22 @@ def error_of(event: TransferAborted) -> PddlinkError:
 
 
 class SendDriver:
-    """One outgoing transfer: a ``TransferSender`` driven over ``lanes`` until it ends."""
+    """One outgoing transfer: a ``TransferSender`` driven over ``lanes`` until it ends.
+
+    ``result`` holds the outcome as data (the result, or the abort event), never an exception:
+    an exception kept in the future and raised from it gets a traceback whose frames hold the
+    driver (and the caller's payload), a reference cycle the cyclic GC frees only when it next
+    runs a full collection, which in a quiet process can be never (issue 16: a P held the KV of
+    every transfer that had missed its deadline, 100s of MiB after a burst). ``await_result``
+    raises a new error each time instead.
+    """
 
     def __init__(self, sender: TransferSender, lanes: Lanes, on_done: Callable[[SendDriver], None]) -> None:
         self.sender = sender
         self.lanes = lanes
         self._on_done = on_done
         loop = asyncio.get_running_loop()
-        self.result: asyncio.Future[TransferResult] = loop.create_future()
+        self.result: asyncio.Future[TransferResult | TransferAborted] = loop.create_future()
         self._timer = MachineTimer(self._on_timer)
         self._resumes = 0
         self._started = time.monotonic()
@@ -147,9 +155,9 @@ class SendDriver:
                 log.info("transfer %d resumed: generation %d, %d chunks left", event.transfer_id,
                          event.generation, event.chunks_to_send)  # fmt: skip
             elif isinstance(event, TransferCompleted):
-                self._finish(result=self._result())
+                self._finish(self._result())
             elif isinstance(event, TransferAborted):
-                self._finish(error=error_of(event))
+                self._finish(event)
         self._arm(sm.get_timer())
 
     def _result(self) -> TransferResult:
@@ -170,14 +178,11 @@ class SendDriver:
         self.sender.handle_timer(now)
         self._pump()
 
-    def _finish(self, result: TransferResult | None = None, error: PddlinkError | None = None) -> None:
-        self._timer.cancel()
+    def _finish(self, outcome: TransferResult | TransferAborted) -> None:
+        self._timer.close()  # no driver <-> timer cycle: the ended driver is freed at once
         self.lanes.unwatch(self)
         if not self.result.done():
-            if error is not None:
-                self.result.set_exception(error)
-            elif result is not None:
-                self.result.set_result(result)
+            self.result.set_result(outcome)
         self._on_done(self)
 
 
@@ -241,7 +246,7 @@ class ReceiveDriver:
         self._pump()
 
     def close(self) -> None:
-        self._timer.cancel()
+        self._timer.close()
 
 
 class TransferIds:
@@ -270,10 +275,13 @@ async def await_result(driver: SendDriver, deadline_s: float) -> TransferResult:
     """The driver's result; its own deadline fires first, this bound only guards against a bug.
     Cancelling the caller cancels the transfer (the peer is told)."""
     try:
-        return await asyncio.wait_for(asyncio.shield(driver.result), deadline_s + 5.0)
+        outcome = await asyncio.wait_for(asyncio.shield(driver.result), deadline_s + 5.0)
     except TimeoutError:
         driver.cancel(ErrorCode.DEADLINE_EXCEEDED, "transfer driver missed its own deadline")
         raise LocalError("transfer did not end by its deadline", code=ErrorCode.DEADLINE_EXCEEDED) from None
     except asyncio.CancelledError:
         driver.cancel(ErrorCode.CANCELLED, "sender cancelled the transfer")
         raise
+    if isinstance(outcome, TransferAborted):
+        raise error_of(outcome)  # a new error, not one the driver keeps (see SendDriver)
+    return outcome
