@@ -10,8 +10,9 @@ forwards to MD's KV port). ``close()`` stops the servers, then the sidecars.
 ``PairSpec(relay=True)`` (or ``VllmTrio``) adds RelayDecode in datacenter A: a consumer sidecar
 whose KV port P's sidecar dials directly on loopback (the fast path, never through the WAN; its
 transport is ``rld_transport``: "auto" = RDMA where a device is, else TCP) and a vLLM server with
-the connector as ``kv_consumer``. One prefill on P then ships to both: RLD every whole block, MD the
-suffix its DRC lacks. ``status()`` has a key per sidecar: "p", "md" and "rld".
+the connector as ``kv_consumer``. One prefill on P then ships to both, each the suffix its DRC lacks
+(RLD's and MD's sidecars each follow their own vLLM's KV-cache events). ``status()`` has a key per
+sidecar: "p", "md" and "rld".
 
 ``trio_across_lab(...)``: a ``VllmTrio`` whose P->MD leg crosses a loopback netlab WAN of its own
 (``trio.lab``), ``PositionSeededSampling`` loaded: the set-up the relay and router-fault tests and
@@ -101,6 +102,7 @@ class VllmPair:
         self.p: VllmServer | None = None
         self.rld: VllmServer | None = None
         self.md_kv_events = ""  # MD vLLM's KV-event publisher (a router's DRC mirror subscribes too)
+        self.rld_kv_events = ""  # RLD vLLM's (its sidecar's DRC)
 
     def start(self, timeout_s: float = 300.0) -> VllmPair:
         try:
@@ -113,6 +115,7 @@ class VllmPair:
         s = self.spec
         s.workdir.mkdir(parents=True, exist_ok=True)
         events = self.md_kv_events = f"ipc://{s.workdir / 'md-events.ipc'}"
+        self.rld_kv_events = f"ipc://{s.workdir / 'rld-events.ipc'}" if s.relay else ""
         md_cfg = VllmSidecarConfig(
             Role.MD,
             "md0",
@@ -129,7 +132,13 @@ class VllmPair:
         rld_addr = ""
         if s.relay:
             rld_cfg = VllmSidecarConfig(
-                Role.RLD, "rld0", s.workdir, s.model_id, s.block_size, orphan_s=s.md_orphan_s
+                Role.RLD,
+                "rld0",
+                s.workdir,
+                s.model_id,
+                s.block_size,
+                kv_events_endpoint=self.rld_kv_events,
+                orphan_s=s.md_orphan_s,
             )
             self.rld_side = self.loop.run(VllmSidecar(rld_cfg).start(), s.sidecar_start_s)
             rld_addr = f"127.0.0.1:{self.rld_side.kv_port}"
@@ -178,6 +187,7 @@ class VllmPair:
                     port=free_port(),
                     kv_role="kv_consumer",
                     control_socket=self.rld_side.control_path,
+                    kv_events_endpoint=self.rld_kv_events,
                     connector_extra=(("dump_tag", "RLD"),),
                 ),
                 s.workdir / "rld-vllm.log",

@@ -1,10 +1,12 @@
 """One sidecar beside one vLLM: the shared-memory region, the control channel vLLM's connector
 dials, and the role's bridge (P: ``ProducerBridge`` + the WAN link to MD; MD: ``ConsumerBridge`` +
-the KV server P ships to, and the DRC that vLLM's KV events feed; RLD: the same consumer bridge and
-KV server, fed over the fast path, without a DRC feed -- its reservations answer 0 blocks, so P
-ships RLD every whole block). P's links: MD across the WAN (``md_addr``, ``transport``) and RLD over
-the fast path (``rld_addr``, ``rld_transport``: "auto" picks RDMA where a device is, else TCP, as
-the reference sidecar does).
+the KV server P ships to, and the DRC that vLLM's KV events feed; RLD: the same consumer bridge, KV
+server and DRC, fed over the fast path). Each consumer's DRC answers P's reservation with the prefix
+its own vLLM holds, so P copies out and ships only the blocks from the smaller of the two (a
+conversation's next turn: its new part), where an RLD without a feed answered 0 and got every whole
+block of every turn. A consumer with no ``kv_events_endpoint`` answers 0. P's links: MD across the
+WAN (``md_addr``, ``transport``) and RLD over the fast path (``rld_addr``, ``rld_transport``: "auto"
+picks RDMA where a device is, else TCP, as the reference sidecar does).
 
 Lifecycle: ``await VllmSidecar(cfg).start()`` creates the region (``region_dir``, by default
 ``/dev/shm`` where it has room, so the KV copies touch RAM only: in ``<workdir>`` on a disk the
@@ -166,7 +168,7 @@ class VllmSidecar:
                 transport=cfg.transport,
                 options=cfg.options,
             )
-            if cfg.kv_events_endpoint and cfg.role is Role.MD:
+            if cfg.kv_events_endpoint:  # MD and RLD alike
                 self.feed = KvEventFeed(index, model_id=cfg.model_id, block_size=cfg.block_size)
                 self.feed.start(cfg.kv_events_endpoint)
             handler = self.consumer.handle

@@ -202,6 +202,53 @@ def test_rld_streams_from_fast_path_kv_and_md_continues_in_one_request(trio: Any
     assert _wait_released(trio) == [0] * 6
 
 
+def test_rld_drc_the_next_turn_ships_rld_only_what_it_lacks(trio: Any) -> None:
+    """RLD's sidecar keeps a DRC fed by RLD vLLM's own KV events: a conversation's next turn (the
+    first turn's prompt + RLD's answer + new tokens) reserves what RLD's vLLM holds, so P ships RLD
+    only the blocks from there (where RLD without a DRC got every whole block of every turn), and
+    RLD's tokens still equal vLLM alone's."""
+    import httpx
+
+    rng = random.Random(31)
+    first = [rng.randrange(3, 1024) for _ in range(230)]
+    greedy = {"temperature": 0}
+    bs = trio.spec.block_size
+
+    async def relayed(http: Any, prompt: list[int], transfer: str) -> tuple[list[int], int]:
+        kv = _kv(transfer, 30.0, to=["rld"])
+        p = asyncio.ensure_future(_stream(http, trio.p.url, _body(trio, prompt, 1, greedy, **kv), 60))
+        rld, finish, cached = await _stream(http, trio.rld.url, _body(trio, prompt, N, greedy, **kv), 60)
+        await p
+        assert finish == "length", finish
+        return rld, cached
+
+    def rld_blocks() -> int:
+        return int(trio.status()["rld"]["drc_blocks"])
+
+    async def run() -> tuple[list[int], list[int], list[int], int]:
+        async with httpx.AsyncClient(timeout=None) as http:
+            before = rld_blocks()
+            answer, _ = await relayed(http, first, "turn-0")
+            until = time.monotonic() + 10  # RLD vLLM's events reach its sidecar's index
+            while rld_blocks() < before + len(first) // bs and time.monotonic() < until:
+                await asyncio.sleep(0.1)
+            second = first + answer + [rng.randrange(3, 1024) for _ in range(100)]
+            alone, _, _ = await _stream(http, trio.p.url, _body(trio, second, N, greedy), 60)
+            got, cached = await relayed(http, second, "turn-1")
+            return second, alone, got, cached
+
+    second, alone, got, cached = asyncio.run(run())
+    assert got == alone
+    shipped = trio.shipped("turn-1")
+    assert shipped is not None and shipped["legs"]["rld"]["ok"], shipped
+    rld_first = shipped["legs"]["rld"]["first_block"]
+    assert rld_first >= len(first) // bs, shipped  # at least the first turn's whole prompt blocks
+    whole = (len(second) - 1) // bs
+    assert shipped["legs"]["rld"]["wan_bytes"] == (whole - rld_first) * _bytes_per_block(trio)
+    assert cached >= rld_first * bs  # RLD's vLLM used its own cache for them
+    assert _wait_released(trio) == [0] * 6
+
+
 def test_wan_cut_past_deadline_rld_finishes_and_md_ends_in_time(trio: Any) -> None:
     """The WAN is cut while P ships: RLD (fast path) streams every token; MD's request, opened at
     once as the router's relay leg does (parked until its KV lands), gives the KV up at its transfer
