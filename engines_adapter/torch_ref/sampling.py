@@ -2,9 +2,20 @@
 
 The draw for the token at absolute position ``pos`` is one uniform number ``u`` derived from
 ``xxh3_64(seed, pos)``; the token is found by inverse CDF over the filtered distribution
-(temperature, then top-k, then top-p), sorted by probability with a stable order. No generator
-state is carried between steps, so any instance holding the same logits draws the same token:
-that is what lets MainDecode continue exactly where RelayDecode stopped.
+(temperature, then top-k, then top-p: the filters rank tokens by probability, stably), laid out in
+vocabulary order. No generator state is carried between steps, so any instance holding the same
+logits draws the same token: that is what lets MainDecode continue exactly where RelayDecode
+stopped.
+
+Why vocabulary order and not the ranking: two instances hold equal logits only up to rounding
+where their computations differ (a batch of two against one on a CPU GEMM, KV computed by decode
+against by prefill: ``pddlink bench vllm-exact`` measures 4.8e-7 in logprobs). Over the ranking, a
+rounding difference between two near-equal tokens swaps their places in the CDF and moves every
+draw that lands in either one's segment (a random tiny model's near-flat distribution has such
+near-ties at every step); over vocabulary order it moves a segment's edge by the rounding only. On
+the tiny Llama's logits with noise of 1e-6 and 1e-5 x their largest magnitude, the ranked layout
+changed 5 and 55 of 4,000 draws, vocabulary order 1 and 3 (``tests/engine/test_engine_sampling``
+holds a near-tie). The distribution drawn from is the same.
 
 Probabilities are computed in float64 whatever the model dtype. Shared by every adapter:
 ``draw_token`` is the rule itself, which the vLLM adapter's logits processor
@@ -59,6 +70,8 @@ def draw_token(
         before = torch.cumsum(probs, dim=0) - probs  # mass of strictly more likely tokens
         keep = int((before < top_p).sum())  # the token that crosses top_p is kept
         probs, index = probs[:keep], index[:keep]
+    back = torch.argsort(index)  # vocabulary order (see the module docstring)
+    probs, index = probs[back], index[back]
     cdf = torch.cumsum(probs, dim=0)
     target = uniform_draw(seed, position) * float(cdf[-1])
     pick = min(

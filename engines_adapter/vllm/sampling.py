@@ -2,16 +2,16 @@
 (seed, position) and the logits there.
 
 vLLM's own seeded sampling draws from a ``torch.Generator`` per request, whose state after k tokens
-lives only in the instance that drew them: MainDecode, given the prompt plus RelayDecode's k
-tokens, would start a fresh generator and continue another random sequence. ``PositionSeededSampling``
-is a vLLM v1 logits processor (``LLM(logits_processors=[PositionSeededSampling])`` or
+lives only in the instance that drew them: MainDecode, given the prompt plus RelayDecode's k tokens,
+would start a fresh generator and continue another random sequence. ``PositionSeededSampling`` is a
+vLLM v1 logits processor (``LLM(logits_processors=[PositionSeededSampling])`` or
 ``--logits-processors engines_adapter.vllm.sampling:PositionSeededSampling``) that takes the draw
 over: for every seeded request with a temperature, at each step it draws the token with the
 reference engine's rule (``engines_adapter.torch_ref.sampling.draw_token``: temperature, top-k,
-top-p, then inverse CDF at ``uniform_draw(seed, position)``) and leaves only that token finite in
-the row, so vLLM's sampler (temperature, top-k/top-p, its generator) can only pick it. Greedy and
-unseeded requests are not touched. Stop tokens, ``max_tokens`` and ``logit_bias`` /
-``min_tokens`` (applied before this processor) hold as usual.
+top-p, then inverse CDF in vocabulary order at ``uniform_draw(seed, position)``) and leaves only
+that token finite in the row, so vLLM's sampler (temperature, top-k/top-p, its generator) can only
+pick it. Greedy and unseeded requests are not touched. Stop tokens, ``max_tokens`` and
+``logit_bias`` / ``min_tokens`` (applied before this processor) hold as usual.
 
 Where it runs: in the engine core's model runner (the worker process, or the caller's process
 with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), once per step on the float32 logits of the whole batch,
