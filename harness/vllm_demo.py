@@ -36,10 +36,10 @@ is still streaming then, and MD takes over (one-shot when both sessions' request
 catch-up when one is). With 16-token answers RLD had finished every request before MD's KV landed
 (0 handoffs); with back-to-back turns the WAN never caught up with the history. What raises PDD's
 TTFT is P's prefill under CPU contention (``prefill_seconds``: P90 0.47 s in PDD against 0.19 s in
-the baseline, 2 cores shared by three vLLM servers, the sidecars and the router): P copies every
-whole block for RLD (RLD's sidecar keeps no DRC) and the other session's RLD/MD decoding runs
-beside it; RLD's own part of TTFT stays ~0.03-0.1 s. Per request: ``pdd.per_request`` and
-``pdd.ttft_s_by_handoff``.
+the baseline, 2 cores shared by three vLLM servers, the sidecars and the router): the other
+session's RLD/MD decoding runs beside it; RLD's own part of TTFT stays ~0.03-0.1 s. P ships RLD only
+what RLD's own DRC lacks (``pdd.fast_path``: bytes against every whole block). Per request:
+``pdd.per_request`` and ``pdd.ttft_s_by_handoff``.
 
 Only whole blocks travel and MD recomputes the prompt's tail (< 1 block, see
 ``sidecar.vllm_kv.producer``), so wan_bytes falls short of wan_bytes_expected by that tail's KV
@@ -333,6 +333,7 @@ def _float32_runs(spec: VllmDemoSpec, root: Path, model: Path, wan: Any) -> dict
         if rld:
             pdd_spec = replace(spec, seed=spec.seed + 1)
             cfg = router_config(urls, str(model), spec, relay=True, rld_gets_kv=True)
+            out["pdd_status_before"] = pair.status()
             out["pdd"] = asyncio.run(_replay(cfg, pdd_spec, "", p_url, "pdd"))
             out["pdd_status"] = _records(pair)[0]
         return out
@@ -378,6 +379,7 @@ def run(spec: VllmDemoSpec, json_path: str | None) -> dict[str, Any]:
     report = _report(spec, f32["baseline"], shipped, ends, status, f32["prefix"])
     if "pdd" in f32:
         report.update(_pdd_report(f32["baseline"], f32["pdd"], f32["pdd_status"]))
+        report["pdd"]["fast_path"] = _fast_path(f32["pdd"], f32["pdd_status_before"], f32["pdd_status"])
         report["requests"] += report["pdd"]["requests"]
         report["failed"] += report["pdd"]["failed"]
         report["token_mismatches"] += report["pdd"]["token_mismatches"]  # both float32 runs
@@ -471,6 +473,20 @@ def _pdd_report(base: dict[str, Any], pdd: dict[str, Any], status: dict[str, Any
             },
         },
     }
+
+
+def _fast_path(pdd: dict[str, Any], before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """The KV bytes P shipped RLD over the fast path in the PDD run, against every whole block of
+    every prompt (what RLD got before its sidecar kept a DRC): RLD's DRC holds the conversation's
+    earlier turns, so a turn ships RLD only what it lacks. Bytes per block: the tiny Llama's, 32
+    tokens x 2 KB in float32."""
+
+    def rld_bytes(st: dict[str, Any]) -> int:
+        return int(st.get("p", {}).get("legs", {}).get("rld", {}).get("bytes", 0))
+
+    whole = sum((len(d.prompt) - 1) // 32 for d in pdd["done"]) * 32 * 2048
+    shipped = rld_bytes(after) - rld_bytes(before)
+    return {"bytes": shipped, "every_whole_block_bytes": whole, "share": shipped / whole if whole else None}
 
 
 PER_REQUEST = (
