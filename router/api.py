@@ -37,7 +37,7 @@ from sidecar.admission import Overloaded, grpc_rejection, http_rejection
 from sidecar.client_guard import ApiConfig, ClientGuard, Refusal
 from sidecar.grpc_tls import bind, new_server
 from sidecar.http import HttpLimits, Request, Response, json_response, serve_http
-from sidecar.malloc_trim import fix_mmap_threshold
+from sidecar.malloc_trim import fix_mmap_threshold, freeze_startup
 from sidecar.openai_api import Responder, error_body, models_body
 from sidecar.openai_schema import Endpoint, Job, Limits, RequestRefused, completion_job, generate_job
 from sidecar.openai_text import TextCodec
@@ -314,6 +314,7 @@ async def serve_router(
         "READY " + json.dumps({"role": "router", "grpc_port": bound, "http_port": http_bound}) + "\n"
     )
     sys.stdout.flush()
+    freeze_startup()  # full GC collections walk only what serving makes (sidecar.malloc_trim)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -55,7 +55,7 @@ from sidecar.engine_loop import EngineLoop
 from sidecar.grpc_tls import SIDECAR_CALLERS, CallerCheck, bind, new_server
 from sidecar.http import Request, Response, error_response, json_response, serve_http
 from sidecar.kv_admission import KvAdmission
-from sidecar.malloc_trim import fix_mmap_threshold
+from sidecar.malloc_trim import fix_mmap_threshold, freeze_startup
 from sidecar.peers import DecoderPeer, KVPeer, KVPeerPool
 from sidecar.prefill import Prefiller
 from sidecar.reservations import ReservationIds
@@ -364,6 +364,7 @@ class Sidecar:
         ports["admin_port"] = cfg.admin_port
         sys.stdout.write("READY " + json.dumps(ports) + "\n")
         sys.stdout.flush()
+        freeze_startup()  # full GC collections walk only what serving makes (sidecar.malloc_trim)
         try:
             await stop.wait()
         finally:

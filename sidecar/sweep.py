@@ -33,7 +33,7 @@ from typing import Any
 from pddlink import metrics
 from pddlink.errors import ConfigError, PddlinkError
 from pddlink.lifecycle import StreamClosed, StreamEnd
-from sidecar.malloc_trim import TRIM_EVERY_S, trim
+from sidecar.malloc_trim import TRIM_EVERY_S, release
 
 log = logging.getLogger(__name__)
 
@@ -236,9 +236,9 @@ class Sweeper:
                 await self.sweep(time.monotonic())
             except PddlinkError as exc:  # one bad entry must not stop the sweeping
                 log.warning("state sweep: %s", exc.message)
-            if time.monotonic() >= next_trim:  # freed KV buffers back to the OS (sidecar.malloc_trim)
-                next_trim = time.monotonic() + TRIM_EVERY_S
-                self.trims += int(await asyncio.to_thread(trim))
+            if time.monotonic() >= next_trim:  # garbage cycles freed, KV buffers back to the OS
+                next_trim = time.monotonic() + TRIM_EVERY_S  # (sidecar.malloc_trim)
+                self.trims += int(await release())
 
     async def close(self) -> None:
         if self._task is not None:
