@@ -16,7 +16,6 @@ prefill books and the count of requests RLD is streaming.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import itertools
 import math
@@ -43,7 +42,6 @@ from router.options import FORCEABLE, decide_option, forced_option, option_trace
 from router.run import RunDriver
 from sidecar.admission import Overloaded
 from sidecar.grpc_tls import CallerCheck
-from sidecar.malloc_trim import trim_every
 from sidecar.recompute import PrefillBook, TpotBook
 
 __all__ = ["Router", "RouterConfig", "VllmEngineConfig"]
@@ -72,17 +70,12 @@ class Router:
         self.md_tpot = TpotBook(cfg.md_tpot_s)
         self.ids = itertools.count(1)
         self.in_flight: dict[str, RunDriver] = {}
-        self._trim_task: asyncio.Task[None] | None = None
         self.caller_check: CallerCheck | None = None  # set by the gRPC server (who calls, with TLS)
 
     async def start(self) -> None:
         await self.backend.start(self.link)
-        self._trim_task = asyncio.get_running_loop().create_task(trim_every())  # freed heap back to the OS
 
     async def close(self) -> None:
-        if self._trim_task is not None:
-            self._trim_task.cancel()
-            await asyncio.gather(self._trim_task, return_exceptions=True)
         await self.backend.close()
 
     def rld_usable(self, now: float | None = None) -> bool:

@@ -37,7 +37,7 @@ from sidecar.admission import Overloaded, grpc_rejection, http_rejection
 from sidecar.client_guard import ApiConfig, ClientGuard, Refusal
 from sidecar.grpc_tls import bind, new_server
 from sidecar.http import HttpLimits, Request, Response, json_response, serve_http
-from sidecar.malloc_trim import fix_mmap_threshold, freeze_startup
+from sidecar.malloc_trim import fix_mmap_threshold, freeze_startup, trim_every
 from sidecar.openai_api import Responder, error_body, models_body
 from sidecar.openai_schema import Endpoint, Job, Limits, RequestRefused, completion_job, generate_job
 from sidecar.openai_text import TextCodec
@@ -315,6 +315,10 @@ async def serve_router(
     )
     sys.stdout.flush()
     freeze_startup()  # full GC collections walk only what serving makes (sidecar.malloc_trim)
+    # freed heap back to the OS, a full GC collection before each trim: process-wide, so here and
+    # not in Router (a host embedding one, as the vLLM demo does beside torch and vLLM, would stop
+    # for a collection over its whole heap every few seconds)
+    trimmer = asyncio.get_running_loop().create_task(trim_every())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -322,6 +326,8 @@ async def serve_router(
     try:
         await stop.wait()
     finally:
+        trimmer.cancel()
+        await asyncio.gather(trimmer, return_exceptions=True)
         for s in http:
             s.close()
         await server.stop(grace=0.5)
