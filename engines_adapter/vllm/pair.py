@@ -13,20 +13,14 @@ transport is ``rld_transport``: "auto" = RDMA where a device is, else TCP) and a
 the connector as ``kv_consumer``. One prefill on P then ships to both, each the suffix its DRC lacks
 (RLD's and MD's sidecars each follow their own vLLM's KV-cache events). ``status()`` has a key per
 sidecar: "p", "md" and "rld".
-
-``trio_across_lab(...)``: a ``VllmTrio`` whose P->MD leg crosses a loopback netlab WAN of its own
-(``trio.lab``), ``PositionSeededSampling`` loaded: the set-up the relay and router-fault tests and
-``pddlink bench vllm-exact`` share.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
 import socket
 import threading
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -227,36 +221,3 @@ class VllmPair:
 def VllmTrio(spec: PairSpec) -> VllmPair:
     """P, RelayDecode and MD: a ``VllmPair`` with ``relay=True``."""
     return VllmPair(replace(spec, relay=True))
-
-
-SEEDED_FQCN = "engines_adapter.vllm.sampling:PositionSeededSampling"
-
-
-@contextlib.contextmanager
-def trio_across_lab(workdir: Path, model: Path, link: str, name: str, **spec: Any) -> Iterator[VllmPair]:
-    """P, RLD and MD (float32, ``PositionSeededSampling`` loaded), P's sidecar dialling MD's KV port
-    across a loopback netlab lab whose link is ``link`` (a profile's text); ``trio.lab`` is the lab.
-    ``spec``: the other ``PairSpec`` fields. Both are gone when the block ends."""
-    from netlab import Lab
-    from netlab.profile import parse_profile
-
-    lab = Lab.up(parse_profile(link, name=name), name=f"{name}{os.getpid() % 100000}", mode="loopback")
-    try:
-        trio = VllmTrio(
-            PairSpec(
-                workdir,
-                model,
-                dtype="float32",
-                extra_args=("--logits-processors", SEEDED_FQCN),
-                wan=lambda port: "{}:{}".format(*lab.endpoint("dc-b", port)),
-                **spec,
-            )
-        )
-        trio.lab = lab  # type: ignore[attr-defined]
-        try:
-            trio.start()
-            yield trio
-        finally:
-            trio.close()
-    finally:
-        lab.down()

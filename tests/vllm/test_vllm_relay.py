@@ -35,7 +35,7 @@ N = 12  # tokens per request
 @pytest.fixture(scope="module")
 def trio(tiny_llama_f32: Path) -> Iterator[Any]:
     pytest.importorskip("vllm", reason="vLLM is not installed here (pip install 'pddlink[vllm]')")
-    from engines_adapter.vllm.pair import trio_across_lab
+    from harness.vllm_trio import trio_across_lab
 
     root = Path(tempfile.mkdtemp(prefix="pddlink-vrld-"))  # sockets: keep the path short
     (root / "dump").mkdir()
