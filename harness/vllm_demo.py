@@ -97,6 +97,7 @@ class VllmDemoSpec:
     think_s: float = 1.0  # between a session's turns: the agent's own step (a tool call) before it asks again
     stagger_s: float = 0.7  # the sessions of a group start this far apart (they do not arrive in lockstep)
     bf16_sessions: int = 4  # the short bfloat16 P->MD phase (its KV crosses with the byte-plane codec)
+    pin_cores: bool = True  # P's vLLM on half the cores, RLD's and MD's on the other (PairSpec.pin_cores)
 
 
 def say(msg: str) -> None:
@@ -281,13 +282,21 @@ def _start(spec: VllmDemoSpec, workdir: Path, model: Path, dtype: str, wan: Any,
     extra = ("--logits-processors", FQCN, *room, *spec.extra_args)
     pair = VllmPair(
         PairSpec(
-            workdir, model, dtype=dtype, wan=wan, extra_args=extra, wan_line_mbit=spec.line_mbit, relay=relay
+            workdir,
+            model,
+            dtype=dtype,
+            wan=wan,
+            extra_args=extra,
+            wan_line_mbit=spec.line_mbit,
+            relay=relay,
+            pin_cores=spec.pin_cores,
         )
     )
     t0 = time.monotonic()
     pair.start()
     roles = "P, RLD and MD" if relay else "P and MD"
-    say(f"{roles} vLLM servers ({dtype}) up in {time.monotonic() - t0:.1f} s")
+    pinned = ", ".join(f"{k} on {list(v)}" for k, v in pair.cores.items()) or "not pinned"
+    say(f"{roles} vLLM servers ({dtype}) up in {time.monotonic() - t0:.1f} s (cores: {pinned})")
     return pair
 
 
@@ -329,6 +338,7 @@ def _float32_runs(spec: VllmDemoSpec, root: Path, model: Path, wan: Any) -> dict
             "baseline": base,
             "records": (status, shipped, ends),
             "prefix": (q1 - q0, h1 - h0),
+            "cores": {k: list(v) for k, v in pair.cores.items()},
         }
         if rld:
             pdd_spec = replace(spec, seed=spec.seed + 1)
@@ -377,6 +387,7 @@ def run(spec: VllmDemoSpec, json_path: str | None) -> dict[str, Any]:
             shutil.rmtree(root, ignore_errors=True)
     status, shipped, ends = f32["records"]
     report = _report(spec, f32["baseline"], shipped, ends, status, f32["prefix"])
+    report["cores"] = f32["cores"]  # each vLLM server's cores ({} = not pinned), both float32 runs
     if "pdd" in f32:
         report.update(_pdd_report(f32["baseline"], f32["pdd"], f32["pdd_status"]))
         report["pdd"]["fast_path"] = _fast_path(f32["pdd"], f32["pdd_status_before"], f32["pdd_status"])

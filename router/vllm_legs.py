@@ -356,6 +356,8 @@ class VllmLegs:
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
                     chunk = json.loads(line[6:])
+                    if chunk.get("error"):  # vLLM failed the request mid-stream (a KV load, say)
+                        return StreamClosed(StreamEnd.FAILED, f"vllm_error:{_error_text(chunk)}"[:200])
                     for choice in chunk.get("choices") or []:
                         ids = [int(t) for t in choice.get("token_ids") or []]
                         finish = choice.get("finish_reason") or finish
@@ -555,6 +557,12 @@ class VllmLegs:
                 task.cancel()
             with contextlib.suppress(Exception):
                 await asyncio.gather(*primes, return_exceptions=True)
+
+
+def _error_text(chunk: dict[str, Any]) -> str:
+    """The message of vLLM's streamed error chunk (``{"error": {"message": ...}}``)."""
+    err = chunk["error"]
+    return str(err.get("message", err)) if isinstance(err, dict) else str(err)
 
 
 def _cached_tokens(out: dict[str, Any]) -> int:

@@ -18,6 +18,7 @@ sidecar: "p", "md" and "rld".
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import threading
 from collections.abc import Callable, Coroutine
@@ -83,6 +84,21 @@ class PairSpec:
     rld_transport: str = "auto"  # P -> RLD: auto | tcp | rdma
     rld_extra_args: tuple[str, ...] | None = None  # RLD's vLLM engine arguments (None: extra_args)
     sidecar_start_s: float = 240.0  # each sidecar's start limit (60 s was too short on a loaded CPU)
+    pin_cores: bool = False  # P on one half of the cores, RLD and MD on the other (see engine_cores)
+
+
+def engine_cores(cpus: set[int] | None = None) -> dict[str, tuple[int, ...]]:
+    """Cores per vLLM server when one machine stands in for several: P gets the first half of the
+    cores this process may use, RLD and MD the second half (P's prefill then never waits behind a
+    decoder's step, as on machines of their own). Halves of equal size, so every server runs as many
+    OpenMP threads and the same reductions (the answers stay comparable with P alone). Fewer than two
+    cores: {} (no pinning)."""
+    mine = sorted(os.sched_getaffinity(0) if cpus is None else cpus)
+    half = len(mine) // 2
+    if half == 0:
+        return {}
+    a, b = tuple(mine[:half]), tuple(mine[half : 2 * half])
+    return {"p": a, "rld": b, "md": b}
 
 
 class VllmPair:
@@ -97,6 +113,7 @@ class VllmPair:
         self.rld: VllmServer | None = None
         self.md_kv_events = ""  # MD vLLM's KV-event publisher (a router's DRC mirror subscribes too)
         self.rld_kv_events = ""  # RLD vLLM's (its sidecar's DRC)
+        self.cores: dict[str, tuple[int, ...]] = {}  # each server's cores when pinned
 
     def start(self, timeout_s: float = 300.0) -> VllmPair:
         try:
@@ -158,9 +175,12 @@ class VllmPair:
             kv_dump_dir=s.kv_dump_dir,
             timing_dir=s.timing_dir,
         )
+        cores = engine_cores() if s.pin_cores else {}
+        self.cores = cores
         self.md = VllmServer(
             replace(
                 base,
+                cpus=cores.get("md", ()),
                 port=free_port(),
                 kv_role="kv_consumer",
                 control_socket=self.md_side.control_path,
@@ -170,7 +190,13 @@ class VllmPair:
             s.workdir / "md-vllm.log",
         ).start()
         self.p = VllmServer(
-            replace(base, port=free_port(), kv_role="kv_producer", control_socket=self.p_side.control_path),
+            replace(
+                base,
+                cpus=cores.get("p", ()),
+                port=free_port(),
+                kv_role="kv_producer",
+                control_socket=self.p_side.control_path,
+            ),
             s.workdir / "p-vllm.log",
         ).start()
         if self.rld_side is not None:
@@ -178,6 +204,7 @@ class VllmPair:
             self.rld = VllmServer(
                 replace(
                     rld_base,
+                    cpus=cores.get("rld", ()),
                     port=free_port(),
                     kv_role="kv_consumer",
                     control_socket=self.rld_side.control_path,

@@ -47,6 +47,7 @@ class VllmServerSpec:
     prefix_caching: bool = True
     extra_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
+    cpus: tuple[int, ...] = ()  # pin the server (and vLLM's OpenMP threads) to these cores; () = any
 
     def argv(self) -> list[str]:
         args = [
@@ -102,6 +103,8 @@ class VllmServerSpec:
         env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         root = str(Path(__file__).resolve().parents[2])  # the connector must import in vLLM
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        if self.cpus:  # vLLM's own binding: OpenMP threads = these cores, one each
+            env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, self.cpus))
         env.update(self.env)
         return env
 
@@ -125,6 +128,8 @@ class VllmServer:
             start_new_session=True,
         )
         log.close()
+        if self.spec.cpus:  # before it starts a thread: every thread it makes inherits the mask
+            os.sched_setaffinity(self.proc.pid, self.spec.cpus)
         return self
 
     def wait_ready(self, timeout_s: float = 240.0) -> None:

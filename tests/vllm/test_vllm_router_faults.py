@@ -24,6 +24,7 @@ One lab and one trio for the module; the tests run in order (the last ones kill 
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import shutil
 import tempfile
@@ -79,6 +80,18 @@ def _cfg(trio: Any, **kw: Any) -> Any:
     return RouterConfig(
         engine="vllm", vllm=replace(v, **vk), vocab_size=1024, recompute=False, line_mbit=200.0, **kw
     )
+
+
+def _why(trio: Any, final: dict[str, Any]) -> str:
+    """A failed assertion's context: the request's whole trace and what the vLLM logs said of KV."""
+    lines = [json.dumps(final, default=str)]
+    for name in ("p", "rld", "md"):
+        log = trio.spec.workdir / f"{name}-vllm.log"
+        if log.exists():
+            text = log.read_text(errors="replace").splitlines()
+            said = [ln for ln in text if "pddlink" in ln or "KV" in ln]
+            lines += [f"{name}: {ln}" for ln in said[-12:]]
+    return "\n".join(lines)
 
 
 def _prompt(seed: int, n: int) -> tuple[int, ...]:
@@ -292,7 +305,7 @@ def test_wan_outage_past_deadline_relay_finishes_on_rld_p_md_fails_in_time(trio:
     recomputed0 = trio.status()["md"]["recomputed"].get("deadline_exceeded", 0)
     (got, final, took), (p_md_got, p_md, took_p_md), (alone, alone_direct) = asyncio.run(go())
     assert final["outcome"] == "finished" and tuple(got) == alone, final
-    assert set(final["trace"]["tokens"]) == {"rld"}, final["trace"]  # MD unreachable: RLD finishes
+    assert set(final["trace"]["tokens"]) == {"rld"}, _why(trio, final)  # MD unreachable: RLD finishes
     assert took < deadline_s
     # P->MD: MD's connector gives the KV up at its transfer deadline (the router's wan_share of the
     # time left) and prefills the prompt itself: exact, before the deadline; or a reason in time
