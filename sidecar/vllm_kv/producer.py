@@ -39,7 +39,7 @@ from pddlink.errors import ErrorCode, InvalidInput, NotFound, PddlinkError, Unav
 from pddlink.kv.codec import CodecId
 from pddlink.kv.hashing import BlockHasher
 from pddlink.wire import KVLayoutSpec, Reserve, ReserveAnswer, TransferBegin
-from sidecar.peers import KVPeer
+from sidecar.peers import KVPeer, redial_after
 from sidecar.vllm_kv.control import Op
 from sidecar.vllm_kv.control import field as cfield
 from sidecar.vllm_kv.shm import ShmRegion, Slot
@@ -155,8 +155,8 @@ class ProducerBridge:
         try:
             answer = await client.request(msg, timeout_s=max(deadline - time.monotonic(), 0.01))
         except PddlinkError as exc:
-            if exc.code in (ErrorCode.PEER_UNREACHABLE, ErrorCode.CANCELLED, ErrorCode.UNAVAILABLE):
-                await leg.peer.drop()
+            if exc.code in (ErrorCode.PEER_UNREACHABLE, ErrorCode.UNAVAILABLE) or not client.usable:
+                await leg.peer.drop(client)  # this link only, and never for a cancel (see _ship)
             raise
         if not isinstance(answer, ReserveAnswer) or answer.code is not None:
             raise Unavailable(f"{leg.name} refused the reservation: {getattr(answer, 'reason', answer)}")
@@ -233,10 +233,18 @@ class ProducerBridge:
             if wan:
                 self.wan_codec.started(flow, payload.nbytes, time.monotonic())
             result = None
+            heard = client.stats().bytes_received
             try:
                 result = await client.send_transfer(
                     begin, payload, deadline_s=max(deadline - time.monotonic(), 0.01)
                 )
+            except PddlinkError as exc:
+                # only a link that is lost or stalled is closed: closing it for one transfer that
+                # was cancelled (its request ended) cancelled every other transfer on it, and those
+                # requests' loads failed in vLLM mid-stream (measured: ``rld_lost`` in the demo)
+                if redial_after(exc, client, heard):
+                    await leg.peer.drop(client)
+                raise
             finally:
                 payload.release()
                 if wan:
@@ -264,11 +272,6 @@ class ProducerBridge:
             leg.result.update(ok=False, error=reason)
             metrics.TRANSFER_ABORTS.labels(reason=reason.split(":")[0]).inc()
             self.leg_counts[leg.name]["failed"] += 1
-            if isinstance(exc, PddlinkError) and exc.code in (
-                ErrorCode.PEER_UNREACHABLE,
-                ErrorCode.CANCELLED,
-            ):
-                await leg.peer.drop()
         finally:
             leg.result["ship_seconds"] = time.perf_counter() - t0
             if all(x.ship is not None and (x is leg or x.ship.done()) for x in out.legs.values()):
