@@ -34,12 +34,16 @@ relayed turn that RLD finishes still ships its KV to MD (``router.vllm_legs``: t
 run), so MD holds each conversation and the next turn ships only its new ~600 tokens (~0.5 s): RLD
 is still streaming then, and MD takes over (one-shot when both sessions' requests are on RLD,
 catch-up when one is). With 16-token answers RLD had finished every request before MD's KV landed
-(0 handoffs); with back-to-back turns the WAN never caught up with the history. What raises PDD's
-TTFT is P's prefill under CPU contention (``prefill_seconds``: P90 0.47 s in PDD against 0.19 s in
-the baseline, 2 cores shared by three vLLM servers, the sidecars and the router): the other
-session's RLD/MD decoding runs beside it; RLD's own part of TTFT stays ~0.03-0.1 s. P ships RLD only
-what RLD's own DRC lacks (``pdd.fast_path``: bytes against every whole block). Per request:
-``pdd.per_request`` and ``pdd.ttft_s_by_handoff``.
+(0 handoffs); with back-to-back turns the WAN never caught up with the history.
+
+One machine stands in for several, so the servers are pinned (``PairSpec.pin_cores``, both runs
+alike): P's vLLM on one half of the cores, RLD's and MD's on the other, as P would run on machines
+of its own. Unpinned, P's prefill ran beside the other session's RLD/MD decoding on 2 shared cores
+(``prefill_seconds`` P90 0.47 s in PDD against 0.19 s in the baseline) and PDD's TTFT P90 came out
+at 0.7-1.07x the baseline's; pinned, 0.39x (one run, 100 requests, 0 failed, 9 one-shot and 13
+catch-up handoffs). RLD's own part of TTFT stays ~0.03-0.1 s. P ships RLD only what RLD's own DRC
+lacks (``pdd.fast_path``: bytes against every whole block). Per request: ``pdd.per_request`` and
+``pdd.ttft_s_by_handoff``; each server's cores: ``cores``.
 
 Only whole blocks travel and MD recomputes the prompt's tail (< 1 block, see
 ``sidecar.vllm_kv.producer``), so wan_bytes falls short of wan_bytes_expected by that tail's KV
