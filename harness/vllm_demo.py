@@ -67,12 +67,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import numpy as np
 
 from engines_adapter import SamplingParams
 from engines_adapter.vllm.pair import PairSpec, VllmPair
 from engines_adapter.vllm.tiny_model import TinyLlamaSpec, build_tiny_llama
 from harness.demo_report import plot
+from harness.vllm_demo_report import Done, fast_path_report, pdd_report, run_report, table
 from netlab import Lab
 from netlab.profile import parse_profile
 from pddlink.errors import PddlinkError
@@ -106,13 +106,6 @@ class VllmDemoSpec:
 
 def say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def _pcts(xs: list[float]) -> dict[str, float]:
-    if not xs:
-        return {"p50": 0.0, "p90": 0.0, "p99": 0.0}
-    a = np.asarray(xs)
-    return {k: float(np.percentile(a, q)) for k, q in (("p50", 50), ("p90", 90), ("p99", 99))}
 
 
 def _prefix_counters(url: str) -> tuple[float, float]:
@@ -169,16 +162,6 @@ def sampling_of(spec: VllmDemoSpec, session: int, turn: int) -> SamplingParams:
             seed=1000 * session + turn, temperature=0.8, top_p=0.95, max_tokens=spec.max_tokens
         )
     return SamplingParams(max_tokens=spec.max_tokens)
-
-
-@dataclass(frozen=True, slots=True)
-class Done:
-    request_id: str
-    prompt: tuple[int, ...]
-    sampling: SamplingParams
-    tokens: tuple[int, ...]
-    trace: dict[str, Any]
-    started_s: float = 0.0  # since the run's start
 
 
 async def _replay(
@@ -390,17 +373,17 @@ def run(spec: VllmDemoSpec, json_path: str | None) -> dict[str, Any]:
         if not os.environ.get("PDDLINK_KEEP_WORKDIR"):
             shutil.rmtree(root, ignore_errors=True)
     status, shipped, ends = f32["records"]
-    report = _report(spec, f32["baseline"], shipped, ends, status, f32["prefix"])
+    report = run_report(spec, f32["baseline"], shipped, ends, status, f32["prefix"])
     report["cores"] = f32["cores"]  # each vLLM server's cores ({} = not pinned), both float32 runs
     if "pdd" in f32:
-        report.update(_pdd_report(f32["baseline"], f32["pdd"], f32["pdd_status"]))
-        report["pdd"]["fast_path"] = _fast_path(f32["pdd"], f32["pdd_status_before"], f32["pdd_status"])
+        report.update(pdd_report(f32["baseline"], f32["pdd"], f32["pdd_status"]))
+        report["pdd"]["fast_path"] = fast_path_report(f32["pdd"], f32["pdd_status_before"], f32["pdd_status"])
         report["requests"] += report["pdd"]["requests"]
         report["failed"] += report["pdd"]["failed"]
         report["token_mismatches"] += report["pdd"]["token_mismatches"]  # both float32 runs
     if bf16 is not None:
         bstatus, bshipped, bends = bf16["records"]
-        b = _report(bf16["spec"], bf16["run"], bshipped, bends, bstatus, (0.0, 0.0))
+        b = run_report(bf16["spec"], bf16["run"], bshipped, bends, bstatus, (0.0, 0.0))
         report["codec_float32"] = report["codec"]
         report["codec"] = {**b["codec"], "dtype": "bfloat16"}
         report["bfloat16"] = {
@@ -426,194 +409,3 @@ def run(spec: VllmDemoSpec, json_path: str | None) -> dict[str, Any]:
     print(text)
     say(table(report))
     return report
-
-
-def _pdd_report(base: dict[str, Any], pdd: dict[str, Any], status: dict[str, Any]) -> dict[str, Any]:
-    tokens = {"rld": 0, "md": 0}
-    handoffs = {"one_shot": 0, "catch_up": 0}
-    pipelines: dict[str, int] = {}
-    fallbacks: dict[str, int] = {}
-    for d in pdd["done"]:
-        t = d.trace
-        for src, n in t.get("tokens", {}).items():
-            tokens[src] = tokens.get(src, 0) + n
-        pipelines[t["pipeline"]] = pipelines.get(t["pipeline"], 0) + 1
-        if t.get("handoff_outcome") == "handed_off" and t.get("handoff_mode") in handoffs:
-            handoffs[t["handoff_mode"]] += 1
-        for f in t.get("fallbacks", []):
-            fallbacks[f] = fallbacks.get(f, 0) + 1
-    b90, p90 = _pcts(base["ttft"])["p90"], _pcts(pdd["ttft"])["p90"]
-    total = sum(tokens.values())
-    handed = [d.trace for d in pdd["done"] if d.trace.get("handoff_outcome") == "handed_off"]
-    at = [t["tokens"].get("rld", 0) for t in handed]
-    max_tokens = max((d.sampling.max_tokens for d in pdd["done"]), default=0)
-    share_why = {
-        "requests_finished_on_rld": len(pdd["done"]) - len(handed),
-        "requests_handed_off": len(handed),
-        "rld_tokens_before_handoff_mean": float(np.mean(at)) if at else None,
-        "max_tokens": max_tokens,
-        "explanation": (
-            "RLD streams from the first token until MD holds the turn's KV (the new tokens crossing the"
-            " WAN: ~0.5 s here), then hands off; a request whose answer is done by then never goes to"
-            " MD. The published 6.2% is for answers of hundreds to thousands of tokens, where that"
-            f" WAN time covers a few dozen; this demo's answers are {max_tokens} tokens on a tiny"
-            " model decoding at ~10 ms per token, so RLD's share is far higher"
-        ),
-    }
-    return {
-        "ttft_s": {"baseline": _pcts(base["ttft"]), "pdd": _pcts(pdd["ttft"])},
-        "p90_ratio": p90 / b90 if b90 else None,
-        "handoffs": handoffs,
-        "tokens": tokens,
-        "rld_token_share": tokens["rld"] / total if total else 0.0,
-        "rld_token_share_why": share_why,
-        "pdd": {
-            "per_request": [_per_request(d) for d in pdd["done"]],
-            "ttft_s_by_handoff": {
-                "handed_off": _pcts([t["ttft_s"] for t in handed]),
-                "rld_only": _pcts(
-                    [d.trace["ttft_s"] for d in pdd["done"] if d.trace.get("handoff_outcome") != "handed_off"]
-                ),
-            },
-            "requests": len(pdd["done"]) + len(pdd["failed"]),
-            "failed": len(pdd["failed"]),
-            "failures": pdd["failed"][:20],
-            "token_mismatches": len(pdd["divergences"]),
-            "divergences": pdd["divergences"],
-            "pipelines": pipelines,
-            "fallbacks": fallbacks,
-            "held": {
-                side: {k: status[side][k] for k in ("held_slots", "held_bytes", "in_flight")}
-                for side in status
-            },
-        },
-    }
-
-
-def _fast_path(pdd: dict[str, Any], before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
-    """The KV bytes P shipped RLD over the fast path in the PDD run, against every whole block of
-    every prompt (what RLD got before its sidecar kept a DRC): RLD's DRC holds the conversation's
-    earlier turns, so a turn ships RLD only what it lacks. Bytes per block: the tiny Llama's, 32
-    tokens x 2 KB in float32."""
-
-    def rld_bytes(st: dict[str, Any]) -> int:
-        return int(st.get("p", {}).get("legs", {}).get("rld", {}).get("bytes", 0))
-
-    whole = sum((len(d.prompt) - 1) // 32 for d in pdd["done"]) * 32 * 2048
-    shipped = rld_bytes(after) - rld_bytes(before)
-    return {"bytes": shipped, "every_whole_block_bytes": whole, "share": shipped / whole if whole else None}
-
-
-PER_REQUEST = (
-    "pipeline",
-    "decision_reason",
-    "handoff_mode",
-    "handoff_outcome",
-    "ttft_s",
-    "e2e_s",
-    "tokens",
-    "prompt_tokens",
-    "mirror_matched_tokens",
-    "prefill_seconds",
-    "wan_estimate_s",
-    "fallbacks",
-)
-
-
-def _per_request(d: Done) -> dict[str, Any]:
-    """One request's trace, trimmed: what its TTFT is split by (pipeline, handoff, mirror match)."""
-    return {"request": d.request_id, "started_s": round(d.started_s, 3)} | {
-        k: d.trace[k] for k in PER_REQUEST if k in d.trace
-    }
-
-
-def table(r: dict[str, Any]) -> str:
-    pdd = r.get("pdd")
-    t = r["ttft_s"]
-    rows = [("TTFT P50 / P90 / P99 (s), P->MD", "{p50:.3f} / {p90:.3f} / {p99:.3f}".format(**t["baseline"]))]
-    if pdd is not None:
-        rows += [
-            ("TTFT P50 / P90 / P99 (s), PDD", "{p50:.3f} / {p90:.3f} / {p99:.3f}".format(**t["pdd"])),
-            ("PDD TTFT P90 / baseline", f"{r['p90_ratio']:.2f}x (target <= 0.6x; published 0.54x)"),
-            ("handoffs one-shot / catch-up", f"{r['handoffs']['one_shot']} / {r['handoffs']['catch_up']}"),
-            ("RLD token share", f"{r['rld_token_share']:.1%}"),
-            ("PDD pipelines", ", ".join(f"{k}={v}" for k, v in sorted(pdd["pipelines"].items()))),
-        ]
-    rows += [
-        ("requests / failed", f"{r['requests']} / {r['failed']}"),
-        ("token mismatches (float32, vs vLLM alone)", str(r["token_mismatches"])),
-        ("WAN bytes / expected (P->MD)", f"{r['wan_bytes']} / {r['wan_bytes_expected']}"),
-        (
-            "DRC hit / vLLM prefix-cache hit (MD)",
-            f"{r['drc_hit_rate']:.3f} / {r['vllm_prefix_cache_hit_rate']:.3f}",
-        ),
-        (
-            "WAN codec ({})".format(r["codec"].get("dtype", r["dtype"])),
-            "{name}, {ratio}x, {bytes_saved} B saved".format(**r["codec"]),
-        ),
-    ]
-    if "bfloat16" in r:
-        rows.append(("bfloat16 divergences (near-ties)", str(r["bfloat16"]["token_mismatches"])))
-    w = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k:{w}}  {v}" for k, v in rows)
-
-
-def _report(
-    spec: VllmDemoSpec,
-    out: dict[str, Any],
-    shipped: dict[str, dict[str, Any]],
-    ends: dict[str, dict[str, Any]],
-    status: dict[str, Any],
-    prefix: tuple[float, float],
-) -> dict[str, Any]:
-    bs = 32
-    wan = expected = padding = drc_tokens = prompt_tokens = wire = 0
-    codecs: dict[str, int] = {}
-    per_token = 0
-    for req in out["done"]:
-        s, e = shipped.get(req.request_id, {}), ends.get(req.request_id, {})
-        n = len(req.prompt)
-        blocks = (n - 1) // bs - int(s.get("first_block", 0))
-        if s.get("wan_bytes") and blocks:
-            per_token = int(s["wan_bytes"]) // (blocks * bs)
-        wan += int(s.get("wan_bytes", 0))
-        wire += int(s.get("wire_bytes", s.get("wan_bytes", 0)))
-        if s.get("codec"):
-            codecs[str(s["codec"])] = codecs.get(str(s["codec"]), 0) + 1
-        held = int(e.get("local_tokens") or 0)
-        expected += (n - held) * per_token
-        padding += (n - (n - 1) // bs * bs) * per_token  # the tail MD recomputes itself
-        drc_tokens += int(s.get("first_block", 0)) * bs
-        prompt_tokens += n
-    queries, hits = prefix
-    held_now = {
-        side: {k: status[side][k] for k in ("held_slots", "held_bytes", "in_flight")} for side in status
-    }
-    return {
-        "engine": "vllm",
-        "dtype": spec.dtype,
-        "requests": len(out["done"]) + len(out["failed"]),
-        "failed": len(out["failed"]),
-        "failures": out["failed"][:20],
-        "token_mismatches": len(out["divergences"]),
-        "divergences": out["divergences"],
-        "per_request": [_per_request(d) for d in out["done"]],
-        "concurrent": spec.concurrent,
-        "ttft_s": {"baseline": _pcts(out["ttft"])},
-        "wan_bytes": wan,
-        "wan_bytes_expected": expected,
-        "wan_tail_recomputed_bytes": padding,
-        "drc_hit_rate": drc_tokens / prompt_tokens if prompt_tokens else 0.0,
-        "vllm_prefix_cache_hit_rate": hits / queries if queries else 0.0,
-        "codec": {
-            "name": max(codecs, key=lambda c: codecs[c]) if codecs else "raw",
-            "ratio": round(wan / wire, 3) if wire else 1.0,
-            "bytes_saved": wan - wire,
-            "transfers": codecs,
-        },
-        "held": held_now,
-        "md": status.get("md", {}),
-        "p": status.get("p", {}),
-        "line_mbit": spec.line_mbit,
-        "rtt_ms": spec.rtt_ms,
-    }

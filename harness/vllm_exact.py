@@ -46,7 +46,8 @@ from typing import Any
 import httpx
 
 from engines_adapter import SamplingParams
-from harness.vllm_demo import Done, divergence
+from harness.vllm_demo import divergence
+from harness.vllm_demo_report import Done
 from pddlink.errors import PddlinkError
 
 WAN_LINK = "[link]\ndelay_ms = 5\nrate_mbit = 200\nqueue_packets = 400\n"
