@@ -83,8 +83,9 @@ def _cfg(trio: Any, **kw: Any) -> Any:
 
 
 def _why(trio: Any, final: dict[str, Any]) -> str:
-    """A failed assertion's context: the request's whole trace and what the vLLM logs said of KV."""
-    lines = [json.dumps(final, default=str)]
+    """A failed assertion's context: the request's whole trace, the sidecars' status and what the
+    vLLM logs said of KV."""
+    lines = [json.dumps(final, default=str), json.dumps(trio.status(), default=str)[:4000]]
     for name in ("p", "rld", "md"):
         log = trio.spec.workdir / f"{name}-vllm.log"
         if log.exists():
