@@ -62,12 +62,15 @@ class Inbox:
 
     async def get(self, timeout_s: float) -> Message:
         getter = asyncio.ensure_future(self.queue.get())
-        done, _ = await asyncio.wait(
-            {getter, self.lost}, timeout=max(timeout_s, 0.0), return_when="FIRST_COMPLETED"
-        )
+        try:
+            done, _ = await asyncio.wait(
+                {getter, self.lost}, timeout=max(timeout_s, 0.0), return_when="FIRST_COMPLETED"
+            )
+        finally:  # also when the handshake itself is cancelled: no getter task outlives it
+            if not getter.done():
+                getter.cancel()
         if getter in done:
             return getter.result()
-        getter.cancel()
         if self.lost in done:
             raise ConnectionLost("connection closed during the handshake")
         raise LocalError("handshake timed out", code=ErrorCode.DEADLINE_EXCEEDED)
@@ -134,13 +137,16 @@ async def open_connection(
             check_peer(certified, claimed=peer)
         elif expected_peer is not None and expected_peer != peer:
             raise AuthError(f"expected peer {expected_peer}, it says it is {peer}")
-    except (PddlinkError, OSError) as exc:
+    except BaseException as exc:
+        # also when the caller gives the connect up mid-handshake (a deadline's cancel): the
+        # socket closes with it, not whenever the collector finds it (one open socket per attempt
+        # through a WAN outage)
         conn.abort(exc)
-        if isinstance(exc, PddlinkError):
-            raise
-        raise LocalError(
-            f"connection to {host}:{port} failed: {exc}", code=ErrorCode.PEER_UNREACHABLE
-        ) from exc
+        if isinstance(exc, OSError):
+            raise LocalError(
+                f"connection to {host}:{port} failed: {exc}", code=ErrorCode.PEER_UNREACHABLE
+            ) from exc
+        raise
     return conn, inbox, peer
 
 

@@ -191,3 +191,40 @@ def test_cut_control_connection_is_reopened_and_the_link_keeps_working(
     assert isinstance(pong, Pong) and pong.nonce == 3
     assert result.bytes == len(data) and links == 1  # one session: the new control joined the old one
     assert len(got) == 1
+
+
+def test_a_connect_given_up_mid_handshake_leaves_no_socket_or_task_behind(run_async: Any) -> None:
+    """A peer that accepts and never answers the hello (a WAN cut after the SYN): the caller gives the
+    connect up (``wait_for``, as ``KVPeer.client`` does at its deadline). Its socket must close then
+    (the peer sees EOF), and nothing of that handshake may stay pending. Both used to outlive it, one
+    per attempt (measured in the WAN-outage runs: "Task was destroyed but it is pending", and the
+    server's handlers still reading)."""
+
+    async def go() -> tuple[int, list[asyncio.Task[Any]]]:
+        eofs: list[bytes] = []
+
+        async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.read()  # reads the hello, answers nothing, until the client closes
+            eofs.append(b"")
+            writer.close()
+
+        server = await asyncio.start_server(silent, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            for _ in range(3):
+                with pytest.raises(TimeoutError):
+                    await asyncio.wait_for(
+                        KVClient.connect("127.0.0.1", port, identity=CLIENT, tls=None, options=OPTIONS), 0.3
+                    )
+            for _ in range(50):
+                if len(eofs) == 3:
+                    break
+                await asyncio.sleep(0.02)
+            left = [t for t in asyncio.all_tasks() if t is not asyncio.current_task() and not t.done()]
+            return len(eofs), left
+        finally:
+            server.close()
+
+    closed, left = run_async(go)
+    assert closed == 3, "a given-up connect left its socket open"
+    assert not [t for t in left if "Queue.get" in repr(t)], left
