@@ -6,10 +6,12 @@ region (``sidecar.vllm_kv.shm``). One request line, one answer line: ``{"op": ..
 blocking client (vLLM's scheduler and worker call it from their own threads, a round trip is tens
 of microseconds); the sidecar's side is an asyncio server whose handler answers at once (anything
 slow, like a WAN transfer, runs as a task the handler only starts). Answers come back in request
-order, so the client can also pipeline: ``send`` writes a request and returns a ``Pending`` whose
-answer is read later (the connector sends P's ALLOC before vLLM's forward and reads it after, and
-does not wait for COMMIT's, PREPARE's or RELEASE's answer), or by the next ``call``, which reads
-every answer still owed; ``poll_answers`` reads those already arrived without blocking.
+order on each connection, not across connections: vLLM's scheduler and worker each hold one of
+their own, so the sidecar makes an ALLOC wait for its PREPARE. The client can also pipeline:
+``send`` writes a request and returns a ``Pending`` whose answer is read later (the connector
+sends P's ALLOC before vLLM's forward and reads it after, and does not wait for COMMIT's,
+PREPARE's or RELEASE's answer), or by the next ``call``, which reads every answer still owed;
+``poll_answers`` reads those already arrived without blocking.
 
 Operations (who sends them):
   PREPARE  P scheduler: a request will produce KV for ``transfer`` (``prompt`` token ids); the
@@ -30,7 +32,7 @@ import json
 import select
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -55,7 +57,9 @@ class TransferState(StrEnum):
     FAILED = "failed"
 
 
-Handler = Callable[[Op, dict[str, Any]], dict[str, Any]]
+# an answer now, or one that comes once something the request depends on has happened (P's ALLOC
+# on the worker's channel waits for the PREPARE that the scheduler's channel carries)
+Handler = Callable[[Op, dict[str, Any]], dict[str, Any] | Awaitable[dict[str, Any]]]
 
 
 def field(msg: dict[str, Any], name: str, kind: type) -> Any:
@@ -70,13 +74,16 @@ def field(msg: dict[str, Any], name: str, kind: type) -> Any:
     return value
 
 
-def _answer(handler: Handler, line: bytes) -> dict[str, Any]:
+async def _answer(handler: Handler, line: bytes) -> dict[str, Any]:
     try:
         msg = json.loads(line)
         if not isinstance(msg, dict):
             raise InvalidInput("a control message is a JSON object")
         op = Op(str(msg.get("op")))
-        return {"ok": True, **handler(op, msg)}
+        out = handler(op, msg)
+        if not isinstance(out, dict):
+            out = await out
+        return {"ok": True, **out}
     except PddlinkError as exc:
         return {"ok": False, "error": f"{exc.code.name.lower()}: {exc.message}"}
     except (ValueError, KeyError, TypeError) as exc:
@@ -90,7 +97,7 @@ async def serve_control(path: Path, handler: Handler) -> asyncio.AbstractServer:
     async def on_client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while line := await reader.readline():
-                writer.write(json.dumps(_answer(handler, line)).encode() + b"\n")
+                writer.write(json.dumps(await _answer(handler, line)).encode() + b"\n")
                 await writer.drain()
         except (ConnectionError, asyncio.IncompleteReadError, ValueError):
             pass

@@ -38,7 +38,7 @@ from pddlink.transport import (
 )
 from sidecar.peers import KVPeer
 from sidecar.vllm_kv.consumer import ConsumerBridge
-from sidecar.vllm_kv.control import Op, serve_control
+from sidecar.vllm_kv.control import serve_control
 from sidecar.vllm_kv.kv_events import KvEventFeed
 from sidecar.vllm_kv.producer import ProducerBridge
 from sidecar.vllm_kv.shm import ShmRegion, region_path
@@ -185,7 +185,9 @@ class VllmSidecar:
 
     def status(self) -> dict[str, Any]:
         bridge = self.producer or self.consumer
-        out = bridge.handle(Op.STATUS, {}) if bridge is not None else {}
+        if self.consumer is not None:
+            self.consumer.sweep()  # as its STATUS over the control channel does
+        out = bridge.status() if bridge is not None else {}
         if self.feed is not None:
             out["kv_events"] = self.feed.stats()
         if self._rld is not None:

@@ -140,3 +140,50 @@ def test_md_unreachable_fails_its_leg_only_and_frees_the_slot() -> None:
             await _close(p, rld, md)
 
     asyncio.run(run())
+
+
+def test_an_alloc_read_before_its_prepare_waits_for_it() -> None:
+    """vLLM's scheduler (PREPARE) and worker (ALLOC) each hold a control connection of their own, so
+    P's sidecar can read a request's ALLOC before its PREPARE (measured: 2 of 32 requests, whose KV
+    then never left P). The ALLOC waits for the PREPARE and is answered with a slot; the transfer
+    ships. Real sidecars and control sockets: the worker's ALLOC is written first, the scheduler's
+    PREPARE after it."""
+    from sidecar.vllm_kv.control import ControlClient
+
+    async def go() -> tuple[dict[str, Any], bool]:
+        root = Path(tempfile.mkdtemp(prefix="pddlink-legs-"))
+        p, rld, md = await _trio(root)
+        scheduler, worker = ControlClient(p.control_path), ControlClient(p.control_path)
+        try:
+            prompt = list(range(3, 3 + 4 * BS + 5))
+            n = (len(prompt) - 1) // BS
+            alloc = await asyncio.to_thread(
+                worker.send, Op.ALLOC, transfer="t9", num_blocks=n, bytes_per_block=PER_BLOCK
+            )
+            await asyncio.sleep(0.2)  # the ALLOC is read and waits
+            await asyncio.to_thread(
+                scheduler.call, Op.PREPARE, transfer="t9", prompt=prompt, deadline_at=time.time() + 5
+            )
+            answer = await asyncio.to_thread(alloc.result)
+            await asyncio.to_thread(
+                worker.call,
+                Op.COMMIT,
+                transfer="t9",
+                offset=answer["offset"],
+                nbytes=answer["nbytes"],
+                first_block=answer["first_block"],
+                num_blocks=n,
+                num_tokens=len(prompt),
+                layout=LAYOUT,
+            )
+            assert p.producer is not None
+            await _until(lambda: "t9" in p.producer.done)  # type: ignore[union-attr]
+            return answer, bool(p.producer.done["t9"]["ok"])
+        finally:
+            scheduler.close()
+            worker.close()
+            await _close(p, rld, md)
+
+    answer, shipped = asyncio.run(go())
+    assert answer["nbytes"] == 4 * PER_BLOCK and answer["first_block"] == 0, answer
+    assert shipped
