@@ -2,8 +2,9 @@
 
 Each half (scheduler, worker) owns one, over its own ``ControlClient``. Besides the client's own
 pipelined ``send`` and blocking ``call``, it keeps the answers nobody waits for (PREPARE, RELEASE):
-they are read when the channel is next used, and logged if refused. The sidecar handles requests
-in order, so a later ALLOC or POLL sees their effect without anyone waiting on them.
+they are read when the channel is next used, and logged if refused. The sidecar handles each
+connection's requests in order, so a later request on the same channel sees their effect without
+anyone waiting on them.
 """
 
 from __future__ import annotations
