@@ -1,10 +1,13 @@
 """The connector's control client against a real sidecar control server (a Unix socket, an asyncio
 loop in a thread): pipelined ``send`` answers come back in order, a ``call`` reads what is still
-owed first, refusals raise when read, and a closed channel fails what it still owed."""
+owed first, refusals raise when read, and a closed channel fails what it still owed. The
+connector's ``SidecarChannel`` over it: an unawaited request's refusal is logged at the channel's
+next use, and ``call_or_warn`` logs a refusal instead of raising."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -13,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from engines_adapter.vllm.sidecar_channel import SidecarChannel
 from pddlink.errors import InvalidInput, RemoteError, Unavailable
 from sidecar.vllm_kv.control import ControlClient, Op, serve_control
 
@@ -96,3 +100,33 @@ def test_close_fails_what_is_still_owed(server) -> None:
     client.close()
     with pytest.raises(Unavailable):
         owed.result()
+
+
+def test_an_unawaited_refusal_is_logged_at_the_channels_next_use(server, caplog) -> None:
+    path, seen = server
+    channel = SidecarChannel(path)
+    caplog.set_level(logging.WARNING, logger="pddlink.vllm")
+    try:
+        channel.send_unawaited(Op.RELEASE, transfer="bad", reason="request finished")
+        channel.call(Op.STATUS, transfer="s")  # its answer is read here, but not looked at
+        assert "release of bad failed" not in caplog.text
+        channel.send_unawaited(Op.RELEASE, transfer="ok", reason="loaded")
+        assert "pddlink sidecar release of bad failed" in caplog.text
+        assert "no such transfer" in caplog.text
+        channel.call(Op.STATUS, transfer="end")  # the sidecar has handled everything sent before
+        assert seen == ["release:bad", "status:s", "release:ok", "status:end"]
+    finally:
+        channel.close()
+
+
+def test_call_or_warn_logs_a_refusal_instead_of_raising(server, caplog) -> None:
+    path, _ = server
+    channel = SidecarChannel(path)
+    caplog.set_level(logging.WARNING, logger="pddlink.vllm")
+    try:
+        assert channel.call_or_warn(Op.RELEASE, transfer="bad", reason="save failed: x") is None
+        assert "pddlink sidecar release failed" in caplog.text
+        answer = channel.call_or_warn(Op.RELEASE, transfer="ok", reason="commit failed: x")
+        assert answer is not None and answer["echo"] == "ok"
+    finally:
+        channel.close()

@@ -1,0 +1,58 @@
+"""What ``PddlinkConnector`` reads from vLLM's configuration, read once where vLLM builds it.
+
+vLLM hands the connector its whole ``VllmConfig``; both halves need only a few fields of it (the
+block size, the role, the sidecar's socket, the test and bench outputs, the KV layout COMMIT
+declares). Reading them here, at the entry point, keeps the halves free of vLLM's config objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vllm.config import KVTransferConfig, VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorConfig:
+    control_socket: Path  # the local sidecar's control channel
+    producer: bool  # kv_producer (P); else a kv_consumer (RelayDecode, MainDecode)
+    block_size: int  # tokens per vLLM KV block
+    num_blocks: int  # blocks in vLLM's paged KV cache
+    layout: dict[str, int | str]  # the KV layout COMMIT declares to the sidecar
+    dump_dir: Path | None = None  # tests: the KV bytes each side held
+    dump_tag: str = "P"  # the dump files' prefix
+    timing_file: Path | None = None  # bench: hook timings, JSON lines
+
+    @classmethod
+    def of(
+        cls, cfg: KVTransferConfig, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
+    ) -> ConnectorConfig:
+        sock = cfg.get_from_extra_config("control_socket", None)
+        if not sock:
+            raise ValueError("PddlinkConnector needs kv_connector_extra_config.control_socket")
+        producer = cfg.is_kv_producer
+        block_size = vllm_config.cache_config.block_size
+        dump = cfg.get_from_extra_config("kv_dump_dir", None)
+        timing = cfg.get_from_extra_config("timing_file", None)
+        mc, par = vllm_config.model_config, vllm_config.parallel_config
+        return cls(
+            control_socket=Path(sock),
+            producer=producer,
+            block_size=block_size,
+            num_blocks=kv_cache_config.num_blocks,
+            layout={
+                "num_layers": mc.get_num_layers(par),
+                "num_kv_heads": mc.get_num_kv_heads(par),
+                "head_dim": mc.get_head_size(),
+                "dtype": str(mc.dtype).removeprefix("torch."),
+                "block_size": block_size,
+            },
+            dump_dir=Path(dump) if dump else None,
+            # "P" / "MD" by role; RelayDecode's launcher sets "RLD"
+            dump_tag=str(cfg.get_from_extra_config("dump_tag", "P" if producer else "MD")),
+            timing_file=Path(timing) if timing else None,
+        )
