@@ -64,7 +64,6 @@ class ConnectorScheduler:
         self.channel = channel
         self._producing: dict[str, Producing] = {}
         self._consuming: dict[str, Consuming] = {}
-        self._new_saves: list[SaveSpec] = []
         self._new_loads: list[LoadSpec] = []
         self.recomputed: dict[str, int] = {}  # reason -> requests MD prefilled itself
         self._local_hit: dict[str, int] = {}
@@ -171,8 +170,8 @@ class ConnectorScheduler:
         self._new_loads.append(c.load)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PddlinkMetadata:
-        meta = PddlinkMetadata(saves=self._new_saves, loads=self._new_loads)
-        self._new_saves, self._new_loads = [], []
+        meta = PddlinkMetadata(saves=[], loads=self._new_loads)  # saves: added below (_maybe_save)
+        self._new_loads = []
         if not self.producer:
             return meta
         sched = scheduler_output.num_scheduled_tokens
