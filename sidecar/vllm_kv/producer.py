@@ -261,9 +261,10 @@ class ProducerBridge:
                     begin, payload, deadline_s=max(deadline - time.monotonic(), 0.01)
                 )
             except PddlinkError as exc:
-                # only a link that is lost or stalled is closed: closing it for one transfer that
-                # was cancelled (its request ended) cancelled every other transfer on it, and those
-                # requests' loads failed in vLLM mid-stream (measured: ``rld_lost`` in the demo)
+                # only a link that is lost or stalled is closed, and only the client this transfer
+                # ran on (KVPeer.send's rule): closing it for a transfer that was cancelled, or a
+                # link re-dialled since, cancels every other transfer on it ("cancelled: link
+                # closed"), and a consumer whose load had started then fails that request in vLLM
                 if redial_after(exc, client, heard):
                     await leg.peer.drop(client)
                 raise
