@@ -231,6 +231,7 @@ class Sidecar:
         if self.prefiller is not None:
             out["transfers"] = {
                 "in_flight": self.prefiller.in_flight,
+                "in_engine": len(self.prefiller.in_engine),  # prefilled, not yet released
                 "wan": self.prefiller.wan_book.to_json(),
             }
             out["wan_codec"] = self.prefiller.wan_codec.status_json(time.monotonic())

@@ -93,13 +93,15 @@ def admin_status(target: str) -> dict[str, Any]:
 
 def held_now(cluster: Cluster) -> dict[str, Any]:
     """kv_blocks: blocks MD's DRC pins for requests; leases: its live reservations; waiting: entries
-    the decoders hold, requests the engines still run, P's transfers and the router's requests."""
+    the decoders hold, requests the engines still run, P's transfers, the requests P's engine holds
+    (prefilled, not yet released) and the router's requests."""
     docs = {role: admin_status("unix:" + cluster.admin_socket(role)) for role in ("p", "rld", "md")}
     docs["router"] = admin_status("unix:" + cluster.router_unix)
     drc = docs["md"].get("drc", {})
     waiting = sum(int(docs[r].get("state", {}).get("held", {}).get("requests", 0)) for r in ("rld", "md"))
     waiting += sum(int(docs[r].get("engine_active", 0)) for r in ("p", "rld", "md"))
-    waiting += int(docs["p"].get("transfers", {}).get("in_flight", 0))
+    transfers = docs["p"].get("transfers", {})
+    waiting += int(transfers.get("in_flight", 0)) + int(transfers.get("in_engine", 0))
     waiting += sum(int(n) for n in docs["router"].get("in_flight", {}).values())
     errors = {r: d["error"] for r, d in docs.items() if "error" in d}
     return {
