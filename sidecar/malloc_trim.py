@@ -33,6 +33,7 @@ import ctypes
 import ctypes.util
 import functools
 import gc
+import sys
 from collections.abc import Callable
 
 TRIM_EVERY_S = 5.0  # what a burst left is back within 5 s of its end (a 10 s quiet sees two)
@@ -99,6 +100,29 @@ async def trim_every(seconds: float = TRIM_EVERY_S) -> None:
     while True:
         await asyncio.sleep(seconds)
         await release()
+
+
+_MALLINFO2_FIELDS = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in _MALLINFO2_FIELDS.split()]
+
+
+def heap_stats() -> dict[str, int]:
+    """Where a process's heap memory is, for telling growth from a level it settles at (the chaos
+    suite's RSS figures): ``py_blocks``, the interpreter's live small objects (pymalloc blocks;
+    their arenas are mappings of their own, outside malloc's figures), and glibc's figures over
+    every arena (``mallinfo2``): ``malloc_in_use``, ``malloc_free`` (freed, kept in the arenas),
+    ``malloc_mapped`` (blocks mapped on their own: KV buffers). Only ``py_blocks`` without glibc."""
+    out = {"py_blocks": sys.getallocatedblocks(), "gc_objects": len(gc.get_objects())}  # ms: not polled
+    lib = _libc()
+    fn = getattr(lib, "mallinfo2", None) if lib is not None else None
+    if fn is not None:
+        fn.argtypes, fn.restype = [], _MallInfo2
+        info = fn()
+        out |= {"malloc_in_use": info.uordblks, "malloc_free": info.fordblks, "malloc_mapped": info.hblkhd}
+    return out
 
 
 def trim() -> bool:

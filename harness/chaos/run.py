@@ -82,13 +82,19 @@ def workload(requests: int, seed: int, max_output: int) -> list[tuple[DemoReques
     return out
 
 
-def admin_status(target: str) -> dict[str, Any]:
+def admin_status(target: str, path: str = "/status") -> dict[str, Any]:
     try:
-        code, body = fetch(target, "GET", "/status", timeout_s=5.0)
+        code, body = fetch(target, "GET", path, timeout_s=5.0)
     except OSError as exc:
         return {"error": str(exc)}
     doc: dict[str, Any] = json.loads(body) if code == 200 else {"error": f"HTTP {code}"}
     return doc
+
+
+def heap_of(cluster: Cluster, role: str) -> dict[str, Any]:
+    """The role's own process's heap figures (its admin ``/memory``: ``sidecar.malloc_trim``)."""
+    target = cluster.router_unix if role == "router" else cluster.admin_socket(role)
+    return admin_status("unix:" + target, "/memory")
 
 
 def held_now(cluster: Cluster) -> dict[str, Any]:
@@ -369,9 +375,10 @@ def main(
     say(f"chaos: {len(reqs)} requests, {concurrency} at once, deadline {deadline_s:g} s, faults: "
         + ", ".join(f.name for f in faults))  # fmt: skip
     lab = Lab.up(parse_profile(wan_profile(spec), name="pddlink-chaos"), name=f"chaos{os.getpid() % 100000}")
-    rss = RssBook(len(warm))  # a restarted process's own warm-up: as many requests, the peak wave, quiet
     try:
         with Cluster(lab, spec) as cluster:
+            # a restarted process's own warm-up: as many requests, the peak wave, quiet
+            rss = RssBook(len(warm), heap=functools.partial(heap_of, cluster))
             say(f"[chaos] deployment up ({lab.mode} lab, mutual TLS between all roles)")
             for batch, at_once in ((warm, concurrency), (warm_peak, peak)):
                 if batch:
@@ -407,6 +414,7 @@ def main(
                 held = held_now(cluster)
                 growth = rss.growth(cluster)
                 parts = rss.parts_report(cluster)
+                heaps = rss.heap_report(cluster)
     finally:
         lab.down()
     with open(work / "rss.jsonl", "w") as f:  # every process's RSS once a second: (s, role:pid, MiB)
@@ -425,6 +433,7 @@ def main(
     doc["rss_growth_max"] = max((g for g in growth.values() if g is not None), default=0.0)
     doc["rss_growth"] = growth
     doc["rss_parts_mib"] = parts  # baseline and end split: anon (heaps), file, shmem
+    doc["heap"] = heaps  # baseline and end: live Python blocks, malloc in use / free / mapped
     doc["rss_baseline_mib"] = {f"{role}:{pid}": round(b / 2**20, 1) for pid, (role, b) in rss.base.items()}
     doc["setting"] = {
         "concurrency": concurrency,
