@@ -37,7 +37,7 @@ from sidecar.admission import Overloaded, grpc_rejection, http_rejection
 from sidecar.client_guard import ApiConfig, ClientGuard, Refusal
 from sidecar.grpc_tls import bind, new_server
 from sidecar.http import HttpLimits, Request, Response, json_response, serve_http
-from sidecar.malloc_trim import fix_mmap_threshold, freeze_startup, heap_stats, trim_every
+from sidecar.malloc_trim import fix_mmap_threshold, freeze_startup, heap_stats, trim_every, types_asked
 from sidecar.openai_api import Responder, error_body, models_body
 from sidecar.openai_schema import Endpoint, Job, Limits, RequestRefused, completion_job, generate_job
 from sidecar.openai_text import TextCodec
@@ -109,7 +109,7 @@ class RouterApi:
         if req.method == "GET" and req.path == "/status":
             return json_response(200, self.router.status())
         if req.method == "GET" and req.path == "/memory":
-            return json_response(200, heap_stats())
+            return json_response(200, heap_stats(top_types=types_asked(req.query)))
         if req.path == "/v1/models":
             if req.method != "GET":
                 return _error(405, "use GET for /v1/models", "MethodNotAllowed")

@@ -56,7 +56,7 @@ from sidecar.engine_loop import EngineLoop
 from sidecar.grpc_tls import SIDECAR_CALLERS, CallerCheck, bind, new_server
 from sidecar.http import Request, Response, error_response, json_response, serve_http
 from sidecar.kv_admission import KvAdmission
-from sidecar.malloc_trim import fix_mmap_threshold, freeze_startup, heap_stats
+from sidecar.malloc_trim import fix_mmap_threshold, freeze_startup, heap_stats, types_asked
 from sidecar.peers import DecoderPeer, KVPeer, KVPeerPool
 from sidecar.prefill import Prefiller
 from sidecar.reservations import ReservationIds
@@ -257,7 +257,7 @@ class Sidecar:
         if req.method == "GET" and req.path == "/status":
             return json_response(200, self.status())
         if req.method == "GET" and req.path == "/memory":  # not in /status: the router polls that
-            return json_response(200, heap_stats())
+            return json_response(200, heap_stats(top_types=types_asked(req.query)))
         if req.path.startswith("/drc/"):
             return await self._drc_admin(req)
         return error_response(404, f"no such endpoint: {req.method} {req.path}")

@@ -57,6 +57,7 @@ ENGINE_DEATH_EXIT_S = 10.0  # a sidecar whose engine died has stopped by then
 POOL_RETURN_S = 15.0  # a restarted role is back in the router's pool within this, or the fault says not
 POOL_POLL_S = 0.1
 PIPELINES = ("", "p_md", "p_rld_md", "singular")
+HEAP_TYPES = 12  # the most numerous object types each heap figure names
 SINGULAR_MAX_TOKENS = 4
 
 
@@ -94,7 +95,7 @@ def admin_status(target: str, path: str = "/status") -> dict[str, Any]:
 def heap_of(cluster: Cluster, role: str) -> dict[str, Any]:
     """The role's own process's heap figures (its admin ``/memory``: ``sidecar.malloc_trim``)."""
     target = cluster.router_unix if role == "router" else cluster.admin_socket(role)
-    return admin_status("unix:" + target, "/memory")
+    return admin_status("unix:" + target, f"/memory?types={HEAP_TYPES}")
 
 
 def held_now(cluster: Cluster) -> dict[str, Any]:

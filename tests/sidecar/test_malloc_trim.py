@@ -140,3 +140,18 @@ def test_heap_stats_tell_live_objects_and_mapped_buffers_apart() -> None:
     del objects, buf
     after = malloc_trim.heap_stats()
     assert after["malloc_mapped"] - before["malloc_mapped"] < 1 << 20
+
+
+class _Marker:
+    pass
+
+
+def test_heap_stats_name_the_types_that_grew() -> None:
+    """``/memory?types=N``: the N most numerous tracked types, by count."""
+    assert "types" not in malloc_trim.heap_stats()
+    assert malloc_trim.types_asked("types=3") == 3
+    assert malloc_trim.types_asked("types=x") == malloc_trim.types_asked("") == 0
+    markers = [_Marker() for _ in range(50_000)]
+    types = malloc_trim.heap_stats(top_types=3)["types"]
+    assert len(types) == 3 and types.get("_Marker", 0) >= 50_000, types
+    del markers
