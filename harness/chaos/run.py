@@ -3,8 +3,8 @@ separate processes across a netlab WAN, mutual TLS between all of them), a bound
 a fault schedule applied while it runs, then the invariants.
 
 Lifecycle: lab up -> deployment up -> warm-up (the same mix, then one wave at the burst's peak
-concurrency; after QUIET_S of quiet, each process's RSS baseline: the state the end is measured in
-too) -> load and faults together (a fault fires once its share of the load has ended; a killed
+concurrency; after QUIET_S of quiet, once nothing is held anywhere, each process's RSS baseline:
+the state the end is measured in too) -> load and faults together (a fault fires once its share of the load has ended; a killed
 role is restarted on its ports, as a supervisor would, and gets the same warm-up before its own
 baseline: as many requests of the load's mix, then the load is held, the peak wave is sent again,
 and QUIET_S of quiet) -> 10 s of quiet, then what every process still holds and its RSS ->
@@ -117,6 +117,19 @@ def held_now(cluster: Cluster) -> dict[str, Any]:
         "waiting": waiting,
         **({"unreachable": errors} if errors else {}),
     }
+
+
+def settled(cluster: Cluster, timeout_s: float = QUIET_S) -> dict[str, Any]:
+    """Wait (at most ``timeout_s``) until no process holds anything for a request (``held_now``
+    all 0), so an RSS baseline is taken in the state the end's figure is: nothing held, nothing in
+    flight, P shipping nothing. What was still held then, if anything."""
+    until = time.monotonic() + timeout_s
+    while True:
+        held = held_now(cluster)
+        busy = {k: v for k, v in held.items() if k != "unreachable" and v}
+        if not busy or time.monotonic() >= until:
+            return busy
+        time.sleep(0.25)
 
 
 def router_in_flight(cluster: Cluster) -> int:
@@ -305,6 +318,8 @@ async def load_and_faults(
             )
             await until_idle()
         await asyncio.sleep(QUIET_S)
+        if busy := await asyncio.to_thread(settled, cluster):
+            say(f"[chaos] {faults.now():6.1f} s  still held at {', '.join(roles)}'s baseline: {busy}")
         faults.rss.sample(cluster, roles)
         phases.release()
 
@@ -394,6 +409,8 @@ def main(
                     )
             say(f"[chaos] warm-up over; {QUIET_S:g} s of quiet, then each process's RSS baseline")
             time.sleep(QUIET_S)  # as before the end's figure: the same state, nothing in flight
+            if busy := settled(cluster):
+                say(f"[chaos] still held at the baseline: {busy}")
             rss.sample(cluster, ("p", "rld", "md", "router"))
             runner = FaultRunner(lab, cluster, rss, time.monotonic(), wan_profile(spec))
             sampler = RssSampler(cluster, runner.t0)
