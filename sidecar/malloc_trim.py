@@ -133,6 +133,7 @@ def heap_stats(top_types: int = 0) -> dict[str, Any]:
         fn.argtypes, fn.restype = [], _MallInfo2
         info = fn()
         out |= {"malloc_in_use": info.uordblks, "malloc_free": info.fordblks, "malloc_mapped": info.hblkhd}
+        out["malloc_mapped_blocks"] = info.hblks  # their count: the mean size says what they are
     return out
 
 
