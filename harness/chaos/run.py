@@ -4,12 +4,12 @@ a fault schedule applied while it runs, then the invariants.
 
 Lifecycle: lab up -> deployment up -> warm-up (the same mix, then one wave at the burst's peak
 concurrency; after QUIET_S of quiet, once nothing is held anywhere, each process's RSS baseline:
-the state the end is measured in too) -> load and faults together (a fault fires once its share of the load has ended; a killed
-role is restarted on its ports, as a supervisor would, and gets the same warm-up before its own
-baseline: as many requests of the load's mix, then the load is held, the peak wave is sent again,
-and QUIET_S of quiet) -> 10 s of quiet, then what every process still holds and its RSS ->
-deployment and lab down -> reference pass (one engine alone, separate process) -> invariants,
-table, JSON, PNG timeline. Progress goes to stderr.
+the state the end is measured in too) -> load and faults together (a fault fires once its share of
+the load has ended; a killed role is restarted on its ports, as a supervisor would, and gets the
+same warm-up before its own baseline: as many requests of the load's mix, then the load is held,
+the peak wave is sent again, and QUIET_S of quiet) -> 10 s of quiet, then what every process still
+holds and its RSS -> deployment and lab down -> reference pass (one engine alone, separate
+process) -> invariants, table, JSON, PNG timeline. Progress goes to stderr.
 
 Why a restarted process gets the peak wave too: a process's quiet RSS after a wave of 4x the
 concurrency is not its quiet RSS after the usual concurrency (allocator pools and buffers sized by
