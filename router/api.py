@@ -1,6 +1,6 @@
 """The router's client APIs: gRPC ``Router.Generate`` (server streaming) and an HTTP API in the
 shape of vLLM's OpenAI-compatible server (``/v1/completions``, ``/v1/chat/completions``,
-``/v1/models``; ``"stream": true`` for server-sent events), plus GET /metrics, /healthz, /status.
+``/v1/models``; ``"stream": true`` for server-sent events), plus GET /metrics, /healthz, /status, /memory.
 
 Every request is validated whole by one schema (``sidecar.openai_schema``) before any work starts:
 a bad field gets 400 (gRPC ``INVALID_ARGUMENT``) naming it, and nothing changes (no request id is
@@ -37,7 +37,7 @@ from sidecar.admission import Overloaded, grpc_rejection, http_rejection
 from sidecar.client_guard import ApiConfig, ClientGuard, Refusal
 from sidecar.grpc_tls import bind, new_server
 from sidecar.http import HttpLimits, Request, Response, json_response, serve_http
-from sidecar.malloc_trim import fix_mmap_threshold, freeze_startup, trim_every
+from sidecar.malloc_trim import fix_mmap_threshold, freeze_startup, heap_stats, trim_every, types_asked
 from sidecar.openai_api import Responder, error_body, models_body
 from sidecar.openai_schema import Endpoint, Job, Limits, RequestRefused, completion_job, generate_job
 from sidecar.openai_text import TextCodec
@@ -108,6 +108,8 @@ class RouterApi:
             return Response(200, body, ctype)
         if req.method == "GET" and req.path == "/status":
             return json_response(200, self.router.status())
+        if req.method == "GET" and req.path == "/memory":
+            return json_response(200, heap_stats(top_types=types_asked(req.query)))
         if req.path == "/v1/models":
             if req.method != "GET":
                 return _error(405, "use GET for /v1/models", "MethodNotAllowed")

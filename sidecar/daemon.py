@@ -13,8 +13,9 @@ anything else starts, and is stopped after everything else; the role logic sees 
 
 Admin HTTP: GET /metrics (Prometheus), /healthz (the process serves with a live engine: 503 once
 an engine process is gone, and the sidecar then stops: ``sidecar.sweep``), /readyz (engine loaded
-and attached), /status (JSON; ``state``: what the sidecar holds, what the sweep ended), /drc/stats
-(JSON), /drc/snapshot (bytes), POST /drc/match.
+and attached), /status (JSON; ``state``: what the sidecar holds, what the sweep ended), /memory
+(JSON: where the heap is, ``sidecar.malloc_trim.heap_stats``), /drc/stats (JSON), /drc/snapshot
+(bytes), POST /drc/match.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ from sidecar.engine_loop import EngineLoop
 from sidecar.grpc_tls import SIDECAR_CALLERS, CallerCheck, bind, new_server
 from sidecar.http import Request, Response, error_response, json_response, serve_http
 from sidecar.kv_admission import KvAdmission
-from sidecar.malloc_trim import fix_mmap_threshold, freeze_startup
+from sidecar.malloc_trim import fix_mmap_threshold, freeze_startup, heap_stats, types_asked
 from sidecar.peers import DecoderPeer, KVPeer, KVPeerPool
 from sidecar.prefill import Prefiller
 from sidecar.reservations import ReservationIds
@@ -231,6 +232,7 @@ class Sidecar:
         if self.prefiller is not None:
             out["transfers"] = {
                 "in_flight": self.prefiller.in_flight,
+                "in_engine": len(self.prefiller.in_engine),  # prefilled, not yet released
                 "wan": self.prefiller.wan_book.to_json(),
             }
             out["wan_codec"] = self.prefiller.wan_codec.status_json(time.monotonic())
@@ -254,6 +256,8 @@ class Sidecar:
             return json_response(200 if ready else 503, {"ready": ready, "role": self.cfg.role})
         if req.method == "GET" and req.path == "/status":
             return json_response(200, self.status())
+        if req.method == "GET" and req.path == "/memory":  # not in /status: the router polls that
+            return json_response(200, heap_stats(top_types=types_asked(req.query)))
         if req.path.startswith("/drc/"):
             return await self._drc_admin(req)
         return error_response(404, f"no such endpoint: {req.method} {req.path}")

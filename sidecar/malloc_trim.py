@@ -29,11 +29,15 @@ collection takes well under a millisecond instead of ~45 ms on a busy two-core m
 from __future__ import annotations
 
 import asyncio
+import collections
 import ctypes
 import ctypes.util
 import functools
 import gc
+import sys
+import urllib.parse
 from collections.abc import Callable
+from typing import Any
 
 TRIM_EVERY_S = 5.0  # what a burst left is back within 5 s of its end (a 10 s quiet sees two)
 MMAP_THRESHOLD = 256 << 10  # KV buffers (a block's bytes and more) are mapped on their own
@@ -99,6 +103,44 @@ async def trim_every(seconds: float = TRIM_EVERY_S) -> None:
     while True:
         await asyncio.sleep(seconds)
         await release()
+
+
+_MALLINFO2_FIELDS = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in _MALLINFO2_FIELDS.split()]
+
+
+def heap_stats(top_types: int = 0) -> dict[str, Any]:
+    """Where a process's heap memory is, for telling growth from a level it settles at (the chaos
+    suite's RSS figures): ``py_blocks``, the interpreter's live small objects (pymalloc blocks;
+    their arenas are mappings of their own, outside malloc's figures), ``gc_objects`` (what the
+    collector tracks, the frozen startup objects aside), and glibc's figures over every arena
+    (``mallinfo2``): ``malloc_in_use``, ``malloc_free`` (freed, kept in the arenas),
+    ``malloc_mapped`` (blocks mapped on their own: KV buffers). ``top_types``: that many of the
+    most numerous tracked types with their counts (``types``), to name what grew. Tens of ms on a
+    busy sidecar: asked for (admin ``/memory``), never polled."""
+    tracked = gc.get_objects()
+    out: dict[str, Any] = {"py_blocks": sys.getallocatedblocks(), "gc_objects": len(tracked)}
+    if top_types:
+        counts = collections.Counter(type(o).__qualname__ for o in tracked)
+        out["types"] = dict(counts.most_common(top_types))
+    del tracked
+    lib = _libc()
+    fn = getattr(lib, "mallinfo2", None) if lib is not None else None
+    if fn is not None:
+        fn.argtypes, fn.restype = [], _MallInfo2
+        info = fn()
+        out |= {"malloc_in_use": info.uordblks, "malloc_free": info.fordblks, "malloc_mapped": info.hblkhd}
+        out["malloc_mapped_blocks"] = info.hblks  # their count: the mean size says what they are
+    return out
+
+
+def types_asked(query: str) -> int:
+    """``/memory?types=N``: how many types ``heap_stats`` lists (0 when absent or not a number)."""
+    value = urllib.parse.parse_qs(query).get("types", ["0"])[0]
+    return max(int(value), 0) if value.isdigit() else 0
 
 
 def trim() -> bool:

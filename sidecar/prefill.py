@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import random
 import time
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from typing import Any
 
 from engines_adapter import KVBlocks, SamplingParams, StepOutput
 from pddlink import metrics
-from pddlink.errors import ErrorCode, PddlinkError, Unavailable
+from pddlink.errors import DeadlineExceeded, ErrorCode, PddlinkError, Unavailable
 from pddlink.handoff import HandoffMode, HandoffSlice
 from pddlink.kv.codec import CodecId
 from pddlink.kv.hashing import BlockHasher
@@ -39,6 +40,8 @@ from sidecar.engine_loop import EngineLoop
 from sidecar.handoff_wire import slice_to_wire
 from sidecar.peers import DecoderPeer, KVPeer, KVPeerPool
 from sidecar.wan_codec import WanCodec
+
+log = logging.getLogger(__name__)
 
 WAN_SHARE_OF_DEADLINE = 0.6
 FAST_PATH_TIMEOUT_S = 3.0
@@ -77,6 +80,8 @@ class Prefiller:
         layout = loop.engine.layout
         self.hasher = BlockHasher(layout.model_id, layout.block_size)
         self.in_flight = 0
+        self.in_engine: set[str] = set()  # requests P's engine holds (prefill sent, not released)
+        self._releasing: set[asyncio.Future[None]] = set()
         self.wan_book = WanBook()  # what is queued toward MD (the router's link estimate reads it)
 
     async def prefill(self, job: PrefillJob) -> dict[str, Any]:
@@ -119,18 +124,48 @@ class Prefiller:
         return reply
 
     async def _compute(self, job: PrefillJob, reply: dict[str, Any]) -> tuple[StepOutput, KVBlocks]:
-        """Prefill on the engine and copy the KV out; P's request is released (prefix cached)."""
+        """Prefill on the engine and copy the KV out; P's request is released (prefix cached).
+
+        A call cancelled while the engine prefills (the router ended the request: its deadline, a
+        failure, the client gone) still releases it: the engine finishes a prefill it has begun,
+        whoever waits, and nothing else would ever release that request on P (its KV blocks stay
+        taken in P's pool, and the id stays live: a later request of that id fails)."""
         engine = self.loop.engine
-        prompt = list(job.prompt)
+        rid, prompt = job.request_id, list(job.prompt)
         reply["p_cached_tokens"] = await self.loop.call("cached", engine.cached_prefix_tokens, prompt)
         t0 = time.perf_counter()
-        first = await self.loop.call("prefill", engine.prefill, job.request_id, prompt, job.sampling)
+        self.in_engine.add(rid)
         try:
-            kv = await self.loop.call("export", engine.export_kv, job.request_id)
+            first = await self.loop.call("prefill", engine.prefill, rid, prompt, job.sampling)
+        except (asyncio.CancelledError, TimeoutError, DeadlineExceeded):
+            await self._release(rid)  # we stopped waiting; the engine may hold the request yet
+            raise
+        except BaseException:
+            self.in_engine.discard(rid)  # the engine failed the prefill: it keeps nothing of it
+            raise
+        try:
+            kv = await self.loop.call("export", engine.export_kv, rid)
         finally:
-            await self.loop.call("release", engine.release, job.request_id, cache_prefix=True)
+            await self._release(rid)
         reply["prefill_seconds"] = time.perf_counter() - t0
         return first, kv
+
+    async def _release(self, request_id: str) -> None:
+        """Release ``request_id`` on the engine, to the end even when the caller is cancelled (the
+        release runs as a task of its own; cancelling the caller stops only its wait)."""
+        task = asyncio.ensure_future(self._release_now(request_id))
+        self._releasing.add(task)
+        task.add_done_callback(self._releasing.discard)
+        await asyncio.shield(task)
+
+    async def _release_now(self, request_id: str) -> None:
+        engine = self.loop.engine
+        try:
+            await self.loop.call("release", engine.release, request_id, cache_prefix=True)
+        except (PddlinkError, TimeoutError) as exc:  # a prefill that never ran holds nothing
+            log.info("release of %s on P's engine: %s", request_id, exc)
+        finally:
+            self.in_engine.discard(request_id)
 
     async def _reserve(self, job: PrefillJob, hashes: list[int], deadline: float) -> int:
         link = self.md_kv.pick()

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 ROLES = ("p", "rld", "md", "router")
 
@@ -50,10 +50,14 @@ class RssBook:
     mix, 700 MiB in a WAN outage): a baseline taken 100 requests after a restart with requests in
     flight read as x1.53 growth at the end, one taken in quiet but without the wave as x1.53-1.68."""
 
-    def __init__(self, warmup: int) -> None:
+    def __init__(self, warmup: int, heap: Callable[[str], dict[str, Any]] | None = None) -> None:
+        """``heap(role)``: where the heap of the role's own process (not its engine child) is now
+        (its admin ``/memory``), kept beside each RSS figure to tell live objects from free memory."""
         self.warmup = warmup
+        self.heap = heap
         self.base: dict[int, tuple[str, int]] = {}
         self.parts: dict[int, dict[str, int]] = {}  # the baseline's VmRSS split (anon, file, shmem)
+        self.heaps: dict[int, dict[str, Any]] = {}  # the baseline's heap figures (the role's process)
         self.ended = 0
         self.pending: dict[str, int] = {}  # role -> requests ended at which its warm-up is over
         self._lock = threading.Lock()
@@ -73,11 +77,13 @@ class RssBook:
 
     def sample(self, cluster: Pids, roles: Sequence[str]) -> None:
         for role in roles:
-            for pid in cluster.pids(role):
+            for i, pid in enumerate(cluster.pids(role)):
                 rss = rss_bytes(pid)
                 if rss:
                     self.base[pid] = (role, rss)
                     self.parts[pid] = rss_parts(pid)
+                    if i == 0 and self.heap is not None:
+                        self.heaps[pid] = self.heap(role)
 
     def growth(self, cluster: Pids) -> dict[str, float | None]:
         """End RSS / baseline per process ("role:pid"); None: restarted too late for a baseline."""
@@ -99,6 +105,15 @@ class RssBook:
                     out[f"{role}:{pid}"] = {
                         k: {n: round(b / 2**20, 1) for n, b in v.items()} for k, v in mib.items()
                     }
+        return out
+
+    def heap_report(self, cluster: Pids) -> dict[str, dict[str, dict[str, Any]]]:
+        """Per role process with a baseline: its heap figures then and now (``heap``)."""
+        out = {}
+        for role in ROLES:
+            pids = cluster.pids(role)
+            if pids and pids[0] in self.heaps and self.heap is not None:
+                out[f"{role}:{pids[0]}"] = {"base": self.heaps[pids[0]], "end": self.heap(role)}
         return out
 
 

@@ -3,13 +3,13 @@ separate processes across a netlab WAN, mutual TLS between all of them), a bound
 a fault schedule applied while it runs, then the invariants.
 
 Lifecycle: lab up -> deployment up -> warm-up (the same mix, then one wave at the burst's peak
-concurrency; after QUIET_S of quiet, each process's RSS baseline: the state the end is measured in
-too) -> load and faults together (a fault fires once its share of the load has ended; a killed
-role is restarted on its ports, as a supervisor would, and gets the same warm-up before its own
-baseline: as many requests of the load's mix, then the load is held, the peak wave is sent again,
-and QUIET_S of quiet) -> 10 s of quiet, then what every process still holds and its RSS ->
-deployment and lab down -> reference pass (one engine alone, separate process) -> invariants,
-table, JSON, PNG timeline. Progress goes to stderr.
+concurrency; after QUIET_S of quiet, once nothing is held anywhere, each process's RSS baseline:
+the state the end is measured in too) -> load and faults together (a fault fires once its share of
+the load has ended; a killed role is restarted on its ports, as a supervisor would, and gets the
+same warm-up before its own baseline: as many requests of the load's mix, then the load is held,
+the peak wave is sent again, and QUIET_S of quiet) -> 10 s of quiet, then what every process still
+holds and its RSS -> deployment and lab down -> reference pass (one engine alone, separate
+process) -> invariants, table, JSON, PNG timeline. Progress goes to stderr.
 
 Why a restarted process gets the peak wave too: a process's quiet RSS after a wave of 4x the
 concurrency is not its quiet RSS after the usual concurrency (allocator pools and buffers sized by
@@ -57,6 +57,7 @@ ENGINE_DEATH_EXIT_S = 10.0  # a sidecar whose engine died has stopped by then
 POOL_RETURN_S = 15.0  # a restarted role is back in the router's pool within this, or the fault says not
 POOL_POLL_S = 0.1
 PIPELINES = ("", "p_md", "p_rld_md", "singular")
+HEAP_TYPES = 12  # the most numerous object types each heap figure names
 SINGULAR_MAX_TOKENS = 4
 
 
@@ -82,24 +83,32 @@ def workload(requests: int, seed: int, max_output: int) -> list[tuple[DemoReques
     return out
 
 
-def admin_status(target: str) -> dict[str, Any]:
+def admin_status(target: str, path: str = "/status") -> dict[str, Any]:
     try:
-        code, body = fetch(target, "GET", "/status", timeout_s=5.0)
+        code, body = fetch(target, "GET", path, timeout_s=5.0)
     except OSError as exc:
         return {"error": str(exc)}
     doc: dict[str, Any] = json.loads(body) if code == 200 else {"error": f"HTTP {code}"}
     return doc
 
 
+def heap_of(cluster: Cluster, role: str) -> dict[str, Any]:
+    """The role's own process's heap figures (its admin ``/memory``: ``sidecar.malloc_trim``)."""
+    target = cluster.router_unix if role == "router" else cluster.admin_socket(role)
+    return admin_status("unix:" + target, f"/memory?types={HEAP_TYPES}")
+
+
 def held_now(cluster: Cluster) -> dict[str, Any]:
     """kv_blocks: blocks MD's DRC pins for requests; leases: its live reservations; waiting: entries
-    the decoders hold, requests the engines still run, P's transfers and the router's requests."""
+    the decoders hold, requests the engines still run, P's transfers, the requests P's engine holds
+    (prefilled, not yet released) and the router's requests."""
     docs = {role: admin_status("unix:" + cluster.admin_socket(role)) for role in ("p", "rld", "md")}
     docs["router"] = admin_status("unix:" + cluster.router_unix)
     drc = docs["md"].get("drc", {})
     waiting = sum(int(docs[r].get("state", {}).get("held", {}).get("requests", 0)) for r in ("rld", "md"))
     waiting += sum(int(docs[r].get("engine_active", 0)) for r in ("p", "rld", "md"))
-    waiting += int(docs["p"].get("transfers", {}).get("in_flight", 0))
+    transfers = docs["p"].get("transfers", {})
+    waiting += int(transfers.get("in_flight", 0)) + int(transfers.get("in_engine", 0))
     waiting += sum(int(n) for n in docs["router"].get("in_flight", {}).values())
     errors = {r: d["error"] for r, d in docs.items() if "error" in d}
     return {
@@ -108,6 +117,19 @@ def held_now(cluster: Cluster) -> dict[str, Any]:
         "waiting": waiting,
         **({"unreachable": errors} if errors else {}),
     }
+
+
+def settled(cluster: Cluster, timeout_s: float = QUIET_S) -> dict[str, Any]:
+    """Wait (at most ``timeout_s``) until no process holds anything for a request (``held_now``
+    all 0), so an RSS baseline is taken in the state the end's figure is: nothing held, nothing in
+    flight, P shipping nothing. What was still held then, if anything."""
+    until = time.monotonic() + timeout_s
+    while True:
+        held = held_now(cluster)
+        busy = {k: v for k, v in held.items() if k != "unreachable" and v}
+        if not busy or time.monotonic() >= until:
+            return busy
+        time.sleep(0.25)
 
 
 def router_in_flight(cluster: Cluster) -> int:
@@ -296,6 +318,8 @@ async def load_and_faults(
             )
             await until_idle()
         await asyncio.sleep(QUIET_S)
+        if busy := await asyncio.to_thread(settled, cluster):
+            say(f"[chaos] {faults.now():6.1f} s  still held at {', '.join(roles)}'s baseline: {busy}")
         faults.rss.sample(cluster, roles)
         phases.release()
 
@@ -367,9 +391,10 @@ def main(
     say(f"chaos: {len(reqs)} requests, {concurrency} at once, deadline {deadline_s:g} s, faults: "
         + ", ".join(f.name for f in faults))  # fmt: skip
     lab = Lab.up(parse_profile(wan_profile(spec), name="pddlink-chaos"), name=f"chaos{os.getpid() % 100000}")
-    rss = RssBook(len(warm))  # a restarted process's own warm-up: as many requests, the peak wave, quiet
     try:
         with Cluster(lab, spec) as cluster:
+            # a restarted process's own warm-up: as many requests, the peak wave, quiet
+            rss = RssBook(len(warm), heap=functools.partial(heap_of, cluster))
             say(f"[chaos] deployment up ({lab.mode} lab, mutual TLS between all roles)")
             for batch, at_once in ((warm, concurrency), (warm_peak, peak)):
                 if batch:
@@ -384,6 +409,8 @@ def main(
                     )
             say(f"[chaos] warm-up over; {QUIET_S:g} s of quiet, then each process's RSS baseline")
             time.sleep(QUIET_S)  # as before the end's figure: the same state, nothing in flight
+            if busy := settled(cluster):
+                say(f"[chaos] still held at the baseline: {busy}")
             rss.sample(cluster, ("p", "rld", "md", "router"))
             runner = FaultRunner(lab, cluster, rss, time.monotonic(), wan_profile(spec))
             sampler = RssSampler(cluster, runner.t0)
@@ -405,6 +432,7 @@ def main(
                 held = held_now(cluster)
                 growth = rss.growth(cluster)
                 parts = rss.parts_report(cluster)
+                heaps = rss.heap_report(cluster)
     finally:
         lab.down()
     with open(work / "rss.jsonl", "w") as f:  # every process's RSS once a second: (s, role:pid, MiB)
@@ -423,6 +451,7 @@ def main(
     doc["rss_growth_max"] = max((g for g in growth.values() if g is not None), default=0.0)
     doc["rss_growth"] = growth
     doc["rss_parts_mib"] = parts  # baseline and end split: anon (heaps), file, shmem
+    doc["heap"] = heaps  # baseline and end: live Python blocks, malloc in use / free / mapped
     doc["rss_baseline_mib"] = {f"{role}:{pid}": round(b / 2**20, 1) for pid, (role, b) in rss.base.items()}
     doc["setting"] = {
         "concurrency": concurrency,

@@ -67,11 +67,14 @@ def command(
 
     from engines_adapter import load_engine
     from engines_adapter.link_client import serve_engine
+    from sidecar.malloc_trim import fix_mmap_threshold, freeze_startup
 
+    fix_mmap_threshold()  # KV buffers are unmapped when freed (engines_adapter.link_client)
     torch.set_num_threads(max(1, threads))
     engine = load_engine(
         name, preset=preset, dtype=dtype, block_size=block_size, num_blocks=num_blocks, seed=seed
     )
+    freeze_startup()  # the engine and its modules: the periodic collections need not walk them
     served = serve_engine(
         engine,
         target,
