@@ -138,9 +138,11 @@ def test_rtt_loss_and_rate_match_the_profile(probe_script: str) -> None:
     with Lab.up(parse_profile(profile(0.0)), name="t-accuracy") as lab:
         assert lab.addr("dc-a").startswith("198.18.") and lab.addr("dc-b").startswith("198.18.")
         # the hosts' own path (stacks, TUN, relay) without emulated delay: 0.25-0.4 ms in this VM,
-        # more when its idle vCPUs are slow to wake; the profile's delay must come on top of it
+        # more when its idle vCPUs are slow to wake (0.9 ms at times, 1.22 ms once in a full run);
+        # the profile's delay must come on top of it. The bound only catches a relay gone wrong:
+        # the checks below are against this base
         base = float(probe(lab, probe_script, 500, 0.001)["rtt_ms_p50"])  # type: ignore[arg-type]
-        assert 0 < base < 1.0
+        assert 0 < base < 3.0
         lab.set_profile(parse_profile(profile(5.0, loss=0.02)))
         p = probe(lab, probe_script, 1500, 0.001)
         rtt = 10.0
