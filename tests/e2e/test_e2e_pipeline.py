@@ -140,7 +140,8 @@ def test_short_pdd_run_is_exact(shared: Cluster) -> None:
     for pipeline in ("p_md", "p_rld_md", "singular", ""):
         results += run_with_fault(shared, reqs, pipeline, 30.0, None, None)
     expected = reference(reqs)
-    assert all(r.outcome == "finished" for r in results), [r.reason for r in results]
+    unfinished = [(r.index, r.outcome, r.reason) for r in results if r.outcome != "finished"]
+    assert not unfinished, unfinished
     assert sum(r.tokens != expected[r.index] for r in results) == 0
 
 
@@ -151,7 +152,8 @@ def test_relayed_requests_are_handed_off_exactly(shared: Cluster) -> None:
     reqs = requests(3, max_tokens=1024, seed=2)
     results = run_with_fault(shared, reqs, "p_rld_md", 60.0, None, None)
     expected = reference(reqs)
-    assert all(r.outcome == "finished" for r in results), [r.reason for r in results]
+    unfinished = [(r.index, r.outcome, r.reason) for r in results if r.outcome != "finished"]
+    assert not unfinished, unfinished
     assert [r.tokens for r in results] == [expected[r.index] for r in results]
     outcomes = [r.trace.get("handoff_outcome") for r in results]
     assert "handed_off" in outcomes, outcomes
