@@ -64,6 +64,7 @@ from sidecar.rpc import stubs
 from sidecar.service import SidecarService
 from sidecar.sweep import Sweeper
 from sidecar.wan_codec import WanCodec
+from sidecar.wan_silence import SILENCE_MIN_S
 
 ENGINE_DEAD_LINGER_S = 1.0  # streams end with their typed reason before the sidecar goes
 
@@ -149,6 +150,7 @@ class Sidecar:
                         transport=cfg.data_plane.wan_transport,
                         options=self._options(wan=True),
                         expected_peer=peers.md if self.tls else None,
+                        silence_floor_s=SILENCE_MIN_S,  # an outage ends the shipment at once
                     )
                     for _ in range(cfg.data_plane.wan_links)
                 ]

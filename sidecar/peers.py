@@ -10,15 +10,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 import grpc
 
 from pddlink.errors import ConfigError, DeadlineExceeded, ErrorCode, PddlinkError, RemoteError, Unavailable
 from pddlink.transport import KVClient, LinkOptions, PeerIdentity, TlsConfig, TransferResult
+from pddlink.transport.base import Message
 from pddlink.wire import TransferBegin
 from sidecar.grpc_tls import open_channel
 from sidecar.rpc import stubs
+from sidecar.wan_silence import LinkSilence
+
+T = TypeVar("T")
 
 
 def split_hostport(addr: str) -> tuple[str, int]:
@@ -36,7 +41,11 @@ class KVPeer:
         transport: str,
         options: LinkOptions,
         expected_peer: PeerIdentity | None = None,
+        silence_floor_s: float | None = None,
     ) -> None:
+        """``silence_floor_s``: a WAN link; what waits on it (a dial, ``request``, ``send``) ends
+        once the link has been silent for ``sidecar.wan_silence.silence_bound`` with this floor,
+        not at its deadline. None: waits end at their deadlines only."""
         self.addr = addr
         self.identity, self.tls, self.transport, self.options = identity, tls, transport, options
         self.expected_peer = expected_peer
@@ -45,8 +54,25 @@ class KVPeer:
         self.transport_name = transport
         self.in_flight_bytes = 0  # KV bytes of the transfers now on this link (pool choice)
         self.redials = 0  # links found closed or given up and dialled anew
+        self.silence = (
+            None if silence_floor_s is None else LinkSilence(addr, lambda: self._client, silence_floor_s)
+        )
+
+    async def _guarded(self, what: str, aw: Awaitable[T]) -> T:
+        return await (aw if self.silence is None else self.silence.guard(what, aw))
 
     async def client(self, deadline: float) -> KVClient:
+        return await self._guarded(f"dialling {self.addr}", self._client_now(deadline))
+
+    async def request(self, message: Message, deadline: float) -> Message:
+        """A control request (a reservation) answered by the peer before ``deadline``."""
+        client = await self.client(deadline)
+        timeout_s = max(deadline - time.monotonic(), 0.01)
+        return await self._guarded(
+            f"{type(message).__name__} to {self.addr}", client.request(message, timeout_s=timeout_s)
+        )
+
+    async def _client_now(self, deadline: float) -> KVClient:
         """The link's client, dialled now when there is none or the last one is closed or gave up
         reconnecting (a restarted peer, an outage longer than the reconnect backoff)."""
         async with self._lock:
@@ -85,8 +111,9 @@ class KVPeer:
         client = await self.client(deadline)
         heard = client.stats().bytes_received
         try:
-            return await client.send_transfer(
-                begin, payload, deadline_s=max(deadline - time.monotonic(), 0.01)
+            return await self._guarded(
+                f"transfer to {self.addr}",
+                client.send_transfer(begin, payload, deadline_s=max(deadline - time.monotonic(), 0.01)),
             )
         except PddlinkError as exc:
             if redial_after(exc, client, heard):
@@ -118,6 +145,7 @@ class KVPeer:
             "rtt_s": s.rtt_s,
             "reconnects": s.reconnects,
             "redials": self.redials,
+            **({"silenced": self.silence.silenced} if self.silence is not None else {}),
         }
 
 

@@ -174,9 +174,9 @@ class Prefiller:
             request_id=job.request_id, block_hashes=tuple(hashes), lease_ms=int(self.lease_s * 1000)
         )
         try:
-            answer = await client.request(msg, timeout_s=max(deadline - time.monotonic(), 0.01))
+            answer = await link.request(msg, deadline)
         except PddlinkError as exc:
-            if exc.code in _LINK_GONE:  # a restarted or vanished MD: reconnect on the next request
+            if exc.code in _LINK_GONE:  # a restarted, vanished or silent MD: redial on the next request
                 await link.drop(client)
             raise
         if not isinstance(answer, ReserveAnswer) or answer.code is not None:

@@ -1,0 +1,119 @@
+"""P's WAN link to MD notices silence (``sidecar.wan_silence``): what waits on it ends once nothing
+has come back for the bound, not at its deadline (issue 16, chaos: shipments to MD in flight when
+a long WAN outage began waited out 6 s of their 10 s deadline, and the fallback to RelayDecode then
+had too little time left).
+
+The silent peer is a real MD sidecar process stopped with SIGSTOP: its kernel still takes the
+bytes, but nothing answers, as when a WAN black-holes the packets coming back."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from pddlink.errors import ErrorCode, PddlinkError, Unavailable
+from pddlink.transport import LinkOptions, PeerIdentity
+from pddlink.wire import Reserve, ReserveAnswer, TransferBegin
+from sidecar.peers import KVPeer
+from sidecar.wan_silence import SILENCE_MIN_S, Silence, silence_bound
+from tests.sidecar.test_bounded_state import start_md
+from tests.sidecar.test_kv_redial import LAYOUT, kill
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
+OPTIONS = LinkOptions(reconnect_attempts=2, reconnect_backoff_s=0.05)
+
+
+def test_the_bound_follows_the_rtt_above_a_floor() -> None:
+    assert silence_bound(None) == SILENCE_MIN_S
+    assert silence_bound(0.02) == SILENCE_MIN_S  # 8 RTTs of 20 ms: the floor
+    assert silence_bound(0.5) == pytest.approx(4.0)  # a long, queued path gets 8 RTTs
+    assert silence_bound(0.001, floor_s=0.2) == 0.2
+
+
+def test_silence_counts_from_the_later_of_the_wait_and_the_last_byte_heard() -> None:
+    s = Silence()
+    assert s.silent_for(10.0, since=9.0) == 1.0  # never heard: since the wait began
+    s.observe(5.0, client_id=1, bytes_received=100)
+    s.observe(8.0, client_id=1, bytes_received=100)  # nothing new: still heard at 5
+    assert s.silent_for(10.0, since=4.0) == 5.0
+    s.observe(9.0, client_id=1, bytes_received=130)
+    assert s.silent_for(10.0, since=4.0) == 1.0
+    s.observe(9.5, client_id=2, bytes_received=0)  # a new client: its handshake was heard
+    assert s.silent_for(10.0, since=4.0) == 0.5
+
+
+def _peer(port: int, floor_s: float | None) -> KVPeer:
+    return KVPeer(
+        f"127.0.0.1:{port}", identity=PeerIdentity("p", "p0"), tls=None, transport="tcp",
+        options=OPTIONS, silence_floor_s=floor_s,
+    )  # fmt: skip
+
+
+async def _reserve(peer: KVPeer, rid: str, deadline_s: float) -> ReserveAnswer:
+    answer = await peer.request(Reserve(rid, (1, 2, 3), 500), time.monotonic() + deadline_s)
+    assert isinstance(answer, ReserveAnswer) and answer.code is None, answer
+    return answer
+
+
+def test_a_silent_md_ends_reservations_and_transfers_at_the_bound_then_the_link_recovers(
+    tmp_path: Path,
+) -> None:
+    proc, ready, _ = start_md(tmp_path)
+    peer = _peer(ready["kv_port"], SILENCE_MIN_S)
+
+    async def run() -> None:
+        await _reserve(peer, "live", 5.0)
+        os.killpg(proc.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(Unavailable) as err:
+                await _reserve(peer, "silent", 10.0)
+            took = time.monotonic() - t0
+            assert err.value.code is ErrorCode.PEER_UNREACHABLE and "silent" in str(err.value)
+            assert SILENCE_MIN_S * 0.9 <= took < SILENCE_MIN_S + 1.5, took  # not its 10 s deadline
+            data = os.urandom(1 << 20)
+            begin = TransferBegin(9, 0, "silent-kv", LAYOUT, 0, 16, (1,), 0, len(data), 1 << 16, 10_000)
+            t0 = time.monotonic()
+            with pytest.raises(Unavailable):
+                await peer.send(begin, memoryview(data), time.monotonic() + 10.0)
+            assert time.monotonic() - t0 < SILENCE_MIN_S + 1.5
+            assert peer.silence is not None and peer.silence.silenced == 2
+        finally:
+            os.killpg(proc.pid, signal.SIGCONT)
+        await _reserve(peer, "back", 5.0)  # MD answers again: the link is dialled anew and serves
+        await peer.drop()
+
+    try:
+        asyncio.run(run())
+    finally:
+        kill(proc)
+
+
+def test_without_the_watch_a_silent_md_holds_the_reservation_to_its_deadline(tmp_path: Path) -> None:
+    """What the watch replaces (and what a link to RelayDecode still does): the wait ends only at
+    the deadline."""
+    proc, ready, _ = start_md(tmp_path)
+    peer = _peer(ready["kv_port"], None)
+
+    async def run() -> None:
+        await _reserve(peer, "live", 5.0)
+        os.killpg(proc.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(PddlinkError) as err:
+                await _reserve(peer, "silent", 3.0)
+            assert err.value.code is ErrorCode.DEADLINE_EXCEEDED
+            assert time.monotonic() - t0 >= 2.9
+        finally:
+            os.killpg(proc.pid, signal.SIGCONT)
+        await peer.drop()
+
+    try:
+        asyncio.run(run())
+    finally:
+        kill(proc)
