@@ -123,8 +123,11 @@ class Router:
 
     def on_md_stalled(self, seconds: float) -> None:
         """A run saw MD's stream make no progress (``pddlink.lifecycle.stall``): new requests the
-        router places keep off MD until it is healthy again (``StallBreaker``)."""
+        router places keep off MD until it is healthy again (``StallBreaker``), and every other run
+        in flight suspects its own MD stream (``MdSuspected``: an outage silences them all)."""
         self.md_stalls.stalled(time.monotonic())
+        for run in self.in_flight.values():
+            run.suspect_md()
 
     def validate(self, prompt: list[int], sampling: SamplingParams, deadline_s: float, pipeline: str) -> None:
         cfg = self.cfg

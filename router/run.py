@@ -22,6 +22,7 @@ from pddlink.lifecycle import (
     Emit,
     FallbackTaken,
     MdStalled,
+    MdSuspected,
     RequestRun,
     RunCommand,
     RunSpec,
@@ -65,6 +66,10 @@ class RunDriver:
     def trace(self) -> RunTrace:
         assert self.machine.trace is not None, "the run has not ended"
         return self.machine.trace
+
+    def suspect_md(self) -> None:
+        """Another run saw MD stall: this run's machine hears it next (``MdSuspected``)."""
+        self.calls.inbox.put_nowait(MdSuspected())
 
     async def run(self) -> AsyncGenerator[MergedToken, None]:
         m = self.machine

@@ -96,7 +96,25 @@ class MdReady:
     cached_tokens: int
 
 
-RunEvent = TokenArrived | StreamEnded | PrefillDone | PrefillFailed | HandoffDone | TakeoverFailed | MdReady
+@dataclass(frozen=True, slots=True)
+class MdSuspected:
+    """Another run saw MD stall (a WAN outage silences every stream at once): this run's MD
+    stream, if silent, counts as stalled after the short ``stall.SUSPECT_S`` instead of the full
+    bound, until MD's next token shows it alive. Not tied to a leg."""
+
+    sid: str = ""
+
+
+RunEvent = (
+    TokenArrived
+    | StreamEnded
+    | PrefillDone
+    | PrefillFailed
+    | HandoffDone
+    | TakeoverFailed
+    | MdReady
+    | MdSuspected
+)
 
 # -- commands out ---------------------------------------------------------------------------------
 

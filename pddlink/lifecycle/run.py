@@ -23,6 +23,9 @@ the KV, its recompute is ready, RLD handed over, or MD took over) a ``StallWatch
 from MD for ``RunSpec.md_stall_s`` is ``Loss.MD_STALLED``: MD's stream is cancelled, ``MdStalled``
 tells the router to keep new requests off MD, and the table's row recovers (a new leg on RLD from
 the merged position while P holds the KV) or fails the run ``md_stalled`` -- before its deadline.
+A WAN outage silences every MD stream at once, so the router then sends every other run
+``MdSuspected``: a stream silent for ``stall.SUSPECT_S`` then counts as stalled too, at once
+rather than a full bound later each (MD's next token ends the suspicion).
 
 States (``RUN_TRANSITIONS``)::
 
@@ -52,6 +55,7 @@ from pddlink.lifecycle.events import (
     Leg,
     MdReady,
     MdStalled,
+    MdSuspected,
     OpenStream,
     PrefillDone,
     PrefillFailed,
@@ -184,6 +188,13 @@ class RequestRun:
             return []
         if isinstance(event, StreamEnded) and event.handoff_mode is not None:
             self.notes.handoff_mode = event.handoff_mode  # whichever leg's stream says it
+        if isinstance(event, MdSuspected):
+            if self.state is RunState.RUNNING and self.md_alive:
+                self.md_watch.suspected(now)
+                if self.md_watch.stalled(now):
+                    self._md_stalled(now, broadcast=False)
+                    self._after(now)
+            return self._drain()
         if self.state is RunState.AWAITING_P_REPLY:
             if isinstance(event, PrefillDone) and self.leg is not None and event.sid == self.leg.sid:
                 self._on_prefill(event)
@@ -301,10 +312,13 @@ class RequestRun:
         if recovery is Recovery.MD_TAKES_OVER:
             self.md_watch.arm(now)  # MD continues the request: its tokens are due
 
-    def _md_stalled(self, now: float) -> None:
+    def _md_stalled(self, now: float, *, broadcast: bool = True) -> None:
+        """``broadcast``: tell the router (``MdStalled``), which suspects MD in every other run; a
+        stall found by that suspicion is not told again (one stall, not a cascade of them)."""
         silent = now - (self.md_watch.since or now)
         self.md_watch.disarm()
-        self._out.append(MdStalled(silent))
+        if broadcast:
+            self._out.append(MdStalled(silent))
         self._cancel(Role.MD)
         self._loss(Loss.MD_STALLED, f"no token from MD for {silent:.1f} s", now)
 

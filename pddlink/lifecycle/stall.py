@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MD_STALL_MIN_S = 2.0
+SUSPECT_S = 0.5  # a run's MD silence that counts as a stall once another run saw MD stall
 STALL_RTTS = 8
 STALL_TOKENS = 32
 
@@ -32,17 +33,27 @@ def md_stall_bound(rtt_s: float, tpot_s: float, floor_s: float = MD_STALL_MIN_S)
 class StallWatch:
     bound_s: float
     since: float | None = None  # last progress while armed (None: MD owes nothing now)
+    suspect: bool = False  # another run saw MD stall: a short silence is enough (``SUSPECT_S``)
 
     def arm(self, now: float) -> None:
-        """MD owes progress from ``now``, or just made some (a token: it streams, so it owes more)."""
+        """MD owes progress from ``now``, or just made some (a token: it streams, so it owes more;
+        and it is alive: a suspicion ends)."""
         self.since = now
+        self.suspect = False
+
+    def suspected(self, now: float) -> None:
+        """MD stalled for another run: this run's silence since ``now`` or earlier counts after
+        ``SUSPECT_S`` (a silent stream stalls at once when it has been silent that long)."""
+        self.suspect = True
 
     def disarm(self) -> None:
         self.since = None
 
     def due(self) -> float | None:
         """When MD counts as stalled unless it makes progress first."""
-        return None if self.since is None else self.since + self.bound_s
+        if self.since is None:
+            return None
+        return self.since + (min(self.bound_s, SUSPECT_S) if self.suspect else self.bound_s)
 
     def stalled(self, now: float) -> bool:
         due = self.due()

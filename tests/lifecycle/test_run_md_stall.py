@@ -16,12 +16,13 @@ from pddlink.lifecycle import (
     FailReason,
     Fallback,
     MdStalled,
+    MdSuspected,
     OpenStream,
     RunOutcome,
     SendPrefill,
     md_stall_bound,
 )
-from pddlink.lifecycle.stall import COOL_DOWN_MAX_S, COOL_DOWN_S, MD_STALL_MIN_S, StallBreaker
+from pddlink.lifecycle.stall import COOL_DOWN_MAX_S, COOL_DOWN_S, MD_STALL_MIN_S, SUSPECT_S, StallBreaker
 from pddlink.roles import Role
 from pddlink.routing import Option, Pipeline
 
@@ -151,3 +152,42 @@ def test_a_trace_says_whether_md_streamed_without_a_stall() -> None:
     stalled.prefill(sid="r#2")
     stalled.tokens(Role.RLD, range(BASE + 1, BASE + 6), sid="r#2")
     assert stalled.trace.outcome is RunOutcome.FINISHED and not stalled.trace.md_streamed
+
+
+def test_a_suspected_md_silent_for_the_short_bound_stalls_at_once_and_says_nothing_more() -> None:
+    """A WAN outage silences every MD stream at once: after one run's stall the router suspects MD
+    in the others, and each one silent for ``SUSPECT_S`` moves to RLD now, not a full bound later
+    (issue 16, chaos: requests streaming from MD when a long outage began lost 2 s each)."""
+    run = Run(Pipeline.P_MD, max_tokens=6)
+    assert run.m.spec.md_stall_s > SUSPECT_S
+    run.prefill()
+    run.tokens(Role.MD, [4, 5])
+    run.now += SUSPECT_S  # silent this long: not yet a stall on its own bound
+    assert run.timer(run.now) == []
+    out = run.feed(MdSuspected(), dt=0.0)
+    assert CancelStreams(Role.MD) in out and not any(isinstance(c, MdStalled) for c in out)
+    assert Fallback.MD_STALLED_P_RLD in run.m.notes.fallbacks
+    assert any(isinstance(c, OpenStream) and c.on is Role.RLD for c in out)
+
+
+def test_a_suspected_md_that_streams_is_kept_and_its_next_token_ends_the_suspicion() -> None:
+    run = Run(Pipeline.P_MD, max_tokens=8, deadline_s=30.0)
+    bound = run.m.spec.md_stall_s
+    run.prefill()
+    run.tokens(Role.MD, [4])
+    assert run.feed(MdSuspected(), dt=0.05) == []  # it streamed 0.05 s ago: alive
+    assert run.m.get_timer() == run.now - 0.05 + SUSPECT_S  # a short silence would stall now
+    run.now += 0.1
+    run.tokens(Role.MD, [5])  # a token: the suspicion ends
+    assert run.m.get_timer() == run.now + bound
+    run.now += SUSPECT_S + 0.1
+    assert run.timer(run.now) == []  # silent past SUSPECT_S, within the bound: still fine
+    run.tokens(Role.MD, [6, 7, 8, 9, 10, 11])
+    assert run.trace.outcome is RunOutcome.FINISHED and run.trace.fallbacks == ()
+
+
+def test_a_suspicion_before_md_owes_anything_changes_nothing() -> None:
+    run = Run(Pipeline.P_MD)
+    assert run.feed(MdSuspected()) == []  # P has not replied: MD owes no token yet
+    run.prefill()
+    assert run.m.get_timer() == run.now + run.m.spec.md_stall_s
