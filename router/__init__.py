@@ -82,6 +82,11 @@ class Router:
         t = time.monotonic() if now is None else now
         return self.cfg.relay_enabled and t >= self.rld_down_until and self.backend.usable("rld")
 
+    def rld_reachable(self, now: float) -> bool:
+        """RLD can take a rescue of a request MD lost: relay enabled and its channel up (a cool-down
+        after a failed request keeps only new placements off it)."""
+        return self.cfg.relay_enabled and self.backend.usable("rld")
+
     def md_usable(self, now: float | None = None) -> bool:
         """MD may get new requests the router places: not stalled lately, its channel healthy."""
         t = time.monotonic() if now is None else now
@@ -183,7 +188,12 @@ class Router:
         )
         legs = lambda deadline: self.backend.legs(self, deadline)  # noqa: E731
         run = self.in_flight[rid] = RunDriver(
-            legs, spec, self.rld_usable, arrived=arrived, on_md_stalled=self.on_md_stalled
+            legs,
+            spec,
+            self.rld_usable,
+            arrived=arrived,
+            on_md_stalled=self.on_md_stalled,
+            rld_reachable=self.rld_reachable,
         )
         flow = rid  # P reports its transfer state by request id (``sidecar.backlog``)
         now = time.monotonic()

@@ -51,6 +51,7 @@ class RunDriver:
         *,
         arrived: float | None = None,
         on_md_stalled: Callable[[float], None] | None = None,
+        rld_reachable: Callable[[float], bool] | None = None,
     ) -> None:
         """``legs``: the engine backend's legs for a deadline; ``arrived``: when the request reached
         the router (its deadline counts from then); ``on_md_stalled``: told when MD stalled."""
@@ -58,7 +59,10 @@ class RunDriver:
         self.on_md_stalled = on_md_stalled
         now = time.monotonic()
         self.machine = RequestRun(
-            spec, now=now if arrived is None else min(arrived, now), rld_usable=rld_usable
+            spec,
+            now=now if arrived is None else min(arrived, now),
+            rld_usable=rld_usable,
+            rld_reachable=rld_reachable,
         )
         self.calls = legs(self.machine.deadline)
 

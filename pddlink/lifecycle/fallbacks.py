@@ -46,6 +46,7 @@ class Situation:
     rld_alive: bool
     rld_handed_off: bool  # RLD reported the handoff done
     rld_usable: bool  # the router may send requests to RLD now
+    rld_reachable: bool  # RLD can take a rescue (its channel is up), cool-down or not
     legs: int  # legs started so far
 
     @property
@@ -70,7 +71,8 @@ def relayed(s: Situation) -> bool:
 
 
 def rerun_on_rld(s: Situation) -> bool:
-    return s.rld_usable and s.may_add_leg
+    """MD is lost: RLD is the only decoder left, so a cool-down of RLD does not stop the rescue."""
+    return s.rld_reachable and s.may_add_leg
 
 
 def rerun_on_md(s: Situation) -> bool:

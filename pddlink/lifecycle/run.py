@@ -116,11 +116,23 @@ _LOSS_REASON = {
 
 class RequestRun:
     """The run of one request; see the module docstring. ``rld_usable(now)`` is the router's
-    current view of RLD (relay enabled and not marked down)."""
+    current view of RLD (relay enabled and not marked down); ``rld_reachable(now)`` (default: the
+    same) whether RLD can take a rescue after MD is lost: a cool-down that keeps new requests off
+    RLD after one failed there must not turn a request MD has already lost into a certain failure
+    (issue 16, chaos: in a long outage on a loaded host one slow fast-path transfer marked RLD down,
+    and MD's losses then failed with no fallback)."""
 
-    def __init__(self, spec: RunSpec, *, now: float, rld_usable: Callable[[float], bool]) -> None:
+    def __init__(
+        self,
+        spec: RunSpec,
+        *,
+        now: float,
+        rld_usable: Callable[[float], bool],
+        rld_reachable: Callable[[float], bool] | None = None,
+    ) -> None:
         self.spec = spec
         self.rld_usable = rld_usable
+        self.rld_reachable = rld_reachable or rld_usable
         self.t_start = now
         self.deadline = now + spec.deadline_s
         self.base = len(spec.prompt)
@@ -298,6 +310,7 @@ class RequestRun:
             rld_alive=self.rld_alive,
             rld_handed_off=self.rld_handed_off,
             rld_usable=self.rld_usable(now),
+            rld_reachable=self.rld_reachable(now),
             legs=self.legs,
         )
 

@@ -41,6 +41,7 @@ class Run:
     max_tokens: int = 6
     deadline_s: float = 10.0
     rld_usable: bool = True
+    rld_reachable: bool | None = None  # None: as rld_usable
     now: float = 100.0
     option: Option = Option.SHIP
     log: list[RunCommand] = field(default_factory=list)
@@ -56,7 +57,10 @@ class Run:
             0.5,
             option=self.option,
         )
-        self.m = RequestRun(spec, now=self.now, rld_usable=lambda now: self.rld_usable)
+        reachable = None if self.rld_reachable is None else (lambda now: bool(self.rld_reachable))
+        self.m = RequestRun(
+            spec, now=self.now, rld_usable=lambda now: self.rld_usable, rld_reachable=reachable
+        )
         self.log += self.m.start(self.now)
 
     # -- feeding -------------------------------------------------------------------------------

@@ -89,6 +89,27 @@ def test_md_unreachable_without_rld_fails_with_the_reason() -> None:
     assert run.trace.reason_text == "md_unreachable: wan down"
 
 
+def test_md_unreachable_while_rld_cools_down_still_reruns_on_a_reachable_rld() -> None:
+    """RLD marked down after another request failed there keeps new placements off it, but a
+    request MD has lost has no better decoder: it is rescued on RLD while RLD's channel is up."""
+    run = Run(Pipeline.P_MD, rld_usable=False, rld_reachable=True)
+    out = run.prefill(md_ok=False, md_error="peer_unreachable: the WAN is silent")
+    assert FallbackTaken(Fallback.MD_UNREACHABLE_P_RLD) in out
+    run.prefill("r#2")
+    run.tokens(Role.RLD, range(BASE, BASE + 6), sid="r#2")
+    assert run.exact() and run.trace.outcome is RunOutcome.FINISHED
+
+
+def test_rld_lost_while_rld_cools_down_but_reachable_still_reruns_on_md() -> None:
+    """The cool-down still counts where RLD itself failed: the P->MD rerun row reads rld_usable."""
+    run = Run(Pipeline.SINGULAR, max_tokens=3, rld_reachable=True)
+    run.prefill()
+    run.tokens(Role.RLD, [4])
+    run.rld_usable = False
+    out = run.stream_end(Role.RLD, "failed:unavailable")
+    assert FallbackTaken(Fallback.RLD_LOST_P_MD) in out
+
+
 def test_wan_transfer_past_its_deadline_on_the_relayed_path_lets_rld_finish() -> None:
     run = Run(Pipeline.P_RLD_MD)
     run.tokens(Role.RLD, [4, 5])
