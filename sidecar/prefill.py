@@ -36,6 +36,7 @@ from pddlink.kv.codec import CodecId
 from pddlink.kv.hashing import BlockHasher
 from pddlink.wire import KVLayoutSpec, Reserve, ReserveAnswer, TransferBegin
 from sidecar.backlog import WanBook
+from sidecar.edf_gate import EdfGate
 from sidecar.engine_loop import EngineLoop
 from sidecar.handoff_wire import slice_to_wire
 from sidecar.peers import DecoderPeer, KVPeer, KVPeerPool
@@ -80,6 +81,7 @@ class Prefiller:
         layout = loop.engine.layout
         self.hasher = BlockHasher(layout.model_id, layout.block_size)
         self.in_flight = 0
+        self.engine_gate = EdfGate()  # which waiting prefill the engine runs next
         self.in_engine: set[str] = set()  # requests P's engine holds (prefill sent, not released)
         self._releasing: set[asyncio.Future[None]] = set()
         self.wan_book = WanBook()  # what is queued toward MD (the router's link estimate reads it)
@@ -105,7 +107,7 @@ class Prefiller:
             asyncio.ensure_future(self._reserve(job, hashes, wan_deadline)) if job.ship_to_md else None
         )
         try:
-            first, kv = await self._compute(job, reply)
+            first, kv = await self._compute(job, reply, deadline)
         except BaseException:
             if reservation is not None:
                 reservation.cancel()
@@ -123,7 +125,9 @@ class Prefiller:
         await asyncio.gather(*tasks)
         return reply
 
-    async def _compute(self, job: PrefillJob, reply: dict[str, Any]) -> tuple[StepOutput, KVBlocks]:
+    async def _compute(
+        self, job: PrefillJob, reply: dict[str, Any], deadline: float
+    ) -> tuple[StepOutput, KVBlocks]:
         """Prefill on the engine and copy the KV out; P's request is released (prefix cached).
 
         A call cancelled while the engine prefills (the router ended the request: its deadline, a
@@ -132,21 +136,22 @@ class Prefiller:
         taken in P's pool, and the id stays live: a later request of that id fails)."""
         engine = self.loop.engine
         rid, prompt = job.request_id, list(job.prompt)
-        reply["p_cached_tokens"] = await self.loop.call("cached", engine.cached_prefix_tokens, prompt)
         t0 = time.perf_counter()
-        self.in_engine.add(rid)
-        try:
-            first = await self.loop.call("prefill", engine.prefill, rid, prompt, job.sampling)
-        except (asyncio.CancelledError, TimeoutError, DeadlineExceeded):
-            await self._release(rid)  # we stopped waiting; the engine may hold the request yet
-            raise
-        except BaseException:
-            self.in_engine.discard(rid)  # the engine failed the prefill: it keeps nothing of it
-            raise
-        try:
-            kv = await self.loop.call("export", engine.export_kv, rid)
-        finally:
-            await self._release(rid)
+        async with self.engine_gate.slot(deadline):  # earliest deadline first (sidecar.edf_gate)
+            reply["p_cached_tokens"] = await self.loop.call("cached", engine.cached_prefix_tokens, prompt)
+            self.in_engine.add(rid)
+            try:
+                first = await self.loop.call("prefill", engine.prefill, rid, prompt, job.sampling)
+            except (asyncio.CancelledError, TimeoutError, DeadlineExceeded):
+                await self._release(rid)  # we stopped waiting; the engine may hold the request yet
+                raise
+            except BaseException:
+                self.in_engine.discard(rid)  # the engine failed the prefill: it keeps nothing of it
+                raise
+            try:
+                kv = await self.loop.call("export", engine.export_kv, rid)
+            finally:
+                await self._release(rid)
         reply["prefill_seconds"] = time.perf_counter() - t0
         return first, kv
 
