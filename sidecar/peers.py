@@ -79,7 +79,7 @@ class KVPeer:
             if self._client is not None and not self._client.usable:
                 stale, self._client = self._client, None
                 self.redials += 1
-                await _close_quietly(stale)  # already dead: this only releases its sockets
+                await _close_quietly(stale, reset=True)  # already dead: this only releases its sockets
             if self._client is None:
                 host, port = split_hostport(self.addr)
                 left = deadline - time.monotonic()
@@ -129,7 +129,7 @@ class KVPeer:
                 return
             client, self._client = self._client, None
         if client is not None:
-            await _close_quietly(client)
+            await _close_quietly(client, reset=failed is not None)  # a failed link: nothing queued goes out
 
     def stats(self) -> dict[str, Any]:
         if self._client is None:
@@ -162,9 +162,9 @@ def redial_after(exc: PddlinkError, client: KVClient, heard_before: int) -> bool
     return exc.code in _LINK_LOST or stalled or not client.usable
 
 
-async def _close_quietly(client: KVClient) -> None:
+async def _close_quietly(client: KVClient, *, reset: bool = False) -> None:
     with contextlib.suppress(TimeoutError, PddlinkError, OSError):
-        await asyncio.wait_for(client.close(), 1.0)
+        await asyncio.wait_for(client.close(reset=reset), 1.0)
 
 
 class KVPeerPool:

@@ -228,8 +228,11 @@ class KVClient:
         """False once the link is closed or gave up reconnecting (dial a new client then)."""
         return self._link.usable
 
-    async def close(self) -> None:
-        await self._link.close()
+    async def close(self, *, reset: bool = False) -> None:
+        """``reset``: a link given up (silent, stalled): its connections are reset where the
+        transport can (TCP), so requests still queued in the kernel never reach the peer."""
+        hard = getattr(self._link, "reset", None) if reset else None
+        await (hard() if hard is not None else self._link.close())
 
     async def __aenter__(self) -> KVClient:
         return self

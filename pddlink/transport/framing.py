@@ -28,8 +28,10 @@ socket -> frames flow -> ``close()`` or a peer reset -> ``on_lost(connection, ex
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
+import struct
 from collections import deque
 from collections.abc import Callable
 from typing import Any, cast
@@ -212,6 +214,16 @@ class FrameConnection(asyncio.BufferedProtocol):
         if self.transport is not None and not self.transport.is_closing():
             self._flush(all_of_it=True)
             self.transport.close()
+
+    def reset(self) -> None:
+        """Drop the connection with a TCP reset: what the kernel still queues for the peer is
+        thrown away, never delivered (a link given up in an outage must not deliver its old
+        requests once the WAN is back: TCP retransmits them for tens of seconds)."""
+        sock = self.transport.get_extra_info("socket") if self.transport is not None else None
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.abort()
 
     def abort(self, exc: BaseException | None = None) -> None:
         """Drop the connection now (used by tests and on protocol errors)."""

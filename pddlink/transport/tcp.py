@@ -114,6 +114,7 @@ class TcpLink(PeerSession):
 
     def __init__(self, peer: PeerIdentity, handlers: Handlers, dial: Dial, options: LinkOptions) -> None:
         super().__init__(peer, handlers)
+        self._reset_on_close = False  # reset(): connections end with a TCP reset
         self.options = options
         self.lanes = Lanes()
         self.counters = ConnStats()
@@ -255,6 +256,12 @@ class TcpLink(PeerSession):
         """The live stripes (tests cut one to prove resume)."""
         return list(self._data.values())
 
+    async def reset(self) -> None:
+        """Close with a TCP reset on every connection: what the kernel still queues for the peer
+        is thrown away, never delivered (``FrameConnection.reset``)."""
+        self._reset_on_close = True
+        await self.close()
+
     async def close(self) -> None:
         if self.closed:
             return
@@ -265,7 +272,7 @@ class TcpLink(PeerSession):
         await self.cancel_tasks()
         for conn in (self._control, *self._data.values()):
             if conn is not None:
-                conn.close()
+                conn.reset() if self._reset_on_close else conn.close()
         await asyncio.sleep(0)
 
 
