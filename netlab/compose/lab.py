@@ -306,6 +306,25 @@ class ComposeLab:
         finally:
             self._compose(["rm", "-s", "-f", "-v", *PROBES], timeout_s=60, check=False)
 
+    def run_in_probe(
+        self, argv: list[str], files: Path | None = None, timeout_s: float = 120.0
+    ) -> subprocess.CompletedProcess[str]:
+        """``argv`` in a fresh probe-a container (dc-a: a client beside the router, MD across the
+        relay) with ``files`` (a directory) copied to ``/probe`` first; the probe is removed after."""
+        self._compose(["up", "-d", "--no-color", "--no-deps", "probe-a"], timeout_s=60)
+        try:
+            if files is not None:
+                self.engine.docker(["cp", str(files), f"{self.container('probe-a')}:/probe"], timeout_s=60)
+            return subprocess.run(
+                self.exec_argv("probe-a", argv),
+                capture_output=True,
+                text=True,
+                timeout=timeout_s,
+                check=False,
+            )
+        finally:
+            self._compose(["rm", "-s", "-f", "-v", "probe-a"], timeout_s=60, check=False)
+
     def _measure(self, far: str, pings: int, iperf_s: int) -> WanMeasurement:
         ping = ["ping", "-q", "-n", "-c", str(pings), "-i", "0.01", far]
         out = self._run(self.exec_argv("probe-a", ping), 60)
