@@ -99,11 +99,16 @@ def tls(host: str, port: int, client: Client | None, timeout_s: float) -> Outcom
     try:
         with (
             socket.create_connection((host, port), timeout=timeout_s) as raw,
-            ctx.wrap_socket(raw) as s,
+            ctx.wrap_socket(raw, do_handshake_on_connect=False) as s,
         ):
-            data = s.recv(4096)
-    except TimeoutError:
-        return Outcome(True, "handshake done, connection held open")
+            try:
+                s.do_handshake()
+            except TimeoutError:
+                return Outcome(False, "no TLS handshake")
+            try:
+                data = s.recv(4096)
+            except TimeoutError:
+                return Outcome(True, "handshake done, connection held open")
     except ssl.SSLError as exc:
         return Outcome(False, f"TLS: {exc.reason or exc}")
     except OSError as exc:

@@ -155,9 +155,8 @@ def test_every_port_refuses_a_client_without_a_key_or_certificate(
     assert out.returncode == 0, out.stderr[-2000:]
     results = port_probe.from_json(json.loads(out.stdout))
     for r in results:
-        print(
-            r.target.name, r.target.port, {k: v.detail for k, v in {**r.anonymous, **r.credentialed}.items()}
-        )
+        print(r.target.name, r.target.port, "without:", {k: v.detail for k, v in r.anonymous.items()})
+        print(r.target.name, r.target.port, "with:", {k: v.detail for k, v in r.credentialed.items()})
     assert len(results) == len(targets)
     assert port_probe.refusals(results) == []
     open_paths = {how for r in results for how, out in r.anonymous.items() if out.served}

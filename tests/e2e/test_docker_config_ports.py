@@ -113,6 +113,9 @@ def test_every_port_of_the_docker_configs_refuses_an_anonymous_client(
         str(pki / "router-router0.pem"), str(pki / "router-router0.key"), str(pki / "ca.pem")
     )
     results = [port_probe.probe(t, client) for t in targets]
+    for r in results:
+        print(r.target.name, r.target.port, "without:", {k: v.detail for k, v in r.anonymous.items()})
+        print(r.target.name, r.target.port, "with:", {k: v.detail for k, v in r.credentialed.items()})
     assert port_probe.refusals(results) == []
     served = {how for r in results for how, out in r.anonymous.items() if out.served}
     assert served == {"GET /healthz", "GET /readyz"}  # the probes' paths, and nothing else
