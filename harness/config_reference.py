@@ -25,7 +25,11 @@ MEANINGS: dict[str, str] = {
     "sidecar.admin_port": "admin HTTP port: /metrics, /healthz, /status (0: off)",
     "sidecar.admin_unix": "also serve the admin HTTP on this unix socket ('' = off)",
     "sidecar.tls_dir": "dev PKI directory: mutual TLS 1.3 on gRPC and the KV data plane ('' = plaintext)",
+    "sidecar.admin_keys_file": "bearer keys for admin_port, one per line; all but /healthz and /readyz"
+    " need one there (the unix socket needs none); '' = no key, refused on a non-loopback host",
     "sidecar.allow_plaintext_non_loopback": "allow tls_dir = '' on a non-loopback host (an explicit choice)",
+    "sidecar.allow_unauthenticated_non_loopback": "allow admin_port without admin_keys_file on a"
+    " non-loopback host (an explicit choice)",
     "sidecar.engine": "the [engine] table",
     "sidecar.peers": "the [peers] table",
     "sidecar.data_plane": "the [data_plane] table",
@@ -95,6 +99,8 @@ MEANINGS: dict[str, str] = {
     "router.grpc_port": "gRPC port of the Router service (0: any free port)",
     "router.http_port": "HTTP port of the OpenAI-compatible API (0: off)",
     "router.allow_plaintext_non_loopback": "allow tls_dir = '' on a non-loopback host (an explicit choice)",
+    "router.allow_unauthenticated_non_loopback": "allow http_port without [api] api_keys_file or http_mtls"
+    " on a non-loopback host (an explicit choice)",
     "router.unix": "also serve HTTP on this unix socket and gRPC on <path>.grpc (local, keyless, mode 0600)",
     # router [vllm]
     "vllm.p_url": "P's vLLM OpenAI server, http://host:port (its PddlinkConnector a kv_producer)",
@@ -128,6 +134,8 @@ ROUTER_SERVING = [
     ("grpc_port", "int", 0),
     ("http_port", "int", 0),
     ("unix", "str", ""),
+    ("allow_plaintext_non_loopback", "bool", False),
+    ("allow_unauthenticated_non_loopback", "bool", False),
 ]
 
 

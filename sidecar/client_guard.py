@@ -14,6 +14,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import math
+import os
+import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -56,18 +58,7 @@ class ApiConfig:
             raise ConfigError("api.model: 1-256 characters")
 
     def load_keys(self) -> tuple[bytes, ...]:
-        if not self.api_keys_file:
-            return ()
-        try:
-            lines = Path(self.api_keys_file).read_text().splitlines()
-        except OSError as exc:
-            raise ConfigError(f"api.api_keys_file {self.api_keys_file}: {exc.strerror}") from None
-        keys = tuple(ln.strip().encode() for ln in lines if ln.strip() and not ln.lstrip().startswith("#"))
-        if not keys:
-            raise ConfigError(f"api.api_keys_file {self.api_keys_file}: no keys in it")
-        if any(len(k) < 16 for k in keys):
-            raise ConfigError(f"api.api_keys_file {self.api_keys_file}: keys must be >= 16 characters")
-        return keys
+        return load_key_file(self.api_keys_file, "api.api_keys_file") if self.api_keys_file else ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +67,49 @@ class Refusal:
     message: str
     kind: str  # vLLM-style error type
     retry_after_s: int = 0
+
+
+def load_key_file(path: str, setting: str) -> tuple[bytes, ...]:
+    """The bearer keys of ``path``: one per line, '#' comments, each >= 16 characters.
+    ``setting`` names the config key in the error (``api.api_keys_file``, ``admin_keys_file``)."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as exc:
+        raise ConfigError(f"{setting} {path}: {exc.strerror}") from None
+    keys = tuple(ln.strip().encode() for ln in lines if ln.strip() and not ln.lstrip().startswith("#"))
+    if not keys:
+        raise ConfigError(f"{setting} {path}: no keys in it")
+    if any(len(k) < 16 for k in keys):
+        raise ConfigError(f"{setting} {path}: keys must be >= 16 characters")
+    return keys
+
+
+def write_key_file(path: Path) -> str:
+    """A new random key in a new file at ``path``, mode 0600 whatever the umask; returns the key.
+    Generated at setup, like the dev PKI: deployments never ship a key."""
+    key = secrets.token_urlsafe(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, key.encode() + b"\n")
+    finally:
+        os.close(fd)
+    return key
+
+
+def bearer_client(keys: tuple[bytes, ...], authorization: str | None) -> str | Refusal:
+    """The client id of a valid ``Authorization: Bearer KEY`` header (a short hash of the key),
+    or a 401. Every key is compared, in constant time, so timing does not tell which one matched."""
+    scheme, _, token = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return Refusal(401, "missing API key: send 'Authorization: Bearer KEY'", "AuthenticationError")
+    given = token.strip().encode()
+    ok = False
+    for key in keys:
+        ok |= hmac.compare_digest(given, key)
+    if not ok:
+        return Refusal(401, "invalid API key", "AuthenticationError")
+    return "key:" + hashlib.sha256(given).hexdigest()[:12]
 
 
 @dataclass(slots=True)
@@ -102,16 +136,7 @@ class ClientGuard:
         """The client's id from its ``Authorization: Bearer KEY`` header, or a 401."""
         if not self.keys:
             return f"addr:{peer}"
-        scheme, _, token = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
-            return Refusal(401, "missing API key: send 'Authorization: Bearer KEY'", "AuthenticationError")
-        given = token.strip().encode()
-        ok = False
-        for key in self.keys:  # every key is compared, so timing does not tell which prefix matched
-            ok |= hmac.compare_digest(given, key)
-        if not ok:
-            return Refusal(401, "invalid API key", "AuthenticationError")
-        return "key:" + hashlib.sha256(given).hexdigest()[:12]
+        return bearer_client(self.keys, authorization)
 
     # -- how much -------------------------------------------------------------------------------
 

@@ -6,6 +6,9 @@ host = "127.0.0.1"       # address the sidecar binds
 grpc_port = 7440         # router- and peer-facing gRPC (Sidecar service)
 kv_port = 7450           # KV transport server (RLD and MD)
 admin_port = 7460        # admin HTTP (0: off); admin_unix = "/run/x.sock" also serves it on a socket
+admin_keys_file = ""     # bearer keys for the admin TCP port (all but /healthz, /readyz need one; the
+                         # unix socket needs none); "" = none, refused on a non-loopback host unless
+allow_unauthenticated_non_loopback = false   # is set: an explicit operator choice
 tls_dir = ""             # this node's PKI directory (pddlink pki issue): its key, its certificate and ca.pem,
                          # never the CA key; TLS 1.3 with mutual authentication on gRPC and the KV data
                          # plane; "" = plaintext everywhere (refused on a non-loopback host unless
@@ -41,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from pddlink.errors import ConfigError, InvalidInput
-from pddlink.listen_policy import check_plaintext_exposure
+from pddlink.listen_policy import check_open_http, check_plaintext_exposure
 from pddlink.roles import SIDECAR_ROLES
 from pddlink.transport import PeerIdentity
 
@@ -158,8 +161,10 @@ class SidecarConfig:
     kv_port: int = 0
     admin_port: int = 0
     admin_unix: str = ""
+    admin_keys_file: str = ""  # bearer keys for the admin TCP port (sidecar.admin_access)
     tls_dir: str = ""
     allow_plaintext_non_loopback: bool = False  # plaintext on a non-loopback host: said explicitly
+    allow_unauthenticated_non_loopback: bool = False  # a keyless admin port there: said explicitly
     engine: EngineConfig = field(default_factory=EngineConfig)
     peers: PeersConfig = field(default_factory=PeersConfig)
     data_plane: DataPlaneConfig = field(default_factory=DataPlaneConfig)
@@ -174,6 +179,14 @@ class SidecarConfig:
         check_plaintext_exposure(
             self.host, tls=bool(self.tls_dir), allowed=self.allow_plaintext_non_loopback, who="sidecar"
         )
+        if self.admin_port:
+            check_open_http(
+                self.host,
+                guarded=bool(self.admin_keys_file),
+                allowed=self.allow_unauthenticated_non_loopback,
+                who="sidecar admin port",
+                remedy="admin_keys_file (--admin-keys-file)",
+            )
         if self.role == "p" and not (self.peers.md_kv and self.peers.md_grpc):
             raise ConfigError("role p needs peers.md_kv and peers.md_grpc")
         if self.role == "rld" and not self.peers.md_grpc:

@@ -15,7 +15,9 @@ Admin HTTP: GET /metrics (Prometheus), /healthz (the process serves with a live 
 an engine process is gone, and the sidecar then stops: ``sidecar.sweep``), /readyz (engine loaded
 and attached), /status (JSON; ``state``: what the sidecar holds, what the sweep ended), /memory
 (JSON: where the heap is, ``sidecar.malloc_trim.heap_stats``), /drc/stats (JSON), /drc/snapshot
-(bytes), POST /drc/match.
+(bytes), POST /drc/match. On the TCP port (``admin_port``) everything but /healthz and /readyz
+needs a bearer key of ``admin_keys_file`` when one is set (``sidecar.admin_access``); the unix
+socket (``admin_unix``, mode 0600) needs none.
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ from pddlink.transport import (
 )
 from pddlink.transport.tls import identity_from_certificate
 from pddlink.wire import Release, Reserve, ReserveAnswer
+from sidecar.admin_access import guarded
+from sidecar.client_guard import load_key_file
 from sidecar.config import SidecarConfig
 from sidecar.decoder import Decoder
 from sidecar.drc_host import DrcHost
@@ -89,6 +93,8 @@ class Sidecar:
         self.started = time.time()
         self.identity = PeerIdentity(cfg.role, cfg.name)
         self.tls: TlsConfig | None = load_node(Path(cfg.tls_dir), self.identity) if cfg.tls_dir else None
+        keys = cfg.admin_keys_file
+        self.admin_keys = load_key_file(keys, "admin_keys_file") if keys else ()
         self.engine = engine if engine is not None else build_engine(cfg)
         self.loop = EngineLoop(self.engine, cfg.decode.max_batch)
         self.drc: DrcHost | None = None
@@ -364,8 +370,12 @@ class Sidecar:
         if self.tls is None:
             sys.stderr.write("sidecar: plaintext gRPC and KV data plane (tls_dir ''): tests and labs only\n")
         await server.start()
-        admin = await serve_http(self.admin, host=cfg.host, port=cfg.admin_port or None, unix=cfg.admin_unix)
-        if cfg.admin_unix:  # owner only (the CLI's umask already made it so; this says it exactly)
+        admin: list[asyncio.Server] = []
+        if cfg.admin_port:  # TCP: bearer keys (sidecar.admin_access)
+            tcp = guarded(self.admin, self.admin_keys)
+            admin += await serve_http(tcp, host=cfg.host, port=cfg.admin_port)
+        if cfg.admin_unix:  # keyless, owner only (the CLI's umask already made it so; this says it exactly)
+            admin += await serve_http(self.admin, unix=cfg.admin_unix)
             os.chmod(cfg.admin_unix, 0o600)
         ports["admin_port"] = cfg.admin_port
         sys.stdout.write("READY " + json.dumps(ports) + "\n")

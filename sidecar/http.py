@@ -299,15 +299,21 @@ class _UnixConnection(http.client.HTTPConnection):
         self.sock = sock
 
 
-def fetch(addr: str, method: str, path: str, body: bytes = b"", timeout_s: float = 10.0) -> tuple[int, bytes]:
-    """A blocking HTTP request to ``host:port`` or ``unix:/path`` (admin endpoints, CLI, tests)."""
+def fetch(
+    addr: str, method: str, path: str, body: bytes = b"", timeout_s: float = 10.0, bearer: str = ""
+) -> tuple[int, bytes]:
+    """A blocking HTTP request to ``host:port`` or ``unix:/path`` (admin endpoints, CLI, tests);
+    ``bearer``: a key sent as ``Authorization: Bearer``."""
     if addr.startswith("unix:"):
         conn: http.client.HTTPConnection = _UnixConnection(addr[5:], timeout_s)
     else:
         host, _, port = addr.rpartition(":")
         conn = http.client.HTTPConnection(host, int(port), timeout=timeout_s)
     try:
-        conn.request(method, path, body=body or None, headers={"content-type": "application/json"})
+        headers = {"content-type": "application/json"}
+        if bearer:
+            headers["authorization"] = f"Bearer {bearer}"
+        conn.request(method, path, body=body or None, headers=headers)
         resp = conn.getresponse()
         return resp.status, resp.read()
     finally:

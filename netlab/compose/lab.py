@@ -10,7 +10,8 @@ Each lab has a name, a slot (its subnets ``198.19.(240+2k).0/24`` and ``.(241+2k
 bridges ``pdlc<k>a``/``pdlc<k>b``) and a directory ``/run/pddlink-compose/labs/<name>/`` holding
 its record, the profile, the relay's control socket and readiness file, the dev PKI (``pki/all``,
 the CA in ``pki/all/ca``; each role's container mounts only ``pki/<role>``: CA certificate, its
-certificate and key) and the
+certificate and key), the roles' bearer keys (``keys/<role>/``: ``api-keys`` for the router's HTTP
+API, ``admin-keys`` for a sidecar's admin port; random, 0600, mounted at ``/keys``) and the
 roles' logs. The compose project is ``pddlink-<name>``; ``down`` removes its containers and networks
 by the project's label, so it also cleans up after a run that was killed.
 
@@ -53,6 +54,7 @@ ROLE_DC = {"p": "dc-a", "rld": "dc-a", "router": "dc-a", "md": "dc-b", "probe-a"
 PROBES = ("probe-a", "probe-b")
 HOST_NUMBER = {"relay": 2, "p": 10, "rld": 11, "router": 20, "md": 10, "probe-a": 30, "probe-b": 30}
 IDENTITY = {"p": "p0", "rld": "rld0", "md": "md0", "router": "router0"}
+KEY_FILE = {"p": "admin-keys", "rld": "admin-keys", "md": "admin-keys", "router": "api-keys"}
 ROLE_UID = 10001  # the image's pddlink user
 MAX_SLOTS = 8
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,23}$")
@@ -227,6 +229,10 @@ class ComposeLab:
     def addr(self, role: str) -> str:
         return self.record.addr(role)
 
+    def key(self, role: str) -> str:
+        """The bearer key of ``role``'s HTTP port (router: its API; a sidecar: its admin port)."""
+        return (self.record.directory / "keys" / role / KEY_FILE[role]).read_text().strip()
+
     def container(self, service: str) -> str:
         ids = self._compose(["ps", "-q", service], check=False).stdout.decode().split()
         if not ids:
@@ -299,6 +305,25 @@ class ComposeLab:
             return self._measure(self.addr("probe-b"), pings, iperf_s)
         finally:
             self._compose(["rm", "-s", "-f", "-v", *PROBES], timeout_s=60, check=False)
+
+    def run_in_probe(
+        self, argv: list[str], files: Path | None = None, timeout_s: float = 120.0
+    ) -> subprocess.CompletedProcess[str]:
+        """``argv`` in a fresh probe-a container (dc-a: a client beside the router, MD across the
+        relay) with ``files`` (a directory) copied to ``/probe`` first; the probe is removed after."""
+        self._compose(["up", "-d", "--no-color", "--no-deps", "probe-a"], timeout_s=60)
+        try:
+            if files is not None:
+                self.engine.docker(["cp", str(files), f"{self.container('probe-a')}:/probe"], timeout_s=60)
+            return subprocess.run(
+                self.exec_argv("probe-a", argv),
+                capture_output=True,
+                text=True,
+                timeout=timeout_s,
+                check=False,
+            )
+        finally:
+            self._compose(["rm", "-s", "-f", "-v", "probe-a"], timeout_s=60, check=False)
 
     def _measure(self, far: str, pings: int, iperf_s: int) -> WanMeasurement:
         ping = ["ping", "-q", "-n", "-c", str(pings), "-i", "0.01", far]
@@ -405,6 +430,7 @@ class ComposeLab:
 def _make_directory(record: LabRecord, source: ProfileSource) -> None:
     from pddlink.transport import PeerIdentity, load_or_create_pki
     from pddlink.transport.pki import node_dir
+    from sidecar.client_guard import write_key_file
 
     d = record.directory
     shutil.rmtree(d, ignore_errors=True)
@@ -422,6 +448,12 @@ def _make_directory(record: LabRecord, source: ProfileSource) -> None:
             shutil.copy2(issued / name, role_dir / name)
             os.chown(role_dir / name, ROLE_UID, ROLE_UID)
         os.chown(role_dir, ROLE_UID, ROLE_UID)
+    for role in ROLES:  # like the PKI: made here, never shipped
+        key_dir = d / "keys" / role
+        key_dir.mkdir(parents=True, mode=0o700)
+        write_key_file(key_dir / KEY_FILE[role])
+        os.chown(key_dir / KEY_FILE[role], ROLE_UID, ROLE_UID)
+        os.chown(key_dir, ROLE_UID, ROLE_UID)
     (d / "run").mkdir()
     os.chown(d / "run", ROLE_UID, ROLE_UID)
 

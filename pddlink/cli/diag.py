@@ -123,17 +123,26 @@ def ping(
 @click.command(name="status")
 @click.argument("targets", nargs=-1, required=True)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object {target: status}.")
-def status(targets: tuple[str, ...], as_json: bool) -> None:
+@click.option(
+    "--key-file",
+    envvar="PDDLINK_KEY_FILE",
+    type=click.Path(dir_okay=False),
+    help="Send the first key of this file as a bearer key (a sidecar's admin_keys_file, the router's "
+    "api_keys_file): TCP targets need one. Unix sockets need none.",
+)
+def status(targets: tuple[str, ...], as_json: bool, key_file: str | None) -> None:
     """Pipelines in flight, transfers, DRC and link estimates of running sidecars and routers.
 
     TARGETS are their admin HTTP addresses: host:port or unix:/path (sidecar --admin-port /
     --admin-unix, router --http-port / --unix)."""
+    from sidecar.client_guard import load_key_file
     from sidecar.http import fetch
 
+    bearer = load_key_file(key_file, "--key-file")[0].decode() if key_file else ""
     out: dict[str, Any] = {}
     for target in targets:
         try:
-            code, body = fetch(target, "GET", "/status", timeout_s=5.0)
+            code, body = fetch(target, "GET", "/status", timeout_s=5.0, bearer=bearer)
             out[target] = json.loads(body) if code == 200 else {"error": f"HTTP {code}"}
         except OSError as exc:
             out[target] = {"error": f"unreachable: {exc}"}

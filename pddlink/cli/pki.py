@@ -3,6 +3,7 @@
 pddlink pki init ca/                                  # ca/ca.key (0600), ca/ca.pem: keep ca/ private
 pddlink pki issue --ca ca/ --out md-node/ md/md0      # md-node/: md-md0.key, md-md0.pem, ca.pem
 pddlink sidecar --role md --tls-dir md-node/ ...
+pddlink pki key md-keys/admin-keys                    # a new bearer key (0600): admin_keys_file
 """
 
 from __future__ import annotations
@@ -51,3 +52,18 @@ def issue(ca_dir: Path, out_dir: Path, identities: tuple[str, ...]) -> None:
         tls = issue_node(ca_dir, out_dir, identity)
         files = {"cert": str(tls.cert_file), "key": str(tls.key_file)}
         click.echo(json.dumps({"identity": identity.uri, **files}))
+
+
+@group.command(name="key")
+@click.argument("key_file", type=click.Path(dir_okay=False, path_type=Path))
+def key(key_file: Path) -> None:
+    """Write a new random bearer key into KEY_FILE (a new file, mode 0600): a sidecar's
+    admin_keys_file or the router's api_keys_file. Clients send it as `Authorization: Bearer KEY`."""
+    from pddlink.errors import ConfigError
+    from sidecar.client_guard import write_key_file
+
+    check_writable(key_file.parent, "pki key", create=True)
+    if key_file.exists():
+        raise ConfigError(f"{key_file} exists: a key is never overwritten (add a line to it by hand)")
+    write_key_file(key_file)
+    click.echo(str(key_file))

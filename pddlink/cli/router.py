@@ -9,12 +9,13 @@ from typing import Any
 import click
 
 from pddlink.errors import ConfigError
-from pddlink.listen_policy import check_plaintext_exposure
+from pddlink.listen_policy import check_open_http, check_plaintext_exposure
 from pddlink.roles import SIDECAR_ROLES
 
 # flag -> (RouterConfig field or serving option, type)
 _SERVE = {"host": str, "grpc_port": int, "http_port": int, "unix": str}
 _ALLOW_PLAINTEXT = "allow_plaintext_non_loopback"
+_ALLOW_UNAUTHENTICATED = "allow_unauthenticated_non_loopback"
 
 
 _API_FLAGS = ("model", "tokenizer", "api_keys_file", "http_mtls")
@@ -55,8 +56,27 @@ def load_router_config(config_path: str | None, flags: dict[str, Any]) -> tuple[
             raise ConfigError(f"router config {config_path}: {exc}") from None
     flags = dict(flags)
     api = _api(table, flags)
+    allow_open = _knob(table, flags, _ALLOW_UNAUTHENTICATED)
     cfg, serve = _load_table(table, flags)
+    if serve["http_port"]:  # (0: no HTTP port; the unix socket is guarded by its file mode)
+        check_open_http(
+            str(serve["host"]),
+            guarded=bool(api.api_keys_file or api.http_mtls),
+            allowed=allow_open,
+            who="router HTTP API",
+            remedy="[api] api_keys_file (--api-keys-file) or http_mtls (--http-mtls)",
+        )
     return cfg, serve, api
+
+
+def _knob(table: dict[str, Any], flags: dict[str, Any], name: str) -> bool:
+    """A true/false setting of the file, a flag overriding it; taken out of both."""
+    value = table.pop(name, False)
+    flag = flags.pop(name, None)
+    value = value if flag is None else flag
+    if not isinstance(value, bool):
+        raise ConfigError(f"router config: {name} must be true or false")
+    return value
 
 
 def _vllm(section: Any) -> Any:
@@ -178,6 +198,12 @@ def _preflight(cfg: Any, serve: dict[str, Any]) -> None:
     is_flag=True,
     default=None,
     help="Accept --tls-dir '' on a non-loopback --host (refused otherwise).",
+)
+@click.option(
+    "--allow-unauthenticated-non-loopback",
+    is_flag=True,
+    default=None,
+    help="Accept --http-port without API keys or --http-mtls on a non-loopback --host (refused otherwise).",
 )
 def command(config_path: str | None, **flags: Any) -> None:
     """Run the router. Prints `READY {json}` once it serves; stops on SIGTERM or Ctrl-C."""

@@ -19,13 +19,22 @@ from pddlink.roles import SIDECAR_ROLES
 @click.option("--grpc-port", type=int, help="gRPC port (0: any free port).")
 @click.option("--kv-port", type=int, help="KV transport port (RLD, MD).")
 @click.option("--admin-port", type=int, help="Admin HTTP port (0: off).")
-@click.option("--admin-unix", help="Also serve admin HTTP on this unix socket.")
+@click.option("--admin-unix", help="Also serve admin HTTP on this unix socket (no key needed there).")
+@click.option(
+    "--admin-keys-file", help="Bearer keys for --admin-port, one per line (all but /healthz, /readyz)."
+)
 @click.option("--tls-dir", help="Dev PKI directory for TLS on the data plane ('' = plaintext).")
 @click.option(
     "--allow-plaintext-non-loopback",
     is_flag=True,
     default=None,
     help="Accept --tls-dir '' on a non-loopback --host (refused otherwise).",
+)
+@click.option(
+    "--allow-unauthenticated-non-loopback",
+    is_flag=True,
+    default=None,
+    help="Accept --admin-port without --admin-keys-file on a non-loopback --host (refused otherwise).",
 )
 @click.option("--md-grpc", help="MD's gRPC address host:port (P, RLD).")
 @click.option("--md-kv", help="MD's KV address host:port (P).")
@@ -66,8 +75,10 @@ def command(config_path: str | None, **flags: Any) -> None:
         "kv_port": "kv_port",
         "admin_port": "admin_port",
         "admin_unix": "admin_unix",
+        "admin_keys_file": "admin_keys_file",
         "tls_dir": "tls_dir",
         "allow_plaintext_non_loopback": "allow_plaintext_non_loopback",
+        "allow_unauthenticated_non_loopback": "allow_unauthenticated_non_loopback",
         "md_grpc": "peers.md_grpc",
         "md_kv": "peers.md_kv",
         "rld_grpc": "peers.rld_grpc",
@@ -89,11 +100,13 @@ def command(config_path: str | None, **flags: Any) -> None:
 
 def preflight(cfg: Any) -> None:
     """Before the engine loads: every listener can bind, the admin socket can be made, the TLS
-    credentials are there; and what this process creates from now on is its owner's only."""
+    credentials and admin keys are there; and what this process creates from now on is its owner's
+    only."""
     from pathlib import Path
 
     from pddlink.cli.preflight import check_listen, check_unix_socket, private_umask
     from pddlink.transport import PeerIdentity, load_node
+    from sidecar.client_guard import load_key_file
 
     ports = [("gRPC", cfg.grpc_port)]
     if cfg.role in ("rld", "md"):
@@ -105,4 +118,6 @@ def preflight(cfg: Any) -> None:
     check_unix_socket(cfg.admin_unix, "sidecar admin socket")
     if cfg.tls_dir:
         load_node(Path(cfg.tls_dir), PeerIdentity(cfg.role, cfg.name))
+    if cfg.admin_keys_file:
+        load_key_file(cfg.admin_keys_file, "admin_keys_file")
     private_umask()

@@ -2,8 +2,9 @@
 
 The topology is the documented one (relay on dc-a and dc-b, router/P/RLD on dc-a, MD on dc-b), every
 network is internal, addresses are in 198.18.0.0/15, every role runs as the image's user with mTLS
-and only its own credentials mounted; ``docker-compose config`` accepts the file with the lab's
-variables; the role configs load with the sidecar's and the router's own loaders.
+and only its own credentials (certificate, bearer key) mounted; ``docker-compose config`` accepts
+the file with the lab's variables; the role configs load with the sidecar's and the router's own
+loaders and ask for credentials on every TCP port.
 """
 
 from __future__ import annotations
@@ -11,12 +12,14 @@ from __future__ import annotations
 import ipaddress
 import shutil
 import subprocess
+import tomllib
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from netlab.compose.lab import COMPOSE_FILE, DEFAULT_CONFIG, ROLES, LabRecord
+from netlab.compose.lab import COMPOSE_FILE, DEFAULT_CONFIG, KEY_FILE, ROLES, LabRecord
+from pddlink.errors import ConfigError
 from sidecar.config import load_config
 
 yaml = pytest.importorskip("yaml")
@@ -97,6 +100,7 @@ def test_roles_drop_root_have_their_own_credentials_and_a_route_through_the_rela
         assert svc["environment"]["PDDLINK_ROUTE"] == f"{record.net(far)}.0/24 via {record.net(dc)}.2"
         mounts = {v.split(":")[1]: v.split(":") for v in svc["volumes"]}  # SOURCE:TARGET[:MODE]
         assert mounts["/pki"][0].endswith(f"/lab/pki/{role}") and mounts["/pki"][2:] == ["ro"]
+        assert mounts["/keys"][0].endswith(f"/lab/keys/{role}") and mounts["/keys"][2:] == ["ro"]
         assert mounts["/config"][2:] == ["ro"]
         hosts = set(svc["extra_hosts"])
         assert {f"md:{record.addr('md')}", f"p:{record.addr('p')}"} <= hosts
@@ -118,6 +122,40 @@ def test_role_configs_load_with_mtls_and_name_their_peers() -> None:
     router, serve = _load(str(DEFAULT_CONFIG / "router.toml"), {})
     assert router.tls_dir == "/pki" and serve["unix"] == "/run/pddlink/router.sock"
     assert {router.p, router.rld, router.md} == {"p:7442", "rld:7441", "md:7440"}
+
+
+def test_every_role_config_asks_for_credentials_on_every_tcp_port() -> None:
+    """mTLS on gRPC and KV; a key file (mounted at /keys) on the router's HTTP API and on every
+    admin port; nothing of it waived (no allow_* knob), and no key in the repository."""
+    from pddlink.cli.router import load_router_config
+
+    for role in ("p", "rld", "md"):
+        cfg = load_config(DEFAULT_CONFIG / f"{role}.toml")
+        assert cfg.admin_port and cfg.admin_keys_file == f"/keys/{KEY_FILE[role]}"
+        assert not cfg.allow_plaintext_non_loopback and not cfg.allow_unauthenticated_non_loopback
+    _, serve, api = load_router_config(str(DEFAULT_CONFIG / "router.toml"), {})
+    assert serve["http_port"] == 8000 and api.api_keys_file == f"/keys/{KEY_FILE['router']}"
+    text = (DEFAULT_CONFIG / "router.toml").read_text()
+    assert "allow_" not in text
+    assert not list(DEFAULT_CONFIG.rglob("*keys*")) and not list(DEFAULT_CONFIG.rglob("*.pem"))
+    for role in ROLES:  # without its key file the same config is refused at startup
+        path = DEFAULT_CONFIG / f"{role}.toml"
+        if role == "router":
+            with pytest.raises(ConfigError, match="allow_unauthenticated_non_loopback"):
+                load_router_config(None, {**PEERS, **_without_keys(path)})
+        else:
+            with pytest.raises(ConfigError, match="allow_unauthenticated_non_loopback"):
+                load_config(None, _without_keys(path))
+
+
+PEERS = {"p": "p:7442", "rld": "rld:7441", "md": "md:7440"}
+
+
+def _without_keys(path: Path) -> dict[str, Any]:
+    table = tomllib.loads(path.read_text())
+    table.pop("admin_keys_file", None)
+    table.pop("api", None)
+    return {k: v for k, v in table.items() if not isinstance(v, dict)}
 
 
 def test_entrypoint_is_valid_sh_and_drops_every_capability() -> None:

@@ -1,5 +1,6 @@
 """The compose lab for real: images built (and rebuilt from cache), every role in its own container,
-the WAN a netlab relay container, a request across it with mTLS, the WAN's delay and rate measured
+the WAN a netlab relay container, a request across it with mTLS, every port refusing a client
+without credentials (and serving one with them), the WAN's delay and rate measured
 inside the lab, an outage, and ``down`` leaving no container, network, dockerd, firewall rule or
 sysctl change behind. A shorter run than ``pddlink demo --lab compose`` (CI's time budget).
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -20,9 +22,10 @@ from typing import Any
 
 import pytest
 
+from harness import port_probe
 from netlab.compose import engine as engines
 from netlab.compose import hostnet, images
-from netlab.compose.lab import ComposeLab, LabRecord, list_labs
+from netlab.compose.lab import DEFAULT_CONFIG, ComposeLab, LabRecord, list_labs
 from netlab.profile import parse_profile
 
 pytestmark = [pytest.mark.docker, pytest.mark.root, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -127,6 +130,37 @@ def test_a_request_crosses_the_relay_with_mtls(state: dict[str, Any]) -> None:
     assert lab.status()["wan"]["stats"]["a_to_b"]["delivered"] > before
     logs = lab.engine.docker(["logs", lab.container("md")]).stdout.decode()
     assert '"tls_identity": "pddlink://md/md0"' in logs
+
+
+def test_every_port_refuses_a_client_without_a_key_or_certificate(
+    state: dict[str, Any], tmp_path: Path
+) -> None:
+    """Issue 16's acceptance, from a probe container in dc-a (MD across the relay): every TCP port of
+    the deployment from docker/config refuses a client with neither key nor certificate (mTLS ports:
+    the handshake fails or the connection closes unanswered; HTTP ports: 401), and serves the same
+    client once it has them (so the test can fail both ways). The only exceptions: /healthz and
+    /readyz answer without a key (the probes of Kubernetes and the lab carry none)."""
+    lab: ComposeLab = state["lab"]
+    keys = {role: lab.key(role) for role in ("p", "rld", "md", "router")}
+    targets = port_probe.deployment_targets(DEFAULT_CONFIG, lab.addr, keys)
+    ports = {t.port for t in targets}
+    assert ports == {8000, 7443, 7440, 7441, 7442, 7450, 7451, 7460, 7461, 7462}
+    creds = tmp_path / "probe"
+    creds.mkdir()
+    for f in (lab.record.directory / "pki" / "router").iterdir():  # any certificate of the lab's CA
+        shutil.copy2(f, creds / f.name)
+    client = port_probe.Client("/probe/router-router0.pem", "/probe/router-router0.key", "/probe/ca.pem")
+    (creds / "spec.json").write_text(port_probe.spec_json(targets, client))
+    out = lab.run_in_probe(["python", "-m", "harness.port_probe", "/probe/spec.json"], files=creds)
+    assert out.returncode == 0, out.stderr[-2000:]
+    results = port_probe.from_json(json.loads(out.stdout))
+    for r in results:
+        print(r.target.name, r.target.port, "without:", {k: v.detail for k, v in r.anonymous.items()})
+        print(r.target.name, r.target.port, "with:", {k: v.detail for k, v in r.credentialed.items()})
+    assert len(results) == len(targets)
+    assert port_probe.refusals(results) == []
+    open_paths = {how for r in results for how, out in r.anonymous.items() if out.served}
+    assert open_paths == {"GET /healthz", "GET /readyz"}  # the exceptions, and nothing else
 
 
 def test_wan_delay_and_rate_measured_inside_the_lab_follow_the_profile(state: dict[str, Any]) -> None:

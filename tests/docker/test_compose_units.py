@@ -14,6 +14,7 @@ from harness.demo_compose import role_configs
 from netlab.compose.lab import LabRecord, check_name
 from netlab.compose.relay import interface_in
 from pddlink.errors import InvalidInput, LocalError
+from sidecar.client_guard import load_key_file
 from sidecar.config import load_config
 
 ADDRS = [
@@ -58,3 +59,31 @@ def test_demo_role_configs_carry_the_specs_knobs_with_mtls(tmp_path: Path) -> No
     assert serve["unix"] == "/run/pddlink/router.sock"
     pdd = tomllib.loads(role_configs(replace(spec, relay=True))["router"])
     assert pdd["relay_enabled"] is True
+
+
+@pytest.mark.root
+def test_the_lab_directory_gives_each_role_its_own_random_key_0600(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Like the PKI: each role's key file is made when the lab comes up (never shipped), readable by
+    the roles' user only, and mounted alone (keys/<role>/ at /keys)."""
+    import os
+    import stat
+
+    from netlab.compose import lab as labmod
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root (the key files are given to the image's user)")
+    monkeypatch.setattr(labmod, "LABS", tmp_path / "labs")
+    record = LabRecord("keys", 0)
+    labmod._make_directory(record, labmod._profile_source("clean"))
+    keys = {}
+    for role in labmod.ROLES:
+        d = record.directory / "keys" / role
+        assert [p.name for p in d.iterdir()] == [labmod.KEY_FILE[role]]
+        f = d / labmod.KEY_FILE[role]
+        assert stat.S_IMODE(f.stat().st_mode) == 0o600 and stat.S_IMODE(d.stat().st_mode) == 0o700
+        assert f.stat().st_uid == labmod.ROLE_UID == d.stat().st_uid
+        keys[role] = load_key_file(str(f), role)
+    assert len(set(keys.values())) == len(labmod.ROLES)  # one key per role, none shared
+    assert labmod.KEY_FILE["router"] == "api-keys" and labmod.KEY_FILE["md"] == "admin-keys"

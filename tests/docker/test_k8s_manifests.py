@@ -57,6 +57,9 @@ def test_engine_pods_pair_the_engine_with_the_sidecar_ready_on_readyz_with_secre
         assert {m["mountPath"] for m in engine["volumeMounts"]} >= {"/dev/shm", "/run/pddlink"}
         volumes = {v["name"]: v for v in pod["volumes"]}
         assert volumes["pki"]["secret"]["secretName"] == f"pddlink-tls-{role}"
+        assert volumes["keys"]["secret"] == {"secretName": f"pddlink-keys-{role}", "defaultMode": 0o400}
+        assert {"name": "keys", "mountPath": "/keys", "readOnly": True} in sidecar["volumeMounts"]
+        assert sidecar["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "admin"}  # keyless
         assert pod["securityContext"]["runAsNonRoot"] is True
         assert sidecar["securityContext"]["capabilities"] == {"drop": ["ALL"]}
 
@@ -79,4 +82,19 @@ def test_configmap_files_load_as_role_configs_with_mtls() -> None:
     for role in ("p", "rld", "md"):
         cfg = load_config(None, tomllib.loads(data[f"{role}.toml"]))
         assert cfg.role == role and cfg.tls_dir == "/pki"
+        assert cfg.admin_port and cfg.admin_keys_file == "/keys/admin-keys"  # the admin port takes keys
     assert tomllib.loads(data["router.toml"])["tls_dir"] == "/pki"
+
+
+def test_the_router_pod_takes_api_keys_and_its_probe_needs_none(tmp_path: Path) -> None:
+    from pddlink.cli.router import load_router_config
+
+    data = by_kind("ConfigMap")["pddlink-config"]["data"]
+    (tmp_path / "router.toml").write_text(data["router.toml"])
+    _, serve, api = load_router_config(str(tmp_path / "router.toml"), {})
+    assert serve["http_port"] == 8000 and api.api_keys_file == "/keys/api-keys" and not api.http_mtls
+    pod = by_kind("Deployment")["pddlink-router"]["spec"]["template"]["spec"]
+    (router,) = pod["containers"]
+    assert router["readinessProbe"]["httpGet"]["path"] == "/healthz"  # the one keyless path
+    assert {v["name"]: v for v in pod["volumes"]}["keys"]["secret"]["secretName"] == "pddlink-keys-router"
+    assert {"name": "keys", "mountPath": "/keys", "readOnly": True} in router["volumeMounts"]
