@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 CASES = int(os.environ.get("PDDLINK_FUZZ_CASES", "100000"))
+TIMEOUT_S = 600 * max(1, -(-CASES // 100_000))  # CI's 100,000 take 15-30 s on 2 cores
 
 
 def record(api: str, seen: dict[str, int], seconds: float) -> None:

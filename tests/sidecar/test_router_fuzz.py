@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from _fuzz_cases import CASES, record
+from _fuzz_cases import CASES, TIMEOUT_S, record
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -209,7 +209,7 @@ def api() -> Iterator[RouterApi]:
     loop.close()
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(TIMEOUT_S)
 def test_fuzz_request_bodies_in_process(api: RouterApi) -> None:
     seen = {"ok": 0, "refused": 0}
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import grpc
 import pytest
-from _fuzz_cases import CASES, record
+from _fuzz_cases import CASES, TIMEOUT_S, record
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -260,7 +260,7 @@ def service() -> Iterator[RouterService]:
     loop.close()
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(TIMEOUT_S)
 def test_fuzz_generate_requests_in_process(service: RouterService) -> None:
     seen = {"ok": 0, "refused": 0, "undecodable": 0}
 
