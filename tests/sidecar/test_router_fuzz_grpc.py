@@ -353,6 +353,10 @@ def test_fuzz_generate_requests_over_sockets() -> None:
                             assert exc.details() == message, (raw[:80], exc.details(), message)
                         continue
                     assert kind == "ok" and events >= 1, (raw[:80], kind, message)
+                status = ch.unary_unary("/pddlink.v1.Router/Status", request_serializer=None)
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await status(b"\xff\xff\xff", timeout=5)  # Status's bytes are decoded the same way
+                assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT, refused.value
             assert sum(seen.values()) == SOCKET_CASES and all(seen.values()), seen
             assert router.in_flight == {}
         finally:
