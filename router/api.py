@@ -4,7 +4,8 @@ shape of vLLM's OpenAI-compatible server (``/v1/completions``, ``/v1/chat/comple
 
 Every request is validated whole by one schema (``sidecar.openai_schema``) before any work starts:
 a bad field gets 400 (gRPC ``INVALID_ARGUMENT``) naming it, and nothing changes (no request id is
-taken, no sidecar is contacted). Then ``ClientGuard`` (``[api]`` settings) admits it or refuses it at
+taken, no sidecar is contacted); so do gRPC request bytes that decode to no message
+(``add_router_service``). Then ``ClientGuard`` (``[api]`` settings) admits it or refuses it at
 once: 401 without a valid API key (gRPC ``UNAUTHENTICATED``), 429 over the client's rate, 503 when
 the router runs its limit of concurrent requests (gRPC ``RESOURCE_EXHAUSTED`` / ``UNAVAILABLE``),
 with ``Retry-After``. Responses are built by ``sidecar.openai_api``.
@@ -25,10 +26,12 @@ import os
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from pddlink import metrics
 from pddlink.errors import ConfigError, InvalidInput
@@ -207,7 +210,7 @@ class RouterService(pb2_grpc.RouterServicer):  # type: ignore[misc,name-defined]
         if client is None:
             return
         try:
-            job = generate_job(_generate_fields(request), self.limits)
+            job = grpc_job(request, self.limits)
         except RequestRefused as exc:
             metrics.CLIENT_ERRORS.labels(api="grpc").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.message)
@@ -255,6 +258,8 @@ class RouterService(pb2_grpc.RouterServicer):  # type: ignore[misc,name-defined]
     async def Status(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         if await self._who(context) is None:
             return pb2.StatusReply()
+        if isinstance(request, Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         return pb2.StatusReply(json=json.dumps(self.router.status()))
 
 
@@ -272,6 +277,59 @@ def _generate_fields(r: Any) -> dict[str, Any]:
         "deadline_s": float(r.deadline_s),
         "pipeline": r.pipeline,
     }
+
+
+@dataclass(frozen=True, slots=True)
+class Undecodable:
+    """Request bytes that are no message of the method's type (``add_router_service``)."""
+
+    message: str
+
+
+def _tolerant(message_type: Any) -> Callable[[bytes], Any]:
+    """``message_type``'s deserializer, answering ``Undecodable`` instead of raising: gRPC's own
+    answer to a deserializer that raises is ``UNKNOWN`` naming a Python class, a server error for
+    what is the client's (measured: mutated ``GenerateRequest`` bytes)."""
+
+    def decode(raw: bytes) -> Any:
+        try:
+            return message_type.FromString(raw)
+        except DecodeError as exc:
+            return Undecodable(f"the request is not a valid {message_type.DESCRIPTOR.name}: {exc}")
+
+    return decode
+
+
+def add_router_service(server: grpc.aio.Server, service: RouterService) -> None:
+    """The ``Router`` service on ``server`` (as the generated ``add_RouterServicer_to_server``), its
+    requests decoded by ``_tolerant``: undecodable bytes are refused ``INVALID_ARGUMENT``."""
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            service.Generate,
+            request_deserializer=_tolerant(pb2.GenerateRequest),
+            response_serializer=pb2.GenerateEvent.SerializeToString,
+        ),
+        "Status": grpc.unary_unary_rpc_method_handler(
+            service.Status,
+            request_deserializer=_tolerant(pb2.StatusRequest),
+            response_serializer=pb2.StatusReply.SerializeToString,
+        ),
+    }
+    name = pb2.DESCRIPTOR.services_by_name["Router"].full_name
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
+
+
+def decode_generate(raw: bytes) -> Any:
+    """A ``GenerateRequest``'s bytes as the service's deserializer decodes them (or ``Undecodable``)."""
+    return _tolerant(pb2.GenerateRequest)(raw)
+
+
+def grpc_job(request: Any, limits: Limits) -> Job:
+    """The service's checks of a decoded ``GenerateRequest`` before any work: the job, or
+    ``RequestRefused`` (``INVALID_ARGUMENT``); the router's own checks follow in ``generate``."""
+    if isinstance(request, Undecodable):
+        raise RequestRefused(request.message)
+    return generate_job(_generate_fields(request), limits)
 
 
 def load_codec(api: ApiConfig) -> TextCodec | None:
@@ -292,7 +350,7 @@ async def serve_router(
     fix_mmap_threshold()
     await router.start()
     server, router.caller_check = new_server(router.tls, local_plaintext=bool(unix))
-    pb2_grpc.add_RouterServicer_to_server(RouterService(router, guard), server)
+    add_router_service(server, RouterService(router, guard))
     bound = bind(server, f"{host}:{grpc_port}", router.tls)
     if unix:  # local clients (the demo, outside the lab's namespaces): guarded by file permissions
         bind(server, f"unix:{unix}.grpc", None)

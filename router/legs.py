@@ -4,7 +4,9 @@
 events: the Attach streams on RLD and MD (``TokenArrived``, then ``StreamEnded``; MD's ``ready``
 after a recompute: ``MdReady``), P's Prefill (``PrefillDone`` / ``PrefillFailed``), RLD's
 StartHandoff (``HandoffDone``) and the router's own Handoff to MD when RLD is lost
-(``TakeoverFailed`` if it fails). Every RPC's timeout is the request's time left. ``close``
+(``TakeoverFailed`` if it fails). Every RPC's timeout is the request's time left. A task that dies
+of anything else (a bug, an answer it cannot convert) posts ``LegCrashed`` (``watch_leg``): the
+run fails at once with the exception's name instead of waiting for its deadline. ``close``
 cancels what is left; P's shipment to MD may linger until its deadline so MD still imports (and
 caches) the prompt.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Coroutine
 from typing import Any, Protocol
@@ -26,6 +29,7 @@ from pddlink.lifecycle import (
     HandoffDone,
     HandoffResult,
     Leg,
+    LegCrashed,
     MdReady,
     OpenStream,
     PrefillDone,
@@ -50,6 +54,24 @@ from sidecar.sampling_pb import sampling_to_pb
 
 MIN_TIMEOUT_S = 0.01
 MD_IMPORT_GRACE_S = 0.2  # MD imports right after P's transfer; release it after that
+
+log = logging.getLogger(__name__)
+
+
+def watch_leg(task: asyncio.Task[Any], sid: str, name: str, inbox: asyncio.Queue[RunEvent]) -> None:
+    """When ``task`` (one call of leg ``sid``) dies of an exception, ``LegCrashed`` goes to the run's
+    inbox at once: every exception its code does not turn into an event itself (cancellation is
+    the driver's own doing and posts nothing)."""
+
+    def ended(t: asyncio.Task[Any]) -> None:
+        if t.cancelled() or t.exception() is None:
+            return
+        exc = t.exception()
+        assert exc is not None
+        log.error("request %s: %s raised", sid, name, exc_info=exc)
+        inbox.put_nowait(LegCrashed.of(sid, name, exc))
+
+    task.add_done_callback(ended)
 
 
 class Cluster(Protocol):
@@ -92,13 +114,14 @@ class LegCalls:
             stub = self.s.rld if cmd.on is Role.RLD else self.s.md
             if cmd.on is Role.RLD:
                 self.c.rld_active += 1
-            self._spawn(f"{cmd.on.value}{self._number(cmd.leg)}", self._stream(cmd.on, stub, cmd.leg))
+            name = f"{cmd.on.value}{self._number(cmd.leg)}"
+            self._spawn(name, cmd.leg.sid, self._stream(cmd.on, stub, cmd.leg))
         elif isinstance(cmd, SendPrefill):
-            self._spawn(f"p{self._number(cmd.leg)}", self._prefill(cmd))
+            self._spawn(f"p{self._number(cmd.leg)}", cmd.leg.sid, self._prefill(cmd))
         elif isinstance(cmd, StartHandoff):
-            self._spawn("handoff", self._start_handoff(cmd.sid))
+            self._spawn("handoff", cmd.sid, self._start_handoff(cmd.sid))
         elif isinstance(cmd, TakeOver):
-            self._spawn("takeover", self._take_over(cmd))
+            self._spawn("takeover", cmd.leg.sid, self._take_over(cmd))
         elif isinstance(cmd, CancelStreams):
             self._cancel(cmd.on)
         elif isinstance(cmd, ReleaseRldSlot):
@@ -109,8 +132,9 @@ class LegCalls:
     def _number(self, leg: Leg) -> int:
         return self.leg_numbers.setdefault(leg.sid, len(self.leg_numbers) + 1)
 
-    def _spawn(self, name: str, coro: Coroutine[Any, Any, None]) -> None:
-        self.tasks[name] = asyncio.get_running_loop().create_task(coro)
+    def _spawn(self, name: str, sid: str, coro: Coroutine[Any, Any, None]) -> None:
+        task = self.tasks[name] = asyncio.get_running_loop().create_task(coro)
+        watch_leg(task, sid, name, self.inbox)
 
     def _cancel(self, role: Role) -> None:
         for name, task in list(self.tasks.items()):

@@ -24,7 +24,9 @@ sub-request id. The commands become (``VllmLegs``)::
                     end within the deadline: MD keeps the turn's KV for the conversation's next turn
 
 Tokens carry absolute positions (``len(leg prompt) + i``); every event goes to ``inbox``, and the
-lifecycle machine merges, falls back and ends the run. Every call runs under the request's time left.
+lifecycle machine merges, falls back and ends the run. Every call runs under the request's time left;
+one that raises what it does not expect (an answer it cannot read: a malformed SSE line, a reply
+without ``choices``) ends the run at once (``router.legs.watch_leg``: ``leg_crashed``).
 A stream that vLLM ends with a finish reason other than ``length``/``stop`` (a failed KV load under
 policy ``fail``) is a failed stream, never tokens.
 
@@ -76,7 +78,7 @@ from pddlink.lifecycle.outcomes import HandoffOutcome
 from pddlink.roles import Role
 from pddlink.routing import LinkModel, Pipeline, RecomputeMode, RoutingPolicy, choose_handoff_mode
 from router.config import RouterConfig, VllmEngineConfig
-from router.legs import Cluster
+from router.legs import Cluster, watch_leg
 from router.mirror import VllmMirror
 
 __all__ = ["VllmBackend", "VllmLegs", "generate_alone", "sampling_body"]
@@ -267,18 +269,19 @@ class VllmLegs:
             self._legs[cmd.leg.sid] = cmd.leg
             if cmd.on is Role.RLD:
                 self.c.rld_active += 1
-                self._spawn(f"rld{n}", self._rld_stream(cmd.leg))
+                self._spawn(f"rld{n}", cmd.leg.sid, self._rld_stream(cmd.leg))
             elif cmd.leg.pipeline is Pipeline.P_RLD_MD:
                 prime = asyncio.get_running_loop().create_task(self._md_prime(cmd.leg))
                 self.primes[cmd.leg.sid] = self.tasks[f"md{n}"] = prime
+                watch_leg(prime, cmd.leg.sid, f"md{n}", self.inbox)
             else:
-                self._spawn(f"md{n}", self._md_stream(cmd.leg))
+                self._spawn(f"md{n}", cmd.leg.sid, self._md_stream(cmd.leg))
         elif isinstance(cmd, SendPrefill):
-            self._spawn(f"p{self._number(cmd.leg)}", self._prefill(cmd))
+            self._spawn(f"p{self._number(cmd.leg)}", cmd.leg.sid, self._prefill(cmd))
         elif isinstance(cmd, StartHandoff):
-            self._spawn("handoff", self._handoff(cmd.sid))
+            self._spawn("handoff", cmd.sid, self._handoff(cmd.sid))
         elif isinstance(cmd, TakeOver):
-            self._spawn(f"md{len(self.leg_numbers) + 50}", self._take_over(cmd))
+            self._spawn(f"md{len(self.leg_numbers) + 50}", cmd.leg.sid, self._take_over(cmd))
         elif isinstance(cmd, CancelStreams):
             self._cancel(cmd.on)
         elif isinstance(cmd, ReleaseRldSlot):
@@ -289,11 +292,12 @@ class VllmLegs:
     def _number(self, leg: Leg) -> int:
         return self.leg_numbers.setdefault(leg.sid, len(self.leg_numbers) + 1)
 
-    def _spawn(self, name: str, coro: Coroutine[Any, Any, None]) -> None:
+    def _spawn(self, name: str, sid: str, coro: Coroutine[Any, Any, None]) -> None:
         old = self.tasks.get(name)
         if old is not None and not old.done():
             name = f"{name}x{len(self.tasks)}"
-        self.tasks[name] = asyncio.get_running_loop().create_task(coro)
+        task = self.tasks[name] = asyncio.get_running_loop().create_task(coro)
+        watch_leg(task, sid, name, self.inbox)
 
     def _cancel(self, role: Role) -> None:
         for name, task in list(self.tasks.items()):
@@ -472,7 +476,7 @@ class VllmLegs:
         name = f"md{self._number(leg)}h"
         if mode is HandoffMode.ONE_SHOT:
             rld.cancel()  # RLD is aborted at once; MD continues from what it streamed
-            self._spawn(name, self._extend(leg, given, None))
+            self._spawn(name, sid, self._extend(leg, given, None))
             # MD held the KV before RLD's first token (no WAN delay to speak of): MD makes every
             # token, a P->MD run in effect, and the trace says so rather than count a handoff
             detail = "" if given else NOTHING_HANDED
@@ -490,7 +494,7 @@ class VllmLegs:
                 rld.cancel()
                 self.inbox.put_nowait(HandoffDone(sid, HandoffResult(HandoffOutcome.HANDED_OFF), mode))
 
-        self._spawn(name, self._extend(leg, given, switch))
+        self._spawn(name, sid, self._extend(leg, given, switch))
         done, _ = await asyncio.wait(
             {switched, rld}, timeout=self.left(), return_when=asyncio.FIRST_COMPLETED
         )

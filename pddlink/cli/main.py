@@ -63,6 +63,10 @@ BENCH_COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "drc": ("pddlink.cli.bench_drc:command", "Prefix match, insert rate and memory of the DRC index."),
     "wire": ("pddlink.cli.bench_wire:command", "Fuzz the frame decoder: frames/s, error types, memory."),
+    "fuzz": (
+        "pddlink.cli.bench_fuzz:command",
+        "Fuzz the router's HTTP and gRPC request bodies with more cases than CI (source checkout).",
+    ),
     "vllm": (
         "pddlink.cli.bench_vllm:command",
         "The vLLM KV connector's own cost against P's prefill and vLLM's ExampleConnector.",

@@ -105,6 +105,23 @@ class MdSuspected:
     sid: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class LegCrashed:
+    """One of the leg's calls raised what its driver does not expect (a bug, an answer it cannot
+    read): nothing more will come of that call, so the run fails at once (``leg_crashed``) instead
+    of waiting for its deadline. ``task``: the driver's name for the call ("md1", "p1", "handoff");
+    ``error``: the exception, ``"<type>: <message>"`` (``of``)."""
+
+    sid: str
+    task: str
+    error: str
+
+    @classmethod
+    def of(cls, sid: str, task: str, exc: BaseException) -> LegCrashed:
+        text = str(exc)
+        return cls(sid, task, f"{type(exc).__name__}: {text}"[:300] if text else type(exc).__name__)
+
+
 RunEvent = (
     TokenArrived
     | StreamEnded
@@ -114,6 +131,7 @@ RunEvent = (
     | TakeoverFailed
     | MdReady
     | MdSuspected
+    | LegCrashed
 )
 
 # -- commands out ---------------------------------------------------------------------------------

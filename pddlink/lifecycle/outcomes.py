@@ -85,6 +85,7 @@ class FailReason(StrEnum):
     RLD_LOST = "rld_lost"
     MD_LOST = "md_lost"
     MD_STALLED = "md_stalled"
+    LEG_CRASHED = "leg_crashed"  # a call of the run raised unexpectedly (``LegCrashed``)
 
 
 class Fallback(StrEnum):

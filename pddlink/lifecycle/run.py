@@ -33,6 +33,9 @@ States (``RUN_TRANSITIONS``)::
     RUNNING --complete (P already replied) | failure | deadline | cancel--> ENDED
     AWAITING_P_REPLY --cancel | deadline--> ENDED
 
+A call of the run that raised unexpectedly (``LegCrashed``, posted by the driver when a leg's task
+dies) fails the run at once, ``leg_crashed: <task>: <exception>``; no fallback is tried.
+
 ``AWAITING_P_REPLY``: on P->MD, MD can finish a short output before P's reply (bytes, RTT for the
 trace) is in; it is moments away, so the run waits for it briefly. Events of a superseded leg other
 than tokens are ignored; after ``ENDED`` every event is. ``RunEnded`` is the last command; ``trace``
@@ -53,6 +56,7 @@ from pddlink.lifecycle.events import (
     FallbackTaken,
     HandoffDone,
     Leg,
+    LegCrashed,
     MdReady,
     MdStalled,
     MdSuspected,
@@ -208,9 +212,12 @@ class RequestRun:
                     self._after(now)
             return self._drain()
         if self.state is RunState.AWAITING_P_REPLY:
-            if isinstance(event, PrefillDone) and self.leg is not None and event.sid == self.leg.sid:
+            current = self.leg is not None and event.sid == self.leg.sid
+            if isinstance(event, PrefillDone) and current:
                 self._on_prefill(event)
                 self._end(now)
+            elif isinstance(event, LegCrashed) and current:
+                self._end(now)  # P's reply will not come: the output is complete, end now
             return self._drain()
         if not isinstance(event, TokenArrived) and self.leg is not None and event.sid != self.leg.sid:
             return []  # a superseded leg: its tokens still count (positions), nothing else does
@@ -297,6 +304,11 @@ class RequestRun:
 
     def _on_takeover_failed(self, ev: TakeoverFailed, now: float) -> None:
         self._loss(Loss.MD_LOST, f"md_takeover_failed:{ev.detail}", now)
+
+    def _on_leg_crashed(self, ev: LegCrashed, now: float) -> None:
+        # no fallback: a call that raised is a fault of the router's own (or an answer it cannot
+        # read), which another leg would meet again; the deadline is no time to wait for it
+        self._fail(FailReason.LEG_CRASHED, f"{ev.task}: {ev.error}")
 
     # -- losses and recoveries -----------------------------------------------------------------
 
@@ -464,6 +476,7 @@ _HANDLERS: dict[type, Callable[[RequestRun, object, float], None]] = {
     HandoffDone: RequestRun._on_handoff,  # type: ignore[dict-item]
     TakeoverFailed: RequestRun._on_takeover_failed,  # type: ignore[dict-item]
     MdReady: RequestRun._on_md_ready,  # type: ignore[dict-item]
+    LegCrashed: RequestRun._on_leg_crashed,  # type: ignore[dict-item]
 }
 
 _RECOVERIES: dict[Recovery, Callable[[RequestRun, Loss, str], None]] = {
