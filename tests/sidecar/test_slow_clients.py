@@ -42,7 +42,7 @@ PROMPT = list(range(1, 33))
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     spec = ClusterSpec(tmp_path_factory.mktemp("slow"), relay=True, tls=True, deadline_s=30.0)
-    with Cluster(NoWan(), spec) as c:  # type: ignore[arg-type]
+    with Cluster(NoWan(), spec) as c:
         yield c
 
 
