@@ -121,6 +121,10 @@ MEANINGS: dict[str, str] = {
     "api.header_timeout_s": "the whole request head must arrive within this",
     "api.body_timeout_s": "the whole request body must arrive within this (408 after)",
     "api.idle_timeout_s": "a keep-alive connection without a request closes after this",
+    "api.write_stall_s": "an answer whose client takes none of its bytes this long is cut (its request"
+    " cancelled); every answer is cut at its deadline + 0.5 s",
+    "api.send_buffer_bytes": "each HTTP connection's kernel send buffer (SO_SNDBUF): what an unread"
+    " answer pins",
     "api.max_connections": "open HTTP client connections over all clients",
     "api.max_connections_per_client": "open HTTP connections per client address (429 beyond)",
     "api.max_concurrent_requests": "requests generating at once, HTTP and gRPC (503 + Retry-After beyond)",

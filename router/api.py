@@ -45,6 +45,7 @@ from sidecar.openai_api import Responder, error_body, models_body
 from sidecar.openai_schema import Endpoint, Job, Limits, RequestRefused, completion_job, generate_job
 from sidecar.openai_text import TextCodec
 from sidecar.rpc import stubs
+from sidecar.write_bound import WriteBound
 
 pb2, pb2_grpc = stubs()
 
@@ -93,6 +94,8 @@ class RouterApi:
             a.body_timeout_s,
             a.idle_timeout_s,
             a.retry_after_s,
+            a.write_stall_s,
+            a.send_buffer_bytes,
         )
 
     def gate(self, peer: str) -> Response | None:
@@ -150,9 +153,12 @@ class RouterApi:
                 "NotFoundError",
                 "model",
             )
-        refusal = self.guard.admit(client, time.monotonic())
+        started = time.monotonic()
+        refusal = self.guard.admit(client, started)
         if refusal is not None:
             return _refused(refusal)
+        deadline_s = job.deadline_s or self.router.cfg.deadline_s
+        send_by = WriteBound.for_request(self.api.write_stall_s, started, deadline_s).send_by
         responder = Responder(self.router, job, self.api.model, self.codec, self.eos)
         try:
             await responder.admit()  # the router's admission answers before any byte of the reply
@@ -165,13 +171,14 @@ class RouterApi:
         except BaseException:
             self.guard.release()
             raise
-        if job.stream:
-            return Response(200, self._released(responder.events()), "text/event-stream")
+        if job.stream:  # the slot is freed when the stream ends: sent, or cut (``send_by``)
+            return Response(200, self._released(responder.events()), "text/event-stream", send_by=send_by)
         try:
             status, obj = await responder.body()
         finally:
             self.guard.release()
-        return json_response(status, obj)
+        resp = json_response(status, obj)
+        return Response(resp.status, resp.body, resp.content_type, resp.headers, send_by)
 
     async def _released(self, events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         try:
@@ -204,7 +211,10 @@ class RouterService(pb2_grpc.RouterServicer):  # type: ignore[misc,name-defined]
             return None
         return client
 
-    async def Generate(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
+    async def Generate(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        """Streams the run's events with ``context.write``, each write bounded (``WriteBound``): a
+        client that stops reading (HTTP/2 flow control holds the write) is cut with
+        ``DEADLINE_EXCEEDED`` and its run cancelled, rather than holding them until it reads."""
         arrived = time.monotonic()  # the deadline counts from here, not from after the checks
         client = await self._who(context)
         if client is None:
@@ -222,17 +232,19 @@ class RouterService(pb2_grpc.RouterServicer):  # type: ignore[misc,name-defined]
                 _GRPC_REFUSAL.get(refusal.status, grpc.StatusCode.UNAVAILABLE), refusal.message
             )
             return
+        deadline_s = job.deadline_s or self.router.cfg.deadline_s
+        bound = WriteBound.for_request(self.guard.cfg.write_stall_s, arrived, deadline_s)
+        gen = self.router.generate(
+            list(job.prompts[0]),
+            job.sampling,
+            deadline_s=job.deadline_s,
+            pipeline=job.pipeline,
+            request_id=job.request_id,
+            arrived=arrived,
+        )
         try:
-            gen = self.router.generate(
-                list(job.prompts[0]),
-                job.sampling,
-                deadline_s=job.deadline_s,
-                pipeline=job.pipeline,
-                request_id=job.request_id,
-                arrived=arrived,
-            )
             try:
-                first = await gen.__anext__()  # the router's own checks happen before the first event
+                ev = await gen.__anext__()  # the router's own checks happen before the first event
             except InvalidInput as exc:
                 metrics.CLIENT_ERRORS.labels(api="grpc").inc()
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.message)
@@ -240,19 +252,14 @@ class RouterService(pb2_grpc.RouterServicer):  # type: ignore[misc,name-defined]
             except Overloaded as exc:
                 await grpc_rejection(context, exc)
                 return
-            ev = first
             while True:
+                if not await _write(context, _event(ev), bound):
+                    return  # cut: the finally below cancels the run
                 if ev.get("done"):
-                    yield pb2.GenerateEvent(
-                        done=True,
-                        outcome=ev["outcome"],
-                        reason=ev["reason"],
-                        trace_json=json.dumps(ev["trace"]),
-                    )
                     return
-                yield pb2.GenerateEvent(position=ev["position"], token_id=ev["token_id"], source=ev["source"])
                 ev = await gen.__anext__()
         finally:
+            await gen.aclose()  # type: ignore[attr-defined]  # a run not ended is cancelled everywhere
             self.guard.release()
 
     async def Status(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
@@ -261,6 +268,28 @@ class RouterService(pb2_grpc.RouterServicer):  # type: ignore[misc,name-defined]
         if isinstance(request, Undecodable):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         return pb2.StatusReply(json=json.dumps(self.router.status()))
+
+
+def _event(ev: dict[str, Any]) -> Any:
+    if ev.get("done"):
+        return pb2.GenerateEvent(
+            done=True, outcome=ev["outcome"], reason=ev["reason"], trace_json=json.dumps(ev["trace"])
+        )
+    return pb2.GenerateEvent(position=ev["position"], token_id=ev["token_id"], source=ev["source"])
+
+
+async def _write(context: grpc.aio.ServicerContext[Any, Any], msg: Any, bound: WriteBound) -> bool:
+    """Write ``msg`` within the bound; False (the status set, nothing awaited) when it was cut. No
+    ``abort``: it would wait behind the unread messages for as long as the client does not read."""
+    try:
+        async with asyncio.timeout(bound.left(time.monotonic())):
+            await context.write(msg)
+    except TimeoutError:
+        metrics.WRITES_CUT.labels(api="grpc").inc()
+        context.set_code(grpc.StatusCode.DEADLINE_EXCEEDED)
+        context.set_details(f"answer cut: {bound.reason(time.monotonic())}")
+        return False
+    return True
 
 
 def _generate_fields(r: Any) -> dict[str, Any]:

@@ -4,9 +4,11 @@ connection caps, and a cap on concurrent requests. Sans-I/O: every decision take
 ``ApiConfig`` is the ``[api]`` table of the router's TOML file. ``ClientGuard`` answers, for one
 request, either a client id or a ``Refusal`` (HTTP status, message, ``Retry-After``): 401 without a
 valid bearer key (when keys are configured), 429 when that client's token bucket is empty, 503 when
-the router already runs ``max_concurrent_requests``. Refusals are immediate: a request is never left
-to fail at its deadline because the router is full. Keys are compared in constant time and never
-logged; a client is named by a short hash of its key (or by its address when no keys are set).
+the router already runs ``max_concurrent_requests``. Refusals are immediate: a request is never
+left to fail at its deadline because the router is full. A slot is held until the answer ends:
+sent, or cut when its client stops taking it (``sidecar.write_bound``). Keys are compared in
+constant time and never logged; a client is named by a short hash of its key (or by its address
+when no keys are set).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pddlink.errors import ConfigError
+from sidecar.write_bound import SEND_BUFFER_BYTES, WRITE_STALL_S
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +38,8 @@ class ApiConfig:
     header_timeout_s: float = 10.0  # the whole request head must arrive within this
     body_timeout_s: float = 30.0  # the whole body must arrive within this
     idle_timeout_s: float = 60.0  # a keep-alive connection with no request closes after this
+    write_stall_s: float = WRITE_STALL_S  # an answer's write the client takes nothing of this long is cut
+    send_buffer_bytes: int = SEND_BUFFER_BYTES  # kernel send buffer per HTTP connection (SO_SNDBUF)
     max_connections: int = 512  # open client connections (HTTP), over all clients
     max_connections_per_client: int = 64  # per client address
     max_concurrent_requests: int = 256  # generating requests (HTTP and gRPC); more get 503
@@ -44,10 +49,12 @@ class ApiConfig:
 
     def __post_init__(self) -> None:
         positive = ("max_body_bytes", "body_budget_bytes", "max_connections", "max_connections_per_client")
+        if not 4096 <= self.send_buffer_bytes <= 64 << 20:
+            raise ConfigError("api.send_buffer_bytes must be in [4096, 64 MiB]")
         for name in (*positive, "max_concurrent_requests", "rate_burst", "retry_after_s"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"api.{name} must be >= 1")
-        for name in ("header_timeout_s", "body_timeout_s", "idle_timeout_s"):
+        for name in ("header_timeout_s", "body_timeout_s", "idle_timeout_s", "write_stall_s"):
             if not 0 < getattr(self, name) <= 3600:
                 raise ConfigError(f"api.{name} must be in (0, 3600]")
         if self.rate_per_client_s < 0:

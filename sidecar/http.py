@@ -10,6 +10,12 @@ its ``Content-Length`` (or the bytes read so far) say so; request bodies buffere
 all connections stay under ``body_budget_bytes`` (503 with ``Retry-After`` beyond it), so many large
 slow uploads cannot grow memory without bound. An optional ``gate`` admits or refuses each new
 connection (caps per client and in total).
+
+Answers are bounded too (``sidecar.write_bound``): a write whose bytes the client does not take
+within ``write_stall_s``, or after the response's ``send_by`` (the request's deadline + a grace),
+cuts the connection (aborted, not flushed: a non-reader would keep a graceful close waiting) and
+closes the streamed body, which cancels its request. Each connection's kernel send buffer is
+fixed (``send_buffer_bytes``), so what an unread answer pins is bounded and a stall shows early.
 """
 
 from __future__ import annotations
@@ -18,13 +24,18 @@ import asyncio
 import contextlib
 import http.client
 import json
+import math
 import socket
 import ssl
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import h11
+
+from pddlink import metrics
+from sidecar.write_bound import SEND_BUFFER_BYTES, WRITE_STALL_S, WriteBound
 
 MAX_BODY_BYTES = 8 << 20
 READ_TIMEOUT_S = 30.0
@@ -39,6 +50,8 @@ class HttpLimits:
     body_timeout_s: float = READ_TIMEOUT_S
     idle_timeout_s: float = 60.0
     retry_after_s: int = 1
+    write_stall_s: float = WRITE_STALL_S  # one write's bytes must be taken by the client within this
+    send_buffer_bytes: int = SEND_BUFFER_BYTES  # each connection's kernel send buffer (SO_SNDBUF)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +76,7 @@ class Response:
     body: bytes | AsyncIterator[bytes] = b""
     content_type: str = "application/json"
     headers: tuple[tuple[str, str], ...] = field(default=())
+    send_by: float = math.inf  # monotonic time by which the client must have taken the whole answer
 
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -78,6 +92,10 @@ def error_response(
 ) -> Response:
     headers = (("retry-after", str(retry_after_s)),) if retry_after_s else ()
     return json_response(status, {"error": {"message": message, "type": kind, "code": status}}, headers)
+
+
+class WriteCut(TimeoutError):
+    """The client did not take an answer's bytes in time: the connection was aborted."""
 
 
 class _Refused(Exception):
@@ -125,11 +143,18 @@ class _Conn:
                 return ev
             self.h11.receive_data(await self.reader.read(65536))
 
-    async def _send(self, ev: Any) -> None:
+    async def _send(self, ev: Any, bound: WriteBound | None = None) -> None:
         data = self.h11.send(ev)
         if data:
             self.writer.write(data)
-            await self.writer.drain()
+            bound = bound or WriteBound(self.limits.write_stall_s)
+            try:
+                async with asyncio.timeout(bound.left(time.monotonic())):
+                    await self.writer.drain()
+            except TimeoutError:
+                self.writer.transport.abort()  # a graceful close would wait on the unread bytes
+                metrics.WRITES_CUT.labels(api="http").inc()
+                raise WriteCut(bound.reason(time.monotonic())) from None
 
     async def _head(self) -> Any:
         lim = self.limits
@@ -222,23 +247,24 @@ class _Conn:
         if self.h11.our_state is not h11.SEND_RESPONSE:
             return  # the head was never read whole: nothing to answer on this connection
         headers = [("content-type", resp.content_type), *resp.headers]
+        bound = WriteBound(self.limits.write_stall_s, resp.send_by)
         if isinstance(resp.body, bytes):
             headers.append(("content-length", str(len(resp.body))))
-            await self._send(h11.Response(status_code=resp.status, headers=headers))
+            await self._send(h11.Response(status_code=resp.status, headers=headers), bound)
             if resp.body:
-                await self._send(h11.Data(data=resp.body))
+                await self._send(h11.Data(data=resp.body), bound)
         else:
             headers.append(("cache-control", "no-cache"))
-            await self._send(h11.Response(status_code=resp.status, headers=headers))
             body = resp.body
             try:
+                await self._send(h11.Response(status_code=resp.status, headers=headers), bound)
                 async for chunk in body:
-                    await self._send(h11.Data(data=chunk))
+                    await self._send(h11.Data(data=chunk), bound)
             finally:
                 aclose = getattr(body, "aclose", None)
-                if aclose is not None:
-                    await aclose()  # the client left mid-stream: the generator cancels its request
-        await self._send(h11.EndOfMessage())
+                if aclose is not None:  # the client left or was cut mid-stream: its request is cancelled
+                    await aclose()
+        await self._send(h11.EndOfMessage(), bound)
 
 
 async def serve_http(
@@ -260,6 +286,10 @@ async def serve_http(
     async def on_client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         addr = writer.get_extra_info("peername")
         peer = addr[0] if isinstance(addr, tuple) else ""
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, lim.send_buffer_bytes)
         gated = False
         try:
             conn = _Conn(reader, writer, handler, lim, budget, peer)
@@ -278,6 +308,8 @@ async def serve_http(
             writer.close()
             with contextlib.suppress(OSError, TimeoutError, ssl.SSLError):
                 await asyncio.wait_for(writer.wait_closed(), 5.0)
+            if writer.transport.get_write_buffer_size():
+                writer.transport.abort()  # bytes the client never takes would keep the socket open
 
     servers = []
     if port is not None:

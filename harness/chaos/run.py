@@ -41,6 +41,7 @@ from harness.chaos.load import StreamResult, drive
 from harness.chaos.report import table, timeline
 from harness.chaos.rss import RssBook, RssSampler
 from harness.chaos.schedule import Fault, FaultKind, default_schedule
+from harness.chaos.slow_clients import slow_clients_fault
 from harness.cluster import Cluster, ClusterSpec
 from harness.demo import VOCAB, reference_tokens, wan_profile
 from harness.demo_workload import DemoRequest, build_trace, demo_requests
@@ -143,6 +144,7 @@ class FaultRunner:
         self.lab, self.cluster, self.rss, self.t0 = lab, cluster, rss, t0
         self.profile = profile  # the WAN's own profile (TOML), restored after a corruption
         self.records: list[FaultRecord] = []
+        self.slow_clients: dict[str, Any] = {}  # the slow_clients fault's own record
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -177,6 +179,11 @@ class FaultRunner:
             except subprocess.TimeoutExpired:
                 gone = f"sidecar still running {ENGINE_DEATH_EXIT_S:g} s after its engine died; "
             return gone + self._restart(fault.target, start)
+        if fault.kind is FaultKind.SLOW_CLIENTS:
+            self.slow_clients = slow_clients_fault(
+                self.cluster.router_unix, self.cluster.spec.deadline_s, self.t0
+            )
+            return str(self.slow_clients["note"])
         if fault.kind in (FaultKind.WAN_OUTAGE, FaultKind.ONE_WAY_CUT):
             self.lab.outage(fault.duration_s, "both" if fault.kind is FaultKind.WAN_OUTAGE else "a_to_b")
             time.sleep(fault.duration_s)
@@ -448,6 +455,8 @@ def main(
         results, reference, [len(r.prompt) for r, _ in reqs], runner.records, deadline_s=deadline_s
     )
     doc["held_after_s10"] = held
+    if runner.slow_clients:
+        doc["slow_clients"] = runner.slow_clients
     doc["rss_growth_max"] = max((g for g in growth.values() if g is not None), default=0.0)
     doc["rss_growth"] = growth
     doc["rss_parts_mib"] = parts  # baseline and end split: anon (heaps), file, shmem

@@ -20,6 +20,7 @@ class FaultKind(Enum):
     KILL_ENGINE = "kill_engine"  # SIGKILL a role's engine process; its sidecar stops; restart it
     CORRUPT = "corrupt"  # flip bits in 1% of the WAN's packets for duration_s
     BURST = "burst"  # 3 x concurrency extra requests at once (4x the usual concurrency)
+    SLOW_CLIENTS = "slow_clients"  # extra HTTP streams whose clients stall or trickle (slow_clients.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +45,8 @@ class Fault:
 
 def default_schedule(deadline_s: float) -> list[Fault]:
     """Kill -9 and restart of MD, RLD, P and MD's engine process; WAN outages shorter and longer
-    than the deadline; a one-way cut; corrupted packets on the WAN; a burst of 4x the concurrency."""
+    than the deadline; a one-way cut; corrupted packets on the WAN; slow clients (10 extra streams
+    that stop reading or trickle); a burst of 4x the concurrency."""
     return [
         Fault(FaultKind.KILL_RESTART, 0.08, "md", 2.0),
         Fault(FaultKind.WAN_OUTAGE, 0.18, duration_s=0.3 * deadline_s, label="wan_outage_short"),
@@ -54,5 +56,6 @@ def default_schedule(deadline_s: float) -> list[Fault]:
         Fault(FaultKind.KILL_RESTART, 0.60, "p", 2.0),
         Fault(FaultKind.KILL_ENGINE, 0.70, "md"),
         Fault(FaultKind.CORRUPT, 0.80, duration_s=0.5 * deadline_s, label="wan_corrupt"),
+        Fault(FaultKind.SLOW_CLIENTS, 0.85, label="slow_clients"),
         Fault(FaultKind.BURST, 0.90, label="burst_4x"),
     ]

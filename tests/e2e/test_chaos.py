@@ -1,12 +1,13 @@
 """``pddlink chaos`` end to end, small enough for CI: the real deployment across a netlab WAN, the
 default fault schedule (kill -9 and restart of MD, RLD, P and MD's engine process, WAN outages
-shorter and longer than the deadline, a one-way cut, corrupted WAN packets, a 4x burst). Asserted:
-the invariants this branch guarantees (no hung request, exact tokens, no gaps or duplicates, every
-failure typed, nothing held 10 s after, every fault met requests in flight, the JSON keys the issue
-names, every restarted role back in the router's pool before its fault ends). Not asserted: the
-share of outage-stranded requests that RelayDecode finishes and the RSS bound: at this size (10 at
-once) a handful of requests are stranded and restarted processes see too few requests for a
-baseline of their own; ``checks/chaos`` measures both at the default size."""
+shorter and longer than the deadline, a one-way cut, corrupted WAN packets, slow clients, a 4x
+burst). Asserted: the invariants this branch guarantees (no hung request, exact tokens, no gaps or
+duplicates, every failure typed, nothing held 10 s after, every fault met requests in flight, the
+JSON keys the issue names, every restarted role back in the router's pool before its fault ends,
+every slow client's stream over by deadline + 1 s, with a reason or cut). Not asserted: the share
+of outage-stranded requests that RelayDecode finishes and the RSS bound: at this size (10 at once)
+a handful of requests are stranded and restarted processes see too few requests for a baseline
+of their own; ``checks/chaos`` measures both at the default size."""
 
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ def test_chaos_small_run_holds_its_invariants(tmp_path: Path) -> None:
         "kill_restart:p",
         "kill_engine:md",
         "wan_corrupt",
+        "slow_clients",
         "burst_4x",
     ]
     assert doc["requests"] == 120 + 3 * 10  # the burst's requests on top
@@ -50,4 +52,7 @@ def test_chaos_small_run_holds_its_invariants(tmp_path: Path) -> None:
     engine = next(f for f in doc["faults"] if f["name"] == "kill_engine:md")
     assert engine["note"].startswith("sidecar exited (2)"), engine  # it left the pool by itself
     assert sum(f["in_flight"] for f in doc["faults"]) >= 5  # the faults met traffic
+    slow = doc["slow_clients"]
+    assert slow["clients"] == 10 and slow["late"] == 0 and slow["untyped"] == 0, slow["note"]
+    assert set(slow["outcomes"]) <= {"cut", "failed", "finished", "refused"}, slow["note"]
     assert out.with_suffix(".png").stat().st_size > 10_000

@@ -70,6 +70,7 @@ def test_the_default_schedule_has_the_issue_faults() -> None:
         "kill_restart:p",
         "kill_engine:md",
         "wan_corrupt",
+        "slow_clients",
         "burst_4x",
     ]
     by = {f.name: f for f in default_schedule(10.0)}
