@@ -9,38 +9,16 @@ Real sockets: a router's HTTP server in-process with small limits, raw TCP clien
 
 from __future__ import annotations
 
-import asyncio
 import socket
 import time
-from collections.abc import Callable
 
 import pytest
 
-from router import Router, RouterConfig
 from router.api import RouterApi
-from sidecar.client_guard import ApiConfig, ClientGuard
-from sidecar.http import serve_http
+from sidecar.client_guard import ApiConfig
+from tests.sidecar.test_router_limits import _closed_within, _serve
 
-NOWHERE = {"p": "127.0.0.1:9", "rld": "127.0.0.1:9", "md": "127.0.0.1:9"}
 BODY = 100_000  # max_body_bytes; the budget holds one such body, not two
-
-
-def _serve(api_cfg: ApiConfig, fn: Callable[[int], None]) -> None:
-    async def main() -> None:
-        router = Router(RouterConfig(**NOWHERE))
-        api = RouterApi(router, api_cfg, guard=ClientGuard.from_config(api_cfg))
-        servers = await serve_http(
-            api.http, host="127.0.0.1", port=0, limits=api.http_limits(), gate=api.gate,
-            ungate=api.guard.close_connection,
-        )  # fmt: skip
-        try:
-            await asyncio.to_thread(fn, servers[0].sockets[0].getsockname()[1])
-        finally:
-            for s in servers:
-                s.close()
-            await router.close()
-
-    asyncio.run(main())
 
 
 def _connect(port: int) -> socket.socket:
@@ -75,21 +53,11 @@ def _post_head(length: int) -> bytes:
     return b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n" % length
 
 
-def _closed_within(s: socket.socket, seconds: float) -> bool:
-    s.settimeout(seconds)
-    try:
-        while s.recv(4096):
-            pass
-        return True
-    except TimeoutError:
-        return False
-
-
 @pytest.mark.timeout(60)
 def test_the_body_budget_holds_across_connections_and_is_given_back() -> None:
     cfg = ApiConfig(max_body_bytes=BODY, body_budget_bytes=BODY + BODY // 2)
 
-    def check(port: int) -> None:
+    def check(port: int, _api: RouterApi) -> None:
         a = _connect(port)
         a.sendall(_post_head(BODY) + b"x" * (BODY - 10))  # A's body, all but 10 bytes: held
         time.sleep(0.5)
@@ -118,7 +86,7 @@ def test_the_connection_cap_over_all_clients_refuses_at_once_and_frees_a_slot() 
     cap = 3
     cfg = ApiConfig(max_connections=cap, max_connections_per_client=64)
 
-    def check(port: int) -> None:
+    def check(port: int, _api: RouterApi) -> None:
         held = [_connect(port) for _ in range(cap)]
         time.sleep(0.3)  # the server has accepted them (each takes a slot when it is accepted)
         extra = _connect(port)
@@ -155,7 +123,7 @@ def test_an_idle_connection_closes_after_the_idle_timeout_a_busy_one_stays() -> 
     idle_s = 1.0
     cfg = ApiConfig(idle_timeout_s=idle_s, header_timeout_s=10.0)
 
-    def check(port: int) -> None:
+    def check(port: int, _api: RouterApi) -> None:
         silent = _connect(port)  # never sends a byte
         t0 = time.monotonic()
         assert _closed_within(silent, 5.0)
