@@ -62,6 +62,9 @@ class KVPeer:
         return await (aw if self.silence is None else self.silence.guard(what, aw))
 
     async def client(self, deadline: float) -> KVClient:
+        live = self._client
+        if live is not None and live.usable and not self._lock.locked():
+            return live  # connected: nothing to wait on, no watch (every Prefill asks for it)
         return await self._guarded(f"dialling {self.addr}", self._client_now(deadline))
 
     async def request(self, message: Message, deadline: float) -> Message:
