@@ -9,9 +9,12 @@ bytes, but nothing answers, as when a WAN black-holes the packets coming back.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
+import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -60,6 +63,16 @@ async def _reserve(peer: KVPeer, rid: str, deadline_s: float) -> ReserveAnswer:
     return answer
 
 
+@contextlib.contextmanager
+def _stopped(proc: subprocess.Popen[str]) -> Iterator[None]:
+    """MD (and its engine) stopped for real: its kernel takes the bytes, nothing answers."""
+    os.killpg(proc.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.killpg(proc.pid, signal.SIGCONT)
+
+
 def test_a_silent_md_ends_reservations_and_transfers_at_the_bound_then_the_link_recovers(
     tmp_path: Path,
 ) -> None:
@@ -68,8 +81,7 @@ def test_a_silent_md_ends_reservations_and_transfers_at_the_bound_then_the_link_
 
     async def run() -> None:
         await _reserve(peer, "live", 5.0)
-        os.killpg(proc.pid, signal.SIGSTOP)
-        try:
+        with _stopped(proc):
             t0 = time.monotonic()
             with pytest.raises(Unavailable) as err:
                 await _reserve(peer, "silent", 10.0)
@@ -83,8 +95,6 @@ def test_a_silent_md_ends_reservations_and_transfers_at_the_bound_then_the_link_
                 await peer.send(begin, memoryview(data), time.monotonic() + 10.0)
             assert time.monotonic() - t0 < SILENCE_MIN_S + 1.5
             assert peer.silence is not None and peer.silence.silenced == 2
-        finally:
-            os.killpg(proc.pid, signal.SIGCONT)
         await _reserve(peer, "back", 5.0)  # MD answers again: the link is dialled anew and serves
         await peer.drop()
 
@@ -102,15 +112,12 @@ def test_without_the_watch_a_silent_md_holds_the_reservation_to_its_deadline(tmp
 
     async def run() -> None:
         await _reserve(peer, "live", 5.0)
-        os.killpg(proc.pid, signal.SIGSTOP)
-        try:
+        with _stopped(proc):
             t0 = time.monotonic()
             with pytest.raises(PddlinkError) as err:
                 await _reserve(peer, "silent", 3.0)
             assert err.value.code is ErrorCode.DEADLINE_EXCEEDED
             assert time.monotonic() - t0 >= 2.9
-        finally:
-            os.killpg(proc.pid, signal.SIGCONT)
         await peer.drop()
 
     try:
