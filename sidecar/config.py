@@ -17,7 +17,7 @@ allow_plaintext_non_loopback = false   # is set: an explicit operator choice)
 [engine]                 # the engine beside this sidecar
 name = "torch_ref"; preset = "tiny"; dtype = "float64"; block_size = 16; num_blocks = 8192; seed = 0
 mode = "thread"          # thread: a worker thread of this process; process: a child `pddlink engine`
-                         # attached over the engine link (sidecar/proto/pddlink_engine.proto)
+                         # attached over the engine link (pddlink/serving/proto/pddlink_engine.proto)
 call_timeout_s = 30.0; attach_timeout_s = 120.0   # process mode: every engine command; the attach
 
 [peers]                  # "host:port" as this sidecar reaches them (across the WAN for MD)
@@ -161,7 +161,7 @@ class SidecarConfig:
     kv_port: int = 0
     admin_port: int = 0
     admin_unix: str = ""
-    admin_keys_file: str = ""  # bearer keys for the admin TCP port (sidecar.admin_access)
+    admin_keys_file: str = ""  # bearer keys for the admin TCP port (pddlink.serving.admin_access)
     tls_dir: str = ""
     allow_plaintext_non_loopback: bool = False  # plaintext on a non-loopback host: said explicitly
     allow_unauthenticated_non_loopback: bool = False  # a keyless admin port there: said explicitly

@@ -105,8 +105,8 @@ def preflight(cfg: Any) -> None:
     from pathlib import Path
 
     from pddlink.cli.preflight import check_listen, check_unix_socket, private_umask
+    from pddlink.serving.client_guard import load_key_file
     from pddlink.transport import PeerIdentity, load_node
-    from sidecar.client_guard import load_key_file
 
     ports = [("gRPC", cfg.grpc_port)]
     if cfg.role in ("rld", "md"):

@@ -21,13 +21,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pddlink import metrics
+from pddlink.connector.control import Op, TransferState
+from pddlink.connector.control import field as cfield
+from pddlink.connector.shm import ShmRegion, Slot
 from pddlink.drc import PrefixIndex, ReservationRefused
 from pddlink.errors import InvalidInput, PddlinkError
 from pddlink.transport import PeerIdentity, ReceivedTransfer
 from pddlink.wire import Release, Reserve, ReserveAnswer, TransferBegin
-from sidecar.vllm_kv.control import Op, TransferState
-from sidecar.vllm_kv.control import field as cfield
-from sidecar.vllm_kv.shm import ShmRegion, Slot
 
 
 @dataclass

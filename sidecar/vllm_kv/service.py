@@ -25,6 +25,9 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from pddlink.connector.control import serve_control
+from pddlink.connector.kv_events import KvEventFeed
+from pddlink.connector.shm import ShmRegion, region_path
 from pddlink.drc import PrefixIndex
 from pddlink.errors import ConfigError
 from pddlink.transport import (
@@ -38,10 +41,7 @@ from pddlink.transport import (
 )
 from sidecar.peers import KVPeer
 from sidecar.vllm_kv.consumer import ConsumerBridge
-from sidecar.vllm_kv.control import serve_control
-from sidecar.vllm_kv.kv_events import KvEventFeed
 from sidecar.vllm_kv.producer import ProducerBridge
-from sidecar.vllm_kv.shm import ShmRegion, region_path
 from sidecar.wan_codec import WanCodec
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from pddlink.cli.router import load_router_config
 from pddlink.errors import ConfigError
-from sidecar.client_guard import ApiConfig
+from pddlink.serving.client_guard import ApiConfig
 from sidecar.config import load_config
 
 DEPLOY = Path(__file__).resolve().parents[2] / "examples" / "deploy"

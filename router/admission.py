@@ -18,7 +18,7 @@ import grpc
 from pddlink import metrics
 from pddlink.errors import ErrorCode, LocalError
 from pddlink.routing import OptionDecision, RejectReason
-from sidecar.http import Response, json_response
+from pddlink.serving.http import Response, json_response
 
 
 class Overloaded(LocalError):

@@ -3,7 +3,7 @@
 The admin endpoints tell what the sidecar holds (``/status``, ``/memory``, ``/drc/snapshot``) and
 take work (``POST /drc/match``), so on TCP they need a bearer key from ``admin_keys_file``
 (``Authorization: Bearer KEY``; the same file format as the router's API keys,
-``sidecar.client_guard.load_key_file``). Only the liveness and readiness probes answer without one:
+``pddlink.serving.client_guard.load_key_file``). Only the liveness and readiness probes answer without one:
 Kubernetes' ``httpGet`` probes carry no credentials, and they say nothing but up or down. The unix
 socket (``admin_unix``) needs no key: its file mode (0600) already limits it to the sidecar's user.
 Without keys the TCP port answers everyone, which ``sidecar.config`` allows on loopback only
@@ -12,8 +12,8 @@ Without keys the TCP port answers everyone, which ``sidecar.config`` allows on l
 
 from __future__ import annotations
 
-from sidecar.client_guard import Refusal, bearer_client
-from sidecar.http import Handler, Request, Response, error_response
+from pddlink.serving.client_guard import Refusal, bearer_client
+from pddlink.serving.http import Handler, Request, Response, error_response
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})  # probes: no credentials, nothing told but up/down
 

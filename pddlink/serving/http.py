@@ -11,7 +11,7 @@ all connections stay under ``body_budget_bytes`` (503 with ``Retry-After`` beyon
 slow uploads cannot grow memory without bound. An optional ``gate`` admits or refuses each new
 connection (caps per client and in total).
 
-Answers are bounded too (``sidecar.write_bound``): a write whose bytes the client does not take
+Answers are bounded too (``pddlink.serving.write_bound``): a write whose bytes the client does not take
 within ``write_stall_s``, or after the response's ``send_by`` (the request's deadline + a grace),
 cuts the connection (aborted, not flushed: a non-reader would keep a graceful close waiting) and
 closes the streamed body, which cancels its request. Each connection's kernel send buffer is
@@ -35,7 +35,7 @@ from typing import Any
 import h11
 
 from pddlink import metrics
-from sidecar.write_bound import SEND_BUFFER_BYTES, WRITE_STALL_S, WriteBound
+from pddlink.serving.write_bound import SEND_BUFFER_BYTES, WRITE_STALL_S, WriteBound
 
 MAX_BODY_BYTES = 8 << 20
 READ_TIMEOUT_S = 30.0

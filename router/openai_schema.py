@@ -70,7 +70,7 @@ class Limits:
 
 
 class TextCodec(Protocol):
-    """What the schema needs of a tokenizer (``sidecar.openai_text.TextCodec``)."""
+    """What the schema needs of a tokenizer (``router.openai_text.TextCodec``)."""
 
     def encode(self, text: str) -> list[int]: ...
 

@@ -1,7 +1,7 @@
 """The control channel between vLLM's connector and its sidecar: JSON lines over a Unix socket.
 
 Only control crosses it (transfer ids, slot offsets, states); KV bytes stay in the shared-memory
-region (``sidecar.vllm_kv.shm``). One request line, one answer line: ``{"op": ..., ...}`` ->
+region (``pddlink.connector.shm``). One request line, one answer line: ``{"op": ..., ...}`` ->
 ``{"ok": true, ...}`` or ``{"ok": false, "error": "code: text"}``. The connector's side is a
 blocking client (vLLM's scheduler and worker call it from their own threads, a round trip is tens
 of microseconds); the sidecar's side is an asyncio server whose handler answers at once (anything

@@ -3,7 +3,7 @@
 One watcher per gRPC channel follows the channel's connectivity state: a channel that leaves READY
 (the role was killed, its socket reset, its host went away) makes the role unusable at once, not
 after the next request ends. The watcher then asks the channel to reconnect (the channels reconnect
-within ``sidecar.grpc_tls.RECONNECT_OPTIONS``' backoff, so a restarted role is found within about a
+within ``pddlink.serving.grpc_tls.RECONNECT_OPTIONS``' backoff, so a restarted role is found within about a
 second), and the role is usable again only after the channel is READY *and* a ``Status`` call has
 answered (the process serves, not merely accepts). While READY a ``Status`` probe runs every
 ``probe_every_s``: a role that hangs (its socket open) leaves the pool when the probe times out.
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from sidecar.rpc import stubs
+from pddlink.serving.rpc import stubs
 
 PROBE_TIMEOUT_S = 1.0
 PROBE_EVERY_S = 2.0

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from engines_adapter import SamplingParams
-from sidecar.pb import pb2
+from pddlink.serving.pb import pb2
 
 
 def sampling_from_pb(s: pb2.Sampling) -> SamplingParams:

@@ -68,7 +68,7 @@ def run_bench(
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout is the JSON's
     from vllm import LLM, SamplingParams
 
-    from engines_adapter.vllm.tiny_model import TinyLlamaSpec, build_tiny_llama
+    from harness.vllm.tiny_model import TinyLlamaSpec, build_tiny_llama
 
     if model is None:
         cache = Path(os.environ.get("PDDLINK_CACHE", Path(tempfile.gettempdir()) / "pddlink-cache"))

@@ -1,7 +1,7 @@
 """OpenAI-compatible responses at the router, shaped as vLLM's own server shapes them.
 
-``serve_job`` runs a validated ``Job`` (``sidecar.openai_schema``): one router request per prompt,
-run concurrently, each choice's tokens turned into text (``sidecar.openai_text.ChoiceText``); the
+``serve_job`` runs a validated ``Job`` (``router.openai_schema``): one router request per prompt,
+run concurrently, each choice's tokens turned into text (``router.openai_text.ChoiceText``); the
 answer is one JSON body or server-sent events. Fields match vLLM's (``stop_reason``, ``token_ids``
 and ``prompt_token_ids`` with ``return_token_ids``, ``usage`` with ``prompt_tokens_details``);
 what pddlink adds (request id, token positions and sources, the trace) sits in one ``pddlink``
@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from engines_adapter import SamplingParams
-from sidecar.admission import primed
-from sidecar.openai_schema import Endpoint, Job
-from sidecar.openai_text import ChoiceText, TextCodec
+from router.admission import primed
+from router.openai_schema import Endpoint, Job
+from router.openai_text import ChoiceText, TextCodec
 
 FINGERPRINT = "pddlink-0.1"
 
@@ -135,7 +135,7 @@ async def admitted(router: Generator, job: Job, choices: list[Choice]) -> list[A
 
 
 async def _primed(gen: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
-    """``gen`` with its first event taken now (``sidecar.admission.primed``); closing the result
+    """``gen`` with its first event taken now (``router.admission.primed``); closing the result
     closes ``gen`` at once, which cancels the router's request (a stop string, a client gone)."""
     try:
         chained = await primed(gen)

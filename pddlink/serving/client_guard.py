@@ -6,7 +6,7 @@ request, either a client id or a ``Refusal`` (HTTP status, message, ``Retry-Afte
 valid bearer key (when keys are configured), 429 when that client's token bucket is empty, 503 when
 the router already runs ``max_concurrent_requests``. Refusals are immediate: a request is never
 left to fail at its deadline because the router is full. A slot is held until the answer ends:
-sent, or cut when its client stops taking it (``sidecar.write_bound``). Keys are compared in
+sent, or cut when its client stops taking it (``pddlink.serving.write_bound``). Keys are compared in
 constant time and never logged; a client is named by a short hash of its key (or by its address
 when no keys are set).
 """
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pddlink.errors import ConfigError
-from sidecar.write_bound import SEND_BUFFER_BYTES, WRITE_STALL_S
+from pddlink.serving.write_bound import SEND_BUFFER_BYTES, WRITE_STALL_S
 
 
 @dataclass(frozen=True, slots=True)

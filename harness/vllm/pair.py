@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
-from engines_adapter.vllm.server import VllmServer, VllmServerSpec
+from harness.vllm.server import VllmServer, VllmServerSpec
 from sidecar.vllm_kv.service import Role, VllmSidecar, VllmSidecarConfig
 
 T = TypeVar("T")
