@@ -63,4 +63,15 @@ if ! command -v iperf3 >/dev/null 2>&1; then
     echo "setup: iperf3 not found and not root: netlab accuracy tests will skip"
   fi
 fi
+# etcd (Debian's etcd-server) for membership with discovery = "etcd": the membership tests start their
+# own server on loopback (tests/_etcd_server.py) and skip without the binary.
+if ! command -v etcd >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup: installing etcd-server"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server >/dev/null) \
+      || echo "setup: warning: could not install etcd-server; etcd membership tests will skip"
+  else
+    echo "setup: etcd not found and not root: etcd membership tests will skip"
+  fi
+fi
 echo "setup: ready ($("$VENV/bin/python" -c 'import torch, sys; print("python", sys.version.split()[0], "torch", torch.__version__)'))"
