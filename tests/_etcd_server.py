@@ -88,10 +88,20 @@ class EtcdServer:
         except (urllib.error.URLError, OSError):
             return False
 
+    def pause(self) -> None:
+        """SIGSTOP: sockets stay open, nothing answers (what a partition looks like to a client)."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
+
     def stop(self, sig: signal.Signals = signal.SIGTERM) -> None:
         proc, self.proc = self.proc, None
         if proc is None:
             return
+        proc.send_signal(signal.SIGCONT)  # a paused etcd cannot act on SIGTERM
         proc.send_signal(sig)
         try:
             proc.wait(timeout=10)

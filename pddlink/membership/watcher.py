@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import aetcd
 
@@ -37,6 +37,30 @@ class WatchEnded(LocalError):
 
 _END = None  # closes every changes() iterator
 _RETRY_ERRORS: tuple[type[BaseException], ...] = (*ETCD_ERRORS, WatchEnded)
+
+
+class ChangeStream:
+    """An async iterator over membership changes; subscribed from its creation, so no change between
+    ``changes()`` and the first ``anext`` is lost."""
+
+    def __init__(self, queues: list[asyncio.Queue[MembershipChange | None]]) -> None:
+        self._queue: asyncio.Queue[MembershipChange | None] = asyncio.Queue()
+        self._queues = queues
+        queues.append(self._queue)
+
+    def __aiter__(self) -> ChangeStream:
+        return self
+
+    async def __anext__(self) -> MembershipChange:
+        change = await self._queue.get()
+        if change is _END:
+            self.close()
+            raise StopAsyncIteration
+        return change
+
+    def close(self) -> None:
+        if self._queue in self._queues:
+            self._queues.remove(self._queue)
 
 
 class MembershipWatcher:
@@ -83,15 +107,9 @@ class MembershipWatcher:
     def health(self) -> MembershipHealth:
         return self.view.health(self._now())
 
-    async def changes(self) -> AsyncIterator[MembershipChange]:
-        """Every change from now on, until ``close()``."""
-        queue: asyncio.Queue[MembershipChange | None] = asyncio.Queue()
-        self._queues.append(queue)
-        try:
-            while (change := await queue.get()) is not _END:
-                yield change
-        finally:
-            self._queues.remove(queue)
+    def changes(self) -> ChangeStream:
+        """Every change from this call on, until ``close()`` of the watcher or of the stream."""
+        return ChangeStream(self._queues)
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -115,7 +133,7 @@ class MembershipWatcher:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
-        for queue in self._queues:
+        for queue in list(self._queues):
             queue.put_nowait(_END)
 
     async def __aenter__(self) -> MembershipWatcher:
@@ -166,6 +184,8 @@ class MembershipWatcher:
             self.view.mark_ok(self._now())
 
     async def _probe(self, session: EtcdSession) -> None:
+        # a linearizable read: a member cut off from its cluster's leader fails it (a serializable
+        # read, and a watch, would go on answering from that member's old data)
         while True:
             await asyncio.sleep(self.probe_every_s)
             await session.call(session.client.get(self.keys.members_prefix))

@@ -24,6 +24,7 @@ from pddlink.membership import (
     MemberAdded,
     MemberChanged,
     MemberRecord,
+    MemberRemoved,
     MembershipChange,
     MembershipKeys,
     MemberState,
@@ -84,17 +85,17 @@ def test_a_registered_member_is_seen_within_1s_and_leaves_on_close(
             await w.wait_synced(5)
             assert dict(w.members) == {} and not w.stale
             changes = w.changes()
-            first = asyncio.ensure_future(anext(changes))
-            await asyncio.sleep(0)  # the iterator subscribes
             reg = registrar(etcd_server, keys, md("md0"))
             reg.start()
             seen_s = await until(lambda: "md/md0" in w.members, 1.0, "md0 in the watcher's view")
             assert w.members["md/md0"] == reg.record and reg.registered
-            assert await asyncio.wait_for(first, 1) == MemberAdded(reg.record)
+            assert await asyncio.wait_for(anext(changes), 1) == MemberAdded(reg.record)
             await reg.close()
             await until(lambda: "md/md0" not in w.members, 1.0, "md0 gone after a revoke")
+            assert await asyncio.wait_for(anext(changes), 1) == MemberRemoved(reg.record)
             assert (w.error_count, w.malformed_count) == (0, 0)
             print(f"seen after {seen_s:.3f} s")
+        assert [c async for c in changes] == []  # closing the watcher ends the stream
 
     run(main())
 
@@ -209,5 +210,27 @@ def test_a_malformed_entry_is_ignored_and_counted(
                     await until(lambda: "md/md6" in w.members, 1.0, "md6 seen after the malformed ones")
                     assert reg.registered
                 assert not w.stale and w.health().malformed_now == 3
+
+    run(main())
+
+
+def test_a_hung_etcd_makes_the_view_stale_without_hanging_anything(
+    own_etcd: EtcdServer, request: pytest.FixtureRequest
+) -> None:
+    """SIGSTOP: etcd keeps its sockets open and answers nothing (a partition looks like this)."""
+    keys = keys_for(request)
+
+    async def main() -> None:
+        async with watcher(own_etcd, keys) as w, registrar(own_etcd, keys, md("md7"), ttl_s=3) as reg:
+            await until(lambda: "md/md7" in w.members, 5.0, "md7 seen")
+            own_etcd.pause()
+            try:
+                await until(lambda: w.stale, 2.5, "stale while etcd answers nothing")
+                await until(lambda: not reg.registered, 2.5, "the registrar notices")
+                assert "md/md7" in w.members
+            finally:
+                own_etcd.resume()
+            await until(lambda: not w.stale and reg.registered, 5.0, "both back after SIGCONT")
+            assert "md/md7" in w.members
 
     run(main())
