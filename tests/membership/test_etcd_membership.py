@@ -234,3 +234,23 @@ def test_a_hung_etcd_makes_the_view_stale_without_hanging_anything(
             assert "md/md7" in w.members
 
     run(main())
+
+
+def test_a_lost_lease_is_replaced(etcd_server: EtcdServer, request: pytest.FixtureRequest) -> None:
+    """The lease is gone while etcd stays up (as after a client-side partition longer than the TTL):
+    the next keepalive finds out and the registrar registers again under a new lease."""
+    keys = keys_for(request)
+    host, port = etcd_server.endpoint.split(":")
+
+    async def main() -> None:
+        async with watcher(etcd_server, keys) as w, registrar(etcd_server, keys, md("md8"), ttl_s=3) as reg:
+            await reg.wait_registered(5)
+            first_lease = reg.lease_id
+            async with aetcd.Client(host, int(port), timeout=2) as raw:
+                await raw.revoke_lease(first_lease)
+            await until(lambda: "md/md8" not in w.members, 1.0, "md8 gone with its lease")
+            await until(lambda: "md/md8" in w.members, 3.0, "md8 back under a new lease")
+            assert reg.registered and reg.lease_id != first_lease and reg.error_count == 1
+            assert "LeaseLost" in reg.last_error  # etcd answered the keepalive with TTL 0
+
+    run(main())
