@@ -158,7 +158,7 @@ def test_a_sigkilled_sidecar_leaves_within_its_ttl(
         run(main())
     finally:
         child.kill()
-        child.wait(timeout=10)
+        child.communicate(timeout=10)  # reaps it and closes its pipe
 
 
 def test_an_etcd_outage_keeps_the_last_view_then_resyncs(
