@@ -94,7 +94,8 @@ class Registrar:
             ) from None
 
     async def set_state(self, state: MemberState, timeout_s: float = 5.0) -> None:
-        """Announce ``state`` (draining: routers place nothing new here); waits until etcd holds it."""
+        """Announce ``state`` (draining: routers place nothing new here); waits until etcd holds it.
+        ``DeadlineExceeded`` if etcd is away that long; the state is kept and written once it is back."""
         self._record = self._record.with_state(state)
         self._wake.set()
         await self.wait_registered(timeout_s)
