@@ -34,6 +34,21 @@ wan_line_mbit = 0.0      # the WAN line's rate for that decision (0: unknown, me
 
 [decode]
 max_batch = 32; capacity = 8; catch_up_below_load = 0.5; slice_tokens = 64
+
+Beside vLLM the same program serves vLLM's ``PddlinkConnector`` (``sidecar.vllm_kv``): the file says
+``engine = "vllm"`` at the top (instead of an ``[engine]`` table, which means the reference engine;
+``engine = "reference"`` says so explicitly) and has a ``[vllm]`` table; vLLM itself runs with its
+own server command and the arguments ``pddlink sidecar --config F --print-vllm-args`` prints:
+
+engine = "vllm"
+role = "md"; peer_id = "md0"; host = "10.0.0.5"; kv_port = 7450; admin_port = 7460; tls_dir = "/tls"
+[vllm]
+model_id = "my-model"    # the namespace of block hashes: the same string on P, RLD and MD
+block_size = 16          # vLLM's --block-size
+workdir = "/run/pddlink" # <workdir>/<peer_id>.sock: the connector's control socket (shared with vLLM)
+region_bytes = 268435456 # the shared-memory region KV moves through
+kv_events_endpoint = "tcp://127.0.0.1:5557"   # RLD/MD: vLLM's KV-cache event publisher (the DRC)
+[peers]                  # P: md_kv (across the WAN) and/or rld_kv (the fast path)
 """
 
 from __future__ import annotations
@@ -50,6 +65,7 @@ from pddlink.transport import PeerIdentity
 
 ROLES = tuple(r.value for r in SIDECAR_ROLES)
 ENGINE_MODES = ("thread", "process")
+ENGINE_KINDS = ("reference", "vllm")
 
 
 def _hostport(value: str, name: str) -> str:
@@ -153,6 +169,29 @@ class DecodeConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class VllmConfig:
+    """``[vllm]``: the sidecar beside a vLLM server (``engine = "vllm"``)."""
+
+    model_id: str = ""  # namespace of the block hashes: the same string on every role
+    block_size: int = 16  # vLLM's --block-size
+    workdir: str = "/run/pddlink"  # the control socket <workdir>/<peer_id>.sock lives here
+    region_bytes: int = 256 << 20  # the shared-memory region the KV moves through
+    region_dir: str = ""  # "" = /dev/shm where it has room, else workdir
+    kv_events_endpoint: str = ""  # RLD/MD: vLLM's KV-cache event publisher; "" = no DRC feed
+    orphan_s: float = 120.0  # RLD/MD: a landed transfer no request loads is freed after this long
+    max_model_len: int = 0  # printed as vLLM's --max-model-len (0: vLLM's default)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.region_bytes < (1 << 20) or self.orphan_s <= 0:
+            raise ConfigError("vllm: block_size >= 1, region_bytes >= 1 MiB, orphan_s > 0")
+        if self.kv_events_endpoint and not self.kv_events_endpoint.startswith(("tcp://", "ipc://")):
+            raise ConfigError(
+                "vllm.kv_events_endpoint must be tcp://host:port or ipc://path, "
+                f"got {self.kv_events_endpoint!r}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
 class SidecarConfig:
     role: str
     peer_id: str = ""
@@ -165,7 +204,9 @@ class SidecarConfig:
     tls_dir: str = ""
     allow_plaintext_non_loopback: bool = False  # plaintext on a non-loopback host: said explicitly
     allow_unauthenticated_non_loopback: bool = False  # a keyless admin port there: said explicitly
+    engine_kind: str = "reference"  # the TOML's top-level ``engine = "reference" | "vllm"``
     engine: EngineConfig = field(default_factory=EngineConfig)
+    vllm: VllmConfig = field(default_factory=VllmConfig)
     peers: PeersConfig = field(default_factory=PeersConfig)
     data_plane: DataPlaneConfig = field(default_factory=DataPlaneConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
@@ -187,10 +228,28 @@ class SidecarConfig:
                 who="sidecar admin port",
                 remedy="admin_keys_file (--admin-keys-file)",
             )
+        if self.engine_kind not in ENGINE_KINDS:
+            raise ConfigError(f"engine must be one of {', '.join(ENGINE_KINDS)}, got {self.engine_kind!r}")
+        if self.engine_kind == "vllm":
+            self._check_vllm()
+            return
         if self.role == "p" and not (self.peers.md_kv and self.peers.md_grpc):
             raise ConfigError("role p needs peers.md_kv and peers.md_grpc")
         if self.role == "rld" and not self.peers.md_grpc:
             raise ConfigError("role rld needs peers.md_grpc (the handoff goes there)")
+
+    def _check_vllm(self) -> None:
+        if not self.vllm.model_id:
+            raise ConfigError("engine vllm needs vllm.model_id (the same string on P, RLD and MD)")
+        if self.role == "p" and not (self.peers.md_kv or self.peers.rld_kv):
+            raise ConfigError("role p beside vLLM needs peers.md_kv and/or peers.rld_kv")
+        if self.role == "p" and not self.tls_dir:  # P dials out: its peers' hosts must be loopback too
+            for key in ("md_kv", "rld_kv"):
+                host = getattr(self.peers, key).rpartition(":")[0]
+                if host:
+                    check_plaintext_exposure(
+                        host, tls=False, allowed=self.allow_plaintext_non_loopback, who=f"sidecar peers.{key}"
+                    )
 
     @property
     def name(self) -> str:
@@ -199,6 +258,7 @@ class SidecarConfig:
 
 _SECTIONS: dict[str, type[Any]] = {
     "engine": EngineConfig,
+    "vllm": VllmConfig,
     "peers": PeersConfig,
     "data_plane": DataPlaneConfig,
     "decode": DecodeConfig,
@@ -245,6 +305,8 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
             raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    if isinstance(table.get("engine"), str):  # engine = "reference" | "vllm"; a table: the reference engine's
+        table["engine_kind"] = table.pop("engine")
     for key, value in (overrides or {}).items():
         if value is None:
             continue
@@ -253,5 +315,6 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
         target[name] = value
     if "role" not in table:
         raise ConfigError(f"{where}: role is required (p, rld or md)")
+
     cfg: SidecarConfig = _build(SidecarConfig, table, where)
     return cfg

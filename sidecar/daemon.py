@@ -37,6 +37,7 @@ from cryptography import x509
 from engines_adapter import EngineAdapter, load_engine
 from pddlink import eventloop, metrics
 from pddlink.drc.inspect import match_json, stats_json
+from pddlink.drc.reservations import ReservationIds
 from pddlink.errors import InvalidInput, PddlinkError, Unavailable
 from pddlink.roles import DECODER_ROLES, Role
 from pddlink.routing import RoutingPolicy
@@ -64,7 +65,6 @@ from sidecar.engine_loop import EngineLoop
 from sidecar.kv_admission import KvAdmission
 from sidecar.peers import DecoderPeer, KVPeer, KVPeerPool
 from sidecar.prefill import Prefiller
-from sidecar.reservations import ReservationIds
 from sidecar.service import SidecarService
 from sidecar.sweep import Sweeper
 from sidecar.wan_codec import WanCodec

@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from harness.vllm.server import VllmServer, VllmServerSpec
-from sidecar.vllm_kv.service import Role, VllmSidecar, VllmSidecarConfig
+from pddlink.roles import Role
+from sidecar.vllm_kv.service import VllmSidecar, VllmSidecarConfig
 
 T = TypeVar("T")
 

@@ -13,17 +13,15 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
+from engines_adapter.vllm.launch import CONNECTOR_MODULE, events_config, server_command, transfer_config
 from pddlink.errors import DeadlineExceeded, Unavailable
-
-CONNECTOR_MODULE = "engines_adapter.vllm.connector"
+from pddlink.roles import Role
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,9 +49,7 @@ class VllmServerSpec:
 
     def argv(self) -> list[str]:
         args = [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
+            *server_command(),
             "--model",
             str(self.model),
             "--port",
@@ -73,24 +69,20 @@ class VllmServerSpec:
             "--disable-uvicorn-access-log",
         ]
         if self.kv_role:
-            cfg: dict[str, Any] = {
-                "kv_connector": self.kv_connector,
-                "kv_connector_module_path": self.kv_connector_module,
-                "kv_role": self.kv_role,
-                "kv_load_failure_policy": self.kv_load_failure_policy,
-                "kv_connector_extra_config": {"control_socket": str(self.control_socket)},
-            }
-            extra = cfg["kv_connector_extra_config"]
-            assert isinstance(extra, dict)
+            role = Role.P if self.kv_role == "kv_producer" else Role.MD
+            assert self.control_socket is not None, "a connector needs its sidecar's control socket"
+            extra = dict(self.connector_extra)
             if self.kv_dump_dir is not None:
                 extra["kv_dump_dir"] = str(self.kv_dump_dir)
             if self.timing_dir is not None:
                 extra["timing_file"] = str(self.timing_dir / f"{self.kv_role}-{self.port}.jsonl")
-            extra.update(dict(self.connector_extra))
+            cfg = transfer_config(
+                role, self.control_socket, load_failure_policy=self.kv_load_failure_policy, extra=extra
+            )
+            cfg["kv_connector"], cfg["kv_connector_module_path"] = self.kv_connector, self.kv_connector_module
             args += ["--kv-transfer-config", json.dumps(cfg)]
         if self.kv_events_endpoint:
-            ev = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": self.kv_events_endpoint}
-            args += ["--kv-events-config", json.dumps(ev)]
+            args += ["--kv-events-config", json.dumps(events_config(self.kv_events_endpoint))]
         if self.num_gpu_blocks:
             args += ["--num-gpu-blocks-override", str(self.num_gpu_blocks)]
         return args + list(self.extra_args)

@@ -14,7 +14,8 @@ from typing import Any
 from pddlink.connector.control import Op, TransferState
 from pddlink.connector.shm import MappedRegion, Slot
 from pddlink.kv.hashing import BlockHasher
-from sidecar.vllm_kv.service import Role, VllmSidecar, VllmSidecarConfig
+from pddlink.roles import Role
+from sidecar.vllm_kv.service import VllmSidecar, VllmSidecarConfig
 
 BS, PER_BLOCK, MODEL = 32, 4096, "tiny"
 LAYOUT = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 64, "dtype": "float32", "block_size": BS}
