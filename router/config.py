@@ -27,6 +27,17 @@ class VllmEngineConfig:
     wan_share: float = 0.6  # share of the request's time left that P's transfer to MD may take
     rld_gets_kv: bool = False  # P ships the prompt's KV to RLD (else RLD prefills it itself)
     md_kv_events: str = ""  # MD vLLM's KV-event publisher (its --kv-events-config endpoint): the DRC mirror
+    api_key_file: str = ""  # the key vLLM's servers were started with (--api-key / VLLM_API_KEY); "" = none
+
+    def api_headers(self) -> dict[str, str]:
+        """What the router sends every vLLM server: its key, where they take one."""
+        if not self.api_key_file:
+            return {}
+        try:
+            key = Path(self.api_key_file).read_text().strip()
+        except OSError as exc:
+            raise InvalidInput(f"router [vllm]: api_key_file {self.api_key_file}: {exc.strerror}") from None
+        return {"Authorization": f"Bearer {key}"}
 
     def __post_init__(self) -> None:
         if not 0 < self.wan_share < 1:

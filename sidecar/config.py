@@ -313,6 +313,8 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
         section, _, name = key.rpartition(".")
         target = table.setdefault(section, {}) if section else table
         target[name] = value
+    if isinstance(table.get("engine"), str):  # the same, given as an override
+        table["engine_kind"] = table.pop("engine")
     if "role" not in table:
         raise ConfigError(f"{where}: role is required (p, rld or md)")
 

@@ -60,11 +60,16 @@ def connector_args(
         str(block_size),
         "--enable-prefix-caching",
         "--kv-transfer-config",
-        json.dumps(transfer_config(role, control_socket)),
+        _compact(transfer_config(role, control_socket)),
     ]
     if kv_events_endpoint and role is not Role.P:
-        args += ["--kv-events-config", json.dumps(events_config(kv_events_endpoint))]
+        args += ["--kv-events-config", _compact(events_config(kv_events_endpoint))]
     return args
+
+
+def _compact(value: dict[str, Any]) -> str:
+    """JSON without spaces: one word in a shell's ``$(...)``, so printed arguments splice in as is."""
+    return json.dumps(value, separators=(",", ":"))
 
 
 def server_command(python: str = sys.executable) -> list[str]:

@@ -115,26 +115,28 @@ def command(config_path: str | None, print_vllm_args: bool, **flags: Any) -> Non
 
 
 def vllm_command_line(cfg: Any) -> str:
-    """The vLLM server command for this sidecar's role: the module entry point, the connector pointed
-    at this sidecar's control socket, and (RLD, MD) the KV-event publisher its DRC follows. The
-    model, port and engine arguments are the operator's to add."""
-    import shlex
+    """The pddlink part of the vLLM server's arguments for this sidecar's role: the connector pointed
+    at this sidecar's control socket, the block size its hashes use, and (RLD, MD) the KV-event
+    publisher its DRC follows. Words without spaces, so that ``python -m
+    vllm.entrypoints.openai.api_server --model M --port N $(pddlink sidecar --config F
+    --print-vllm-args)`` takes them as they are."""
     from pathlib import Path
 
-    from engines_adapter.vllm.launch import connector_args, server_command
+    from engines_adapter.vllm.launch import connector_args
     from pddlink.errors import ConfigError
     from pddlink.roles import Role
 
     if cfg.engine_kind != "vllm":
         raise ConfigError('--print-vllm-args needs a configuration with engine = "vllm"')
-    sock = Path(cfg.vllm.workdir) / f"{cfg.name}.sock"
-    args = [*server_command("python3"), "--host", "127.0.0.1"]  # vLLM's API: the pod's loopback
-    args += connector_args(
+    sock = Path(cfg.vllm.workdir).absolute() / f"{cfg.name}.sock"
+    args = connector_args(
         Role(cfg.role), sock, kv_events_endpoint=cfg.vllm.kv_events_endpoint, block_size=cfg.vllm.block_size
     )
     if cfg.vllm.max_model_len:
         args += ["--max-model-len", str(cfg.vllm.max_model_len)]
-    return shlex.join(args) + " --model MODEL --port PORT"
+    if any(not a or any(c.isspace() for c in a) for a in args):
+        raise ConfigError(f"vllm.workdir {cfg.vllm.workdir!r}: the printed arguments must have no spaces")
+    return " ".join(args)
 
 
 def preflight(cfg: Any) -> None:
