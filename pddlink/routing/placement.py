@@ -15,11 +15,12 @@ datacenter's least-queued P) and RLD to the least loaded beside that P, in every
   + WAN time of that suffix over this MD's link with its backlog + MD wait``; MD wait is
   ``md_wait_s_per_waiting`` per waiting request (0 by default: the balance limits below do the
   load's work, as the calibrated simulator runs them). Ties go to the least loaded MD.
-- ``least_loaded``: the MD with the fewest running + waiting requests.
+- ``least_loaded``: the MD with the fewest running + waiting requests; ties rotate (with a
+  ``PlacementMemory``; else the first), so an idle fleet is not one MD.
 - ``round_robin``: the next MD in turn (the cursor lives in ``PlacementMemory``).
 - ``prefix_hash``: the approximate mode of llm-d and SGLang: no events; this router remembers to
   which MD it sent each block hash (``PlacementMemory``, bounded LRU) and sends a prompt to the MD
-  it sent the deepest remembered block to, else to the least loaded.
+  it sent the deepest remembered block to, else to the least loaded (ties rotate).
 - ``oracle`` (simulator only): the MD whose cache truly holds the most (``exact_matched_blocks``),
   ignoring balance; ties by estimated TTFT then load. An upper bound on the hit rate.
 
@@ -254,7 +255,7 @@ def place(
     if policy is PlacementPolicy.PREFIX_AWARE:
         return _prefix_aware(request, ok, fleet, config)
     if policy is PlacementPolicy.LEAST_LOADED:
-        m, r = min(ok, key=lambda x: x[0].load)
+        m, r = _least_loaded(ok, memory)
         return _finish(request, m, r, fleet, config, PlacementReason.LEAST_LOADED)
     return _prefix_hash(request, ok, fleet, config, _need(memory))
 
@@ -305,6 +306,12 @@ def _balanced(cands: list[Candidate], config: PlacementConfig) -> list[Candidate
         if not h and c[0].waiting_requests <= limit and c[0].kv_use_fraction < config.md_kv_use_max
     ]
     return ok or cands
+
+
+def _least_loaded(cands: list[Candidate], memory: PlacementMemory | None) -> Candidate:
+    low = min(m.load for m, _ in cands)
+    ties = [c for c in cands if c[0].load == low]
+    return ties[memory.next_turn(len(ties))] if memory is not None and len(ties) > 1 else ties[0]
 
 
 def _ttft(
@@ -370,7 +377,7 @@ def _prefix_hash(
     chosen = next((c for c in cands if seen is not None and c[0].name == seen[0]), None)
     reason = PlacementReason.REMEMBERED_PREFIX
     if chosen is None:
-        chosen, reason = min(cands, key=lambda x: x[0].load), PlacementReason.NEW_PREFIX
+        chosen, reason = _least_loaded(cands, memory), PlacementReason.NEW_PREFIX
     memory.remember(request.block_hashes, chosen[0].name)
     return _finish(request, chosen[0], chosen[1], fleet, config, reason)
 

@@ -166,6 +166,17 @@ def test_least_loaded_ignores_the_cache() -> None:
     assert (got.md, got.matched_tokens, got.reason) == ("b1", 0, PlacementReason.LEAST_LOADED)
 
 
+def test_least_loaded_ties_rotate_with_memory_and_go_first_without() -> None:
+    b0, b1, c0, c1 = mds(0, 0, 0, 0)
+    view, config = (
+        fleet(b0, replace(b1, waiting_requests=1), c0, c1),
+        PlacementConfig(policy=PlacementPolicy.LEAST_LOADED),
+    )
+    memory = PlacementMemory()
+    assert [placed(place(REQ, view, config, memory)).md for _ in range(4)] == ["b0", "c0", "c1", "b0"]
+    assert placed(place(REQ, view, config)).md == "b0"
+
+
 def test_prefix_hash_sticks_to_where_it_sent_the_prefix() -> None:
     memory, config = PlacementMemory(), PlacementConfig(policy=PlacementPolicy.PREFIX_HASH)
     b0, b1, c0, c1 = mds(0, 0, 0, 0)
@@ -178,7 +189,8 @@ def test_prefix_hash_sticks_to_where_it_sent_the_prefix() -> None:
     again = placed(place(longer, busy, config, memory))
     assert (again.md, again.reason) == ("b1", PlacementReason.REMEMBERED_PREFIX)
     other = replace(REQ, block_hashes=(7000, 7001))
-    assert placed(place(other, busy, config, memory)).md == "b0"
+    fresh = placed(place(other, busy, config, memory))
+    assert (fresh.md, fresh.reason) == ("c0", PlacementReason.NEW_PREFIX)  # idle b0, c0, c1: 2nd turn
     memory.forget("b1")
     assert memory.remembered(longer.block_hashes) is None
 
