@@ -111,6 +111,7 @@ class Deployment:
     ttft_deadline_s: float | None = None  # admission: the first token must be out by then
     placement: PlacementPolicy = PlacementPolicy.PREFIX_AWARE
     sites: tuple[DecodeSite, ...] = ()  # () = one site, every decode instance behind ``link``
+    prefill_datacenter: str = "dc-a"  # where P and RLD sit (placement's view)
 
     def deadline_for(self, max_tokens: int) -> float | None:
         """The request's end-to-end deadline (the SLA's TTFT bound plus its TPOT bound per token)."""
@@ -123,13 +124,17 @@ class Deployment:
             raise ConfigError(f"deployment {self.name}: kv_bytes_per_token and drc capacity must be >= 1")
         if self.sites and sum(len(x.names) for x in self.sites) != self.decode.instances:
             raise ConfigError(f"deployment {self.name}: the sites must name every decode instance once")
+        if any(x.datacenter == self.prefill_datacenter for x in self.sites):
+            raise ConfigError(f"deployment {self.name}: a decode site in P's datacenter needs no WAN line")
 
     def decode_sites(self) -> tuple[DecodeSite, ...]:
         """Where the decode instances sit: ``sites``, or one site of them all behind ``link``."""
         if self.sites:
             return self.sites
         names = tuple(f"d{i}" for i in range(self.decode.instances))
-        return (DecodeSite("dc-b" if self.crosses_wan else "dc-a", names, self.link),)
+        here = self.prefill_datacenter
+        far = "dc-b" if here != "dc-b" else "dc-md"
+        return (DecodeSite(far if self.crosses_wan else here, names, self.link),)
 
     @property
     def crosses_wan(self) -> bool:

@@ -137,7 +137,7 @@ class Simulation:
         self.back_s = [x.link.rtt_s / 2 if d.crosses_wan else 0.0 for x in sites]  # MD's tokens back to A
         self.placement = PlacementConfig(d.placement, BALANCE_QUEUE, d.balance_tpot_s)
         self.memory = PlacementMemory()
-        self._p_dc = "dc-a"
+        self._p_dc = d.prefill_datacenter
         self._p_by_name = {p.name: p for p in self.prefill}
         self._p_rate = [1.0 / max(1e-12, p.model.prefill_s(4096, 0) / 4096) for p in self.prefill]
         self._decode_index = {x.name: i for i, x in enumerate(self.decode)}

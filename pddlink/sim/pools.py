@@ -63,6 +63,7 @@ def topology_deployment(topo: Topology, knobs: DemoKnobs, policy: PlacementPolic
         link=sites[0].link,
         sites=tuple(sites),
         placement=policy,
+        prefill_datacenter=p_dc,
     )
 
 
