@@ -142,6 +142,10 @@ class DecodeInstance:
     def tpot_s(self) -> float:
         return self._step_s(self._n or 1, self._context)
 
+    @property
+    def kv_use_fraction(self) -> float:
+        return self._kv_used / self._kv_capacity
+
     def stall(self, now: float, seconds: float) -> None:
         """The instance's chips do other work (MainDecode recomputing a prompt) for ``seconds``:
         no decode iteration advances meanwhile; every sequence's next tokens move that much later."""
