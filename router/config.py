@@ -11,6 +11,7 @@ from pathlib import Path
 
 from pddlink.errors import InvalidInput
 from pddlink.roles import Role
+from pddlink.topology import Topology, topology_from_addresses
 from pddlink.transport import PeerIdentity, TlsConfig, load_node
 
 ENGINES = ("reference", "vllm")
@@ -77,8 +78,14 @@ class RouterConfig:
     vllm: VllmEngineConfig = field(default_factory=VllmEngineConfig)
 
     def __post_init__(self) -> None:
+        for key in ("p", "rld", "md", "engine", "tls_dir", "name"):
+            value = getattr(self, key)
+            if not isinstance(value, str):  # a list for p (several instances) is a topology's job
+                raise InvalidInput(f"router: {key}: expected a string, got {type(value).__name__} {value!r}")
         if self.engine not in ENGINES:
             raise InvalidInput(f"router: engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.engine == "reference" and self.p and self.rld and self.md:
+            self.topology()  # one each; its errors name the key ("p: expected host:port, got 'a:1,b:2'")
         if self.engine == "reference" and not (self.p and self.rld and self.md):
             raise InvalidInput("router: p, rld and md (the sidecars' gRPC addresses) are required")
         if self.engine == "vllm" and not (self.vllm.p_url and self.vllm.md_url and self.vllm.model):
@@ -93,6 +100,19 @@ class RouterConfig:
         for ident in (self.p_identity, self.rld_identity, self.md_identity):
             PeerIdentity.parse(ident)
         PeerIdentity(Role.ROUTER.value, self.name)
+
+    def topology(self) -> Topology:
+        """The three addresses as a topology of one P, one RLD and one MD (``pddlink.topology``)."""
+        return topology_from_addresses(
+            self.p,
+            self.rld,
+            self.md,
+            line_mbit=self.line_mbit,
+            rtt_ms=self.rtt_ms,
+            p_identity=self.p_identity,
+            rld_identity=self.rld_identity,
+            md_identity=self.md_identity,
+        )
 
     @property
     def identity(self) -> PeerIdentity:
