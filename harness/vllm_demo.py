@@ -295,8 +295,8 @@ def _records(pair: VllmPair) -> tuple[dict[str, Any], dict[str, Any], dict[str, 
     while any(st["in_flight"] for st in pair.status().values()) and time.monotonic() < end:
         time.sleep(0.25)
     status = pair.status()
-    shipped = pair.loop.call(lambda: dict(pair.p_side.producer.done))  # type: ignore[union-attr]
-    ends = pair.loop.call(lambda: dict(pair.md_side.consumer.finished))  # type: ignore[union-attr]
+    shipped = pair.shipped_all()
+    ends = pair.finished()
     return status, shipped, ends
 
 

@@ -57,7 +57,7 @@ def bridge_config(cfg: SidecarConfig) -> VllmSidecarConfig:
     )
 
 
-class VllmAdmin:
+class VllmAdmin:  # /status: counts; /transfers: each transfer's record (tools and tests)
     """The admin endpoints of a sidecar beside vLLM."""
 
     def __init__(self, cfg: SidecarConfig, side: VllmSidecar) -> None:
@@ -71,7 +71,24 @@ class VllmAdmin:
             return json_response(200, {"ok": True, "ready": True, "role": self.cfg.role, "engine": "vllm"})
         if req.method == "GET" and req.path == "/status":
             return json_response(200, self.status())
+        if req.method == "GET" and req.path == "/transfers":
+            return json_response(200, self.transfers())
         return error_response(404, f"no such endpoint: {req.method} {req.path}")
+
+    def transfers(self) -> dict[str, object]:
+        """P: every finished transfer's record (``done``, bounded); RLD/MD: vLLM's own hit at each
+        request's end (``finished``), the transfers held now (``in_flight``), the DRC's leases."""
+        side = self.side
+        if side.producer is not None:
+            return {"done": dict(side.producer.done)}
+        if side.consumer is not None:
+            c = side.consumer
+            return {
+                "finished": dict(c.finished),
+                "in_flight": sorted(c.inc),
+                "leases": c.index.stats().reservations,
+            }
+        return {}
 
     def status(self) -> dict[str, object]:
         return {
@@ -109,6 +126,8 @@ async def serve(cfg: SidecarConfig, stop: asyncio.Event) -> None:
     finally:
         for s in servers:
             s.close()
+        if cfg.admin_unix:
+            Path(cfg.admin_unix).unlink(missing_ok=True)
         await side.close()
 
 

@@ -47,7 +47,14 @@ def transfer_config(
 
 
 def events_config(endpoint: str) -> dict[str, Any]:
-    """``--kv-events-config``: vLLM publishes its prefix cache's changes where the sidecar listens."""
+    """``--kv-events-config``: vLLM publishes its prefix cache's changes where the sidecar listens.
+
+    vLLM's publisher binds an ``ipc://`` endpoint or a wildcard ``tcp://*:PORT`` and *connects* to
+    any other (``tcp://127.0.0.1:PORT``), where the sidecar's subscriber connects too: then nobody
+    binds and no event ever arrives. So a sidecar's ``tcp://HOST:PORT`` is given to vLLM as
+    ``tcp://*:PORT`` (every interface: prefer ``ipc://`` inside one pod)."""
+    if endpoint.startswith("tcp://") and "*" not in endpoint:
+        endpoint = "tcp://*:" + endpoint.rpartition(":")[2]
     return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint}
 
 

@@ -1,9 +1,10 @@
 """P and MD (and, with ``relay=True``, RelayDecode) as vLLM servers, each beside its pddlink
 sidecar: what the tests, the demo and the bench start.
 
-``VllmPair(workdir, model, ...)``: ``start()`` runs both sidecars on one asyncio loop in a
-background thread (``SidecarLoop``), then both vLLM servers (child processes) with the
-``PddlinkConnector`` pointed at their sidecar's control socket; MD's vLLM publishes KV-cache events
+``VllmPair(workdir, model, ...)``: ``start()`` runs each sidecar as users do, ``pddlink sidecar
+--config F`` with ``engine = "vllm"`` in a process of its own (``harness.vllm.sidecar_proc``), then
+the vLLM servers (child processes) with ``PddlinkConnector`` pointed at their sidecar's control
+socket; MD's vLLM publishes KV-cache events
 to MD's sidecar. ``md_addr`` lets the WAN run through netlab (P's sidecar dials that address, which
 forwards to MD's KV port). ``close()`` stops the servers, then the sidecars.
 
@@ -17,51 +18,21 @@ sidecar: "p", "md" and "rld".
 
 from __future__ import annotations
 
-import asyncio
 import os
 import socket
-import threading
-from collections.abc import Callable, Coroutine
-from concurrent.futures import Future
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from harness.vllm.server import VllmServer, VllmServerSpec
-from pddlink.roles import Role
-from sidecar.vllm_kv.service import VllmSidecar, VllmSidecarConfig
-
-T = TypeVar("T")
+from harness.vllm.sidecar_proc import SidecarProcess, sidecar_toml
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-class SidecarLoop:
-    """An asyncio loop in a daemon thread; ``run(coro)`` waits for a coroutine's result."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="pddlink-sidecars", daemon=True)
-        self._thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, T], timeout_s: float = 60.0) -> T:
-        fut: Future[T] = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        return fut.result(timeout_s)
-
-    def call(self, fn: Callable[[], T]) -> T:
-        async def _call() -> T:
-            return fn()
-
-        return self.run(_call())
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(5)
-        self.loop.close()
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,10 +76,9 @@ def engine_cores(cpus: set[int] | None = None) -> dict[str, tuple[int, ...]]:
 class VllmPair:
     def __init__(self, spec: PairSpec) -> None:
         self.spec = spec
-        self.loop = SidecarLoop()
-        self.md_side: VllmSidecar | None = None
-        self.p_side: VllmSidecar | None = None
-        self.rld_side: VllmSidecar | None = None
+        self.md_side: SidecarProcess | None = None
+        self.p_side: SidecarProcess | None = None
+        self.rld_side: SidecarProcess | None = None
         self.md: VllmServer | None = None
         self.p: VllmServer | None = None
         self.rld: VllmServer | None = None
@@ -123,49 +93,35 @@ class VllmPair:
             self.close()  # nothing half-started stays behind
             raise
 
+    def _side(self, role: str, name: str, **keys: Any) -> SidecarProcess:
+        s = self.spec
+        text = sidecar_toml(role, name, s.workdir, s.model_id, s.block_size, **keys)
+        return SidecarProcess(s.workdir, name, text).start(s.sidecar_start_s)
+
     def _start(self, timeout_s: float) -> VllmPair:
         s = self.spec
         s.workdir.mkdir(parents=True, exist_ok=True)
         events = self.md_kv_events = f"ipc://{s.workdir / 'md-events.ipc'}"
         self.rld_kv_events = f"ipc://{s.workdir / 'rld-events.ipc'}" if s.relay else ""
-        md_cfg = VllmSidecarConfig(
-            Role.MD,
-            "md0",
-            s.workdir,
-            s.model_id,
-            s.block_size,
-            kv_port=s.md_kv_port,
-            kv_events_endpoint=events,
-            orphan_s=s.md_orphan_s,
+        self.md_side = self._side(
+            "md", "md0", kv_port=s.md_kv_port, kv_events_endpoint=events, orphan_s=s.md_orphan_s
         )
-        self.md_side = self.loop.run(VllmSidecar(md_cfg).start(), s.sidecar_start_s)
         port = self.md_side.kv_port
         md_addr = s.md_addr or (s.wan(port) if s.wan is not None else f"127.0.0.1:{port}")
         rld_addr = ""
         if s.relay:
-            rld_cfg = VllmSidecarConfig(
-                Role.RLD,
-                "rld0",
-                s.workdir,
-                s.model_id,
-                s.block_size,
-                kv_events_endpoint=self.rld_kv_events,
-                orphan_s=s.md_orphan_s,
+            self.rld_side = self._side(
+                "rld", "rld0", kv_events_endpoint=self.rld_kv_events, orphan_s=s.md_orphan_s
             )
-            self.rld_side = self.loop.run(VllmSidecar(rld_cfg).start(), s.sidecar_start_s)
             rld_addr = f"127.0.0.1:{self.rld_side.kv_port}"
-        p_cfg = VllmSidecarConfig(
-            Role.P,
+        self.p_side = self._side(
+            "p",
             "p0",
-            s.workdir,
-            s.model_id,
-            s.block_size,
-            md_addr=md_addr,
+            md_kv=md_addr,
+            rld_kv=rld_addr,
             wan_line_mbit=s.wan_line_mbit,
-            rld_addr=rld_addr,
-            rld_transport=s.rld_transport,
+            fast_transport=s.rld_transport,
         )
-        self.p_side = self.loop.run(VllmSidecar(p_cfg).start(), s.sidecar_start_s)
         base = VllmServerSpec(
             s.model,
             0,
@@ -219,31 +175,40 @@ class VllmPair:
                 server.wait_ready(timeout_s)
         return self
 
-    def sides(self) -> dict[str, VllmSidecar]:
+    def sides(self) -> dict[str, SidecarProcess]:
         named = {"p": self.p_side, "md": self.md_side, "rld": self.rld_side}
         return {k: v for k, v in named.items() if v is not None}
 
     def status(self) -> dict[str, Any]:
-        sides = self.sides()
-        return self.loop.call(lambda: {k: side.status() for k, side in sides.items()})
+        return {k: side.status() for k, side in self.sides().items()}
+
+    def shipped_all(self) -> dict[str, dict[str, Any]]:
+        """P's record of every finished transfer."""
+        assert self.p_side is not None
+        done: dict[str, dict[str, Any]] = self.p_side.transfers()["done"]
+        return done
 
     def shipped(self, transfer: str) -> dict[str, Any] | None:
         """P's finished record of ``transfer`` (per leg under "legs"), None while it is in flight."""
-        p = self.p_side
-        assert p is not None and p.producer is not None
-        producer = p.producer
-        return self.loop.call(lambda: producer.result(transfer))
+        return self.shipped_all().get(transfer)
+
+    def finished(self, role: str = "md") -> dict[str, dict[str, Any]]:
+        """vLLM's own prefix hit at each request's end, as ``role``'s sidecar saw it."""
+        out: dict[str, dict[str, Any]] = self.sides()[role].transfers()["finished"]
+        return out
+
+    def in_flight(self, role: str = "md") -> list[str]:
+        """The transfers ``role``'s sidecar holds now."""
+        out: list[str] = self.sides()[role].transfers()["in_flight"]
+        return out
 
     def close(self) -> None:
-        if self.loop.loop.is_closed():
-            return
         for server in (self.p, self.rld, self.md):
             if server is not None:
                 server.stop()
         for side in (self.p_side, self.rld_side, self.md_side):
             if side is not None:
-                self.loop.run(side.close())
-        self.loop.close()
+                side.close()
 
 
 def VllmTrio(spec: PairSpec) -> VllmPair:

@@ -117,7 +117,7 @@ def test_the_printed_arguments_point_vllm_at_its_sidecar() -> None:
     assert cfg["kv_connector"] == "PddlinkConnector" and cfg["kv_role"] == "kv_consumer"
     assert cfg["kv_connector_extra_config"]["control_socket"] == str(ROOT / "run" / "md0.sock")
     events = json.loads(words[words.index("--kv-events-config") + 1])
-    assert events["endpoint"] == "tcp://127.0.0.1:27460" and words[words.index("--block-size") + 1] == "32"
+    assert events["endpoint"] == "ipc://run/md-events.ipc" and words[words.index("--block-size") + 1] == "32"
 
 
 def _closed(port: int) -> bool:

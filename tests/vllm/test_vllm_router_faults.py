@@ -160,8 +160,7 @@ def _mirror(router: Any) -> Any:
 def _held(trio: Any) -> dict[str, Any]:
     st = trio.status()
     out = {side: (st[side]["held_slots"], st[side]["held_bytes"], st[side]["in_flight"]) for side in st}
-    md = trio.md_side.consumer
-    out["md_leases"] = trio.loop.call(lambda: md.index.stats().reservations)
+    out["md_leases"] = trio.md_side.transfers()["leases"]
     return out
 
 
