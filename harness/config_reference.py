@@ -95,6 +95,10 @@ MEANINGS: dict[str, str] = {
     "router.p_identity": "who must answer at p (checked against its certificate)",
     "router.rld_identity": "who must answer at rld",
     "router.md_identity": "who must answer at md",
+    "router.topology": "the deployment as pools: a [topology] table, or the path of a TOML file holding one"
+    " (relative to this file; docs/topology.md); instead of p, rld and md",
+    "router.placement": "which MD (and P, RLD) serves a request: prefix_aware (each MD's own DRC mirror,"
+    " its link's backlog, load), round_robin, least_loaded or prefix_hash (no events)",
     "router.host": "address the router binds (gRPC and HTTP)",
     "router.grpc_port": "gRPC port of the Router service (0: any free port)",
     "router.http_port": "HTTP port of the OpenAI-compatible API (0: off)",

@@ -1,7 +1,10 @@
 """The router's configuration: which kind of engine serves the roles and where they are, the
 pipeline policy's knobs, the limits on a client request, and the TLS identities (``RouterConfig``,
 validated on construction). ``engine = "reference"``: ``p``, ``rld``, ``md`` are the sidecars' gRPC
-addresses; ``engine = "vllm"``: the ``[vllm]`` table (``VllmEngineConfig``) names vLLM's OpenAI
+addresses (a topology of one each), or ``topology`` is a whole topology (the file's ``[topology]``
+table or ``topology = "path.toml"``: datacenters with pools of P, RLD and MD, WAN links;
+``pddlink.topology``), placed per request by ``placement`` (``pddlink.routing.placement``);
+``engine = "vllm"``: the ``[vllm]`` table (``VllmEngineConfig``) names vLLM's OpenAI
 servers, each running beside its pddlink vLLM sidecar (``sidecar.vllm_kv``)."""
 
 from __future__ import annotations
@@ -11,10 +14,13 @@ from pathlib import Path
 
 from pddlink.errors import InvalidInput
 from pddlink.roles import Role
-from pddlink.topology import Topology, topology_from_addresses
+from pddlink.routing.placement import PlacementPolicy
+from pddlink.topology import Engine, Topology, topology_from_addresses
 from pddlink.transport import PeerIdentity, TlsConfig, load_node
 
 ENGINES = ("reference", "vllm")
+# what ``placement`` may name (``oracle`` knows every cache: the simulator's bound, not a router's)
+PLACEMENTS = tuple(p.value for p in PlacementPolicy if p is not PlacementPolicy.ORACLE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,17 +82,25 @@ class RouterConfig:
     rld_identity: str = "rld/rld0"
     md_identity: str = "md/md0"
     vllm: VllmEngineConfig = field(default_factory=VllmEngineConfig)
+    topology: Topology | None = None  # the [topology] table (or file); None: p, rld, md, one each
+    placement: str = PlacementPolicy.PREFIX_AWARE.value  # which MD (and P, RLD) serves a request
 
     def __post_init__(self) -> None:
-        for key in ("p", "rld", "md", "engine", "tls_dir", "name"):
+        for key in ("p", "rld", "md", "engine", "tls_dir", "name", "placement"):
             value = getattr(self, key)
             if not isinstance(value, str):  # a list for p (several instances) is a topology's job
                 raise InvalidInput(f"router: {key}: expected a string, got {type(value).__name__} {value!r}")
         if self.engine not in ENGINES:
             raise InvalidInput(f"router: engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
-        if self.engine == "reference" and self.p and self.rld and self.md:
-            self.topology()  # one each; its errors name the key ("p: expected host:port, got 'a:1,b:2'")
-        if self.engine == "reference" and not (self.p and self.rld and self.md):
+        if self.placement not in PLACEMENTS:
+            raise InvalidInput(
+                f"router: placement must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}"
+            )
+        if self.topology is not None:
+            self._check_fleet()
+        elif self.engine == "reference" and self.p and self.rld and self.md:
+            self.deployment()  # one each; its errors name the key ("p: expected host:port, got 'a:1,b:2'")
+        if self.engine == "reference" and self.topology is None and not (self.p and self.rld and self.md):
             raise InvalidInput("router: p, rld and md (the sidecars' gRPC addresses) are required")
         if self.engine == "vllm" and not (self.vllm.p_url and self.vllm.md_url and self.vllm.model):
             raise InvalidInput("router: engine vllm needs [vllm] p_url, md_url and model")
@@ -101,8 +115,22 @@ class RouterConfig:
             PeerIdentity.parse(ident)
         PeerIdentity(Role.ROUTER.value, self.name)
 
-    def topology(self) -> Topology:
-        """The three addresses as a topology of one P, one RLD and one MD (``pddlink.topology``)."""
+    def _check_fleet(self) -> None:
+        assert self.topology is not None
+        given = [key for key in ("p", "rld", "md") if getattr(self, key)]
+        if given:
+            raise InvalidInput(f"router: {given[0]}: not with a [topology] (its instances name the sidecars)")
+        if self.engine != "reference":
+            raise InvalidInput("router: topology: engine vllm serves [vllm]'s three servers, not pools, yet")
+        for m in self.topology.members():
+            if m.instance.engine is not Engine.REFERENCE:
+                raise InvalidInput(f"router: topology: {m.name}: engine vllm pools are not served yet")
+
+    def deployment(self) -> Topology:
+        """The deployment: ``topology`` when the file gave one, else the three addresses as a topology
+        of one P, one RLD and one MD (``pddlink.topology``)."""
+        if self.topology is not None:
+            return self.topology
         return topology_from_addresses(
             self.p,
             self.rld,
@@ -119,12 +147,12 @@ class RouterConfig:
         return PeerIdentity(Role.ROUTER.value, self.name)
 
     def sidecars(self) -> tuple[tuple[Role, str, str], ...]:
-        """(role, address, expected identity) of each sidecar."""
-        return (
-            (Role.P, self.p, self.p_identity),
-            (Role.RLD, self.rld, self.rld_identity),
-            (Role.MD, self.md, self.md_identity),
-        )
+        """(role, address, expected identity) of each sidecar of the topology."""
+        return tuple((m.role, m.instance.address, m.instance.identity) for m in self.deployment().members())
+
+    @property
+    def placement_policy(self) -> PlacementPolicy:
+        return PlacementPolicy(self.placement)
 
     def load_tls(self) -> TlsConfig | None:
         """This router's credentials from its node directory ``tls_dir`` (read only, never minted)."""

@@ -55,9 +55,11 @@ def load_router_config(config_path: str | None, flags: dict[str, Any]) -> tuple[
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise ConfigError(f"router config {config_path}: {exc}") from None
     flags = dict(flags)
+    if flags.get("topology"):  # a flag's path is the shell's, not relative to the file
+        flags["topology"] = str(Path(flags["topology"]).resolve())
     api = _api(table, flags)
     allow_open = _knob(table, flags, _ALLOW_UNAUTHENTICATED)
-    cfg, serve = _load_table(table, flags)
+    cfg, serve = _load_table(table, flags, Path(config_path).parent if config_path else Path("."))
     if serve["http_port"]:  # (0: no HTTP port; the unix socket is guarded by its file mode)
         check_open_http(
             str(serve["host"]),
@@ -105,7 +107,19 @@ def _load(config_path: str | None, flags: dict[str, Any]) -> tuple[Any, dict[str
     return cfg, serve
 
 
-def _load_table(table: dict[str, Any], flags: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+def _topology(value: Any, base: Path) -> Any:
+    """``[topology]`` (a table) or ``topology = "path.toml"`` (relative to the router's file)."""
+    from pddlink.topology import load_topology, topology_from_table
+
+    if isinstance(value, str):
+        path = Path(value)
+        return load_topology(path if path.is_absolute() else base / path)
+    return topology_from_table(value)
+
+
+def _load_table(
+    table: dict[str, Any], flags: dict[str, Any], base: Path = Path(".")
+) -> tuple[Any, dict[str, Any]]:
     from router import RouterConfig
 
     table.update({k: v for k, v in flags.items() if v is not None})
@@ -120,12 +134,14 @@ def _load_table(table: dict[str, Any], flags: dict[str, Any]) -> tuple[Any, dict
             serve[key] = table.pop(key)
     if "vllm" in table:
         table["vllm"] = _vllm(table["vllm"])
+    if "topology" in table:
+        table["topology"] = _topology(table["topology"], base)
     known = set(RouterConfig.__dataclass_fields__)
     unknown = set(table) - known
     if unknown:
         raise ConfigError(f"router config: unknown key(s) {', '.join(sorted(unknown))}")
     missing = {r.value for r in SIDECAR_ROLES} - set(table)
-    if missing and table.get("engine", "reference") == "reference":
+    if missing and table.get("engine", "reference") == "reference" and "topology" not in table:
         raise ConfigError(
             f"router config: {', '.join(sorted(missing))} required (--p/--rld/--md or the file)"
         )
@@ -157,6 +173,16 @@ def _preflight(cfg: Any, serve: dict[str, Any]) -> None:
 @click.option("--p", "p", help="P sidecar gRPC address host:port.")
 @click.option("--rld", "rld", help="RLD sidecar gRPC address host:port.")
 @click.option("--md", "md", help="MD sidecar gRPC address host:port (across the WAN).")
+@click.option(
+    "--topology",
+    type=click.Path(dir_okay=False),
+    help="TOML file with a [topology]: pools instead of --p/--rld/--md.",
+)
+@click.option(
+    "--placement",
+    type=click.Choice(["prefix_aware", "round_robin", "least_loaded", "prefix_hash"]),
+    help="Which MD (and P, RLD) serves a request [prefix_aware].",
+)
 @click.option("--host", help="Address to bind [127.0.0.1].")
 @click.option("--grpc-port", type=int, help="gRPC port (0: any free port).")
 @click.option("--http-port", type=int, help="HTTP port for /v1/completions (0: off).")
