@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import math
 import time
 from collections.abc import AsyncIterator
@@ -26,13 +27,14 @@ from typing import Any
 from engines_adapter import SamplingParams
 from pddlink import metrics
 from pddlink.errors import InvalidInput, NotFound
-from pddlink.lifecycle import RunSpec, StallBreaker, md_stall_bound
+from pddlink.lifecycle import RunOutcome, RunSpec, RunTrace, md_stall_bound
 from pddlink.roles import Role
 from pddlink.routing import (
     DecisionReason,
     LinkModel,
     Option,
     OptionDecision,
+    Pipeline,
     RoutingInputs,
     RoutingPolicy,
 )
@@ -41,12 +43,15 @@ from pddlink.serving.grpc_tls import CallerCheck
 from router.admission import Overloaded
 from router.backend import EngineBackend, make_backend
 from router.config import RouterConfig, VllmEngineConfig
+from router.fleet import Route
 from router.options import FORCEABLE, decide_option, forced_option, option_trace
 from router.run import RunDriver
 
 __all__ = ["Router", "RouterConfig", "VllmEngineConfig"]
 
 RLD_COOL_DOWN_S = 2.0  # after RLD failed a request, new requests keep off it this long
+REPLACE_MIN_LEFT_S = 1.0  # a run that lost its MD runs again elsewhere only with this much time left
+log = logging.getLogger(__name__)
 
 
 class Router:
@@ -54,10 +59,9 @@ class Router:
         self.cfg = cfg
         self.tls = cfg.load_tls()
         self.backend: EngineBackend = make_backend(cfg, self.tls)  # what differs per engine kind
+        self.fleet = self.backend.fleet  # the instances and where each request goes (router.fleet)
         self.rld_active = 0
-        self.rld_down_until = 0.0
-        self.md_stalls = StallBreaker()  # MD stalled lately: the requests the router places avoid it
-        self.link = LinkModel(cfg.line_mbit * 1e6 / 8, cfg.rtt_ms / 1e3, pool_size=cfg.wan_links)
+        self.rld_down_until: dict[str, float] = {}  # RLD name -> new requests keep off it until then
         self.policy = RoutingPolicy(
             relay_enabled=cfg.relay_enabled,
             relay_min_wan_s=cfg.relay_min_wan_s,
@@ -70,69 +74,108 @@ class Router:
         self.md_tpot = TpotBook(cfg.md_tpot_s)
         self.ids = itertools.count(1)
         self.in_flight: dict[str, RunDriver] = {}
+        self.routes: dict[str, Route] = {}  # request id -> where it runs
         self.caller_check: CallerCheck | None = None  # set by the gRPC server (who calls, with TLS)
 
+    @property
+    def link(self) -> LinkModel:
+        """The WAN line of the first link (the whole WAN with the old three addresses)."""
+        return next(iter(self.fleet.links.values()))
+
     async def start(self) -> None:
-        await self.backend.start(self.link)
+        await self.backend.start()
 
     async def close(self) -> None:
         await self.backend.close()
 
-    def rld_usable(self, now: float | None = None) -> bool:
+    def rld_usable(self, route: Route, now: float | None = None) -> bool:
+        """The route's RLD may take a new request: relay enabled, in placement, not cooling down."""
         t = time.monotonic() if now is None else now
-        return self.cfg.relay_enabled and t >= self.rld_down_until and self.backend.usable("rld")
+        rld = route.rld
+        if rld is None or not self.cfg.relay_enabled:
+            return False
+        return t >= self.rld_down_until.get(rld.name, 0.0) and self.fleet.in_placement(rld.name, t)
 
-    def rld_reachable(self, now: float) -> bool:
-        """RLD can take a rescue of a request MD lost: relay enabled and its channel up (a cool-down
-        after a failed request keeps only new placements off it)."""
-        return self.cfg.relay_enabled and self.backend.usable("rld")
+    def rld_reachable(self, route: Route, now: float) -> bool:
+        """The route's RLD can take a rescue of a request MD lost: relay enabled and its channel up (a
+        cool-down after a failed request keeps only new placements off it)."""
+        return self.cfg.relay_enabled and route.rld is not None and self.backend.usable(route.rld.name)
 
-    def md_usable(self, now: float | None = None) -> bool:
-        """MD may get new requests the router places: not stalled lately, its channel healthy."""
+    def md_usable(self, route: Route, now: float | None = None) -> bool:
+        """The route's MD may get new requests the router places: not stalled lately, healthy."""
         t = time.monotonic() if now is None else now
-        return self.md_stalls.usable(t) and self.backend.usable("md")
+        return route.md_usable and self.fleet.in_placement(route.md.name, t)
+
+    def drain(self, instance: str, *, undo: bool = False) -> dict[str, Any]:
+        """An operator takes ``instance`` out of placement (``undo``: back in); its requests end
+        normally. ``NotFound`` for a name not in the topology."""
+        now = time.monotonic()
+        (self.fleet.undrain if undo else self.fleet.drain)(instance, now)
+        fleet = self.fleet
+        return {
+            "instance": instance,
+            "draining": instance in fleet.drained,
+            "running": fleet.running[instance],
+        }
 
     # -- policy -------------------------------------------------------------------------------------
 
     def decide(
         self, prompt: tuple[int, ...], max_tokens: int, forced: str, deadline_s: float
     ) -> tuple[OptionDecision, int]:
-        """Ship, relay, recompute, relay + recompute or singular (``router.options``); a
-        forced pipeline (tests, the demo's warm-up) skips the choice and admission."""
-        matched = min(self.backend.matched_tokens(prompt), len(prompt))
+        """``decide_route`` without the route."""
+        decision, matched, _ = self.decide_route(prompt, max_tokens, forced, deadline_s)
+        return decision, matched
+
+    def decide_route(
+        self, prompt: tuple[int, ...], max_tokens: int, forced: str, deadline_s: float
+    ) -> tuple[OptionDecision, int, Route]:
+        """Where (``router.fleet``: P, MD, RLD) and how: ship, relay, recompute, relay + recompute or
+        singular (``router.options``); a forced pipeline (tests, the demo's warm-up) skips the
+        choice and admission."""
         now = time.monotonic()
+        route = self.fleet.place(prompt, now)
+        matched = min(route.matched_tokens, len(prompt))
         routing = RoutingInputs(
             prompt_tokens=len(prompt),
             matched_tokens=matched,
             kv_bytes_per_token=self.cfg.kv_bytes_per_token,
             max_output_tokens=max_tokens,
-            link=self.link.estimate(now),
-            rld_available=self.rld_usable(now),
-            rld_active=self.rld_active,
+            link=route.link.estimate(now),
+            rld_available=self.rld_usable(route, now),
+            rld_active=self.fleet.running[route.rld.name] if route.rld is not None else 0,
             rld_capacity=self.cfg.rld_capacity,
             rld_tpot_s=self.cfg.rld_tpot_s,
         )
         if forced:
-            return forced_option(routing, forced, self.policy), matched
-        if not self.md_usable(now) and routing.rld_available and self.rld_active < self.cfg.rld_capacity:
-            return OptionDecision(Option.SINGULAR, DecisionReason.MD_UNAVAILABLE, 0, 0.0, ()), matched
-        return decide_option(self, routing, deadline_s), matched
+            return forced_option(routing, forced, self.policy), matched, route
+        md_out = not self.md_usable(route, now)
+        if md_out and routing.rld_available and routing.rld_active < self.cfg.rld_capacity:
+            return OptionDecision(Option.SINGULAR, DecisionReason.MD_UNAVAILABLE, 0, 0.0, ()), matched, route
+        return decide_option(self, routing, deadline_s), matched, route
 
     # -- what the runs report back (``router.legs.Cluster``) -------------------------------
 
     def on_prefilled(self, request_id: str, new_tokens: int, seconds: float) -> None:
         self.p_book.ready(request_id, new_tokens, seconds)
+        route = self.routes.get(request_id)
+        if route is not None:
+            self.fleet.p_books[route.p.name].ready(request_id, new_tokens, seconds)
 
     def on_md_ready(self, request_id: str, new_tokens: int, seconds: float) -> None:
         self.md_book.ready(request_id, new_tokens, seconds)
 
-    def on_md_stalled(self, seconds: float) -> None:
-        """A run saw MD's stream make no progress (``pddlink.lifecycle.stall``): new requests the
-        router places keep off MD until it is healthy again (``StallBreaker``), and every other run
-        in flight suspects its own MD stream (``MdSuspected``: an outage silences them all)."""
-        self.md_stalls.stalled(time.monotonic())
-        for run in self.in_flight.values():
-            run.suspect_md()
+    def on_md_stalled(self, seconds: float, md: str = "") -> None:
+        """A run saw ``md``'s stream make no progress (``pddlink.lifecycle.stall``): new requests
+        the router places keep off that MD until it is healthy again (``StallBreaker``), and every
+        other run in flight on it suspects its own MD stream (``MdSuspected``: an outage silences
+        them all)."""
+        md = md or next(m.name for m in self.fleet.members.values() if m.role is Role.MD)
+        self.fleet.stalled(md, time.monotonic())
+        for rid, run in self.in_flight.items():
+            route = self.routes.get(rid)
+            if route is None or route.md.name == md:
+                run.suspect_md()
 
     def validate(self, prompt: list[int], sampling: SamplingParams, deadline_s: float, pipeline: str) -> None:
         cfg = self.cfg
@@ -167,60 +210,42 @@ class Router:
         rid = request_id or f"req-{next(self.ids)}-{time.time_ns() % 10**9}"
         if rid in self.in_flight:
             raise InvalidInput(f"request id {rid!r} is already in flight")
-        decision, matched = self.decide(tuple(prompt), sampling.max_tokens, pipeline, deadline_s)
+        decision, matched, route = self.decide_route(tuple(prompt), sampling.max_tokens, pipeline, deadline_s)
         option = decision.option
         metrics.DECISIONS.labels(option=option.value if option else "rejected").inc()
         if option is None:
             raise Overloaded.of(decision, deadline_s)
-        spec = RunSpec(
-            rid,
-            tuple(prompt),
-            sampling,
-            deadline_s,
-            option.pipeline,
-            decision.reason.value,
-            decision.wan_estimate_s,
-            mirror_matched_tokens=matched,
-            option=option,
-            md_stall_s=md_stall_bound(self.link.estimate(time.monotonic()).rtt_s, self.md_tpot.tpot_s)
-            if self.backend.md_stall_detection
-            else math.inf,
-        )
-        legs = lambda deadline: self.backend.legs(self, deadline)  # noqa: E731
-        run = self.in_flight[rid] = RunDriver(
-            legs,
-            spec,
-            self.rld_usable,
-            arrived=arrived,
-            on_md_stalled=self.on_md_stalled,
-            rld_reachable=self.rld_reachable,
-        )
-        flow = rid  # P reports its transfer state by request id (``pddlink.serving.backlog``)
-        now = time.monotonic()
-        if option.ships_kv:
-            self.link.start_flow(flow, decision.wan_bytes, now)
-        if option.recomputes:
-            self.md_book.start(rid, len(prompt) - matched)
-        self.p_book.start(rid, len(prompt) - matched)  # recompute too: P warms its own cache
-        tokens = run.run()
-        try:
-            async for tok in tokens:
-                yield {"position": tok.position, "token_id": tok.token_id, "source": tok.source}
-        finally:
-            await tokens.aclose()  # a client that went away: the run ends (cancelled) and its legs go now
-            self.in_flight.pop(rid, None)
-            self.md_book.finish(rid)
-            self.p_book.finish(rid)
-            trace = run.trace
-            if option.ships_kv:
-                with contextlib.suppress(NotFound):
-                    self.link.finish_flow(flow, time.monotonic(), completed=bool(trace.wan_bytes))
-            if trace.rld_suspect:
-                self.rld_down_until = time.monotonic() + RLD_COOL_DOWN_S
-            if trace.md_streamed:
-                self.md_stalls.healthy()
-        out = trace.to_dict()
+        arrived = time.monotonic() if arrived is None else arrived
+        sid, replaced_from = rid, []
+        while True:
+            emitted = 0
+            run = self._start(sid, prompt, sampling, deadline_s, decision, matched, route, arrived)
+            self.in_flight[rid] = run
+            tokens = run.run()
+            try:
+                async for tok in tokens:
+                    emitted += 1
+                    yield {"position": tok.position, "token_id": tok.token_id, "source": tok.source}
+            finally:
+                await tokens.aclose()  # a client that went away: the run ends (cancelled), its legs go now
+                self.in_flight.pop(rid, None)
+                self._ended(sid, run, decision, route)
+            lost = not emitted
+            again = self._replace(run.trace, route, prompt, sampling, deadline_s, arrived) if lost else None
+            if again is None:
+                break
+            replaced_from.append(route.md.name)
+            decision, matched, route = again
+            sid = f"{rid}~{len(replaced_from)}"  # the sidecars may still hold the first key
+        out = run.trace.to_dict()
         out.update(option_trace(decision))
+        out["placement"] = {
+            "p": route.p.name,
+            "md": route.md.name,
+            "rld": route.rld.name if route.rld else None,
+            "reason": route.reason,
+            "replaced_from": replaced_from,
+        }
         self.md_tpot.observe(out)
         yield {
             "done": True,
@@ -230,17 +255,112 @@ class Router:
             "trace": out,
         }
 
+    def _start(
+        self,
+        sid: str,
+        prompt: list[int],
+        sampling: SamplingParams,
+        deadline_s: float,
+        decision: OptionDecision,
+        matched: int,
+        route: Route,
+        arrived: float,
+    ) -> RunDriver:
+        """One run of the request on ``route``: its machine, legs and books."""
+        option = decision.option
+        assert option is not None
+        spec = RunSpec(
+            sid,
+            tuple(prompt),
+            sampling,
+            deadline_s,
+            option.pipeline,
+            decision.reason.value,
+            decision.wan_estimate_s,
+            mirror_matched_tokens=matched,
+            option=option,
+            md_stall_s=md_stall_bound(route.link.estimate(time.monotonic()).rtt_s, self.md_tpot.tpot_s)
+            if self.backend.md_stall_detection
+            else math.inf,
+        )
+        self.routes[sid] = route
+        self.fleet.begin(route, relayed=option.pipeline is not Pipeline.P_MD)
+        legs = lambda deadline: self.backend.legs(self, deadline, route)  # noqa: E731
+        run = RunDriver(
+            legs,
+            spec,
+            lambda now: self.rld_usable(route, now),
+            arrived=arrived,
+            on_md_stalled=lambda seconds: self.on_md_stalled(seconds, route.md.name),
+            rld_reachable=lambda now: self.rld_reachable(route, now),
+        )
+        now = time.monotonic()
+        if option.ships_kv:  # P reports its transfer state by request id (``pddlink.serving.backlog``)
+            route.link.start_flow(sid, decision.wan_bytes, now)
+        if option.recomputes:
+            self.md_book.start(sid, len(prompt) - matched)
+        self.p_book.start(sid, len(prompt) - matched)  # recompute too: P warms its own cache
+        self.fleet.p_books[route.p.name].start(sid, len(prompt) - matched)
+        return run
+
+    def _ended(self, sid: str, run: RunDriver, decision: OptionDecision, route: Route) -> None:
+        option = decision.option
+        assert option is not None
+        self.routes.pop(sid, None)
+        self.fleet.end(route, relayed=option.pipeline is not Pipeline.P_MD)
+        self.md_book.finish(sid)
+        self.p_book.finish(sid)
+        self.fleet.p_books[route.p.name].finish(sid)
+        trace = run.trace
+        if option.ships_kv:
+            with contextlib.suppress(NotFound):
+                route.link.finish_flow(sid, time.monotonic(), completed=bool(trace.wan_bytes))
+        if trace.rld_suspect and route.rld is not None:
+            self.rld_down_until[route.rld.name] = time.monotonic() + RLD_COOL_DOWN_S
+        if trace.md_streamed:
+            self.fleet.streamed(route.md.name)
+
+    def _replace(
+        self,
+        trace: RunTrace,
+        route: Route,
+        prompt: list[int],
+        sampling: SamplingParams,
+        deadline_s: float,
+        arrived: float,
+    ) -> tuple[OptionDecision, int, Route] | None:
+        """A run that failed before its first token because its MD left placement (died, stalled)
+        runs again on another MD, if one is in placement and time is left: nothing reached the
+        client, so nothing is duplicated. Once tokens flowed the machine's own fallbacks decide."""
+        now = time.monotonic()
+        left = deadline_s - (now - arrived)
+        if trace.outcome is not RunOutcome.FAILED or left < REPLACE_MIN_LEFT_S:
+            return None
+        if self.fleet.in_placement(route.md.name, now):
+            return None  # it failed for another reason than its MD
+        decision, matched, again = self.decide_route(tuple(prompt), sampling.max_tokens, "", left)
+        if decision.option is None or not again.md_usable or again.md.name == route.md.name:
+            return None
+        metrics.REPLACED.inc()
+        log.warning("request %s: MD %s lost before its first token; re-placed on %s",
+                    trace.request_id, route.md.name, again.md.name)  # fmt: skip
+        return decision, matched, again
+
     def status(self) -> dict[str, Any]:
         now = time.monotonic()
         by_pipeline: dict[str, int] = {}
         for run in self.in_flight.values():
             by_pipeline[run.spec.pipeline.value] = by_pipeline.get(run.spec.pipeline.value, 0) + 1
         est = self.link.estimate(now)
+        mds = [m for m in self.fleet.members.values() if m.role is Role.MD]
         return {
             "role": Role.ROUTER.value,
             "in_flight": by_pipeline,
             "rld_active": self.rld_active,
-            "md": {"usable": self.md_usable(now), "stalls": self.md_stalls.stalls},
+            "md": {
+                "usable": any(self.fleet.in_placement(m.name, now) for m in mds),
+                "stalls": sum(self.fleet.stalls[m.name].stalls for m in mds),
+            },
             "grpc_tls": self.caller_check.status() if self.caller_check is not None else None,
             **self.backend.status(),  # engine, roles, drc_mirror
             "link": {

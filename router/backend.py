@@ -4,9 +4,11 @@ The router (``router.Router``) decides per request (``pddlink.routing``) and run
 through ``pddlink.lifecycle.RequestRun`` (``router.run.RunDriver``); neither knows which engine
 serves the roles. An ``EngineBackend`` supplies the rest:
 
-- ``legs(cluster, deadline)``: a ``Legs`` for one run, turning the machine's commands into calls on
-  the roles and posting what they answer to ``inbox`` as lifecycle events;
-- ``matched_tokens(prompt)``: how much of the prompt MD is known to hold (the router's DRC view);
+- ``fleet``: the topology's instances, their health and mirrors; ``fleet.place(prompt, now)`` says
+  where a request goes (``router.fleet.Route``);
+- ``legs(cluster, deadline, route)``: a ``Legs`` for one run on ``route``, turning the machine's
+  commands into calls on the roles and posting what they answer to ``inbox`` as lifecycle events;
+- ``matched_tokens(prompt)``: how much of the prompt an MD is known to hold (the router's DRC view);
 - ``usable(role)``: whether a role may get traffic now;
 - ``start``/``close``/``status``: the backend's own connections and what it reports.
 
@@ -22,13 +24,14 @@ import time
 from typing import Any, Protocol
 
 from pddlink.lifecycle import RunCommand, RunEvent
-from pddlink.routing import LinkModel
+from pddlink.roles import Role
 from pddlink.serving.backlog import POLL_INTERVAL_S, follow_backlog
 from pddlink.serving.grpc_tls import open_channel
 from pddlink.serving.pb import pb2, pb2_grpc
 from pddlink.transport import PeerIdentity, TlsConfig
 from router.config import RouterConfig
-from router.legs import Cluster, LegCalls
+from router.fleet import Fleet, Route
+from router.legs import Cluster, LegCalls, RouteStubs
 from router.mirror import MirrorFollower
 from router.role_health import RoleHealth
 
@@ -49,13 +52,15 @@ class EngineBackend(Protocol):
     # whether MD's silence on a request it owes tokens means a stall (``pddlink.lifecycle.stall``)
     md_stall_detection: bool
 
-    def legs(self, cluster: Cluster, deadline: float) -> Legs: ...
+    fleet: Fleet  # the instances and where each request goes (``router.fleet``)
+
+    def legs(self, cluster: Cluster, deadline: float, route: Route) -> Legs: ...
 
     def matched_tokens(self, prompt: tuple[int, ...]) -> int: ...
 
     def usable(self, role: str) -> bool: ...
 
-    async def start(self, link: LinkModel) -> None: ...
+    async def start(self) -> None: ...
 
     async def close(self) -> None: ...
 
@@ -63,46 +68,77 @@ class EngineBackend(Protocol):
 
 
 class GrpcBackend:
-    """The reference engine's sidecars: gRPC channels (mutual TLS when configured), their health,
-    the DRC mirror that follows MD and P's reported WAN backlog."""
+    """The reference engine's sidecars: a gRPC channel per instance of the topology (mutual TLS
+    with each instance's identity checked when configured), each instance's health, a DRC mirror
+    per MD instance from that instance's own events (``router.fleet.Fleet`` places over them) and,
+    with one P, P's reported WAN backlog."""
 
     md_stall_detection = True  # MD's sidecar says when it holds the KV: from then on tokens are due
 
     def __init__(self, cfg: RouterConfig, tls: TlsConfig | None) -> None:
         opts = [("grpc.max_receive_message_length", 64 << 20)]
-        self.health = RoleHealth(("p", "rld", "md"))  # which roles may get traffic (router.role_health)
+        topo = cfg.deployment()
+        self.pools = cfg.topology is not None  # requests name their MD and RLD to P and RLD
+        members = topo.members()
+        self.health = RoleHealth([m.name for m in members])  # which instances may get traffic
         self.channels = {
-            role: open_channel(
-                addr,
+            m.name: open_channel(
+                m.instance.address,
                 tls,
-                PeerIdentity.parse(ident),
+                PeerIdentity.parse(m.instance.identity),
                 opts,
-                interceptors=self.health.interceptors(role.value),
+                interceptors=self.health.interceptors(m.name, m.role.value),
             )
-            for role, addr, ident in cfg.sidecars()
+            for m in members
         }
-        by_role = {role.value: pb2_grpc.SidecarStub(ch) for role, ch in self.channels.items()}
-        self.p, self.rld, self.md = by_role["p"], by_role["rld"], by_role["md"]
-        self.health.watch({role.value: ch for role, ch in self.channels.items()})
-        self.drc = MirrorFollower(self.md)
+        self.stubs = {name: pb2_grpc.SidecarStub(ch) for name, ch in self.channels.items()}
+        self.health.watch(self.channels)
+        self.mirrors = {m.name: MirrorFollower(self.stubs[m.name]) for m in topo.members(Role.MD)}
+        self.fleet = Fleet(
+            topo,
+            policy=cfg.placement_policy,
+            usable=self.health.usable,
+            mirrors=self.mirrors,
+            kv_bytes_per_token=cfg.kv_bytes_per_token,
+            wan_links=cfg.wan_links,
+            p_prefill_tokens_per_s=cfg.p_prefill_tokens_per_s,
+        )
         self._tasks: list[asyncio.Task[None]] = []
 
-    def legs(self, cluster: Cluster, deadline: float) -> Legs:
-        return LegCalls(cluster, self, deadline)
+    def legs(self, cluster: Cluster, deadline: float, route: Route) -> Legs:
+        return LegCalls(cluster, self.route_stubs(route), deadline)
+
+    def route_stubs(self, route: Route) -> RouteStubs:
+        rld = route.rld
+        return RouteStubs(
+            p=self.stubs[route.p.name],
+            md=self.stubs[route.md.name],
+            rld=self.stubs[rld.name] if rld is not None else None,
+            md_identity=route.md.instance.identity if self.pools else "",
+            rld_identity=rld.instance.identity if self.pools and rld is not None else "",
+        )
 
     def matched_tokens(self, prompt: tuple[int, ...]) -> int:
-        return self.drc.matched_tokens(prompt)
+        """The most any MD is known to hold of ``prompt``."""
+        return max((m.matched_tokens(prompt) for m in self.mirrors.values()), default=0)
 
     def usable(self, role: str) -> bool:
-        return self.health.usable(role)
+        """A role (any of its instances) or one instance by name."""
+        names = [m.name for m in self.fleet.members.values() if m.role.value == role] or [role]
+        return any(self.health.usable(n) for n in names)
 
-    async def start(self, link: LinkModel) -> None:
+    async def start(self) -> None:
         loop = asyncio.get_running_loop()
         self.health.start()
-        self._tasks = [
-            loop.create_task(self.drc.follow()),
-            loop.create_task(follow_backlog(self.p, pb2.StatusRequest(), link, POLL_INTERVAL_S)),
-        ]
+        self._tasks = [loop.create_task(m.follow()) for m in self.mirrors.values()]
+        topo = self.fleet.topology
+        ps, links = topo.members(Role.P), topo.links
+        if len(ps) == 1 and len(links) == 1:  # P's backlog is toward its one MD datacenter
+            link = self.fleet.links[frozenset((links[0].a, links[0].b))]
+            p = self.stubs[ps[0].name]
+            self._tasks.append(
+                loop.create_task(follow_backlog(p, pb2.StatusRequest(), link, POLL_INTERVAL_S))
+            )
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -113,20 +149,16 @@ class GrpcBackend:
             await ch.close(None)
 
     def status(self) -> dict[str, Any]:
-        mirror = self.drc.mirror
-        st = mirror.staleness(time.monotonic())
-        return {
-            "engine": "reference",
-            "roles": self.health.status(),
-            "drc_mirror": {
-                "blocks": len(mirror),
-                "epoch": st.epoch,
-                "applied_seq": st.applied_seq,
-                "seq_lag": st.seq_lag,
-                "needs_resync": st.needs_resync,
-                "last_error": self.drc.last_error,
-            },
-        }
+        now = time.monotonic()
+        health = self.health.status()
+        out: dict[str, Any] = {"engine": "reference", "topology": self.fleet.status(now, health)}
+        if not self.pools:  # the single-instance document, as before
+            by_role = {m.role.value: m.name for m in self.fleet.members.values()}
+            out["roles"] = {role: health[name] for role, name in by_role.items()}
+            out["drc_mirror"] = self.mirrors[by_role["md"]].status(now)
+        else:
+            out["drc_mirrors"] = {name: m.status(now) for name, m in self.mirrors.items()}
+        return out
 
 
 def make_backend(cfg: RouterConfig, tls: TlsConfig | None) -> EngineBackend:

@@ -18,6 +18,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Coroutine
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import grpc
@@ -87,18 +88,23 @@ class Cluster(Protocol):
     def on_md_stalled(self, seconds: float) -> None: ...
 
 
-class Stubs(Protocol):
-    """The sidecars' gRPC stubs (``router.backend.GrpcBackend``)."""
+@dataclass(frozen=True, slots=True)
+class RouteStubs:
+    """The sidecars one run talks to (``router.backend.GrpcBackend.route_stubs``): the P, MD and
+    RLD its route names, and the identities P and RLD are told to ship and hand over to ("" with
+    the old three addresses: each sidecar's one configured peer)."""
 
     p: Any
-    rld: Any
     md: Any
+    rld: Any | None
+    md_identity: str = ""
+    rld_identity: str = ""
 
 
 class LegCalls:
     """``router.backend.Legs`` for the reference engine's sidecars."""
 
-    def __init__(self, cluster: Cluster, stubs: Stubs, deadline: float) -> None:
+    def __init__(self, cluster: Cluster, stubs: RouteStubs, deadline: float) -> None:
         self.c = cluster
         self.s = stubs
         self.deadline = deadline
@@ -112,6 +118,10 @@ class LegCalls:
     def execute(self, cmd: RunCommand) -> None:
         if isinstance(cmd, OpenStream):
             stub = self.s.rld if cmd.on is Role.RLD else self.s.md
+            if stub is None:  # no RLD beside this request's P (the machine then ends the stream)
+                closed = StreamClosed(StreamEnd.FAILED, "no_rld_beside_p")
+                self.inbox.put_nowait(StreamEnded(cmd.leg.sid, cmd.on, closed, None))
+                return
             if cmd.on is Role.RLD:
                 self.c.rld_active += 1
             name = f"{cmd.on.value}{self._number(cmd.leg)}"
@@ -183,6 +193,8 @@ class LegCalls:
             ship_to_rld=cmd.ship_to_rld,
             first_token_to_md=cmd.first_token_to_md,
             deadline_s=max(self.deadline - time.monotonic() - 0.2, MIN_TIMEOUT_S),
+            md_identity=self.s.md_identity,
+            rld_identity=self.s.rld_identity if cmd.ship_to_rld else "",
         )
         try:
             reply = await self.s.p.Prefill(req, timeout=self.left())
@@ -192,10 +204,14 @@ class LegCalls:
             await self.inbox.put(PrefillFailed(leg.sid, f"{exc.code().name.lower()}: {exc.details()}"))
 
     async def _start_handoff(self, sid: str) -> None:
+        if self.s.rld is None:
+            await self.inbox.put(HandoffDone(sid, HandoffResult.parse("failed:no_rld")))
+            return
         try:
             deadline_s = max(self.deadline - time.monotonic() - 0.1, MIN_TIMEOUT_S)
             r = await self.s.rld.StartHandoff(
-                pb2.HandoffStart(request_id=sid, deadline_s=deadline_s), timeout=self.left()
+                pb2.HandoffStart(request_id=sid, deadline_s=deadline_s, md_identity=self.s.md_identity),
+                timeout=self.left(),
             )
             mode = mode_from_text(r.mode)
             await self.inbox.put(HandoffDone(sid, HandoffResult.parse(r.outcome), mode))

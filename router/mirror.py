@@ -1,5 +1,6 @@
-"""The router's DRC mirror: follows MD's DRC event stream so that per-request choices read a local
-copy (``Mirror``) and never wait on MD.
+"""The router's DRC mirrors: each follows one MD instance's own DRC event stream (one
+``MirrorFollower`` per MD of the topology) so that per-request choices read a local copy
+(``Mirror``) and never wait on any MD.
 
 The first message of each stream is a snapshot (it also gives the block size and the hash root);
 events follow. A gap the mirror cannot bridge, or MD going away, ends the stream; the follower
@@ -59,6 +60,24 @@ class MirrorFollower:
             return 0
         hashes = self.hasher.hash_blocks(list(prompt), parent=self.root)
         return self.mirror.match(hashes).matched_blocks * self.hasher.block_size
+
+    def blocks(self) -> int:
+        return len(self.mirror)
+
+    def block_tokens(self) -> int | None:
+        """MD's block size (from its first snapshot; None before)."""
+        return None if self.hasher is None else self.hasher.block_size
+
+    def status(self, now: float) -> dict[str, Any]:
+        st = self.mirror.staleness(now)
+        return {
+            "blocks": len(self.mirror),
+            "epoch": st.epoch,
+            "applied_seq": st.applied_seq,
+            "seq_lag": st.seq_lag,
+            "needs_resync": st.needs_resync,
+            "last_error": self.last_error,
+        }
 
 
 class VllmMirror(KvEventFeed):

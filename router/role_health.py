@@ -1,4 +1,5 @@
-"""The router's view of each role (P, RLD, MD): may it send that role traffic now?
+"""The router's view of each role (P, RLD, MD), or of each instance of a topology's pools (keys
+are then instance names): may it send that one traffic now?
 
 One watcher per gRPC channel follows the channel's connectivity state: a channel that leaves READY
 (the role was killed, its socket reset, its host went away) makes the role unusable at once, not
@@ -64,11 +65,12 @@ class RoleHealth:
         self._stubs: dict[str, Any] = {}
         self._tasks: list[asyncio.Task[None]] = []
 
-    def interceptors(self, role: str) -> list[grpc.aio.ClientInterceptor]:
-        """For ``role``'s channel: notes an Attach refused for capacity (``CapacityWatch``); on P's,
-        a Prefill waits for the channel to be READY within its timeout (``WaitForReady``)."""
-        out: list[Any] = [CapacityWatch(self, role)]
-        if role == "p":
+    def interceptors(self, key: str, role: str = "") -> list[grpc.aio.ClientInterceptor]:
+        """For ``key``'s channel (a role, or an instance of ``role``): notes an Attach refused for
+        capacity (``CapacityWatch``); on P's, a Prefill waits for the channel to be READY within
+        its timeout (``WaitForReady``)."""
+        out: list[Any] = [CapacityWatch(self, key)]
+        if (role or key) == "p":
             out.append(WaitForReady(frozenset({PREFILL})))
         return out
 

@@ -76,8 +76,10 @@ from pddlink.lifecycle import (
 )
 from pddlink.lifecycle.outcomes import HandoffOutcome
 from pddlink.roles import Role
-from pddlink.routing import LinkModel, Pipeline, RecomputeMode, RoutingPolicy, choose_handoff_mode
+from pddlink.routing import Pipeline, RecomputeMode, RoutingPolicy, choose_handoff_mode
+from pddlink.topology import Engine, topology_from_addresses
 from router.config import RouterConfig, VllmEngineConfig
+from router.fleet import Fleet, Route
 from router.legs import Cluster, watch_leg
 from router.mirror import VllmMirror
 
@@ -152,6 +154,23 @@ async def generate_alone(
     return tuple(int(t) for t in out["choices"][0]["token_ids"])
 
 
+class _Matched:
+    """MD's vLLM mirror as ``router.fleet`` reads it."""
+
+    def __init__(self, backend: VllmBackend) -> None:
+        self.backend = backend
+
+    def matched_tokens(self, prompt: tuple[int, ...]) -> int:
+        return self.backend.matched_tokens(prompt)
+
+    def blocks(self) -> int:
+        return 0 if self.backend.mirror is None else len(self.backend.mirror.index)
+
+    def block_tokens(self) -> int | None:
+        m = self.backend.mirror
+        return m.block_size if m is not None and m.learnt else None
+
+
 class VllmBackend:
     """``router.backend.EngineBackend`` for vLLM servers (``RouterConfig.vllm``)."""
 
@@ -175,9 +194,23 @@ class VllmBackend:
         self.policy = RoutingPolicy(rld_max_load=cfg.rld_max_load)
         self._health: asyncio.Task[None] | None = None
         self.mirror: VllmMirror | None = VllmMirror() if self.v.md_kv_events else None
+        topo = topology_from_addresses(
+            "", "", "", line_mbit=cfg.line_mbit, rtt_ms=cfg.rtt_ms, engine=Engine.VLLM,
+            p_url=self.v.p_url, rld_url=self.v.rld_url, md_url=self.v.md_url,
+        )  # fmt: skip
+        self._role_of = {m.name: m.role.value for m in topo.members()}
+        self.fleet = Fleet(
+            topo,
+            policy=cfg.placement_policy,
+            usable=lambda name: self.usable(self._role_of[name]),
+            mirrors={m.name: _Matched(self) for m in topo.members(Role.MD)},
+            kv_bytes_per_token=cfg.kv_bytes_per_token,
+            wan_links=cfg.wan_links,
+            p_prefill_tokens_per_s=cfg.p_prefill_tokens_per_s,
+        )
 
-    def legs(self, cluster: Cluster, deadline: float) -> VllmLegs:
-        return VllmLegs(cluster, self, deadline)
+    def legs(self, cluster: Cluster, deadline: float, route: Route) -> VllmLegs:
+        return VllmLegs(cluster, self, deadline)  # one server per role: the route is that one
 
     def matched_tokens(self, prompt: tuple[int, ...]) -> int:
         # the router's view only (the policy's choice); P's sidecar still reserves against MD's own
@@ -192,7 +225,7 @@ class VllmBackend:
     def rld_load(self, rld_active: int) -> float:
         return rld_active / self.cfg.rld_capacity
 
-    async def start(self, link: LinkModel) -> None:
+    async def start(self) -> None:
         if self.mirror is not None:
             self.mirror.start(self.v.md_kv_events)
         self._health = asyncio.get_running_loop().create_task(self._watch())

@@ -61,6 +61,7 @@ from typing import Any
 from pddlink.errors import ConfigError, InvalidInput
 from pddlink.listen_policy import check_open_http, check_plaintext_exposure
 from pddlink.roles import SIDECAR_ROLES
+from pddlink.topology import Topology, load_topology
 from pddlink.transport import PeerIdentity
 
 ROLES = tuple(r.value for r in SIDECAR_ROLES)
@@ -105,10 +106,13 @@ class PeersConfig:
     rld_kv: str = ""
     md_identity: str = "md/md0"
     rld_identity: str = "rld/rld0"
+    topology: str = ""  # a topology file: every MD (and RLD) with a kv address is a peer by identity
 
     def __post_init__(self) -> None:
         for f in ("md_grpc", "md_kv", "rld_grpc", "rld_kv"):
             _hostport(getattr(self, f), f"peers.{f}")
+        if self.topology:
+            self.fleet()  # a malformed topology is refused here, naming its key
         for f in ("md_identity", "rld_identity"):
             try:
                 PeerIdentity.parse(getattr(self, f))
@@ -118,6 +122,15 @@ class PeersConfig:
     @property
     def md(self) -> PeerIdentity:
         return PeerIdentity.parse(self.md_identity)
+
+    def fleet(self) -> Topology | None:
+        """The ``topology`` file's pools (None without one)."""
+        if not self.topology:
+            return None
+        try:
+            return load_topology(Path(self.topology))
+        except InvalidInput as exc:
+            raise ConfigError(f"peers.topology: {exc.message}") from None
 
     @property
     def rld(self) -> PeerIdentity:
@@ -233,9 +246,9 @@ class SidecarConfig:
         if self.engine_kind == "vllm":
             self._check_vllm()
             return
-        if self.role == "p" and not (self.peers.md_kv and self.peers.md_grpc):
-            raise ConfigError("role p needs peers.md_kv and peers.md_grpc")
-        if self.role == "rld" and not self.peers.md_grpc:
+        if self.role == "p" and not (self.peers.md_kv and self.peers.md_grpc) and not self.peers.topology:
+            raise ConfigError("role p needs peers.md_kv and peers.md_grpc (or peers.topology)")
+        if self.role == "rld" and not self.peers.md_grpc and not self.peers.topology:
             raise ConfigError("role rld needs peers.md_grpc (the handoff goes there)")
 
     def _check_vllm(self) -> None:
@@ -317,6 +330,9 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
         table["engine_kind"] = table.pop("engine")
     if "role" not in table:
         raise ConfigError(f"{where}: role is required (p, rld or md)")
+    peers = table.get("peers")
+    if path is not None and isinstance(peers, dict) and isinstance(peers.get("topology"), str):
+        peers["topology"] = str(Path(path).parent / peers["topology"])  # relative to this file
 
     cfg: SidecarConfig = _build(SidecarConfig, table, where)
     return cfg

@@ -29,6 +29,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +88,13 @@ def build_engine(cfg: SidecarConfig) -> EngineAdapter:
     )
 
 
+def _handoff_sender(md: DecoderPeer) -> Callable[[bytes, float], Awaitable[int]]:
+    async def send(frame: bytes, timeout_s: float) -> int:
+        return await md.handoff(frame, timeout_s=timeout_s)
+
+    return send
+
+
 class Sidecar:
     def __init__(self, cfg: SidecarConfig, engine: EngineAdapter | None = None) -> None:
         self.cfg = cfg
@@ -130,13 +138,17 @@ class Sidecar:
             self.drc = DrcHost(self.engine, capacity_blocks=max(1, cfg.engine.num_blocks * 3 // 4))
         if role in DECODER_ROLES:
             send = None
+            send_to: dict[str, Callable[[bytes, float], Awaitable[int]]] = {}
             if role is Role.RLD:
                 self.admission = KvAdmission(cfg.engine.num_blocks, cfg.engine.block_size)
-                md = DecoderPeer(peers.md_grpc, tls=self.tls, expected=peers.md)
-                self.peers.append(md)
-
-                async def send(frame: bytes, timeout_s: float) -> int:
-                    return await md.handoff(frame, timeout_s=timeout_s)
+                fleet_mds = self._fleet_peers(Role.MD)
+                md_by_id = {i: DecoderPeer(g, tls=self.tls, expected=i) for i, g, _ in fleet_mds}
+                if peers.md_grpc:
+                    md_by_id[peers.md] = DecoderPeer(peers.md_grpc, tls=self.tls, expected=peers.md)
+                self.peers += list(md_by_id.values())
+                send_to = {i.common_name: _handoff_sender(md) for i, md in md_by_id.items()}
+                default = send_to.get(peers.md.common_name) if peers.md_grpc else None
+                send = default or next(iter(send_to.values()), None)
 
             self.decoder = Decoder(
                 cfg.role,
@@ -145,35 +157,22 @@ class Sidecar:
                 capacity=cfg.decode.capacity,
                 policy=policy,
                 send_handoff=send,
+                send_handoff_to=send_to if role is Role.RLD else None,
             )
         if role is Role.P:
-            md_kv = KVPeerPool(
-                [
-                    KVPeer(
-                        peers.md_kv,
-                        identity=self.identity,
-                        tls=self.tls,
-                        transport=cfg.data_plane.wan_transport,
-                        options=self._options(wan=True),
-                        expected_peer=peers.md if self.tls else None,
-                        silence_floor_s=SILENCE_MIN_S,  # an outage ends the shipment at once
-                    )
-                    for _ in range(cfg.data_plane.wan_links)
-                ]
-            )
-            rld_kv = rld = None
+            mds, rlds = self._fleet_peers(Role.MD), self._fleet_peers(Role.RLD)
+            md_routes = {i.common_name: self._md_route(g, kv, i) for i, g, kv in mds}
+            rld_routes = {i.common_name: self._rld_route(g, kv, i) for i, g, kv in rlds}
+            if peers.md_grpc and peers.md_kv:
+                md_routes[peers.md.common_name] = self._md_route(peers.md_grpc, peers.md_kv, peers.md)
             if peers.rld_kv and peers.rld_grpc:
-                rld_kv = KVPeer(
-                    peers.rld_kv,
-                    identity=self.identity,
-                    tls=self.tls,
-                    transport=self._fast_transport(),
-                    options=self._options(wan=False),
-                    expected_peer=peers.rld if self.tls else None,
-                )
-                rld = DecoderPeer(peers.rld_grpc, tls=self.tls, expected=peers.rld)
-            md = DecoderPeer(peers.md_grpc, tls=self.tls, expected=peers.md)
-            self.peers += [p for p in (*md_kv.links, rld_kv, md, rld) if p is not None]
+                rld_routes[peers.rld.common_name] = self._rld_route(peers.rld_grpc, peers.rld_kv, peers.rld)
+            md_kv, md = md_routes[peers.md.common_name] if peers.md_kv else next(iter(md_routes.values()))
+            no_rld: tuple[KVPeer | None, DecoderPeer | None] = (None, None)
+            rld_kv, rld = rld_routes.get(peers.rld.common_name, no_rld) if peers.rld_kv else no_rld
+            for pool, dec in md_routes.values():
+                self.peers += [*pool.links, dec]
+            self.peers += [p for route in rld_routes.values() for p in route]
             self.prefiller = Prefiller(
                 self.loop,
                 md_kv=md_kv,
@@ -187,7 +186,59 @@ class Sidecar:
                     line_mbit=cfg.data_plane.wan_line_mbit,
                     pool_size=cfg.data_plane.wan_links,
                 ),
+                md_routes=md_routes,
+                rld_routes=rld_routes,
             )
+
+    def _fleet_peers(self, role: Role) -> list[tuple[PeerIdentity, str, str]]:
+        """(identity, gRPC address, KV address) of each ``role`` instance of ``peers.topology``
+        that has a KV address (a peer this sidecar may be told to ship to or hand over to)."""
+        fleet = self.cfg.peers.fleet()
+        if fleet is None:
+            return []
+        return [
+            (PeerIdentity.parse(m.instance.identity), m.instance.address, m.instance.kv_address)
+            for m in fleet.members(role)
+            if m.instance.kv_address and m.instance.address
+        ]
+
+    def _md_route(self, grpc_addr: str, kv_addr: str, who: PeerIdentity) -> tuple[KVPeerPool, DecoderPeer]:
+        """An MD's WAN connection pool (``wan_links`` links) and its Sidecar service."""
+        links = [
+            KVPeer(
+                kv_addr,
+                identity=self.identity,
+                tls=self.tls,
+                transport=self.cfg.data_plane.wan_transport,
+                options=self._options(wan=True),
+                expected_peer=who if self.tls else None,
+                silence_floor_s=SILENCE_MIN_S,  # an outage ends the shipment at once
+            )
+            for _ in range(self.cfg.data_plane.wan_links)
+        ]
+        return KVPeerPool(links), DecoderPeer(grpc_addr, tls=self.tls, expected=who)
+
+    def _rld_route(self, grpc_addr: str, kv_addr: str, who: PeerIdentity) -> tuple[KVPeer, DecoderPeer]:
+        """An RLD's fast path and its Sidecar service."""
+        kv = KVPeer(
+            kv_addr,
+            identity=self.identity,
+            tls=self.tls,
+            transport=self._fast_transport(),
+            options=self._options(wan=False),
+            expected_peer=who if self.tls else None,
+        )
+        return kv, DecoderPeer(grpc_addr, tls=self.tls, expected=who)
+
+    async def _connect_peers(self, prefiller: Prefiller) -> None:
+        async def fast(kv: KVPeer) -> None:
+            with contextlib.suppress(PddlinkError, OSError):
+                await kv.client(time.monotonic() + 10.0)
+
+        await asyncio.gather(
+            *(pool.connect_all(timeout_s=10.0) for pool, _ in prefiller.md_routes.values()),
+            *(fast(kv) for kv, _ in prefiller.rld_routes.values()),
+        )
 
     # -- the KV server's callbacks (RLD, MD) -----------------------------------------------------
 
@@ -343,11 +394,8 @@ class Sidecar:
                 options=self._options(wan=wan),
             )
             ports["kv_port"] = self.kv_server.port
-        if self.prefiller is not None:  # open the WAN pool and the fast path before traffic arrives
-            await self.prefiller.md_kv.connect_all(timeout_s=10.0)
-            if self.prefiller.rld_kv is not None:
-                with contextlib.suppress(PddlinkError, OSError):
-                    await self.prefiller.rld_kv.client(time.monotonic() + 10.0)
+        if self.prefiller is not None:  # open the WAN pools and the fast paths before traffic arrives
+            await self._connect_peers(self.prefiller)
         _, pb2_grpc = stubs()
         server, self.caller_check = new_server(
             self.tls, callers=SIDECAR_CALLERS, options=[("grpc.max_receive_message_length", 64 << 20)]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,12 +55,14 @@ class Decoder:
         capacity: int = 8,
         policy: RoutingPolicy | None = None,
         send_handoff: SendHandoff | None = None,
+        send_handoff_to: Mapping[str, SendHandoff] | None = None,
     ) -> None:
+        """``send_handoff``: to the configured MD; ``send_handoff_to``: to each other MD by identity."""
         self.role = Role(role)
         self.loop = loop
         self.drc = drc
         self.capacity = capacity
-        self.relay = RelayHandoff(self, policy or RoutingPolicy(), send_handoff)
+        self.relay = RelayHandoff(self, policy or RoutingPolicy(), send_handoff, send_handoff_to)
         self.slots: dict[str, DecodeSlot] = {}
         self.ended_recently: dict[str, str] = {}  # request id -> how it ended (bounded, oldest dropped)
 
@@ -233,9 +235,12 @@ class Decoder:
         await self.end(slot, RELEASED)
         return True
 
-    async def start_handoff(self, request_id: str, deadline_s: float) -> dict[str, Any]:
-        """RLD: hand the request over to MD (see ``sidecar.relay_handoff``)."""
-        return await self.relay.start(request_id, deadline_s)
+    async def start_handoff(
+        self, request_id: str, deadline_s: float, md_identity: str = ""
+    ) -> dict[str, Any]:
+        """RLD: hand the request over to MD (``md_identity``: the one the router placed it on; see
+        ``sidecar.relay_handoff``)."""
+        return await self.relay.start(request_id, deadline_s, md_identity)
 
     def status(self) -> dict[str, Any]:
         live = [s.seq for s in self.slots.values() if not s.seq.ended]

@@ -58,6 +58,12 @@ class PrefillJob:
     ship_to_rld: bool
     first_token_to_md: bool
     deadline_s: float
+    md_identity: str = ""  # the MD the router placed it on ("" = the configured peer)
+    rld_identity: str = ""  # the RLD a relay goes to ("" = the configured peer)
+
+
+MdRoute = tuple[KVPeerPool, DecoderPeer]  # an MD's WAN pool and its Sidecar service
+RldRoute = tuple[KVPeer, DecoderPeer]  # an RLD's fast path and its Sidecar service
 
 
 class Prefiller:
@@ -72,10 +78,15 @@ class Prefiller:
         chunk_bytes: int,
         lease_s: float,
         wan_codec: WanCodec | None = None,
+        md_routes: dict[str, MdRoute] | None = None,
+        rld_routes: dict[str, RldRoute] | None = None,
     ) -> None:
+        """``md_kv``/``md`` and ``rld_kv``/``rld``: the configured peers (a request that names none);
+        ``md_routes``/``rld_routes``: every other instance by its identity (a topology's pools)."""
         self.loop = loop
         self.wan_codec = wan_codec or WanCodec("raw")
         self.md_kv, self.md, self.rld_kv, self.rld = md_kv, md, rld_kv, rld
+        self.md_routes, self.rld_routes = dict(md_routes or {}), dict(rld_routes or {})
         self.chunk_bytes = chunk_bytes
         self.lease_s = lease_s
         layout = loop.engine.layout
@@ -172,8 +183,27 @@ class Prefiller:
         finally:
             self.in_engine.discard(request_id)
 
+    def md_route(self, job: PrefillJob) -> MdRoute:
+        """The MD ``job`` was placed on; ``Unavailable`` when this P knows no such peer."""
+        if not job.md_identity:
+            return self.md_kv, self.md
+        route = self.md_routes.get(job.md_identity.removeprefix("pddlink://"))
+        if route is None:
+            raise Unavailable(f"no MD peer {job.md_identity} configured", code=ErrorCode.PEER_UNREACHABLE)
+        return route
+
+    def rld_route(self, job: PrefillJob) -> RldRoute:
+        if not job.rld_identity:
+            if self.rld_kv is None or self.rld is None:
+                raise Unavailable("no RLD peer configured", code=ErrorCode.PEER_UNREACHABLE)
+            return self.rld_kv, self.rld
+        route = self.rld_routes.get(job.rld_identity.removeprefix("pddlink://"))
+        if route is None:
+            raise Unavailable(f"no RLD peer {job.rld_identity} configured", code=ErrorCode.PEER_UNREACHABLE)
+        return route
+
     async def _reserve(self, job: PrefillJob, hashes: list[int], deadline: float) -> int:
-        link = self.md_kv.pick()
+        link = self.md_route(job)[0].pick()
         client = await link.client(deadline)
         msg = Reserve(
             request_id=job.request_id, block_hashes=tuple(hashes), lease_ms=int(self.lease_s * 1000)
@@ -222,13 +252,13 @@ class Prefiller:
         deadline: float,
         reply: dict[str, Any],
     ) -> None:
-        assert self.rld_kv is not None and self.rld is not None
         try:
+            rld_kv, rld = self.rld_route(job)
             begin, payload = self._begin(job, kv, 0, hashes, deadline)
-            result = await self._send(self.rld_kv, begin, payload, deadline)
-            await self.rld.handoff(frame, emit_given=True, timeout_s=max(deadline - time.monotonic(), 0.01))
+            result = await self._send(rld_kv, begin, payload, deadline)
+            await rld.handoff(frame, emit_given=True, timeout_s=max(deadline - time.monotonic(), 0.01))
             reply.update(fast_bytes=result.bytes, fast_seconds=result.seconds, rld_ok=True)
-            reply["fast_path"] = self.rld_kv.transport_name
+            reply["fast_path"] = rld_kv.transport_name
             metrics.KV_BYTES.labels(path="fast").inc(result.bytes)
             metrics.TRANSFER_SECONDS.labels(path="fast").observe(result.seconds)
         except (PddlinkError, TimeoutError, ConnectionError) as exc:
@@ -252,7 +282,8 @@ class Prefiller:
             decision = self.wan_codec.decide(kv.layout.dtype, payload)
             begin = dataclasses.replace(begin, codec=decision.codec)
             self.wan_book.started(job.request_id, begin.total_bytes)
-            link = self.md_kv.pick()
+            md_kv, md = self.md_route(job)
+            link = md_kv.pick()
             client = await link.client(deadline)
             before = client.stats().retransmits
             flow = f"{job.request_id}/{begin.transfer_id}"
@@ -265,9 +296,7 @@ class Prefiller:
                 self.wan_codec.finished(flow, kv.layout.dtype, result, time.monotonic(), rtt)
             stats = client.stats()
             if job.first_token_to_md:
-                await self.md.handoff(
-                    frame, emit_given=True, timeout_s=max(deadline - time.monotonic(), 0.01)
-                )
+                await md.handoff(frame, emit_given=True, timeout_s=max(deadline - time.monotonic(), 0.01))
             reply.update(wan_bytes=result.kv_bytes, wan_seconds=result.seconds, md_ok=True)
             if stats.retransmits is not None and before is not None:
                 reply["wan_retransmits"] = stats.retransmits - before

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from engines_adapter import SamplingParams
@@ -30,24 +30,32 @@ POLL_S = 0.002  # catch-up: how often RLD looks for a full slice to send
 
 
 class RelayHandoff:
-    def __init__(self, decoder: Decoder, policy: RoutingPolicy, send: SendHandoff | None) -> None:
+    def __init__(
+        self,
+        decoder: Decoder,
+        policy: RoutingPolicy,
+        send: SendHandoff | None,
+        send_to: Mapping[str, SendHandoff] | None = None,
+    ) -> None:
         self.decoder = decoder
         self.policy = policy
         self.send = send
+        self.send_to = dict(send_to or {})  # the MDs of a topology, by identity
 
-    async def start(self, request_id: str, deadline_s: float) -> dict[str, Any]:
+    async def start(self, request_id: str, deadline_s: float, md_identity: str = "") -> dict[str, Any]:
         d = self.decoder
         slot = d.slots.get(request_id)
         if slot is None or slot.seq.ended:
             how = slot.seq.render_end() if slot is not None else d.ended_recently.get(request_id, "")
             return {"outcome": handoff_refused(how).render()}
-        if self.send is None:
+        send = self.send_to.get(md_identity.removeprefix("pddlink://")) if md_identity else self.send
+        if send is None:
             return {"outcome": HandoffResult(HandoffOutcome.FAILED, "no_md_configured").render()}
         decision = choose_handoff_mode(d.load, self.policy)
         mode = decision.mode
         plan = HandoffPlan(request_id, slot.seq.base, mode, slice_tokens=max(1, decision.slice_tokens or 1))
         try:
-            return await self._run(slot, plan, time.monotonic() + deadline_s, self.send)
+            return await self._run(slot, plan, time.monotonic() + deadline_s, send)
         except (PddlinkError, TimeoutError, ConnectionError) as exc:
             seq = slot.seq
             if not seq.ended and not seq.finished and not d.loop.is_decoding(request_id):

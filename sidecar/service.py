@@ -77,6 +77,8 @@ class SidecarService(pb2_grpc.SidecarServicer):  # type: ignore[misc,name-define
                 request.ship_to_rld,
                 request.first_token_to_md,
                 request.deadline_s or 30.0,
+                md_identity=request.md_identity,
+                rld_identity=request.rld_identity,
             )
             reply = await self.prefiller.prefill(job)
         except (PddlinkError, TimeoutError) as exc:
@@ -115,7 +117,9 @@ class SidecarService(pb2_grpc.SidecarServicer):  # type: ignore[misc,name-define
         if self.decoder is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"role {self.role} does not decode")
         assert self.decoder is not None
-        out = await self.decoder.start_handoff(request.request_id, request.deadline_s or 10.0)
+        out = await self.decoder.start_handoff(
+            request.request_id, request.deadline_s or 10.0, md_identity=request.md_identity
+        )
         return pb2.HandoffStartReply(**out)
 
     async def Handoff(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:

@@ -12,6 +12,7 @@ The TOML shape (``docs/topology.md``; ``examples/topology/three-dc.toml``)::
     address = "127.0.0.1:7101"        # the sidecar's gRPC host:port
     identity = "p/p-a0"               # optional, default "<role>/<name>"
     admin = "127.0.0.1:9101"          # optional admin HTTP host:port
+    kv = "127.0.0.1:7151"             # RLD, MD: optional KV server host:port (where P ships)
     engine = "vllm"                   # optional, overrides [topology] engine
     api_url = "http://127.0.0.1:8101" # engine "vllm": its OpenAI server
 
@@ -37,7 +38,7 @@ from pddlink.roles import SIDECAR_ROLES, Role
 from pddlink.topology.model import Datacenter, Engine, Instance, Topology, WanLink
 
 T = TypeVar("T")
-_INSTANCE_KEYS = frozenset({"name", "address", "identity", "admin", "engine", "api_url"})
+_INSTANCE_KEYS = frozenset({"name", "address", "identity", "admin", "engine", "api_url", "kv"})
 _DC_KEYS = frozenset({"name", *(r.value for r in SIDECAR_ROLES)})
 _LINK_KEYS = frozenset({"between", "line_mbit", "rtt_ms"})
 _TOP_KEYS = frozenset({"engine", "datacenter", "link"})
@@ -140,7 +141,9 @@ def _instance(value: object, key: str, role: Role, engine: Engine) -> Instance:
     s = {k: _str(t.get(k), f"{key}.{k}", required=k == "name") for k in _INSTANCE_KEYS - {"engine"}}
     own = _engine(t["engine"], f"{key}.engine") if "engine" in t else engine
     return _build(
-        lambda: Instance(role, s["name"], s["address"], s["identity"], s["admin"], own, s["api_url"]),
+        lambda: Instance(
+            role, s["name"], s["address"], s["identity"], s["admin"], own, s["api_url"], s["kv"]
+        ),
         lambda m: f"{key}.{m}",
     )
 

@@ -53,6 +53,7 @@ class Instance:
     admin_address: str = ""
     engine: Engine = Engine.REFERENCE
     api_url: str = ""  # engine "vllm": http://host:port of its OpenAI server (required there)
+    kv_address: str = ""  # RLD, MD: its KV server's host:port, where P ships (the sidecars' peers)
 
     def __post_init__(self) -> None:
         if self.role not in SIDECAR_ROLES:
@@ -64,6 +65,8 @@ class Instance:
             check_address(self.address, "address")
         if self.admin_address:
             check_address(self.admin_address, "admin")
+        if self.kv_address:
+            check_address(self.kv_address, "kv")
         if self.engine is Engine.VLLM or self.api_url:
             m = _URL.match(self.api_url)
             if m is None or not 1 <= int(m.group(1)) <= 65535:
@@ -172,7 +175,7 @@ _KEY = "topology.datacenter"
 
 def _check_unique_names(dcs: tuple[Datacenter, ...]) -> None:
     seen_dc: set[str] = set()
-    seen: dict[str, dict[str, str]] = {"name": {}, "identity": {}, "address": {}, "admin": {}}
+    seen: dict[str, dict[str, str]] = {"name": {}, "identity": {}, "address": {}, "admin": {}, "kv": {}}
     for i, dc in enumerate(dcs):
         if dc.name in seen_dc:
             raise InvalidInput(f'{_KEY}[{i}].name: duplicate datacenter "{dc.name}"')
@@ -182,7 +185,7 @@ def _check_unique_names(dcs: tuple[Datacenter, ...]) -> None:
                 at = f"{_KEY}[{i}].{role.value}[{j}]"
                 values = {
                     "name": inst.name, "identity": inst.identity,
-                    "address": inst.address, "admin": inst.admin_address,
+                    "address": inst.address, "admin": inst.admin_address, "kv": inst.kv_address,
                 }  # fmt: skip
                 for key, value in values.items():
                     if not value:

@@ -49,6 +49,7 @@ class Silent:
 class Cluster:
     def __init__(self) -> None:
         self.p, self.rld, self.md = Silent(), Silent(), Silent()
+        self.md_identity = self.rld_identity = ""  # the sidecars' own configured peers
         self.rld_active = 0
 
     def on_prefilled(self, request_id: str, new_tokens: int, seconds: float) -> None:

@@ -1,0 +1,276 @@
+"""The router's fleet: every instance of the topology (``pddlink.topology``) with its health, drain
+and load, each MD's own DRC mirror, and one link model per WAN link; ``place(prompt, now)`` turns
+them into the snapshots ``pddlink.routing.place`` takes (the function the simulator runs) and
+answers a ``Route``: the P, MD and RLD one request goes to, the MD's matched prefix and the link.
+
+Health comes from outside (``usable(name)``: the backend's per-instance channel watch,
+``router.role_health``); the fleet adds what only the router knows: instances an operator drained
+(``drain``), MDs that stalled a request lately (``stalled``: a ``StallBreaker`` each) and the
+requests it placed on each instance (``begin``/``end``). An instance that leaves placement is
+logged and counted (``pddlink_router_instance_out{instance,reason}``) once per loss; an MD that
+left forgets what ``prefix_hash`` remembered of it (a restarted MD holds nothing).
+
+When no healthy MD (or P) is left the fleet still answers a route, marked ``md_usable=False``
+(or to the P anyway): the router then takes the single-instance paths it always took (singular on
+RLD while MD is out; P's Prefill waiting for P within its deadline), so a topology of one each
+behaves exactly like the old three addresses. Sans-I/O: the clock comes in as ``now``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from pddlink import metrics
+from pddlink.errors import NotFound
+from pddlink.kv.hashing import BlockHasher
+from pddlink.lifecycle import StallBreaker
+from pddlink.roles import Role
+from pddlink.routing import LinkModel
+from pddlink.routing.books import PrefillBook
+from pddlink.routing.placement import (
+    FleetView,
+    LinkView,
+    MdSnapshot,
+    Placement,
+    PlacementConfig,
+    PlacementMemory,
+    PlacementPolicy,
+    PlacementRequest,
+    PSnapshot,
+    RldSnapshot,
+    choose_rld,
+    place,
+)
+from pddlink.topology import Member, Topology
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BLOCK_TOKENS = 16  # until an MD's mirror has told its block size
+
+
+class MirrorView(Protocol):
+    """One MD's DRC mirror as placement reads it (``router.mirror.MirrorFollower``)."""
+
+    def matched_tokens(self, prompt: tuple[int, ...]) -> int: ...
+
+    def blocks(self) -> int: ...
+
+    def block_tokens(self) -> int | None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """Where one request goes."""
+
+    p: Member
+    md: Member
+    rld: Member | None  # the RLD beside P a relay would use (None: none usable there)
+    matched_tokens: int  # the MD's matched prefix, from its own mirror
+    link: LinkModel  # the WAN line from P's datacenter to MD's
+    reason: str  # the placement's reason, or the refusal the route was made despite
+    md_usable: bool = True  # False: no MD was usable (the router's MD-unavailable paths)
+
+
+class Fleet:
+    def __init__(
+        self,
+        topology: Topology,
+        *,
+        policy: PlacementPolicy,
+        usable: Callable[[str], bool],
+        mirrors: Mapping[str, MirrorView],
+        kv_bytes_per_token: int,
+        wan_links: int,
+        p_prefill_tokens_per_s: float,
+    ) -> None:
+        self.topology = topology
+        self.members = {m.name: m for m in topology.members()}
+        self.healthy = usable
+        self.mirrors = dict(mirrors)
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.config = PlacementConfig(policy=policy)
+        self.memory = PlacementMemory()
+        self.links = {
+            frozenset((k.a, k.b)): LinkModel(k.line_bytes_per_s, k.rtt_s, pool_size=wan_links)
+            for k in topology.links
+        }
+        self.p_books = {m.name: PrefillBook(p_prefill_tokens_per_s) for m in topology.members(Role.P)}
+        self.stalls = {m.name: StallBreaker() for m in topology.members(Role.MD)}
+        self.running: Counter[str] = Counter()
+        self.placed: Counter[str] = Counter()
+        self.drained: set[str] = set()
+        self.outs: Counter[str] = Counter()
+        self._was_in: dict[str, bool] = {name: True for name in self.members}
+
+    # -- what the router and the operator tell it ----------------------------------------------
+
+    def member(self, name: str) -> Member:
+        m = self.members.get(name)
+        if m is None:
+            raise NotFound(f"no instance {name!r} in the topology ({', '.join(self.members)})")
+        return m
+
+    def drain(self, name: str, now: float) -> None:
+        """No new request goes to ``name``; those on it end normally."""
+        self.member(name)
+        self.drained.add(name)
+        self.in_placement(name, now)
+
+    def undrain(self, name: str, now: float) -> None:
+        self.member(name)
+        self.drained.discard(name)
+        self.in_placement(name, now)
+
+    def stalled(self, md: str, now: float) -> None:
+        """A run saw ``md``'s stream make no progress: new requests keep off it for a while."""
+        self.stalls[md].stalled(now)
+        self.in_placement(md, now)
+
+    def streamed(self, md: str) -> None:
+        """``md`` streamed a request's tokens: it is healthy again."""
+        self.stalls[md].healthy()
+
+    def begin(self, route: Route, relayed: bool) -> None:
+        for m in (route.p, route.md, route.rld if relayed else None):
+            if m is not None:
+                self.running[m.name] += 1
+                self.placed[m.name] += 1
+                metrics.PLACED.labels(role=m.role.value, instance=m.name).inc()
+
+    def end(self, route: Route, relayed: bool) -> None:
+        for m in (route.p, route.md, route.rld if relayed else None):
+            if m is not None:
+                self.running[m.name] = max(0, self.running[m.name] - 1)
+
+    # -- health ----------------------------------------------------------------------------------
+
+    def why_out(self, name: str, now: float) -> str:
+        """ "" when ``name`` may get new requests, else why not."""
+        if name in self.drained:
+            return "drained"
+        if not self.healthy(name):
+            return "unreachable"
+        stall = self.stalls.get(name)
+        if stall is not None and not stall.usable(now):
+            return "stalled"
+        return ""
+
+    def in_placement(self, name: str, now: float) -> bool:
+        """Whether ``name`` may get new requests; a change is logged and counted here, once."""
+        why = self.why_out(name, now)
+        was = self._was_in[name]
+        if was and why:
+            self.outs[name] += 1
+            metrics.INSTANCE_OUT.labels(instance=name, reason=why).inc()
+            log.warning("instance %s out of placement: %s", name, why)
+            if self.members[name].role is Role.MD:
+                self.memory.forget(name)  # a restarted MD holds nothing of what was sent there
+        elif not was and not why:
+            log.warning("instance %s back in placement", name)
+        self._was_in[name] = not why
+        return not why
+
+    # -- placement -------------------------------------------------------------------------------
+
+    def link(self, a: str, b: str) -> LinkModel | None:
+        return self.links.get(frozenset((a, b))) if a != b else None
+
+    def block_tokens(self) -> int:
+        for mirror in self.mirrors.values():
+            size = mirror.block_tokens()
+            if size:
+                return size
+        return DEFAULT_BLOCK_TOKENS
+
+    def place(self, prompt: tuple[int, ...], now: float) -> Route:
+        block = self.block_tokens()
+        matched = {name: min(m.matched_tokens(prompt), len(prompt)) for name, m in self.mirrors.items()}
+        hashes = BlockHasher("router-placement", block).hash_blocks(list(prompt))
+        request = PlacementRequest(len(prompt), block, self.kv_bytes_per_token, tuple(hashes))
+        fleet = self.view(matched, block, now)
+        placed = place(request, fleet, self.config, self.memory)
+        if isinstance(placed, Placement):
+            return self._route(placed.p, placed.md, placed.rld, matched, placed.reason.value, True)
+        # none usable: the router's single-instance paths decide (see the module docstring)
+        p = next((s.name for s in fleet.p if s.healthy and not s.draining), fleet.p[0].name)
+        md_in = [s.name for s in fleet.md if s.healthy and not s.draining]
+        md = md_in[0] if md_in else fleet.md[0].name
+        rld = choose_rld(fleet.rld, self.members[p].datacenter)
+        return self._route(p, md, rld, matched, placed.reason.value, bool(md_in))
+
+    def view(self, matched: Mapping[str, int], block: int, now: float) -> FleetView:
+        """The snapshots placement reads, as this router sees the fleet now."""
+        ps, rlds, mds = [], [], []
+        for m in self.topology.members(Role.P):
+            book = self.p_books[m.name]
+            ok = self.in_placement(m.name, now)
+            ps.append(PSnapshot(m.name, m.datacenter, book.queue_s(), book.tokens_per_s, healthy=ok))
+        for m in self.topology.members(Role.RLD):
+            ok = self.in_placement(m.name, now)
+            rlds.append(RldSnapshot(m.name, m.datacenter, self.running[m.name], healthy=ok))
+        for m in self.topology.members(Role.MD):
+            ok = self.in_placement(m.name, now)
+            blocks = matched.get(m.name, 0) // block
+            mds.append(MdSnapshot(m.name, m.datacenter, blocks, self.running[m.name], healthy=ok))
+        links = tuple(
+            LinkView(k.a, k.b, self.links[frozenset((k.a, k.b))].estimate(now)) for k in self.topology.links
+        )
+        return FleetView(tuple(ps), tuple(mds), tuple(rlds), links)
+
+    def _route(
+        self, p: str, md: str, rld: str | None, matched: Mapping[str, int], reason: str, md_usable: bool
+    ) -> Route:
+        pm, mm = self.members[p], self.members[md]
+        link = self.link(pm.datacenter, mm.datacenter)
+        if link is None:  # P and MD in one datacenter: no WAN between them; a line as fast as RLD's
+            link = LinkModel(1e9, 0.0005)
+        return Route(pm, mm, self.members[rld] if rld else None, matched.get(md, 0), link, reason, md_usable)
+
+    def relay_usable(self, route: Route, now: float) -> bool:
+        return route.rld is not None and self.in_placement(route.rld.name, now)
+
+    # -- what /status shows ------------------------------------------------------------------------
+
+    def status(self, now: float, health: Mapping[str, Any]) -> dict[str, Any]:
+        dcs = []
+        for dc in self.topology.datacenters:
+            pools: dict[str, Any] = {}
+            for role in (Role.P, Role.RLD, Role.MD):
+                pools[role.value] = [self._instance(m.name, now, health) for m in dc.pool(role)]
+            dcs.append({"name": dc.name, **pools})
+        links = [
+            {
+                "between": [k.a, k.b],
+                "line_mbit": k.line_mbit,
+                "rtt_ms": k.rtt_ms,
+                "flows_in_flight": self.links[frozenset((k.a, k.b))].estimate(now).flows_in_flight,
+                "backlog_bytes": self.links[frozenset((k.a, k.b))].estimate(now).backlog_bytes,
+            }
+            for k in self.topology.links
+        ]
+        return {"placement": self.config.policy.value, "datacenters": dcs, "links": links}
+
+    def _instance(self, name: str, now: float, health: Mapping[str, Any]) -> dict[str, Any]:
+        why = self.why_out(name, now)
+        out: dict[str, Any] = {
+            "name": name,
+            "address": self.members[name].instance.address,
+            "in_placement": not why,
+            "out_because": why or None,
+            "draining": name in self.drained,
+            "running": self.running[name],
+            "placed": self.placed[name],
+            "outs": self.outs[name],
+            "health": health.get(name),
+        }
+        mirror = self.mirrors.get(name)
+        if mirror is not None:
+            out["mirror_blocks"] = mirror.blocks()
+        stall = self.stalls.get(name)
+        if stall is not None:
+            out["stalls"] = stall.stalls
+        return out
