@@ -34,7 +34,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from pddlink import metrics
-from pddlink.errors import ConfigError, InvalidInput
+from pddlink.errors import ConfigError, InvalidInput, NotFound
 from pddlink.serving.client_guard import ApiConfig, ClientGuard, Refusal
 from pddlink.serving.grpc_tls import bind, new_server
 from pddlink.serving.http import HttpLimits, Request, Response, json_response, serve_http
@@ -120,6 +120,8 @@ class RouterApi:
             return Response(200, body, ctype)
         if req.method == "GET" and req.path == "/status":
             return json_response(200, self.router.status())
+        if req.path in ("/admin/drain", "/admin/undrain"):
+            return self._drain(req)
         if req.method == "GET" and req.path == "/memory":
             return json_response(200, heap_stats(top_types=types_asked(req.query)))
         if req.path == "/v1/models":
@@ -137,6 +139,23 @@ class RouterApi:
                 return _error(405, f"use POST for {req.path}", "MethodNotAllowed")
             return await self._generate(req, endpoint, client)
         return _error(404, f"no such endpoint: {req.method} {req.path}", "NotFoundError")
+
+    def _drain(self, req: Request) -> Response:
+        """``POST /admin/drain {"instance": NAME}``: no new request goes to NAME, those on it end
+        normally; ``/admin/undrain`` puts it back (``router.fleet``)."""
+        if req.method != "POST":
+            return _error(405, f"use POST for {req.path}", "MethodNotAllowed")
+        try:
+            body = json.loads(req.body or b"{}")
+        except ValueError:
+            return _error(400, 'the body must be JSON: {"instance": NAME}', "BadRequestError")
+        name = body.get("instance") if isinstance(body, dict) else None
+        if not isinstance(name, str) or not name:
+            return _error(400, "instance: expected an instance name", "BadRequestError", "instance")
+        try:
+            return json_response(200, self.router.drain(name, undo=req.path == "/admin/undrain"))
+        except NotFound as exc:
+            return _error(404, exc.message, "NotFoundError", "instance")
 
     def parse(self, body: bytes, endpoint: Endpoint) -> Job:
         """The validated job, or ``RequestRefused`` / ``InvalidInput`` (both answer 400)."""
