@@ -18,6 +18,7 @@ import subprocess
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 from test_hand_deployment import ROOT, _env, _refuses_anonymous, section_blocks, stop_all
@@ -120,6 +121,15 @@ def test_the_printed_arguments_point_vllm_at_its_sidecar() -> None:
     assert events["endpoint"] == "ipc://run/md-events.ipc" and words[words.index("--block-size") + 1] == "32"
 
 
+def _md_status(cwd: Path) -> dict[str, Any]:
+    status = subprocess.run(
+        ["curl", "-s", "--unix-socket", "run/md.admin.sock", "http://x/status"],
+        cwd=cwd, capture_output=True, text=True, timeout=10, check=True,
+    )  # fmt: skip
+    out: dict[str, Any] = json.loads(status.stdout)
+    return out
+
+
 def _closed(port: int) -> bool:
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) != 0
@@ -140,12 +150,16 @@ def test_vllm_hand_deployment_from_the_docs(tmp_path: Path) -> None:
         conn.request("GET", "/v1/models")
         assert conn.getresponse().status == 401
         conn.close()
-        status = subprocess.run(
-            ["curl", "-s", "--unix-socket", "run/md.admin.sock", "http://x/status"],
-            cwd=tmp_path, capture_output=True, text=True, timeout=10, check=True,
-        )  # fmt: skip
-        md = json.loads(status.stdout)
-        assert md["engine"] == "vllm" and md["kv_events"]["batches"] > 0  # MD's DRC follows its vLLM
+        md = _md_status(tmp_path)
+        deadline = time.monotonic() + 10  # the events travel on their own socket: let them land
+        while md["kv_events"]["batches"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.5)
+            md = _md_status(tmp_path)
+        logs = {p.name: p.read_text()[-1500:] for p in sorted(tmp_path.glob("*.log"))}
+        assert md["engine"] == "vllm" and md["kv_events"]["batches"] > 0, (
+            md,
+            logs,
+        )  # MD's DRC follows its vLLM
     finally:
         stop_all(procs)
     assert not (tmp_path / "run" / "md0.sock").exists()  # SIGTERM: the sidecar removed its socket
