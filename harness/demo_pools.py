@@ -59,9 +59,12 @@ class LoopbackWan:
                 far = link.b if link.a == p_dc else link.a
                 profile = (
                     f'description = "{p_dc} <-> {far}"\n'
-                    f"[link]\ndelay_ms = {link.rtt_ms / 2}\nrate_mbit = {link.line_mbit}\nqueue_packets = 200\n"
+                    f"[link]\ndelay_ms = {link.rtt_ms / 2}\nrate_mbit = {link.line_mbit}\n"
+                    "queue_packets = 200\n"
                 )
-                self.labs[far] = Lab.up(parse_profile(profile, name=f"pools-{far}"), name=f"{tag}l{k}", mode="loopback")
+                self.labs[far] = Lab.up(
+                    parse_profile(profile, name=f"pools-{far}"), name=f"{tag}l{k}", mode="loopback"
+                )
         except BaseException:
             self.down()
             raise
@@ -102,8 +105,13 @@ def run_policy(
         say(f"[{label}] {len(pools.members)} sidecars and the router up in {time.monotonic() - t0:.1f} s")
         if warm:
             paced = [replace(r, arrival_s=0.4 * i) for i, r in enumerate(warm)]
-            w = asyncio.run(replay(pools.router_target, paced, deadline_s=spec.deadline_s, pipeline="p_md", id_prefix="w"))
-            say(f"[{label}] warm-up: {len(w)} requests P->MD ({sum(r.outcome != 'finished' for r in w)} failed)")
+            w = asyncio.run(
+                replay(pools.router_target, paced, deadline_s=spec.deadline_s, pipeline="p_md", id_prefix="w")
+            )
+            say(
+                f"[{label}] warm-up: {len(w)} requests P->MD "
+                f"({sum(r.outcome != 'finished' for r in w)} failed)"
+            )
         before = md_counters(pools)
         t1 = time.monotonic()
         results = asyncio.run(replay(pools.router_target, reqs, deadline_s=spec.deadline_s))
@@ -112,10 +120,11 @@ def run_policy(
         after = md_counters(pools)
         with open(spec.run_dir / "requests.jsonl", "w") as f:
             for r in results:
-                f.write(json.dumps({"index": r.index, "ttft_s": r.ttft_s, "outcome": r.outcome, "trace": r.trace}) + "\n")
-    delta = {
-        md: {k: v - before.get(md, {}).get(k, 0.0) for k, v in got.items()} for md, got in after.items()
-    }
+                f.write(
+                    json.dumps({"index": r.index, "ttft_s": r.ttft_s, "outcome": r.outcome, "trace": r.trace})
+                    + "\n"
+                )
+    delta = {md: {k: v - before.get(md, {}).get(k, 0.0) for k, v in got.items()} for md, got in after.items()}
     return results, delta
 
 
@@ -127,7 +136,10 @@ def _pct(xs: list[float]) -> dict[str, float]:
 
 
 def figures(
-    topo: Topology, results: list[RequestResult], counters: dict[str, dict[str, float]], reference: list[list[int]]
+    topo: Topology,
+    results: list[RequestResult],
+    counters: dict[str, dict[str, float]],
+    reference: list[list[int]],
 ) -> dict[str, Any]:
     p_dc = topo.members(Role.P)[0].datacenter
     dc_of = {m.name: m.datacenter for m in topo.members(Role.MD)}
@@ -173,11 +185,10 @@ def figures(
 
 def simulate(topo: Topology, workload: str | None, requests: int, warmup: int, rate_rps: float, seed: int,
              policies: list[str]) -> dict[str, Any]:  # fmt: skip
+    from harness.demo_workload import _workload_path
     from pddlink.sim.demo_scale import DemoKnobs
     from pddlink.sim.pools import run_topology
     from pddlink.sim.workload import load_workload
-
-    from harness.demo_workload import _workload_path
 
     knobs = DemoKnobs(requests=requests, warmup=warmup, rate_rps=rate_rps, seed=seed)
     wl = load_workload(_workload_path(workload))
@@ -195,9 +206,15 @@ def table(doc: dict[str, Any]) -> str:
             f"{f['token_mismatches']:>5}  {s.get('ttft_s', {}).get('p90', float('nan')):>7.3f}  "
             f"{s.get('md_hit_rate', float('nan')):>6.1%}"
         )
-        lines.append(f"{'':>14}per link: " + ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in f["wan_bytes_by_link"].items()))
-        lines.append(f"{'':>14}per MD (hit, requests): " + ", ".join(
-            f"{md} {h:.0%} ({f['md_requests_by_instance'][md]})" for md, h in f["md_hit_rate_by_instance"].items()))  # fmt: skip
+        lines.append(
+            f"{'':>14}per link: "
+            + ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in f["wan_bytes_by_link"].items())
+        )
+        per_md = f["md_hit_rate_by_instance"].items()
+        n_md = f["md_requests_by_instance"]
+        lines.append(
+            f"{'':>14}per MD (hit, requests): " + ", ".join(f"{md} {h:.0%} ({n_md[md]})" for md, h in per_md)
+        )
     lines.append(f"oracle MD hit rate (simulator): {doc['oracle_md_hit_rate']:.1%}")
     return "\n".join(lines)
 
@@ -237,15 +254,17 @@ def main(
     policies = list(policies or DEFAULT_POLICIES)
     work = Path(tempfile.mkdtemp(prefix="pddlink-pools-"))
     every = demo_requests(
-        build_trace(requests=requests + warmup, rate_rps=rate_rps, seed=seed, workload=workload, trace_file=None),
+        build_trace(
+            requests=requests + warmup, rate_rps=rate_rps, seed=seed, workload=workload, trace_file=None
+        ),
         vocab_size=VOCAB,
     )
     warm, reqs = every[:warmup], every[warmup:]
     t_first = reqs[0].arrival_s
     reqs = [replace(r, index=i, arrival_s=r.arrival_s - t_first) for i, r in enumerate(reqs)]
     sizes = {r.value: len(topology.members(r)) for r in (Role.P, Role.RLD, Role.MD)}
-    say(f"topology {topology_path}: {sizes['p']} P, {sizes['rld']} RLD, {sizes['md']} MD; links "
-        + ", ".join(f"{k.a}-{k.b} {k.line_mbit:g} Mbit/s {k.rtt_ms:g} ms" for k in topology.links))  # fmt: skip
+    links = ", ".join(f"{k.a}-{k.b} {k.line_mbit:g} Mbit/s {k.rtt_ms:g} ms" for k in topology.links)
+    say(f"topology {topology_path}: {sizes['p']} P, {sizes['rld']} RLD, {sizes['md']} MD; links {links}")
     say(f"workload: {len(reqs)} requests over {reqs[-1].arrival_s:.0f} s after {len(warm)} warm-up requests")
     results: dict[str, list[RequestResult]] = {}
     counters: dict[str, dict[str, dict[str, float]]] = {}
@@ -268,8 +287,14 @@ def main(
         "policies": {n: figures(topology, rs, counters[n], reference) for n, rs in results.items()},
         "oracle_md_hit_rate": sim["oracle_md_hit_rate"],
         "sim": {NAMES.get(p, p): f for p, f in sim["policies"].items() if p in policies},
-        "setting": {"requests": requests, "warmup": warmup, "rate_rps": rate_rps, "seed": seed,
-                    "lab_mode": "loopback", "work_dir": str(work)},  # fmt: skip
+        "setting": {
+            "requests": requests,
+            "warmup": warmup,
+            "rate_rps": rate_rps,
+            "seed": seed,
+            "lab_mode": "loopback",
+            "work_dir": str(work),
+        },
     }
     print(table(doc))
     ttfts = {n: [r.ttft_s if r.ttft_s is not None else r.e2e_s for r in rs] for n, rs in results.items()}

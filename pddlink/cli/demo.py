@@ -33,6 +33,19 @@ import click
     help="wan-overload: the line sized to carry half of what the missing suffixes need (PDD with "
     "recompute and admission); any --trace/--workload replays in that regime.",
 )
+@click.option(
+    "--topology",
+    "topology_path",
+    type=click.Path(exists=True, dir_okay=False),
+    help="Pools: run this topology (TOML [topology]) once per placement policy (reference engine).",
+)
+@click.option(
+    "--placement",
+    "placements",
+    default="prefix_aware,round_robin,prefix_hash",
+    show_default=True,
+    help="--topology: the placement policies to run, comma-separated.",
+)
 @click.option("--seed", default=1, show_default=True, help="Workload seed.")
 @click.option("--line-mbit", default=16.0, show_default=True, help="WAN line rate.")
 @click.option("--rtt-ms", default=20.0, show_default=True, help="WAN round-trip time.")
@@ -82,6 +95,8 @@ def command(
     json_path: str | None,
     plot_path: str | None,
     scenario: str,
+    topology_path: str | None,
+    placements: str,
     seed: int,
     line_mbit: float,
     rtt_ms: float,
@@ -119,6 +134,9 @@ def command(
             concurrent=concurrent,
         )
         return
+    if topology_path is not None:
+        _pools(topology_path, placements, requests, rate_rps, workload, json_path, plot_path, seed, warmup)
+        return
     from harness.demo import main
     from pddlink.cli.preflight import check_output_file, check_writable
 
@@ -145,4 +163,52 @@ def command(
         engine_mode=engine_mode,
         scenario=scenario,
         lab_kind=lab_kind,
+    )
+
+
+def _pools(
+    topology_path: str,
+    placements: str,
+    requests: int,
+    rate_rps: float,
+    workload: str | None,
+    json_path: str | None,
+    plot_path: str | None,
+    seed: int,
+    warmup: int,
+) -> None:
+    """``--topology``: the pools demo (``harness.demo_pools``)."""
+    from harness.demo_pools import main
+    from pddlink.cli.preflight import check_output_file
+    from pddlink.errors import InvalidInput
+    from pddlink.routing import PlacementPolicy
+    from pddlink.topology import load_topology
+
+    try:
+        topology = load_topology(Path(topology_path))
+    except InvalidInput as e:
+        raise click.BadParameter(e.message, param_hint="--topology") from None
+    policies = [p.strip() for p in placements.split(",") if p.strip()]
+    allowed = [p.value for p in PlacementPolicy if p is not PlacementPolicy.ORACLE]
+    for p in policies:
+        if p not in allowed:
+            raise click.BadParameter(f"{p!r}: use {', '.join(allowed)}", param_hint="--placement")
+    if plot_path is None:
+        plot = (
+            Path(json_path).with_suffix(".png") if json_path else Path("out") / "pddlink-demo-pools-ttft.png"
+        )
+        plot_path = str(plot)
+    check_output_file(json_path, "demo --json")
+    check_output_file(plot_path, "demo --plot")
+    main(
+        topology=topology,
+        topology_path=topology_path,
+        requests=requests,
+        rate_rps=rate_rps,
+        workload=workload,
+        json_path=json_path,
+        plot_path=plot_path,
+        seed=seed,
+        warmup=warmup,
+        policies=policies,
     )
