@@ -1,0 +1,118 @@
+"""``router.fleet``: the router's per-instance bookkeeping over a topology, in memory (issue 26).
+Placement reads each MD's own mirror; an unhealthy, stalled or drained instance leaves placement at
+once (counted, once per loss) and comes back when healthy; no usable MD still yields a route marked
+so (the router's MD-unavailable paths); /status shows every instance."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pddlink.errors import NotFound
+from pddlink.routing.placement import PlacementPolicy
+from pddlink.topology import load_topology
+from router.fleet import Fleet
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "topology" / "three-dc.toml"
+PROMPT = tuple(range(1, 161))  # 10 blocks of 16
+
+
+class FakeMirror:
+    def __init__(self, held: int = 0) -> None:
+        self.held = held
+
+    def matched_tokens(self, prompt: tuple[int, ...]) -> int:
+        return min(self.held, len(prompt))
+
+    def blocks(self) -> int:
+        return self.held // 16
+
+    def block_tokens(self) -> int | None:
+        return 16
+
+
+def _fleet(
+    policy: PlacementPolicy = PlacementPolicy.PREFIX_AWARE,
+) -> tuple[Fleet, dict[str, FakeMirror], set[str]]:
+    topo = load_topology(EXAMPLE)
+    mirrors = {m.name: FakeMirror() for m in topo.members() if m.role.value == "md"}
+    down: set[str] = set()
+    fleet = Fleet(
+        topo,
+        policy=policy,
+        usable=lambda name: name not in down,
+        mirrors=mirrors,
+        kv_bytes_per_token=2048,
+        wan_links=4,
+        p_prefill_tokens_per_s=3300.0,
+    )
+    return fleet, mirrors, down
+
+
+def test_a_request_goes_to_the_md_whose_own_mirror_holds_its_prefix() -> None:
+    fleet, mirrors, _ = _fleet()
+    mirrors["md-c1"].held = 160  # the slow link's MD holds the whole prompt: no WAN bytes at all
+    route = fleet.place(PROMPT, now=0.0)
+    assert route.md.name == "md-c1" and route.matched_tokens == 160 and route.md_usable
+    assert route.p.datacenter == "dc-a" and route.rld is not None and route.rld.datacenter == "dc-a"
+    assert route.link is fleet.links[frozenset(("dc-a", "dc-c"))]  # its own link's model
+
+
+def test_an_unreachable_md_leaves_placement_at_once_and_comes_back() -> None:
+    fleet, mirrors, down = _fleet()
+    mirrors["md-b0"].held = 160
+    assert fleet.place(PROMPT, 0.0).md.name == "md-b0"
+    down.add("md-b0")
+    route = fleet.place(PROMPT, 0.1)
+    assert route.md.name != "md-b0" and route.md_usable
+    fleet.place(PROMPT, 0.2)
+    assert fleet.outs["md-b0"] == 1  # counted once per loss, not per placement
+    assert fleet.status(0.2, {})["datacenters"][1]["md"][0]["out_because"] == "unreachable"
+    down.clear()
+    assert fleet.place(PROMPT, 0.3).md.name == "md-b0"
+
+
+def test_a_stalled_md_is_avoided_until_it_streams_again() -> None:
+    fleet, mirrors, _ = _fleet()
+    mirrors["md-b1"].held = 160
+    fleet.stalled("md-b1", now=1.0)
+    assert fleet.place(PROMPT, 1.1).md.name != "md-b1"
+    assert fleet.why_out("md-b1", 1.1) == "stalled"
+    fleet.streamed("md-b1")
+    assert fleet.place(PROMPT, 1.2).md.name == "md-b1"
+
+
+def test_drain_takes_an_instance_out_and_back() -> None:
+    fleet, mirrors, _ = _fleet()
+    mirrors["md-b0"].held = 160
+    fleet.drain("md-b0", 0.0)
+    assert fleet.place(PROMPT, 0.0).md.name != "md-b0"
+    fleet.drain("p-a0", 0.0)
+    assert {fleet.place(PROMPT, 0.0).p.name for _ in range(4)} == {"p-a1"}
+    fleet.undrain("md-b0", 0.0)
+    assert fleet.place(PROMPT, 0.0).md.name == "md-b0"
+    with pytest.raises(NotFound, match="md-x9"):
+        fleet.drain("md-x9", 0.0)
+
+
+def test_no_usable_md_still_routes_marked_so() -> None:
+    fleet, _, down = _fleet()
+    down.update({"md-b0", "md-b1", "md-c0", "md-c1"})
+    route = fleet.place(PROMPT, 0.0)
+    assert not route.md_usable and route.reason == "no_healthy_md" and route.rld is not None
+
+
+def test_round_robin_and_load_bookkeeping() -> None:
+    fleet, _, _ = _fleet(PlacementPolicy.ROUND_ROBIN)
+    routes = [fleet.place(PROMPT, 0.0) for _ in range(4)]
+    assert sorted(r.md.name for r in routes) == ["md-b0", "md-b1", "md-c0", "md-c1"]
+    fleet.begin(routes[0], relayed=True)
+    assert fleet.running[routes[0].md.name] == 1 and fleet.running[routes[0].p.name] == 1
+    assert routes[0].rld is not None and fleet.running[routes[0].rld.name] == 1
+    status = fleet.status(0.0, {})
+    assert status["placement"] == "round_robin" and len(status["links"]) == 2
+    md = next(i for dc in status["datacenters"] for i in dc["md"] if i["name"] == routes[0].md.name)
+    assert md["running"] == 1 and md["placed"] == 1 and md["mirror_blocks"] == 0
+    fleet.end(routes[0], relayed=True)
+    assert fleet.running[routes[0].md.name] == 0
