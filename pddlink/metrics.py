@@ -84,13 +84,17 @@ ENGINE_STEP_SECONDS = Histogram(
 ENGINE_ACTIVE = Gauge("pddlink_engine_active_requests", "Requests decoding on this engine")
 
 # the router over pools (router.fleet)
-PLACED = Counter("pddlink_router_placed", "Requests placed on an instance, by role and instance", ["role", "instance"])
+PLACED = Counter(
+    "pddlink_router_placed", "Requests placed on an instance, by role and instance", ["role", "instance"]
+)
 INSTANCE_OUT = Counter(
     "pddlink_router_instance_out",
     "Instances taken out of placement, by instance and why (unreachable, stalled, drained)",
     ["instance", "reason"],
 )
-REPLACED = Counter("pddlink_router_replaced", "Requests re-placed on another MD after theirs failed before a token")
+REPLACED = Counter(
+    "pddlink_router_replaced", "Requests re-placed on another MD after theirs failed before a token"
+)
 
 
 def render() -> tuple[bytes, str]:
