@@ -49,6 +49,8 @@ MEANINGS: dict[str, str] = {
     "peers.md_kv": "MD's KV address host:port (P)",
     "peers.rld_grpc": "RLD's gRPC address host:port (P)",
     "peers.rld_kv": "RLD's KV address host:port (P)",
+    "peers.topology": "a topology file (docs/topology.md; relative to this file): every MD and RLD in it"
+    " with a kv address is a peer by identity, so the router may place a request on any of them",
     "peers.md_identity": "who must answer at md_* (checked against its TLS certificate)",
     "peers.rld_identity": "who must answer at rld_* (checked against its TLS certificate)",
     # [data_plane]
