@@ -27,7 +27,7 @@ from typing import Any
 from engines_adapter import SamplingParams
 from pddlink import metrics
 from pddlink.errors import InvalidInput, NotFound
-from pddlink.lifecycle import RunOutcome, RunSpec, RunTrace, md_stall_bound
+from pddlink.lifecycle import FailReason, RunOutcome, RunSpec, RunTrace, md_stall_bound
 from pddlink.roles import Role
 from pddlink.routing import (
     DecisionReason,
@@ -329,22 +329,37 @@ class Router:
         deadline_s: float,
         arrived: float,
     ) -> tuple[OptionDecision, int, Route] | None:
-        """A run that failed before its first token because its MD left placement (died, stalled)
-        runs again on another MD, if one is in placement and time is left: nothing reached the
-        client, so nothing is duplicated. Once tokens flowed the machine's own fallbacks decide."""
+        """A run that failed before its first token because its P or its MD was lost (P
+        unavailable; MD unreachable, lost, stalled, or out of placement now) runs again on
+        another P or MD, if one is in placement and time is left: nothing reached the client, so
+        nothing is duplicated. Once tokens flowed the machine's own fallbacks decide."""
         now = time.monotonic()
         left = deadline_s - (now - arrived)
         if trace.outcome is not RunOutcome.FAILED or left < REPLACE_MIN_LEFT_S:
             return None
-        if self.fleet.in_placement(route.md.name, now):
-            return None  # it failed for another reason than its MD
+        lost = self._lost(trace, route, now)
+        if lost is None:
+            return None  # it failed for another reason than an instance
         decision, matched, again = self.decide_route(tuple(prompt), sampling.max_tokens, "", left)
-        if decision.option is None or not again.md_usable or again.md.name == route.md.name:
+        moved = again.p.name != lost if lost == route.p.name else again.md.name != lost
+        if decision.option is None or not again.md_usable or not moved:
             return None
         metrics.REPLACED.inc()
-        log.warning("request %s: MD %s lost before its first token; re-placed on %s",
-                    trace.request_id, route.md.name, again.md.name)  # fmt: skip
+        log.warning("request %s: %s lost before the first token (%s); re-placed on %s, %s",
+                    trace.request_id, lost, trace.reason_text, again.p.name, again.md.name)  # fmt: skip
         return decision, matched, again
+
+    def _lost(self, trace: RunTrace, route: Route, now: float) -> str | None:
+        """The instance a failed run lost, now out of placement; None when none was."""
+        if trace.reason is FailReason.P_UNAVAILABLE:
+            self.fleet.failed(route.p.name, now)
+            return route.p.name
+        if trace.reason in (FailReason.MD_UNREACHABLE, FailReason.MD_LOST, FailReason.MD_STALLED):
+            self.fleet.failed(route.md.name, now)
+            return route.md.name
+        if not self.fleet.in_placement(route.md.name, now):
+            return route.md.name
+        return None
 
     def status(self) -> dict[str, Any]:
         now = time.monotonic()

@@ -81,13 +81,16 @@ class GrpcBackend:
         self.pools = cfg.topology is not None  # requests name their MD and RLD to P and RLD
         members = topo.members()
         self.health = RoleHealth([m.name for m in members])  # which instances may get traffic
+        # one P: a Prefill waits for it to be back (nothing else could take it); a pool: it fails
+        # at once and the request is placed on another P (``Router._replace``)
+        lone_p = len(topo.members(Role.P)) == 1
         self.channels = {
             m.name: open_channel(
                 m.instance.address,
                 tls,
                 PeerIdentity.parse(m.instance.identity),
                 opts,
-                interceptors=self.health.interceptors(m.name, m.role.value),
+                interceptors=self.health.interceptors(m.name, m.role.value, wait_for_p=lone_p),
             )
             for m in members
         }

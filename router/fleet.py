@@ -5,7 +5,8 @@ answers a ``Route``: the P, MD and RLD one request goes to, the MD's matched pre
 
 Health comes from outside (``usable(name)``: the backend's per-instance channel watch,
 ``router.role_health``); the fleet adds what only the router knows: instances an operator drained
-(``drain``), MDs that stalled a request lately (``stalled``: a ``StallBreaker`` each) and the
+(``drain``), instances that stalled or failed a request lately (``stalled``, ``failed``: a
+``StallBreaker`` each, so a loss the channel watch has not seen yet still counts) and the
 requests it placed on each instance (``begin``/``end``). An instance that leaves placement is
 logged and counted (``pddlink_router_instance_out{instance,reason}``) once per loss; an MD that
 left forgets what ``prefix_hash`` remembered of it (a restarted MD holds nothing).
@@ -99,7 +100,8 @@ class Fleet:
             for k in topology.links
         }
         self.p_books = {m.name: PrefillBook(p_prefill_tokens_per_s) for m in topology.members(Role.P)}
-        self.stalls = {m.name: StallBreaker() for m in topology.members(Role.MD)}
+        self.stalls = {name: StallBreaker() for name in self.members}
+        self.broke: dict[str, str] = {}  # why an instance's breaker last opened: stalled | failed
         self.running: Counter[str] = Counter()
         self.placed: Counter[str] = Counter()
         self.drained: set[str] = set()
@@ -125,10 +127,16 @@ class Fleet:
         self.drained.discard(name)
         self.in_placement(name, now)
 
-    def stalled(self, md: str, now: float) -> None:
+    def stalled(self, md: str, now: float, why: str = "stalled") -> None:
         """A run saw ``md``'s stream make no progress: new requests keep off it for a while."""
         self.stalls[md].stalled(now)
+        self.broke[md] = why
         self.in_placement(md, now)
+
+    def failed(self, name: str, now: float) -> None:
+        """A request failed on ``name`` (its P unavailable, its MD lost): keep off it for a while,
+        whether or not its channel says so yet."""
+        self.stalled(name, now, "failed")
 
     def streamed(self, md: str) -> None:
         """``md`` streamed a request's tokens: it is healthy again."""
@@ -154,9 +162,8 @@ class Fleet:
             return "drained"
         if not self.healthy(name):
             return "unreachable"
-        stall = self.stalls.get(name)
-        if stall is not None and not stall.usable(now):
-            return "stalled"
+        if not self.stalls[name].usable(now):
+            return self.broke.get(name, "stalled")
         return ""
 
     def in_placement(self, name: str, now: float) -> bool:
@@ -270,7 +277,5 @@ class Fleet:
         mirror = self.mirrors.get(name)
         if mirror is not None:
             out["mirror_blocks"] = mirror.blocks()
-        stall = self.stalls.get(name)
-        if stall is not None:
-            out["stalls"] = stall.stalls
+        out["breaks"] = self.stalls[name].stalls  # stalled or failed a request
         return out

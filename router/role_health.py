@@ -65,12 +65,14 @@ class RoleHealth:
         self._stubs: dict[str, Any] = {}
         self._tasks: list[asyncio.Task[None]] = []
 
-    def interceptors(self, key: str, role: str = "") -> list[grpc.aio.ClientInterceptor]:
+    def interceptors(
+        self, key: str, role: str = "", *, wait_for_p: bool = True
+    ) -> list[grpc.aio.ClientInterceptor]:
         """For ``key``'s channel (a role, or an instance of ``role``): notes an Attach refused for
-        capacity (``CapacityWatch``); on P's, a Prefill waits for the channel to be READY within
-        its timeout (``WaitForReady``)."""
+        capacity (``CapacityWatch``); on P's (``wait_for_p``), a Prefill waits for the channel to
+        be READY within its timeout (``WaitForReady``)."""
         out: list[Any] = [CapacityWatch(self, key)]
-        if (role or key) == "p":
+        if (role or key) == "p" and wait_for_p:
             out.append(WaitForReady(frozenset({PREFILL})))
         return out
 
