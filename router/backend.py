@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 from pddlink.lifecycle import RunCommand, RunEvent
 from pddlink.roles import Role
-from pddlink.serving.backlog import POLL_INTERVAL_S, follow_backlog
+from pddlink.serving.backlog import POLL_INTERVAL_S, follow_backlog, follow_pool_backlog
 from pddlink.serving.grpc_tls import open_channel
 from pddlink.serving.pb import pb2, pb2_grpc
 from pddlink.transport import PeerIdentity, TlsConfig
@@ -139,9 +139,16 @@ class GrpcBackend:
         if len(ps) == 1 and len(links) == 1:  # P's backlog is toward its one MD datacenter
             link = self.fleet.links[frozenset((links[0].a, links[0].b))]
             p = self.stubs[ps[0].name]
-            self._tasks.append(
-                loop.create_task(follow_backlog(p, pb2.StatusRequest(), link, POLL_INTERVAL_S))
-            )
+            follow = follow_backlog(p, pb2.StatusRequest(), link, POLL_INTERVAL_S)
+        else:  # each link hears what every P has queued toward the MDs behind it
+            behind = [
+                (self.fleet.links[frozenset((k.a, k.b))], {m.instance.identity for m in topo.members(Role.MD)
+                                                          if m.datacenter in (k.a, k.b)})
+                for k in links
+            ]  # fmt: skip
+            stubs = [self.stubs[p.name] for p in ps]
+            follow = follow_pool_backlog(stubs, pb2.StatusRequest(), behind, POLL_INTERVAL_S)
+        self._tasks.append(loop.create_task(follow))
 
     async def close(self) -> None:
         for task in self._tasks:

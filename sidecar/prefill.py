@@ -100,7 +100,7 @@ class Prefiller:
     async def prefill(self, job: PrefillJob) -> dict[str, Any]:
         self.in_flight += 1
         if job.ship_to_md:
-            self.wan_book.will_ship(job.request_id)
+            self.wan_book.will_ship(job.request_id, job.md_identity or self.md.expected.common_name)
         try:
             return await self._prefill(job)
         finally:

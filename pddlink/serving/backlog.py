@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,9 +34,12 @@ class WanBook:
 
     pending: set[str] = field(default_factory=set)
     shipping: dict[str, int] = field(default_factory=dict)
+    to: dict[str, str] = field(default_factory=dict)  # request id -> the MD it goes to (its identity)
 
-    def will_ship(self, request_id: str) -> None:
+    def will_ship(self, request_id: str, to: str = "") -> None:
         self.pending.add(request_id)
+        if to:
+            self.to[request_id] = to
 
     def started(self, request_id: str, nbytes: int) -> None:
         self.pending.discard(request_id)
@@ -44,22 +48,68 @@ class WanBook:
     def ended(self, request_id: str) -> None:
         self.pending.discard(request_id)
         self.shipping.pop(request_id, None)
+        self.to.pop(request_id, None)
 
     def to_json(self) -> dict[str, Any]:
         return {
             "pending": sorted(self.pending),
             "shipping": [[rid, n] for rid, n in self.shipping.items()],
             "backlog_bytes": sum(self.shipping.values()),
+            "to": dict(self.to),
         }
 
 
-def report_from_status(status: dict[str, Any], at_s: float) -> BacklogReport | None:
-    """The ``BacklogReport`` in P's status document, or None when it carries none."""
+def report_from_status(
+    status: dict[str, Any], at_s: float, to: Collection[str] | None = None
+) -> BacklogReport | None:
+    """The ``BacklogReport`` in P's status document, or None when it carries none. ``to``: only
+    the transfers toward these MDs (identities; one WAN link's datacenter), for a P of a pool."""
     wan = (status.get("transfers") or {}).get("wan")
     if not isinstance(wan, dict):
         return None
-    shipping = tuple((str(rid), int(n)) for rid, n in wan.get("shipping", []))
-    return BacklogReport(shipping, frozenset(str(r) for r in wan.get("pending", [])), at_s)
+    target = wan.get("to") or {}
+
+    def keep(rid: str) -> bool:
+        return to is None or target.get(rid) in to
+
+    shipping = tuple((str(rid), int(n)) for rid, n in wan.get("shipping", []) if keep(rid))
+    pending = frozenset(str(r) for r in wan.get("pending", []) if keep(r))
+    return BacklogReport(shipping, pending, at_s)
+
+
+def merge_reports(reports: Sequence[BacklogReport], at_s: float) -> BacklogReport:
+    """Several senders' reports toward one link as one (each P of a pool ships on it)."""
+    shipping = tuple(item for r in reports for item in r.shipping)
+    return BacklogReport(shipping, frozenset().union(*(r.pending for r in reports)), at_s)
+
+
+async def follow_pool_backlog(
+    p_stubs: Sequence[Any],
+    status_request: Any,
+    links: Sequence[tuple[LinkModel, Collection[str]]],
+    interval_s: float,
+) -> None:
+    """A pool: poll every P's status and give each link model what every P has queued toward the
+    MDs behind that link (``links``: each model with its MDs' identities)."""
+    while True:
+        replies = await asyncio.gather(
+            *(p.Status(status_request, timeout=max(interval_s * 5, 1.0)) for p in p_stubs),
+            return_exceptions=True,
+        )
+        now = time.monotonic()
+        docs = []
+        for reply in replies:
+            if isinstance(reply, BaseException):
+                continue  # that P restarting: the models count the router's own flows for it
+            try:
+                docs.append(json.loads(reply.json))
+            except ValueError:
+                continue
+        for link, mds in links:
+            reports = [r for doc in docs if (r := report_from_status(doc, now, mds)) is not None]
+            if reports:
+                link.observe_backlog(merge_reports(reports, now))
+        await asyncio.sleep(interval_s)
 
 
 async def follow_backlog(p_stub: Any, status_request: Any, link: LinkModel, interval_s: float) -> None:

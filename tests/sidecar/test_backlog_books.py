@@ -68,3 +68,24 @@ def test_tpot_book_learns_from_requests_that_decoded_on_md_alone() -> None:
     book.observe({**slow, "tokens": {"md": 20, "rld": 21}})  # RLD's tokens mixed in: not MD's pace
     book.observe({**slow, "outcome": "failed"})
     assert book.tpot_s == before
+
+
+def test_a_pool_p_reports_which_md_each_transfer_goes_to() -> None:
+    """Issue 26: a P of a pool ships toward several MDs; each WAN link's model hears only the
+    transfers toward the MDs behind it, from every P."""
+    from pddlink.serving.backlog import merge_reports
+
+    p0, p1 = WanBook(), WanBook()
+    p0.will_ship("a", "md/md-b0")
+    p0.started("a", 100)
+    p0.will_ship("b", "md/md-c0")
+    p1.will_ship("c", "md/md-b1")
+    p1.started("c", 7)
+    behind_b = {"md/md-b0", "md/md-b1"}
+    reports = [report_from_status({"transfers": {"wan": p.to_json()}}, 5.0, behind_b) for p in (p0, p1)]
+    merged = merge_reports([r for r in reports if r is not None], 5.0)
+    assert dict(merged.shipping) == {"a": 100, "c": 7} and merged.pending == frozenset()
+    to_c = report_from_status({"transfers": {"wan": p0.to_json()}}, 5.0, {"md/md-c0"})
+    assert to_c is not None and to_c.pending == {"b"} and to_c.shipping == ()
+    p0.ended("a")
+    assert "a" not in p0.to_json()["to"]
