@@ -350,10 +350,14 @@ class Router:
         return decision, matched, again
 
     def _lost(self, trace: RunTrace, route: Route, now: float) -> str | None:
-        """The instance a failed run lost, now out of placement; None when none was."""
-        if trace.reason is FailReason.P_UNAVAILABLE:
+        """The instance a failed run lost, now out of placement; None when none was, or when its
+        role has no other instance (one of each: nothing changes from the single-instance router)."""
+        pools = {r: len(self.fleet.topology.members(r)) for r in (Role.P, Role.MD)}
+        if trace.reason is FailReason.P_UNAVAILABLE and pools[Role.P] > 1:
             self.fleet.failed(route.p.name, now)
             return route.p.name
+        if pools[Role.MD] < 2:
+            return None
         if trace.reason in (FailReason.MD_UNREACHABLE, FailReason.MD_LOST, FailReason.MD_STALLED):
             self.fleet.failed(route.md.name, now)
             return route.md.name

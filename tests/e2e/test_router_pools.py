@@ -1,7 +1,8 @@
-"""One router over pools (issue 26), as processes with mutual TLS per instance: one P and one RLD
+"""One router over pools (issue 26), as processes with mutual TLS per instance: two P and one RLD
 in dc-a, one MD in dc-b and one in dc-c. A request goes to the MD whose own DRC mirror holds its
-prefix; with that MD killed, the next ones go to the other MD (finished, exact tokens); /status
-shows each instance's health, load and mirror size; a drained MD gets nothing new."""
+prefix; with that MD killed, the next ones go to the other MD (finished, exact tokens); with a P
+killed, to the other P; /status shows each instance's health, load and mirror size; a drained MD
+gets nothing new, a restarted one is placed on again."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ TOPOLOGY = """
 [topology]
 [[topology.datacenter]]
 name = "dc-a"
-p = [{ name = "p-a0", address = "127.0.0.1:1" }]
+p = [{ name = "p-a0", address = "127.0.0.1:1" }, { name = "p-a1", address = "127.0.0.1:5" }]
 rld = [{ name = "rld-a0", address = "127.0.0.1:2" }]
 [[topology.datacenter]]
 name = "dc-b"
@@ -115,6 +116,14 @@ def test_placed_on_the_md_holding_the_prefix_and_away_from_a_dead_one(tmp_path: 
         assert [r.outcome for r in after] == ["finished"] * 4, [r.reason for r in after]
         assert {r.trace["placement"]["md"] for r in after} == {other}
         assert [r.tokens for r in after] == reference(later)
+
+        dead_p = after[-1].trace["placement"]["p"]
+        pools.kill(dead_p)  # at once: the router has not seen it go yet
+        no_p = [_req(i, i) for i in range(10, 14)]
+        moved = _run(pools, no_p, "e")
+        assert [r.outcome for r in moved] == ["finished"] * 4, [r.reason for r in moved]
+        assert dead_p not in {r.trace["placement"]["p"] for r in moved}
+        assert [r.tokens for r in moved] == reference(no_p)
 
         code, drained = _http(pools, "POST", "/admin/drain", {"instance": other})
         assert code == 200 and drained["draining"]
