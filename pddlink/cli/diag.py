@@ -152,6 +152,57 @@ def status(targets: tuple[str, ...], as_json: bool, key_file: str | None) -> Non
     for target, doc in out.items():
         click.echo(f"== {target}")
         for key, value in doc.items():
+            if key == "topology" and isinstance(value, dict):
+                _echo_topology(value)
+                continue
             click.echo(f"  {key}: {json.dumps(value) if isinstance(value, dict | list) else value}")
     if any("error" in d for d in out.values()):
         sys.exit(1)
+
+
+def _echo_topology(topo: dict[str, Any]) -> None:
+    """A router's pools: one line per instance (health, load, mirror size)."""
+    click.echo(f"  topology (placement {topo.get('placement')}):")
+    for dc in topo.get("datacenters", []):
+        for role in ("p", "rld", "md"):
+            for i in dc.get(role, []):
+                state = "in placement" if i.get("in_placement") else f"OUT ({i.get('out_because')})"
+                mirror = f", mirror {i['mirror_blocks']} blocks" if "mirror_blocks" in i else ""
+                click.echo(
+                    f"    {dc.get('name')} {role:>3} {i.get('name')}: {state}, running {i.get('running')},"
+                    f" placed {i.get('placed')}{mirror}"
+                )
+    for link in topo.get("links", []):
+        click.echo(
+            f"    link {'-'.join(link.get('between', []))}: {link.get('line_mbit')} Mbit/s,"
+            f" {link.get('rtt_ms')} ms, {link.get('flows_in_flight')} flows,"
+            f" backlog {link.get('backlog_bytes')} B"
+        )
+
+
+@click.command(name="drain")
+@click.argument("target")
+@click.argument("instance")
+@click.option("--undo", is_flag=True, help="Put the instance back into placement.")
+@click.option(
+    "--key-file",
+    envvar="PDDLINK_KEY_FILE",
+    type=click.Path(dir_okay=False),
+    help="Send the first key of this file as a bearer key (the router's api_keys_file); unix sockets"
+    " need none.",
+)
+def drain(target: str, instance: str, undo: bool, key_file: str | None) -> None:
+    """Take INSTANCE (a topology name) out of the placement of the router at TARGET (its HTTP
+    address: host:port or unix:/path); what runs there ends normally. --undo puts it back."""
+    from pddlink.serving.client_guard import load_key_file
+    from pddlink.serving.http import fetch
+
+    bearer = load_key_file(key_file, "--key-file")[0].decode() if key_file else ""
+    path = "/admin/undrain" if undo else "/admin/drain"
+    try:
+        code, body = fetch(target, "POST", path, json.dumps({"instance": instance}).encode(), bearer=bearer)
+    except OSError as exc:
+        raise click.ClickException(f"{target}: unreachable: {exc}") from None
+    if code != 200:
+        raise click.ClickException(f"{target}: HTTP {code}: {body.decode(errors='replace')}")
+    click.echo(body.decode())

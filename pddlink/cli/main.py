@@ -110,6 +110,10 @@ TOP_COMMANDS: dict[str, tuple[str, str]] = {
         "pddlink.cli.diag:status",
         "Pipelines, transfers, DRC and link estimates of running sidecars.",
     ),
+    "drain": (
+        "pddlink.cli.diag:drain",
+        "Take an instance out of a running router's placement (its requests end normally).",
+    ),
 }
 
 
