@@ -116,3 +116,44 @@ def test_round_robin_and_load_bookkeeping() -> None:
     assert md["running"] == 1 and md["placed"] == 1 and md["mirror_blocks"] == 0
     fleet.end(routes[0], relayed=True)
     assert fleet.running[routes[0].md.name] == 0
+
+
+def test_the_router_drains_over_http_and_shows_the_pools() -> None:
+    """``POST /admin/drain {"instance": NAME}`` on the router's HTTP API; ``pddlink drain`` posts it."""
+    import asyncio
+    import json
+
+    from pddlink.serving.client_guard import ApiConfig, ClientGuard
+    from pddlink.serving.http import fetch, serve_http
+    from router import Router, RouterConfig
+    from router.api import RouterApi
+
+    def calls(port: int) -> None:
+        at = f"127.0.0.1:{port}"
+        code, body = fetch(at, "POST", "/admin/drain", json.dumps({"instance": "md-c1"}).encode())
+        assert code == 200 and json.loads(body) == {"instance": "md-c1", "draining": True, "running": 0}
+        code, body = fetch(at, "GET", "/status")
+        pools = json.loads(body)["topology"]
+        c1 = next(i for dc in pools["datacenters"] for i in dc["md"] if i["name"] == "md-c1")
+        assert c1["out_because"] == "drained" and c1["draining"] and not c1["in_placement"]
+        assert fetch(at, "POST", "/admin/drain", b'{"instance": "md-x9"}')[0] == 404
+        assert fetch(at, "POST", "/admin/drain", b"[1]")[0] == 400
+        assert fetch(at, "GET", "/admin/drain")[0] == 405
+        code, body = fetch(at, "POST", "/admin/undrain", b'{"instance": "md-c1"}')
+        assert code == 200 and not json.loads(body)["draining"]
+
+    async def main() -> None:
+        router = Router(RouterConfig(topology=load_topology(EXAMPLE)))
+        api_cfg = ApiConfig()
+        api = RouterApi(router, api_cfg, guard=ClientGuard.from_config(api_cfg))
+        servers = await serve_http(
+            api.http, host="127.0.0.1", port=0, limits=api.http_limits(), gate=api.gate
+        )
+        try:
+            await asyncio.to_thread(calls, servers[0].sockets[0].getsockname()[1])
+        finally:
+            for s in servers:
+                s.close()
+            await router.close()
+
+    asyncio.run(main())
