@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sidecar.reservations import ReservationIds
+from pddlink.drc.reservations import ReservationIds
 
 
 def test_each_grant_gets_its_own_id_and_release_names_its_request() -> None:
