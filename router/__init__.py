@@ -172,8 +172,8 @@ class Router:
         them all)."""
         md = md or next(m.name for m in self.fleet.members.values() if m.role is Role.MD)
         self.fleet.stalled(md, time.monotonic())
-        for rid, run in self.in_flight.items():
-            route = self.routes.get(rid)
+        for run in self.in_flight.values():
+            route = self.routes.get(run.spec.request_id)
             if route is None or route.md.name == md:
                 run.suspect_md()
 
