@@ -231,7 +231,9 @@ class Router:
                 self.in_flight.pop(rid, None)
                 self._ended(sid, run, decision, route)
             lost = not emitted
-            again = self._replace(run.trace, route, prompt, sampling, deadline_s, arrived) if lost else None
+            again = (
+                self.replacement(run.trace, route, prompt, sampling, deadline_s, arrived) if lost else None
+            )
             if again is None:
                 break
             replaced_from.append(route.md.name)
@@ -320,7 +322,7 @@ class Router:
         if trace.md_streamed:
             self.fleet.streamed(route.md.name)
 
-    def _replace(
+    def replacement(
         self,
         trace: RunTrace,
         route: Route,

@@ -157,3 +157,44 @@ def test_the_router_drains_over_http_and_shows_the_pools() -> None:
             await router.close()
 
     asyncio.run(main())
+
+
+def _failed(reason: object) -> object:
+    import dataclasses
+
+    from pddlink.lifecycle import RunOutcome, RunTrace
+
+    blank: dict[str, object] = {f.name: None for f in dataclasses.fields(RunTrace)}
+    blank.update(request_id="r1", outcome=RunOutcome.FAILED, reason=reason, reason_detail="lost")
+    return RunTrace(**blank)  # type: ignore[arg-type]
+
+
+def test_a_run_that_lost_its_p_or_md_before_a_token_is_placed_again_elsewhere() -> None:
+    """``Router.replacement``: P unavailable -> another P; MD lost -> another MD (its breaker opens at
+    once, before its channel says so); any other failure, or too little time left: no second run."""
+    import asyncio
+    import time
+
+    from engines_adapter import SamplingParams
+    from pddlink.lifecycle import FailReason
+    from router import Router, RouterConfig
+
+    async def main() -> None:
+        router = Router(RouterConfig(topology=load_topology(EXAMPLE), relay_enabled=False))
+        prompt, sampling, now = list(PROMPT), SamplingParams(max_tokens=4), time.monotonic()
+        _, _, route = router.decide_route(tuple(prompt), 4, "", 10.0)
+        again = router.replacement(_failed(FailReason.P_UNAVAILABLE), route, prompt, sampling, 10.0, now)  # type: ignore[arg-type]
+        assert again is not None and again[2].p.name != route.p.name
+        assert router.fleet.why_out(route.p.name, time.monotonic()) == "failed"
+        _, _, route = router.decide_route(tuple(prompt), 4, "", 10.0)
+        again = router.replacement(_failed(FailReason.MD_LOST), route, prompt, sampling, 10.0, now)  # type: ignore[arg-type]
+        assert again is not None and again[2].md.name != route.md.name
+        late = time.monotonic() - 9.5  # half a second left: not worth a second run
+        assert router.replacement(_failed(FailReason.MD_LOST), route, prompt, sampling, 10.0, late) is None  # type: ignore[arg-type]
+        assert (
+            router.replacement(_failed(FailReason.DEADLINE_EXCEEDED), again[2], prompt, sampling, 10.0, now)
+            is None
+        )  # type: ignore[arg-type]
+        await router.close()
+
+    asyncio.run(main())
