@@ -82,7 +82,7 @@ class GrpcBackend:
         members = topo.members()
         self.health = RoleHealth([m.name for m in members])  # which instances may get traffic
         # one P: a Prefill waits for it to be back (nothing else could take it); a pool: it fails
-        # at once and the request is placed on another P (``Router._replace``)
+        # at once and the request is placed on another P (``Router.replacement``)
         lone_p = len(topo.members(Role.P)) == 1
         self.channels = {
             m.name: open_channel(
