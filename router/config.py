@@ -12,6 +12,7 @@ from pathlib import Path
 from pddlink.errors import InvalidInput
 from pddlink.roles import Role
 from pddlink.topology import Topology, topology_from_addresses
+from pddlink.topology.model import check_address
 from pddlink.transport import PeerIdentity, TlsConfig, load_node
 
 ENGINES = ("reference", "vllm")
@@ -84,8 +85,9 @@ class RouterConfig:
                 raise InvalidInput(f"router: {key}: expected a string, got {type(value).__name__} {value!r}")
         if self.engine not in ENGINES:
             raise InvalidInput(f"router: engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
-        if self.engine == "reference" and self.p and self.rld and self.md:
-            self.topology()  # one each; its errors name the key ("p: expected host:port, got 'a:1,b:2'")
+        for key in ("p", "rld", "md"):
+            if getattr(self, key):  # one address each (several instances are a topology's job)
+                check_address(getattr(self, key), key)
         if self.engine == "reference" and not (self.p and self.rld and self.md):
             raise InvalidInput("router: p, rld and md (the sidecars' gRPC addresses) are required")
         if self.engine == "vllm" and not (self.vllm.p_url and self.vllm.md_url and self.vllm.model):
