@@ -65,7 +65,7 @@ def start_second_router(cluster: Cluster, run_dir: Path) -> SecondRouter:
 def routers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, SecondRouter]]:
     run_dir = tmp_path_factory.mktemp("tworouters")
     spec = ClusterSpec(run_dir, relay=True, slice_tokens=4, rld_capacity=8, tls=True, deadline_s=DEADLINE_S)
-    with Cluster(NoWan(), spec) as cluster:  # type: ignore[arg-type]
+    with Cluster(NoWan(), spec) as cluster:
         second = start_second_router(cluster, run_dir)
         try:
             yield cluster, second
