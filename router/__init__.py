@@ -13,13 +13,13 @@ ends with the trace; ``close()``.
 
 Request identity: what the sidecars key a request by (``RunSpec.request_id``, every leg's id, P's
 transfer, vLLM's ``kv_transfer_params``) is minted here per request (``mint_request_key``:
-``<router name>/<128 random bits>``), never the client's id: two routers in front of the same
+``<router name>-<128 random bits, hex>``), never the client's id: two routers in front of the same
 sidecars, even two with one name, never share a key. The client's id (or one made up here) is a
 label only: the answer and the trace carry it (``request_id``) next to the key (``request_key``).
 
-Per-request choices use only local state: the DRC view (never
-blocks on MD), the link model (its own flows plus P's reported backlog toward MD), P's and MD's
-prefill books and the count of requests RLD is streaming.
+Per-request choices use only local state: the DRC view (never blocks on MD), the link model (its
+own flows plus P's reported backlog toward MD), P's and MD's prefill books and the count of
+requests RLD is streaming.
 """
 
 from __future__ import annotations
@@ -60,8 +60,8 @@ RLD_COOL_DOWN_S = 2.0  # after RLD failed a request, new requests keep off it th
 
 def mint_request_key(router_name: str) -> str:
     """A key no other request of any router has: the name says whose (two routers may share one),
-    the 128 random bits make it unique."""
-    return f"{router_name}/{secrets.token_hex(16)}"
+    the 128 random bits make it unique. No ``/``: vLLM's connector names files after it (tests)."""
+    return f"{router_name}-{secrets.token_hex(16)}"
 
 
 class Router:

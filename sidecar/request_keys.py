@@ -3,7 +3,7 @@ reach another.
 
 The key is the ``request_id`` of the sidecar RPCs, the KV transfer's ``request_id`` and, on vLLM,
 the ``transfer`` of ``kv_transfer_params``. The router mints it per request and leg
-(``router.mint_request_key``: ``<router name>/<128 random bits>``), so two routers in front of the
+(``router.mint_request_key``: ``<router name>-<128 random bits, hex>``), so two routers in front of the
 same sidecars never share one. A sidecar does not rely on that (an old router keys by its client's
 id): a second Attach, Prefill or PREPARE for a key it holds, or held lately, is refused with
 ``RequestKeyInUse`` (``ErrorCode.BAD_REQUEST``; gRPC ``ALREADY_EXISTS``) and changes nothing of the

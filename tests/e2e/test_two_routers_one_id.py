@@ -163,7 +163,7 @@ def test_the_same_client_id_at_two_routers_at_once(routers: tuple[Cluster, Secon
         if ra.outcome == rb.outcome == "finished":  # two keys, one label
             assert ra.trace["request_id"] == rb.trace["request_id"] == f"same-{i}"
             assert ra.trace["request_key"] != rb.trace["request_key"]
-            assert ra.trace["request_key"].startswith("router0/")
+            assert ra.trace["request_key"].startswith("router0-")
     figures = {"pairs": PAIRS, "requests": 2 * PAIRS, "seconds": round(took, 1), **verdicts}
     print("two routers, one client id:", json.dumps(figures))
     assert not bad, (figures, bad[:10])

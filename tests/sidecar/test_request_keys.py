@@ -110,7 +110,7 @@ def test_minted_keys_are_unique_across_routers_of_one_name() -> None:
     keys = {mint_request_key("router0") for _ in range(10_000)}
     assert len(keys) == 10_000
     key = next(iter(keys))
-    name, _, rand = key.partition("/")
+    name, _, rand = key.rpartition("-")
     assert name == "router0" and len(rand) == 32 and int(rand, 16) >= 0
 
 
