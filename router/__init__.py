@@ -174,16 +174,21 @@ class Router:
         pipeline: str = "",
         request_id: str = "",
         arrived: float | None = None,
+        request_key: str = "",
     ) -> AsyncIterator[dict[str, Any]]:
         """Validates (``InvalidInput``, nothing changed), admits (``Overloaded``, nothing started),
         then yields token dicts and a final trace. The deadline counts from ``arrived`` (when the
-        API got the request; default now), so time spent in the checks and queues is its own."""
+        API got the request; default now), so time spent in the checks and queues is its own.
+        ``request_key``: for an in-process caller that finds the sidecars' records by a unique key
+        of its own (``router.vllm_driver``); the client APIs never pass one, the router mints it."""
         deadline_s = deadline_s or self.cfg.deadline_s
         self.validate(prompt, sampling, deadline_s, pipeline)
         label = request_id or f"req-{next(self.ids)}-{time.time_ns() % 10**9}"
         if label in self.labels_in_flight:
             raise InvalidInput(f"request id {label!r} is already in flight")
-        rid = mint_request_key(self.cfg.name)  # what the sidecars key it by (see the module doc)
+        rid = request_key or mint_request_key(self.cfg.name)  # what the sidecars key it by
+        if rid in self.in_flight:
+            raise InvalidInput(f"request key {rid!r} is already in flight")
         decision, matched = self.decide(tuple(prompt), sampling.max_tokens, pipeline, deadline_s)
         option = decision.option
         metrics.DECISIONS.labels(option=option.value if option else "rejected").inc()
