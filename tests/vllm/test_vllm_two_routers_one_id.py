@@ -128,6 +128,7 @@ def test_the_same_client_id_at_two_vllm_routers_at_once(trio: Any) -> None:
     from router.vllm_legs import generate_alone
 
     pairs = _pairs(PAIRS, seed=2525)
+    before = trio.status()
 
     async def go() -> tuple[
         list[tuple[dict[str, Any], dict[str, Any]]], list[tuple[tuple[int, ...], tuple[int, ...]]], float
@@ -166,6 +167,7 @@ def test_the_same_client_id_at_two_vllm_routers_at_once(trio: Any) -> None:
         return out, alone, took
 
     results, alone, took = asyncio.run(go())
+    after = trio.status()
     verdicts: dict[str, int] = {}
     bad = []
     for i, ((ra, rb), (xa, xb)) in enumerate(zip(results, alone, strict=True)):
@@ -182,4 +184,12 @@ def test_the_same_client_id_at_two_vllm_routers_at_once(trio: Any) -> None:
     print("vLLM, two routers, one client id:", json.dumps(figures))
     assert not bad, (figures, bad[:10])
     assert verdicts.get("exact", 0) + verdicts.get("refused", 0) == 2 * PAIRS
+    # the keys really named transfers: P shipped and MD and RLD loaded KV under them
+    moved = {
+        "p_shipped": after["p"]["shipped"] - before["p"]["shipped"],
+        "md_loaded": after["md"]["loaded"] - before["md"]["loaded"],
+        "rld_loaded": after["rld"]["loaded"] - before["rld"]["loaded"],
+    }
+    print("transfers:", json.dumps(moved))
+    assert moved["p_shipped"] >= PAIRS and moved["md_loaded"] > 0 and moved["rld_loaded"] > 0, moved
     assert _held(trio) == {"p": (0, 0, 0), "rld": (0, 0, 0), "md": (0, 0, 0)}
