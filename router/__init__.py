@@ -9,9 +9,17 @@ Lifecycle: ``Router(cfg)``; ``await start()`` starts the backend (reference: con
 -- gRPC channels are lazy; mutual TLS 1.3 with each sidecar's identity checked when ``tls_dir`` is
 set, see ``pddlink.serving.grpc_tls`` -- and follows MD's DRC and P's transfer state); ``generate(request)``
 admits the request or raises ``Overloaded`` (``router.admission``), then yields merged tokens and
-ends with the trace; ``close()``. Per-request choices use only local state: the DRC view (never
-blocks on MD), the link model (its own flows plus P's reported backlog toward MD), P's and MD's
-prefill books and the count of requests RLD is streaming.
+ends with the trace; ``close()``.
+
+Request identity: what the sidecars key a request by (``RunSpec.request_id``, every leg's id, P's
+transfer, vLLM's ``kv_transfer_params``) is minted here per request (``mint_request_key``:
+``<router name>-<128 random bits, hex>``), never the client's id: two routers in front of the same
+sidecars, even two with one name, never share a key. The client's id (or one made up here) is a
+label only: the answer and the trace carry it (``request_id``) next to the key (``request_key``).
+
+Per-request choices use only local state: the DRC view (never blocks on MD), the link model (its
+own flows plus P's reported backlog toward MD), P's and MD's prefill books and the count of
+requests RLD is streaming.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import secrets
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -49,6 +58,12 @@ __all__ = ["Router", "RouterConfig", "VllmEngineConfig"]
 RLD_COOL_DOWN_S = 2.0  # after RLD failed a request, new requests keep off it this long
 
 
+def mint_request_key(router_name: str) -> str:
+    """A key no other request of any router has: the name says whose (two routers may share one),
+    the 128 random bits make it unique. No ``/``: vLLM's connector names files after it (tests)."""
+    return f"{router_name}-{secrets.token_hex(16)}"
+
+
 class Router:
     def __init__(self, cfg: RouterConfig) -> None:
         self.cfg = cfg
@@ -69,7 +84,8 @@ class Router:
         self.md_book = PrefillBook(cfg.md_prefill_tokens_per_s)
         self.md_tpot = TpotBook(cfg.md_tpot_s)
         self.ids = itertools.count(1)
-        self.in_flight: dict[str, RunDriver] = {}
+        self.in_flight: dict[str, RunDriver] = {}  # by request key
+        self.labels_in_flight: set[str] = set()  # the clients' ids of those requests
         self.caller_check: CallerCheck | None = None  # set by the gRPC server (who calls, with TLS)
 
     async def start(self) -> None:
@@ -158,15 +174,21 @@ class Router:
         pipeline: str = "",
         request_id: str = "",
         arrived: float | None = None,
+        request_key: str = "",
     ) -> AsyncIterator[dict[str, Any]]:
         """Validates (``InvalidInput``, nothing changed), admits (``Overloaded``, nothing started),
         then yields token dicts and a final trace. The deadline counts from ``arrived`` (when the
-        API got the request; default now), so time spent in the checks and queues is its own."""
+        API got the request; default now), so time spent in the checks and queues is its own.
+        ``request_key``: for an in-process caller that finds the sidecars' records by a unique key
+        of its own (``router.vllm_driver``); the client APIs never pass one, the router mints it."""
         deadline_s = deadline_s or self.cfg.deadline_s
         self.validate(prompt, sampling, deadline_s, pipeline)
-        rid = request_id or f"req-{next(self.ids)}-{time.time_ns() % 10**9}"
+        label = request_id or f"req-{next(self.ids)}-{time.time_ns() % 10**9}"
+        if label in self.labels_in_flight:
+            raise InvalidInput(f"request id {label!r} is already in flight")
+        rid = request_key or mint_request_key(self.cfg.name)  # what the sidecars key it by
         if rid in self.in_flight:
-            raise InvalidInput(f"request id {rid!r} is already in flight")
+            raise InvalidInput(f"request key {rid!r} is already in flight")
         decision, matched = self.decide(tuple(prompt), sampling.max_tokens, pipeline, deadline_s)
         option = decision.option
         metrics.DECISIONS.labels(option=option.value if option else "rejected").inc()
@@ -187,6 +209,7 @@ class Router:
             else math.inf,
         )
         legs = lambda deadline: self.backend.legs(self, deadline)  # noqa: E731
+        self.labels_in_flight.add(label)
         run = self.in_flight[rid] = RunDriver(
             legs,
             spec,
@@ -209,6 +232,7 @@ class Router:
         finally:
             await tokens.aclose()  # a client that went away: the run ends (cancelled) and its legs go now
             self.in_flight.pop(rid, None)
+            self.labels_in_flight.discard(label)
             self.md_book.finish(rid)
             self.p_book.finish(rid)
             trace = run.trace
@@ -220,11 +244,12 @@ class Router:
             if trace.md_streamed:
                 self.md_stalls.healthy()
         out = trace.to_dict()
-        out.update(option_trace(decision))
+        out.update(option_trace(decision), request_id=label, request_key=rid)
         self.md_tpot.observe(out)
         yield {
             "done": True,
-            "request_id": rid,
+            "request_id": label,
+            "request_key": rid,
             "outcome": out["outcome"],
             "reason": out["reason"],
             "trace": out,
