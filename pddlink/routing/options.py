@@ -30,16 +30,18 @@ queues, RLD's load). It then picks:
 5. and when nothing meets the deadline: a rejection with a typed reason and a retry hint.
 
 A decode-speed bound (``OptionInputs.tpot_bound_s``, the SLO's time per output token) adds a second
-half to "meets": this request's own expected TPOT, and the TPOT of the requests MD is decoding
-(``md_running`` of them) while MD recomputes, stay within it. Recompute costs those requests MD's
-prefill time: a blocking prefill stalls one step for the whole prompt (and what is queued before
-it); chunked prefill (``MdPrefill.chunk_tokens``, a per-step token budget) lengthens each step by
-``chunk / tokens_per_s`` while it lasts. Over the ``md_tokens_left`` tokens a running request still
-has to produce, that is ``min(step gap, prefill work / md_tokens_left)`` per token (``tpot_cost_s``).
-An option that breaks the bound is not chosen while another meets every bound; a request whose
-every option meets the deadlines only by breaking it is rejected as ``TPOT_UNREACHABLE``.
-Shipping and a handoff's extend step are not charged to MD's batch (importing KV and extending a
-few hundred token ids fit in a step).
+half to "meets": this request's own expected TPOT, and the TPOT of the requests MD decodes while it
+recomputes (those running, ``md_running``, and those that join during the prefill), stay within it.
+Recompute costs them MD's prefill time: a blocking prefill stalls one step for the whole prompt
+(and what is queued before it); chunked prefill (``MdPrefill.chunk_tokens``, a per-step token
+budget) lengthens each step by ``chunk / tokens_per_s`` while it lasts, and the prompt rides on
+one decode step per chunk. Spread over ``md_output_tokens`` (the output length of the short
+requests, whose mean TPOT a stall hurts most), that is ``work / md_output_tokens`` per token,
+chunked at most ``chunk / tokens_per_s`` (``MdPrefill.tpot_cost_s``; the work counts MD's queue,
+so recompute stops once MD's queue is long). An option that breaks the bound is not chosen while
+another meets every bound; a request whose every option meets the deadlines only by breaking it
+is rejected as ``TPOT_UNREACHABLE``. Shipping and a handoff's extend step are not charged to MD's
+batch (importing KV and extending a few hundred token ids fit in a step).
 
 Without recompute and without a deadline this is exactly ``choose_pipeline``; without a TPOT bound it
 is what it was before the bound existed. Pure: the router and the simulator call the same function.
@@ -60,6 +62,12 @@ from pddlink.routing.policy import (
     RoutingPolicy,
     rld_finishes_first,
 )
+
+
+# Recompute is planned to keep MD's batch within this share of the TPOT bound: the step time it is
+# judged by is now's, the batch grows while the prefill runs, and a plan at the bound itself breaks
+# it for about half of the requests MD decodes meanwhile (the simulator shows it).
+BATCH_TPOT_SHARE = 0.9
 
 
 class Option(StrEnum):
@@ -156,16 +164,14 @@ class MdPrefill:
             ready += math.ceil(tokens / self.chunk_tokens) * step_s
         return ready
 
-    def tpot_cost_s(self, tokens: int, tokens_left: float) -> float:
-        """What prefilling ``tokens`` adds to the time per output token of a request MD decodes
-        meanwhile, over the ``tokens_left`` it still has to produce: the step gap (one chunk, or the
-        whole prompt when not chunked) while the prefill and what is queued before it run, spread
-        over its tokens when that work ends sooner than they do."""
-        if tokens <= 0:
-            return 0.0
-        gap = min(tokens, self.chunk_tokens or tokens) / self.tokens_per_s
-        work = self.queue_s + tokens / self.tokens_per_s
-        return min(gap, work / max(1.0, tokens_left))
+    def tpot_cost_s(self, tokens: int, over_tokens: float) -> float:
+        """What prefilling ``tokens`` adds to the time per output token of a request of
+        ``over_tokens`` output tokens MD decodes meanwhile: the prefill and what is queued before it
+        stall it (blocking: all of it; chunked: one chunk per step while it lasts, so at most one
+        chunk's time per token), spread over its tokens."""
+        work = self.queue_s + max(0, tokens) / self.tokens_per_s
+        spread = work / max(1.0, over_tokens)
+        return spread if self.chunk_tokens is None else min(self.chunk_tokens / self.tokens_per_s, spread)
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,8 +184,10 @@ class OptionInputs:
     fast path. ``md_prefill``: None where MD cannot recompute. ``md_tpot_s``: MD's time per token.
     ``extend_s``: MD's extend step at a token-id handoff.
     ``tpot_bound_s``: the SLO's time per output token (None: no decode-speed bound, as before it
-    existed). ``md_running``: sequences MD is decoding now; ``md_tokens_left``: the tokens each still
-    has to produce, on average (1 when unknown: a stall then counts in full against one token).
+    existed). ``md_running``: sequences MD is decoding now (a chunked prefill rides on their decode
+    steps); ``md_output_tokens``: the output length a stall is spread over; pass the short ones' (a
+    low quantile of the output bounds of the requests MD decodes), since a stall hurts a short
+    request's mean TPOT most (1 when unknown: a stall then counts in full against one token).
     """
 
     routing: RoutingInputs
@@ -192,13 +200,13 @@ class OptionInputs:
     extend_s: float = 0.0
     tpot_bound_s: float | None = None
     md_running: int = 0
-    md_tokens_left: float = 1.0
+    md_output_tokens: float = 1.0
 
     def __post_init__(self) -> None:
         _require(self.deadline_s is None or self.deadline_s > 0, "deadline_s must be > 0 or None")
         _require(self.tpot_bound_s is None or self.tpot_bound_s > 0, "tpot_bound_s must be > 0 or None")
         _require(self.md_running >= 0, "md_running must be >= 0")
-        _require(self.md_tokens_left >= 1, "md_tokens_left must be >= 1")
+        _require(self.md_output_tokens >= 1, "md_output_tokens must be >= 1")
         _require(self.ttft_deadline_s is None or self.ttft_deadline_s > 0, "ttft_deadline_s must be > 0")
         for name in ("p_prefill_s", "fast_s", "extend_s"):
             _require(getattr(self, name) >= 0, f"{name} must be >= 0")
@@ -232,7 +240,7 @@ class OptionEstimate:
     def meets_tpot(self, tpot_bound_s: float | None) -> bool:
         if tpot_bound_s is None:
             return True
-        return self.tpot_s <= tpot_bound_s and self.md_batch_tpot_s <= tpot_bound_s
+        return self.tpot_s <= tpot_bound_s and self.md_batch_tpot_s <= BATCH_TPOT_SHARE * tpot_bound_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,8 +288,8 @@ def estimate_options(inputs: OptionInputs, policy: RoutingPolicy) -> tuple[Optio
     if md is not None:
         step = inputs.md_tpot_s if inputs.md_running else 0.0
         recompute_ready = r.link.rtt_s / 2 + md.ready_s(r.missing_tokens, step)
-        if inputs.md_running:
-            batch_tpot = inputs.md_tpot_s + md.tpot_cost_s(r.missing_tokens, inputs.md_tokens_left)
+        # charged even to an idle MD: whatever joins its batch during the prefill pays it too
+        batch_tpot = inputs.md_tpot_s + md.tpot_cost_s(r.missing_tokens, inputs.md_output_tokens)
     rld_first = inputs.p_prefill_s + inputs.fast_s + r.rld_tpot_s
     rld_alone = rld_first + (out_tokens - 1) * r.rld_tpot_s
     md_decode = (out_tokens - 1) * inputs.md_tpot_s
@@ -299,6 +307,10 @@ def estimate_options(inputs: OptionInputs, policy: RoutingPolicy) -> tuple[Optio
         else:
             first, finish, on_rld = ready, ready + md_decode, 0.0
         own = (finish - first) / (out_tokens - 1) if out_tokens > 1 else 0.0
+        if md is not None and inputs.tpot_bound_s is not None and option is not Option.SINGULAR:
+            # MD's prefill work still queued when this request starts decoding there stalls it too
+            left = MdPrefill(md.tokens_per_s, max(0.0, md.queue_s - ready), md.chunk_tokens)
+            own += left.tpot_cost_s(0, out_tokens) if left.queue_s > 0 else 0.0
         charged = batch_tpot if option.recomputes else 0.0
         estimates.append(OptionEstimate(option, first, ready, finish, on_rld, own, charged))
     return tuple(estimates)

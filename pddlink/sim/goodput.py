@@ -183,3 +183,25 @@ def sustained_goodputs(
     futures = tuple(pool.submit(_search_one, d, traffic, sla, search) for d in deployments)
     pool.shutdown(wait=False)
     return futures
+
+
+def bounded_lead(
+    rows: Sequence[dict[str, Any]], over: str, key: str = "goodput_rps", bounded: str = "pdd_bounded"
+) -> list[dict[str, Any]]:
+    """At each value of ``over`` (a sweep's rows, one per deployment and point): the bounded
+    policy's ``key`` against the best other WAN deployment's (intra-DC PD, the normaliser, left
+    out), and by how much it leads (negative: it trails)."""
+    points: dict[float, dict[str, float]] = {}
+    for r in rows:
+        points.setdefault(float(r[over]), {})[str(r["deployment"])] = float(r[key])
+    out = []
+    for x, by in sorted(points.items()):
+        others = {n: v for n, v in by.items() if n not in (bounded, "intra_dc_pd")}
+        if bounded not in by or not others:
+            continue
+        best = max(others, key=lambda n: others[n])
+        out.append({
+            over: x, "bounded": by[bounded], "best_other": best, "best_other_value": others[best],
+            "lead": round(by[bounded] - others[best], 4),
+        })  # fmt: skip
+    return out

@@ -60,18 +60,20 @@ def test_chunked_prefill_within_the_headroom_recomputes_and_takes_longer() -> No
 
 
 def test_a_stall_spread_over_the_tokens_left_fits_unless_mds_queue_is_long() -> None:
-    long_outputs = overloaded(md_tokens_left=100.0)  # 96 ms over 100 tokens: ~1 ms each
+    long_outputs = overloaded(md_output_tokens=100.0)  # 96 ms over 100 tokens: ~1 ms each
     assert choose_option(long_outputs, PDD_RECOMPUTE).option is Option.RECOMPUTE
-    queued = overloaded(MdPrefill(8000.0, queue_s=2.0), md_tokens_left=100.0)  # 21 ms more each
+    queued = overloaded(MdPrefill(8000.0, queue_s=2.0), md_output_tokens=100.0)  # 21 ms more each
     d = choose_option(queued, PDD_RECOMPUTE)
     assert d.option is not Option.RECOMPUTE and d.option is not Option.RELAY_RECOMPUTE
 
 
-def test_recompute_on_an_idle_md_charges_no_one() -> None:
-    d = choose_option(overloaded(md_running=0), PDD_RECOMPUTE)
-    assert d.option is Option.RECOMPUTE
+def test_an_idle_md_still_charges_what_joins_it_but_no_interleaved_steps() -> None:
+    chunked = MdPrefill(tokens_per_s=8000.0, chunk_tokens=64)
+    d = choose_option(overloaded(chunked, md_running=0), PDD_RECOMPUTE)
     rec = d.estimate(Option.RECOMPUTE)
-    assert rec is not None and rec.md_batch_tpot_s == 0.0
+    assert rec is not None and rec.md_batch_tpot_s == pytest.approx(0.028)
+    assert rec.md_ready_s == pytest.approx(0.01 + 768 / 8000)  # no decode steps to ride on
+    assert d.option is Option.RECOMPUTE  # ready in 0.1 s: MD alone, sooner than relay_min_wan_s
 
 
 def test_relay_keeps_the_bound_when_rld_decodes_it_all_though_md_is_slow() -> None:
@@ -101,7 +103,7 @@ def test_bad_tpot_inputs_are_refused() -> None:
     with pytest.raises(ConfigError):
         overloaded(tpot_bound_s=0.0)
     with pytest.raises(ConfigError):
-        overloaded(md_tokens_left=0.5)
+        overloaded(md_output_tokens=0.5)
     with pytest.raises(ConfigError):
         MdPrefill(8000.0, chunk_tokens=0)
 
@@ -124,7 +126,7 @@ def test_never_breaks_the_bound_when_an_option_keeps_it(
     chunk: int | None,
 ) -> None:
     md = inputs.md_prefill and replace(inputs.md_prefill, chunk_tokens=chunk)
-    bounded = replace(inputs, tpot_bound_s=bound, md_running=running, md_tokens_left=left, md_prefill=md)
+    bounded = replace(inputs, tpot_bound_s=bound, md_running=running, md_output_tokens=left, md_prefill=md)
     d = choose_option(bounded, policy)
     every = estimate_options(bounded, policy)
     if any(e.meets(bounded.deadline_s, bounded.ttft_deadline_s, bound) for e in every):
