@@ -143,17 +143,22 @@ def run_wan_load_sweep(
 
 
 def wan_overload_scenario(
-    workload: Workload, knobs: WanLoadKnobs, progress: Callable[[str], None] | None = None
+    workload: Workload,
+    knobs: WanLoadKnobs,
+    progress: Callable[[str], None] | None = None,
+    sla: Sla | None = None,
 ) -> dict[str, Any]:
-    """The three deployments at ``knobs.load`` times the line; ``run_deployments``' document."""
+    """The four policies at ``knobs.load`` times the line; ``run_deployments``' document."""
     k = knobs.paper
+    sla = sla or sla_of(workload)
     requests = traffic(workload, k)
     suffix = offered_suffix_bytes_s(workload, k, requests)
-    deps = wan_load_deployments(workload, k, knobs.load, suffix)
+    deps = wan_load_deployments(workload, k, knobs.load, suffix, sla, knobs.md_chunk_tokens)
     result, _ = run_deployments(
-        requests, deps, block_tokens=k.block_tokens, sla=sla_of(workload), prewarm_s=k.prewarm_s,
+        requests, deps, block_tokens=k.block_tokens, sla=sla, prewarm_s=k.prewarm_s,
         warmup_s=k.warmup_s, progress=progress,
     )  # fmt: skip
+    result["slo"] = {"ttft_s": sla.ttft_s, "tpot_s": sla.tpot_s}
     result["wan_load"] = knobs.load
     result["line_gbps"] = round(deps[0].link.wan_gbps, 4)
     return result
