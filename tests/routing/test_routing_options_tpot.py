@@ -21,6 +21,7 @@ from pddlink.routing import (
     choose_option,
     estimate_options,
 )
+from pddlink.routing.options import BATCH_TPOT_SHARE
 from tests.routing.test_routing_options import LINE, PDD_RECOMPUTE, option_inputs, policies, routing
 
 BUSY = LinkEstimate(LINE, 0.02, flows_in_flight=10, backlog_bytes=40_000_000)
@@ -48,15 +49,23 @@ def test_blocking_recompute_on_a_busy_md_breaks_the_bound_so_it_relays() -> None
 
 
 def test_chunked_prefill_within_the_headroom_recomputes_and_takes_longer() -> None:
-    chunked = MdPrefill(tokens_per_s=8000.0, chunk_tokens=64)  # 8 ms per step: 28 ms <= 30 ms
+    chunked = MdPrefill(tokens_per_s=8000.0, chunk_tokens=48)  # 6 ms per step: 26 ms <= 0.9 x 30 ms
     d = choose_option(overloaded(chunked), PDD_RECOMPUTE)
-    assert d.option is Option.RELAY_RECOMPUTE  # MD ready in 0.35 s: past relay_min_wan_s, RLD streams
+    assert d.option is Option.RELAY_RECOMPUTE  # MD ready in 0.43 s: past relay_min_wan_s, RLD streams
     rec = d.estimate(Option.RECOMPUTE)
-    assert rec is not None and rec.md_batch_tpot_s == pytest.approx(0.028)
-    # 12 chunks, each alongside one 20 ms decode step, after the token ids' half round trip
-    assert rec.md_ready_s == pytest.approx(0.01 + 768 / 8000 + 12 * 0.02)
+    assert rec is not None and rec.md_batch_tpot_s == pytest.approx(0.026)
+    # 16 chunks, each alongside one 20 ms decode step, after the token ids' half round trip
+    assert rec.md_ready_s == pytest.approx(0.01 + 768 / 8000 + 16 * 0.02)
     wide = MdPrefill(tokens_per_s=8000.0, chunk_tokens=256)  # 32 ms per step: breaks it
     assert choose_option(overloaded(wide), PDD_RECOMPUTE).option is Option.RELAY
+
+
+def test_a_plan_at_the_bound_itself_is_not_taken() -> None:
+    at_bound = MdPrefill(tokens_per_s=8000.0, chunk_tokens=80)  # 10 ms per step: exactly 30 ms
+    d = choose_option(overloaded(at_bound), PDD_RECOMPUTE)
+    rec = d.estimate(Option.RECOMPUTE)
+    assert rec is not None and rec.md_batch_tpot_s == pytest.approx(BOUND)
+    assert d.option is Option.RELAY and BATCH_TPOT_SHARE < 1
 
 
 def test_a_stall_spread_over_the_tokens_left_fits_unless_mds_queue_is_long() -> None:
@@ -68,12 +77,14 @@ def test_a_stall_spread_over_the_tokens_left_fits_unless_mds_queue_is_long() -> 
 
 
 def test_an_idle_md_still_charges_what_joins_it_but_no_interleaved_steps() -> None:
-    chunked = MdPrefill(tokens_per_s=8000.0, chunk_tokens=64)
+    chunked = MdPrefill(tokens_per_s=8000.0, chunk_tokens=48)
     d = choose_option(overloaded(chunked, md_running=0), PDD_RECOMPUTE)
     rec = d.estimate(Option.RECOMPUTE)
-    assert rec is not None and rec.md_batch_tpot_s == pytest.approx(0.028)
+    assert rec is not None and rec.md_batch_tpot_s == pytest.approx(0.026)
     assert rec.md_ready_s == pytest.approx(0.01 + 768 / 8000)  # no decode steps to ride on
     assert d.option is Option.RECOMPUTE  # ready in 0.1 s: MD alone, sooner than relay_min_wan_s
+    blocking = choose_option(overloaded(md_running=0), PDD_RECOMPUTE)  # 96 ms for whoever joins
+    assert blocking.option is Option.RELAY
 
 
 def test_relay_keeps_the_bound_when_rld_decodes_it_all_though_md_is_slow() -> None:
