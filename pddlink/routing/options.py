@@ -49,7 +49,9 @@ is what it was before the bound existed. Pure: the router and the simulator call
 
 from __future__ import annotations
 
+import bisect
 import math
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum, StrEnum
@@ -62,7 +64,6 @@ from pddlink.routing.policy import (
     RoutingPolicy,
     rld_finishes_first,
 )
-
 
 # Recompute is planned to keep MD's batch within this share of the TPOT bound: the step time it is
 # judged by is now's, the batch grows while the prefill runs, and a plan at the bound itself breaks
@@ -403,3 +404,27 @@ def _direct_or(
         first = min(direct, key=lambda e: (e.ttft_s, e.option is Option.RECOMPUTE))
         return take(first.option, reason)
     return take(Option.SINGULAR, DecisionReason.SHORT_OUTPUT)  # RLD busy for relays, singular fits
+
+
+class ShortOutputs:
+    """``OptionInputs.md_output_tokens``: the output length of the short requests among the last
+    ``window`` finished (a low ``quantile``), since a stall hurts a short request's mean TPOT most.
+    Output bounds say little (most are the API's default), so this is what requests produced. The
+    router and the simulator keep one each; sans-I/O."""
+
+    def __init__(self, window: int = 256, quantile: float = 0.1) -> None:
+        self.window, self.quantile = window, quantile
+        self._order: deque[int] = deque()
+        self._sorted: list[int] = []
+
+    def add(self, output_tokens: int) -> None:
+        self._order.append(output_tokens)
+        bisect.insort(self._sorted, output_tokens)
+        if len(self._order) > self.window:
+            old = self._order.popleft()
+            del self._sorted[bisect.bisect_left(self._sorted, old)]
+
+    def tokens(self) -> float:
+        if not self._sorted:
+            return 1.0
+        return float(max(1, self._sorted[int(self.quantile * (len(self._sorted) - 1))]))

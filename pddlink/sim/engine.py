@@ -38,9 +38,10 @@ from pddlink.routing import (
     choose_option,
     choose_pipeline,
 )
+from pddlink.routing.options import ShortOutputs
 from pddlink.sim.cache import DecodeCache
 from pddlink.sim.deploy import Deployment, Kind
-from pddlink.sim.md_lane import MdPrefillLane, ShortOutputs
+from pddlink.sim.md_lane import MdPrefillLane
 from pddlink.sim.records import Record, RunRecords
 from pddlink.sim.resources import Clock, DecodeInstance, DecodeSeq, PrefillInstance
 from pddlink.sim.trace import TraceRequest

@@ -17,7 +17,6 @@ seconds, so decoding takes ``step + c`` per token while the prompt runs, and the
 
 from __future__ import annotations
 
-import bisect
 from collections import deque
 from typing import Any
 
@@ -101,27 +100,3 @@ class MdPrefillLane:
             self.decode.slow_down(now, 1.0)
         done, arg = item
         done(now, arg)
-
-
-class ShortOutputs:
-    """The output length of the short requests among the last ``window`` (a low ``quantile``): what
-    the policy spreads a recompute's stall over (``OptionInputs.md_output_tokens``), since a stall
-    hurts a short request's mean TPOT most. Output bounds say little (most are the API's default),
-    so this is what requests produced: the router keeps it over the requests it finished."""
-
-    def __init__(self, window: int = 256, quantile: float = 0.1) -> None:
-        self.window, self.quantile = window, quantile
-        self._order: deque[int] = deque()
-        self._sorted: list[int] = []
-
-    def add(self, output_tokens: int) -> None:
-        self._order.append(output_tokens)
-        bisect.insort(self._sorted, output_tokens)
-        if len(self._order) > self.window:
-            old = self._order.popleft()
-            del self._sorted[bisect.bisect_left(self._sorted, old)]
-
-    def tokens(self) -> float:
-        if not self._sorted:
-            return 1.0
-        return float(max(1, self._sorted[int(self.quantile * (len(self._sorted) - 1))]))

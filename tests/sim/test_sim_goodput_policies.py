@@ -10,10 +10,11 @@ import pytest
 
 from pddlink.errors import ConfigError
 from pddlink.routing import Pipeline
+from pddlink.routing.options import ShortOutputs
 from pddlink.sim.bathtub import hit_band, valley
 from pddlink.sim.goodput import bounded_lead
 from pddlink.sim.hardware import CHIP_E, AFigures, InstanceModel
-from pddlink.sim.md_lane import MdPrefillLane, ShortOutputs
+from pddlink.sim.md_lane import MdPrefillLane
 from pddlink.sim.records import Record, RunRecords, Sla
 from pddlink.sim.resources import Clock, DecodeInstance, DecodeSeq
 from pddlink.sim.scenario import PaperKnobs
