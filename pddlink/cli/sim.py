@@ -323,8 +323,13 @@ def bench_cmd(
 )  # fmt: skip
 @click.option(
     "--check", is_flag=True,
-    help="--wan-load/--bathtub: exit 1 unless PDD bounded is at or above the best of the others at "
-    f"every point (goodput; BCR for --bathtub), within {CHECK_TOLERANCE:.0%}.",
+    help="--wan-load: exit 1 unless PDD bounded's goodput is at or above the best of the others at "
+    "every load; --bathtub: unless its lowest BCR is at or above the others' lowest; within "
+    f"{CHECK_TOLERANCE:.0%}.",
+)  # fmt: skip
+@click.option(
+    "--search-steps", type=click.IntRange(1, 10), default=6, show_default=True,
+    help="--bathtub: halvings of the sustained-rate search per deployment and point.",
 )  # fmt: skip
 @click.option(
     "--plots", type=click.Path(file_okay=False, path_type=Path),
@@ -345,6 +350,7 @@ def sweep_cmd(
     bathtub: str | None,
     md_chunk_tokens: int,
     check: bool,
+    search_steps: int,
     plots: Path | None,
     rate: float,
     duration: float,
@@ -379,7 +385,9 @@ def sweep_cmd(
         from pddlink.cli.sim_sweeps import policy_sweep
 
         kind = "wan_load" if wan_load is not None else "hit"
-        ok = policy_sweep(workload, knobs, kind, points, sla, md_chunk_tokens, plots, as_json, started)
+        ok = policy_sweep(
+            workload, knobs, kind, points, sla, md_chunk_tokens, plots, as_json, started, search_steps
+        )
         if check and not ok:
             raise SystemExit(1)
         return

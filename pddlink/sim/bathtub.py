@@ -1,14 +1,15 @@
 """Benefit per cost against the mean prefix hit rate (the published "bathtub"), per policy.
 
-``run_bathtub`` replays the paper traffic with every request's hit drawn from a narrow band around
-each mean (``hit_band``) through intra-DC PD and the four policies of
-``pddlink.sim.wan_load.policy_variants`` on the paper's line, and reports goodput, cost and BCR per
-point: goodput per cost over intra-DC PD's on the workload's own (published) hits, one fixed
-reference, so points compare across hit rates. ``valley`` says where each policy's BCR is lowest
-and how far the bounded policy lifts that floor above the best floor of the others;
-``bounded_lead`` compares it point by point. At a fixed offered rate the P pool, the same in every
-deployment, saturates as the hit rate falls: MD recomputing within the TPOT bound is the one way
-the decode side takes prefill work off it.
+``run_bathtub`` draws every request's hit from a narrow band around each mean (``hit_band``) and
+compares intra-DC PD with the four policies of ``pddlink.sim.wan_load.policy_variants`` on the
+paper's line. Goodput at one offered rate would say more about the rate than about the hit rate
+(at low hits the P pool, the same in every deployment, saturates and a queue-bound deployment
+reports nothing), so each deployment's goodput here is the highest rate it sustains within both
+SLOs (``pddlink.sim.goodput``'s search on short probes, ``BATHTUB_SEARCH``) times its attainment,
+and BCR is that goodput per cost over intra-DC PD's at the same hit rate. The figures at the
+offered ``rate_rps`` stay beside it (``offered_goodput_rps``, TTFT, TPOT). ``valley`` says where
+each WAN policy's BCR is lowest and how far the bounded policy lifts that floor above the best floor
+of the others; ``bounded_lead`` compares it point by point.
 """
 
 from __future__ import annotations
@@ -17,12 +18,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from pddlink.errors import ConfigError
-from pddlink.sim.deploy import Deployment
 from pddlink.sim.generate import GeneratorConfig, generate
-from pddlink.sim.goodput import bounded_lead
+from pddlink.sim.goodput import GeneratedTraffic, RateSearch, bounded_lead, sustained_goodputs
 from pddlink.sim.records import Sla
-from pddlink.sim.scenario import PaperKnobs, paper_deployments, run_deployments, sla_of
-from pddlink.sim.trace import TraceRequest
+from pddlink.sim.scenario import PaperKnobs, paper_deployments, run_deployments, sla_of, use_sustained_goodput
 from pddlink.sim.wan_load import MD_CHUNK_TOKENS, ROW_KEYS, policy_variants
 from pddlink.sim.workload import HitBin, Workload
 
@@ -38,6 +37,11 @@ def hit_band(mean: float, half: float = HALF_BAND) -> tuple[HitBin, ...]:
     return (HitBin(lo, hi, 1.0),)
 
 
+BATHTUB_SEARCH = RateSearch(
+    lo_rps=0.25, hi_rps=24.0, steps=6, window_s=300.0, warmup_s=120.0, prewarm_s=120.0
+)
+
+
 def run_bathtub(
     workload: Workload,
     k: PaperKnobs,
@@ -45,47 +49,41 @@ def run_bathtub(
     progress: Callable[[str], None] | None = None,
     sla: Sla | None = None,
     md_chunk_tokens: int = MD_CHUNK_TOKENS,
+    search: RateSearch = BATHTUB_SEARCH,
 ) -> dict[str, Any]:
-    """One row per (deployment, mean hit): goodput, cost, BCR and the ``wan_load`` figures."""
+    """One row per (deployment, mean hit): sustained goodput, cost, BCR, and the ``wan_load``
+    figures at ``k.rate_rps`` offered."""
     sla = sla or sla_of(workload)
     deps = policy_variants(paper_deployments(workload, k), sla, md_chunk_tokens, keep_intra=True)
-    reference = _reference_efficiency(workload, k, deps[0], sla)
     rows = []
     for hit in hits:
         if progress:
             progress(f"mean hit {hit:g}")
-        requests = _traffic(workload, k, hit_band(hit))
-        result, _ = run_deployments(
-            requests, deps, block_tokens=k.block_tokens, sla=sla, prewarm_s=k.prewarm_s,
-            warmup_s=k.warmup_s,
+        bins = hit_band(hit)
+        config = GeneratorConfig(
+            rate_rps=k.rate_rps, duration_s=k.prewarm_s + k.duration_s, seed=k.seed,
+            block_tokens=k.block_tokens, hit_bins=bins,
         )  # fmt: skip
+        result, _ = run_deployments(
+            tuple(generate(workload, config)), deps, block_tokens=k.block_tokens, sla=sla,
+            prewarm_s=k.prewarm_s, warmup_s=k.warmup_s,
+        )  # fmt: skip
+        traffic = GeneratedTraffic(workload, k.seed, k.block_tokens, search.duration_s, bins)
+        found = sustained_goodputs(deps, traffic, sla, search, workers=1)
+        use_sustained_goodput(result, {d.name: f.result() for d, f in zip(deps, found, strict=True)})
         for name, d in result["deployments"].items():
-            d["bcr"] = round(d["goodput_rps"] / d["cost"] / reference, 4) if reference else 0.0
-            keep = {f: d[f] for f in ("cost", "bcr", "mean_hit", *ROW_KEYS)}
+            keep = {
+                f: d[f]
+                for f in ("cost", "bcr", "mean_hit", "sustained_rps", "offered_goodput_rps", *ROW_KEYS)
+            }
             rows.append({"deployment": name, "hit": hit, **keep})
     return {
         "rate_rps": k.rate_rps, "wan_gbps": k.wan_gbps, "md_chunk_tokens": md_chunk_tokens,
-        "slo": {"ttft_s": sla.ttft_s, "tpot_s": sla.tpot_s}, "reference_goodput_per_cost": reference,
+        "slo": {"ttft_s": sla.ttft_s, "tpot_s": sla.tpot_s},
+        "search": {"lo_rps": search.lo_rps, "hi_rps": search.hi_rps, "steps": search.steps,
+                   "window_s": search.window_s, "attainment": search.attainment},
         "rows": rows, "valley": valley(rows), "bounded_lead": bounded_lead(rows, "hit", key="bcr"),
     }  # fmt: skip
-
-
-def _traffic(workload: Workload, k: PaperKnobs, bins: tuple[HitBin, ...] | None) -> tuple[TraceRequest, ...]:
-    config = GeneratorConfig(
-        rate_rps=k.rate_rps, duration_s=k.prewarm_s + k.duration_s, seed=k.seed,
-        block_tokens=k.block_tokens, hit_bins=bins,
-    )  # fmt: skip
-    return tuple(generate(workload, config))
-
-
-def _reference_efficiency(workload: Workload, k: PaperKnobs, intra: Deployment, sla: Sla) -> float:
-    """Intra-DC PD's goodput per cost on the workload's own (published) hits: BCR's 1."""
-    result, _ = run_deployments(
-        _traffic(workload, k, None), [intra], block_tokens=k.block_tokens, sla=sla,
-        prewarm_s=k.prewarm_s, warmup_s=k.warmup_s,
-    )  # fmt: skip
-    d = result["deployments"][intra.name]
-    return round(float(d["goodput_rps"]) / float(d["cost"]), 6)
 
 
 def valley(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:

@@ -29,13 +29,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from pddlink.errors import ConfigError
-from pddlink.routing import Pipeline
 from pddlink.sim.deploy import Deployment
 from pddlink.sim.engine import Simulation
 from pddlink.sim.generate import GeneratorConfig, generate
-from pddlink.sim.records import RunRecords, Sla
+from pddlink.sim.records import Record, RunRecords, Sla
 from pddlink.sim.trace import TraceRequest
-from pddlink.sim.workload import Workload
+from pddlink.sim.workload import HitBin, Workload
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,10 +80,13 @@ def line_load(records: RunRecords, deployment: Deployment, window_s: float) -> f
     """KV bytes the measured requests put on the WAN, over what the line carries in ``window_s``."""
     if not deployment.crosses_wan:
         return 0.0
-    tokens = sum(
-        r.missing_tokens for r in records.records if r.measured and r.pipeline is not Pipeline.SINGULAR
-    )
+    tokens = sum(r.missing_tokens for r in records.records if r.measured and _ships(r))
     return tokens * deployment.kv_bytes_per_token / (deployment.link.wan_bytes_s * window_s)
+
+
+def _ships(r: Record) -> bool:
+    """Its missing suffix crossed the line: not singular, not recomputed on MD, not rejected."""
+    return r.option is not None and r.option.ships_kv
 
 
 def probe(
@@ -149,11 +151,13 @@ class GeneratedTraffic:
     seed: int
     block_tokens: int
     duration_s: float
+    hit_bins: tuple[HitBin, ...] | None = None  # None: the workload's own
 
     def __call__(self, rate: float) -> tuple[TraceRequest, ...]:
         config = GeneratorConfig(
-            rate_rps=rate, duration_s=self.duration_s, seed=self.seed, block_tokens=self.block_tokens
-        )
+            rate_rps=rate, duration_s=self.duration_s, seed=self.seed, block_tokens=self.block_tokens,
+            hit_bins=self.hit_bins,
+        )  # fmt: skip
         return tuple(generate(self.workload, config))
 
 
