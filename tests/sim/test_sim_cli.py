@@ -84,16 +84,17 @@ def test_wan_load_sweep_json_and_png(tmp_path: Path) -> None:
 
 def test_bathtub_sweep_and_slo_flags(tmp_path: Path) -> None:
     out = _run(
-        "--slo-tpot-ms", "40", "sweep", "--bathtub", "0.5,0.97", "--duration", "200",
+        "--slo-tpot-ms", "40", "sweep", "--bathtub", "0.97", "--duration", "200", "--search-steps", "1",
         "--slo-ttft-ms", "20000", "--json", "--plots", str(tmp_path),
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
     assert data["slo"] == {"ttft_s": 20.0, "tpot_s": 0.04}  # the group's TPOT, the sweep's own TTFT
-    names = {r["deployment"] for r in data["rows"]}
-    assert names == {"intra_dc_pd", "cross_dc_pd", "pdd", "pdd_recompute", "pdd_bounded"}
-    assert all(r["bcr"] >= 0 and r["cost"] > 0 for r in data["rows"])
-    assert set(data["valley"]["floors"]) == names - {"intra_dc_pd"}
+    rows = {r["deployment"]: r for r in data["rows"]}
+    assert set(rows) == {"intra_dc_pd", "cross_dc_pd", "pdd", "pdd_recompute", "pdd_bounded"}
+    assert rows["intra_dc_pd"]["bcr"] == 1.0 and all(r["sustained_rps"] > 0 for r in rows.values())
+    assert set(data["valley"]["floors"]) == set(rows) - {"intra_dc_pd"}
+    assert data["search"]["steps"] == 1
     assert (tmp_path / "bathtub.png").stat().st_size > 1000
 
 

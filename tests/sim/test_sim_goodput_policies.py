@@ -68,6 +68,29 @@ def test_output_speed_and_slo_are_in_the_summary() -> None:
     assert s["sla_goodput_rps"] == pytest.approx(0.2) and s["slo"] == {"ttft_s": 1.0, "tpot_s": 0.03}
 
 
+def test_line_load_counts_only_what_ships() -> None:
+    from pddlink.routing import Option
+    from pddlink.sim.deploy import Deployment, Kind, Pool
+    from pddlink.sim.goodput import line_load
+    from pddlink.sim.hardware import GPU_A
+
+    one = Pool(GPU_A, 1, 1)
+    cross = Deployment("x", Kind.CROSS_DC_PD, one, one, kv_bytes_per_token=1)
+    recs = RunRecords()
+    for option in (
+        Option.SHIP,
+        Option.RELAY,
+        Option.RECOMPUTE,
+        Option.RELAY_RECOMPUTE,
+        Option.SINGULAR,
+        None,
+    ):
+        r = Record(0.0, 10, Pipeline.P_MD, True)
+        r.option, r.missing_tokens = option, 1000
+        recs.add(r)
+    assert line_load(recs, cross, 1.0) == pytest.approx(2000 / cross.link.wan_bytes_s)
+
+
 def _rows(over: str, table: dict[float, dict[str, float]], key: str) -> list[dict[str, Any]]:
     return [{"deployment": n, over: x, key: v} for x, by in table.items() for n, v in by.items()]
 
