@@ -1,9 +1,9 @@
 """Build hooks: the sidecar's gRPC modules and the one optional C extension; all other metadata is
 in pyproject.toml.
 
-The gRPC modules of ``sidecar/proto/*.proto`` and their type stubs are generated here, at build
-time (``python -m sidecar.rpc``, with grpcio-tools and mypy-protobuf from ``build-system.requires``),
-into ``sidecar/proto_gen/`` before the packages are collected, so wheels and images ship them and
+The gRPC modules of ``pddlink/serving/proto/*.proto`` and their type stubs are generated here, at build
+time (``python -m pddlink.serving.rpc``, with grpcio-tools and mypy-protobuf from ``build-system.requires``),
+into ``pddlink/serving/proto_gen/`` before the packages are collected, so wheels and images ship them and
 nothing is generated when the package is imported.
 
 ``pddlink.kv._native_hash`` is the native loop of the block-hash chain (see pddlink/kv/hashing.py). It
@@ -19,8 +19,8 @@ from pathlib import Path
 from setuptools import Extension, setup
 
 HERE = Path(__file__).resolve().parent
-if (HERE / "sidecar" / "proto").is_dir():
-    subprocess.run([sys.executable, "-m", "sidecar.rpc"], cwd=HERE, check=True)
+if (HERE / "pddlink" / "serving" / "proto").is_dir():
+    subprocess.run([sys.executable, "-m", "pddlink.serving.rpc"], cwd=HERE, check=True)
 
 setup(
     ext_modules=[

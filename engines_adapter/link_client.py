@@ -8,7 +8,7 @@ lost sidecar raises ``Unavailable`` with the sidecar's reason. The process that 
 engine process (``pddlink engine --sidecar ADDR``).
 
 Memory: the engine process moves every request's KV (exports on P, imports on RLD and MD), MiBs a
-command, queued by the link under load; like a sidecar (``sidecar.malloc_trim``) it gives freed
+command, queued by the link under load; like a sidecar (``pddlink.serving.malloc_trim``) it gives freed
 heap pages back every ``TRIM_EVERY_S`` while it waits for commands, and ``pddlink engine`` pins
 glibc's mmap threshold, so those buffers are unmapped when freed: without, MD's engine process
 kept 33-39 MiB more after the chaos load than after its warm-up (issue 16).
@@ -28,8 +28,8 @@ from grpc.aio import EOF  # type: ignore[attr-defined]
 from engines_adapter import EngineAdapter
 from engines_adapter import link_codec as codec
 from pddlink.errors import ConfigError, Unavailable
-from sidecar.malloc_trim import trim_every
-from sidecar.rpc import engine_stubs
+from pddlink.serving.malloc_trim import trim_every
+from pddlink.serving.rpc import engine_stubs
 
 pb2, pb2_grpc = engine_stubs()
 MAX_MESSAGE_BYTES = 512 << 20

@@ -38,7 +38,7 @@ from pddlink.errors import (
     Unavailable,
 )
 from pddlink.kv.hash_bytes import HASH_BYTES, hash_from_bytes, hash_to_bytes
-from sidecar.rpc import engine_stubs
+from pddlink.serving.rpc import engine_stubs
 
 pb2, _ = engine_stubs()
 

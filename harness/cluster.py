@@ -273,7 +273,7 @@ class Cluster:
             from pddlink.transport import PeerIdentity, load_or_create_pki
 
             load_or_create_pki(self.pki_dir, [PeerIdentity(r, f"{r}0") for r in ROLES])
-        from sidecar.rpc import engine_stubs, stubs
+        from pddlink.serving.rpc import engine_stubs, stubs
 
         stubs()  # generate once, before four processes would race to
         engine_stubs()

@@ -11,8 +11,8 @@ import dataclasses
 import sys
 from typing import Any
 
+from pddlink.serving.client_guard import ApiConfig
 from router import RouterConfig, VllmEngineConfig
-from sidecar.client_guard import ApiConfig
 from sidecar.config import DataPlaneConfig, DecodeConfig, EngineConfig, PeersConfig, SidecarConfig
 
 MEANINGS: dict[str, str] = {
@@ -206,7 +206,7 @@ def render() -> str:
         "# Configuration reference",
         "",
         "Every TOML key of `pddlink sidecar` and `pddlink router`, generated from the config dataclasses",
-        "(`sidecar/config.py`, `router/config.py`, `sidecar/client_guard.py`) by",
+        "(`sidecar/config.py`, `router/config.py`, `pddlink/serving/client_guard.py`) by",
         "`python -m harness.config_reference > docs/config-reference.md`; a test keeps it in sync.",
         "Command-line flags override the file's keys of the same name (`--grpc-port` for `grpc_port`).",
         "Unknown keys are refused.",

@@ -30,7 +30,7 @@ from harness.demo_report import document, plot, summarize, table
 from harness.demo_workload import DemoRequest, build_trace, demo_requests
 from netlab.lab import Lab
 from netlab.profile import parse_profile
-from sidecar.http import fetch
+from pddlink.serving.http import fetch
 
 VOCAB = 2048  # the reference engine's tiny preset
 KV_BYTES_PER_TOKEN = 2048

@@ -17,8 +17,8 @@ from typing import Any
 import grpc
 
 from harness.demo_workload import DemoRequest
-from sidecar.rpc import stubs
-from sidecar.sampling_pb import sampling_to_pb
+from pddlink.serving.rpc import stubs
+from pddlink.serving.sampling_pb import sampling_to_pb
 
 
 @dataclass

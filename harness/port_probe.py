@@ -196,7 +196,7 @@ ADMIN_PATHS = (
     "GET /drc/snapshot",
     "POST /drc/match",
 )
-ADMIN_OPEN = ("GET /healthz", "GET /readyz")  # sidecar.admin_access.OPEN_PATHS: the k8s probes
+ADMIN_OPEN = ("GET /healthz", "GET /readyz")  # pddlink.serving.admin_access.OPEN_PATHS: the k8s probes
 ROUTER_PATHS = ("GET /v1/models", "POST /v1/completions", "GET /status", "GET /memory", "GET /metrics")
 ROUTER_OPEN = ("GET /healthz",)
 

@@ -42,9 +42,9 @@ from typing import Any
 
 import httpx
 
-from engines_adapter.vllm.pair import PairSpec, VllmPair, free_port
-from engines_adapter.vllm.server import VllmServer, VllmServerSpec
-from engines_adapter.vllm.tiny_model import TinyLlamaSpec, build_tiny_llama
+from harness.vllm.pair import PairSpec, VllmPair, free_port
+from harness.vllm.server import VllmServer, VllmServerSpec
+from harness.vllm.tiny_model import TinyLlamaSpec, build_tiny_llama
 from router.vllm_driver import DriveRequest, VllmDriver
 
 SIZES = (512, 2048, 8192)
@@ -216,7 +216,7 @@ def run(dtype: str, repeats: int, sizes: tuple[int, ...] = SIZES) -> dict[str, A
             max_model_len=max_len,
             kv_role="kv_both",
             kv_connector="TimedExampleConnector",
-            kv_connector_module="engines_adapter.vllm.timed_example",
+            kv_connector_module="harness.vllm.timed_example",
             connector_extra=(("shared_storage_path", str(store)),),
             timing_dir=timing,
             prefix_caching=False,

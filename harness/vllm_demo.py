@@ -69,9 +69,9 @@ from typing import Any
 import httpx
 
 from engines_adapter import SamplingParams
-from engines_adapter.vllm.pair import PairSpec, VllmPair
-from engines_adapter.vllm.tiny_model import TinyLlamaSpec, build_tiny_llama
 from harness.demo_report import plot
+from harness.vllm.pair import PairSpec, VllmPair
+from harness.vllm.tiny_model import TinyLlamaSpec, build_tiny_llama
 from harness.vllm_demo_report import Done, fast_path_report, pdd_report, run_report, table
 from netlab import Lab
 from netlab.profile import parse_profile
@@ -295,8 +295,8 @@ def _records(pair: VllmPair) -> tuple[dict[str, Any], dict[str, Any], dict[str, 
     while any(st["in_flight"] for st in pair.status().values()) and time.monotonic() < end:
         time.sleep(0.25)
     status = pair.status()
-    shipped = pair.loop.call(lambda: dict(pair.p_side.producer.done))  # type: ignore[union-attr]
-    ends = pair.loop.call(lambda: dict(pair.md_side.consumer.finished))  # type: ignore[union-attr]
+    shipped = pair.shipped_all()
+    ends = pair.finished()
     return status, shipped, ends
 
 

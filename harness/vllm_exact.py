@@ -274,7 +274,7 @@ def report(spec: ExactSpec, rows: list[dict[str, Any]], held: dict[str, Any]) ->
 def run(spec: ExactSpec) -> dict[str, Any]:
     import vllm.distributed.kv_events  # noqa: F401  (before the sidecars' loop imports it)
 
-    from engines_adapter.vllm.tiny_model import TinyLlamaSpec, build_tiny_llama
+    from harness.vllm.tiny_model import TinyLlamaSpec, build_tiny_llama
     from harness.vllm_trio import trio_across_lab
     from netlab import Lab
     from netlab.profile import parse_profile

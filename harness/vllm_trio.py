@@ -1,4 +1,4 @@
-"""``trio_across_lab(...)``: a ``VllmTrio`` (``engines_adapter.vllm.pair``) whose P->MD leg crosses
+"""``trio_across_lab(...)``: a ``VllmTrio`` (``harness.vllm.pair``) whose P->MD leg crosses
 a loopback netlab WAN of its own (``trio.lab``), ``PositionSeededSampling`` loaded: the set-up the
 relay and router-fault tests and ``pddlink bench vllm-exact`` share. Here, not beside ``VllmTrio``:
 the engine adapters do not import the lab (tests/foundation/test_layering)."""
@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from engines_adapter.vllm.pair import PairSpec, VllmPair, VllmTrio
+from harness.vllm.pair import PairSpec, VllmPair, VllmTrio
 
 SEEDED_FQCN = "engines_adapter.vllm.sampling:PositionSeededSampling"
 

@@ -7,8 +7,8 @@ OpenAI servers beside pddlink's vLLM sidecars) lives behind one interface, ``rou
 
 Lifecycle: ``Router(cfg)``; ``await start()`` starts the backend (reference: connects to the sidecars
 -- gRPC channels are lazy; mutual TLS 1.3 with each sidecar's identity checked when ``tls_dir`` is
-set, see ``sidecar.grpc_tls`` -- and follows MD's DRC and P's transfer state); ``generate(request)``
-admits the request or raises ``Overloaded`` (``sidecar.admission``), then yields merged tokens and
+set, see ``pddlink.serving.grpc_tls`` -- and follows MD's DRC and P's transfer state); ``generate(request)``
+admits the request or raises ``Overloaded`` (``router.admission``), then yields merged tokens and
 ends with the trace; ``close()``. Per-request choices use only local state: the DRC view (never
 blocks on MD), the link model (its own flows plus P's reported backlog toward MD), P's and MD's
 prefill books and the count of requests RLD is streaming.
@@ -36,13 +36,13 @@ from pddlink.routing import (
     RoutingInputs,
     RoutingPolicy,
 )
+from pddlink.routing.books import PrefillBook, TpotBook
+from pddlink.serving.grpc_tls import CallerCheck
+from router.admission import Overloaded
 from router.backend import EngineBackend, make_backend
 from router.config import RouterConfig, VllmEngineConfig
 from router.options import FORCEABLE, decide_option, forced_option, option_trace
 from router.run import RunDriver
-from sidecar.admission import Overloaded
-from sidecar.grpc_tls import CallerCheck
-from sidecar.recompute import PrefillBook, TpotBook
 
 __all__ = ["Router", "RouterConfig", "VllmEngineConfig"]
 
@@ -195,7 +195,7 @@ class Router:
             on_md_stalled=self.on_md_stalled,
             rld_reachable=self.rld_reachable,
         )
-        flow = rid  # P reports its transfer state by request id (``sidecar.backlog``)
+        flow = rid  # P reports its transfer state by request id (``pddlink.serving.backlog``)
         now = time.monotonic()
         if option.ships_kv:
             self.link.start_flow(flow, decision.wan_bytes, now)

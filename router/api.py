@@ -2,13 +2,13 @@
 shape of vLLM's OpenAI-compatible server (``/v1/completions``, ``/v1/chat/completions``,
 ``/v1/models``; ``"stream": true`` for server-sent events), plus GET /metrics, /healthz, /status, /memory.
 
-Every request is validated whole by one schema (``sidecar.openai_schema``) before any work starts:
+Every request is validated whole by one schema (``router.openai_schema``) before any work starts:
 a bad field gets 400 (gRPC ``INVALID_ARGUMENT``) naming it, and nothing changes (no request id is
 taken, no sidecar is contacted); so do gRPC request bytes that decode to no message
 (``add_router_service``). Then ``ClientGuard`` (``[api]`` settings) admits it or refuses it at
 once: 401 without a valid API key (gRPC ``UNAUTHENTICATED``), 429 over the client's rate, 503 when
 the router runs its limit of concurrent requests (gRPC ``RESOURCE_EXHAUSTED`` / ``UNAVAILABLE``),
-with ``Retry-After``. Responses are built by ``sidecar.openai_api``.
+with ``Retry-After``. Responses are built by ``router.openai_api``.
 
 With ``tls_dir`` the gRPC port takes mutual TLS 1.3 (clients hold a certificate of the
 deployment's CA) and, with ``api.http_mtls``, so does the HTTP port. The unix sockets (``--unix``)
@@ -35,17 +35,23 @@ from google.protobuf.message import DecodeError
 
 from pddlink import metrics
 from pddlink.errors import ConfigError, InvalidInput
+from pddlink.serving.client_guard import ApiConfig, ClientGuard, Refusal
+from pddlink.serving.grpc_tls import bind, new_server
+from pddlink.serving.http import HttpLimits, Request, Response, json_response, serve_http
+from pddlink.serving.malloc_trim import (
+    fix_mmap_threshold,
+    freeze_startup,
+    heap_stats,
+    trim_every,
+    types_asked,
+)
+from pddlink.serving.rpc import stubs
+from pddlink.serving.write_bound import WriteBound
 from router import Router, RouterConfig
-from sidecar.admission import Overloaded, grpc_rejection, http_rejection
-from sidecar.client_guard import ApiConfig, ClientGuard, Refusal
-from sidecar.grpc_tls import bind, new_server
-from sidecar.http import HttpLimits, Request, Response, json_response, serve_http
-from sidecar.malloc_trim import fix_mmap_threshold, freeze_startup, heap_stats, trim_every, types_asked
-from sidecar.openai_api import Responder, error_body, models_body
-from sidecar.openai_schema import Endpoint, Job, Limits, RequestRefused, completion_job, generate_job
-from sidecar.openai_text import TextCodec
-from sidecar.rpc import stubs
-from sidecar.write_bound import WriteBound
+from router.admission import Overloaded, grpc_rejection, http_rejection
+from router.openai_api import Responder, error_body, models_body
+from router.openai_schema import Endpoint, Job, Limits, RequestRefused, completion_job, generate_job
+from router.openai_text import TextCodec
 
 pb2, pb2_grpc = stubs()
 
@@ -403,7 +409,7 @@ async def serve_router(
         "READY " + json.dumps({"role": "router", "grpc_port": bound, "http_port": http_bound}) + "\n"
     )
     sys.stdout.flush()
-    freeze_startup()  # full GC collections walk only what serving makes (sidecar.malloc_trim)
+    freeze_startup()  # full GC collections walk only what serving makes (pddlink.serving.malloc_trim)
     # freed heap back to the OS, a full GC collection before each trim: process-wide, so here and
     # not in Router (a host embedding one, as the vLLM demo does beside torch and vLLM, would stop
     # for a collection over its whole heap every few seconds)

@@ -23,14 +23,14 @@ from typing import Any, Protocol
 
 from pddlink.lifecycle import RunCommand, RunEvent
 from pddlink.routing import LinkModel
+from pddlink.serving.backlog import POLL_INTERVAL_S, follow_backlog
+from pddlink.serving.grpc_tls import open_channel
+from pddlink.serving.pb import pb2, pb2_grpc
 from pddlink.transport import PeerIdentity, TlsConfig
 from router.config import RouterConfig
 from router.legs import Cluster, LegCalls
 from router.mirror import MirrorFollower
-from sidecar.backlog import POLL_INTERVAL_S, follow_backlog
-from sidecar.grpc_tls import open_channel
-from sidecar.pb import pb2, pb2_grpc
-from sidecar.role_health import RoleHealth
+from router.role_health import RoleHealth
 
 __all__ = ["EngineBackend", "GrpcBackend", "Legs", "make_backend"]
 
@@ -70,7 +70,7 @@ class GrpcBackend:
 
     def __init__(self, cfg: RouterConfig, tls: TlsConfig | None) -> None:
         opts = [("grpc.max_receive_message_length", 64 << 20)]
-        self.health = RoleHealth(("p", "rld", "md"))  # which roles may get traffic (sidecar.role_health)
+        self.health = RoleHealth(("p", "rld", "md"))  # which roles may get traffic (router.role_health)
         self.channels = {
             role: open_channel(
                 addr,

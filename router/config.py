@@ -11,6 +11,7 @@ from pathlib import Path
 
 from pddlink.errors import InvalidInput
 from pddlink.roles import Role
+from pddlink.topology import Topology, topology_from_addresses
 from pddlink.transport import PeerIdentity, TlsConfig, load_node
 
 ENGINES = ("reference", "vllm")
@@ -27,6 +28,17 @@ class VllmEngineConfig:
     wan_share: float = 0.6  # share of the request's time left that P's transfer to MD may take
     rld_gets_kv: bool = False  # P ships the prompt's KV to RLD (else RLD prefills it itself)
     md_kv_events: str = ""  # MD vLLM's KV-event publisher (its --kv-events-config endpoint): the DRC mirror
+    api_key_file: str = ""  # the key vLLM's servers were started with (--api-key / VLLM_API_KEY); "" = none
+
+    def api_headers(self) -> dict[str, str]:
+        """What the router sends every vLLM server: its key, where they take one."""
+        if not self.api_key_file:
+            return {}
+        try:
+            key = Path(self.api_key_file).read_text().strip()
+        except OSError as exc:
+            raise InvalidInput(f"router [vllm]: api_key_file {self.api_key_file}: {exc.strerror}") from None
+        return {"Authorization": f"Bearer {key}"}
 
     def __post_init__(self) -> None:
         if not 0 < self.wan_share < 1:
@@ -66,8 +78,14 @@ class RouterConfig:
     vllm: VllmEngineConfig = field(default_factory=VllmEngineConfig)
 
     def __post_init__(self) -> None:
+        for key in ("p", "rld", "md", "engine", "tls_dir", "name"):
+            value = getattr(self, key)
+            if not isinstance(value, str):  # a list for p (several instances) is a topology's job
+                raise InvalidInput(f"router: {key}: expected a string, got {type(value).__name__} {value!r}")
         if self.engine not in ENGINES:
             raise InvalidInput(f"router: engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.engine == "reference" and self.p and self.rld and self.md:
+            self.topology()  # one each; its errors name the key ("p: expected host:port, got 'a:1,b:2'")
         if self.engine == "reference" and not (self.p and self.rld and self.md):
             raise InvalidInput("router: p, rld and md (the sidecars' gRPC addresses) are required")
         if self.engine == "vllm" and not (self.vllm.p_url and self.vllm.md_url and self.vllm.model):
@@ -82,6 +100,19 @@ class RouterConfig:
         for ident in (self.p_identity, self.rld_identity, self.md_identity):
             PeerIdentity.parse(ident)
         PeerIdentity(Role.ROUTER.value, self.name)
+
+    def topology(self) -> Topology:
+        """The three addresses as a topology of one P, one RLD and one MD (``pddlink.topology``)."""
+        return topology_from_addresses(
+            self.p,
+            self.rld,
+            self.md,
+            line_mbit=self.line_mbit,
+            rtt_ms=self.rtt_ms,
+            p_identity=self.p_identity,
+            rld_identity=self.rld_identity,
+            md_identity=self.md_identity,
+        )
 
     @property
     def identity(self) -> PeerIdentity:

@@ -47,10 +47,10 @@ from pddlink.lifecycle import (
     TokenArrived,
 )
 from pddlink.roles import Role
+from pddlink.serving.handoff_wire import slice_to_wire
+from pddlink.serving.pb import pb2
+from pddlink.serving.sampling_pb import sampling_to_pb
 from router.pb import mode_from_text, report_from_pb
-from sidecar.handoff_wire import slice_to_wire
-from sidecar.pb import pb2
-from sidecar.sampling_pb import sampling_to_pb
 
 MIN_TIMEOUT_S = 0.01
 MD_IMPORT_GRACE_S = 0.2  # MD imports right after P's transfer; release it after that

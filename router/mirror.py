@@ -6,7 +6,7 @@ events follow. A gap the mirror cannot bridge, or MD going away, ends the stream
 reconnects shortly and starts again from a snapshot.
 
 ``VllmMirror`` is the same view for vLLM's MD: MD vLLM's own KV-cache events replayed into a local
-``PrefixIndex`` (the feed MD's vLLM sidecar uses, ``sidecar.vllm_kv.kv_events``).
+``PrefixIndex`` (the feed MD's vLLM sidecar uses, ``pddlink.connector.kv_events``).
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from typing import Any
 
 import grpc
 
+from pddlink.connector.kv_events import KvEventFeed
 from pddlink.drc import Mirror, PrefixIndex, decode_event, decode_snapshot
 from pddlink.kv.hashing import BlockHasher
-from sidecar.pb import pb2
-from sidecar.vllm_kv.kv_events import KvEventFeed
+from pddlink.serving.pb import pb2
 
 RECONNECT_S = 0.5
 
@@ -63,7 +63,7 @@ class MirrorFollower:
 
 class VllmMirror(KvEventFeed):
     """The router's mirror of MD's vLLM prefix cache, fed by MD vLLM's own KV-cache events (a second
-    subscriber on its ZMQ publisher, beside MD's sidecar; ``sidecar.vllm_kv.kv_events``).
+    subscriber on its ZMQ publisher, beside MD's sidecar; ``pddlink.connector.kv_events``).
 
     It never answers a longer prefix than MD holds: blocks stored before it subscribed are orphans
     (not indexed, a shorter answer), and whatever may have been missed clears it: a gap in the

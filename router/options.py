@@ -2,7 +2,7 @@
 a forced pipeline as an option, and the trace fields that say why a request went where it went.
 
 What the router feeds the policy: the DRC mirror's match and the link estimate with P's backlog
-(``RoutingInputs``), P's prefill queue and speed and MD's (``sidecar.recompute.PrefillBook``, from
+(``RoutingInputs``), P's prefill queue and speed and MD's (``pddlink.routing.books.PrefillBook``, from
 P's replies and MD's ready events), RLD's load, and the deadline. The policy's deadline is the
 share of the request's deadline P gives the WAN transfer (``sidecar.prefill``), so an admitted
 request still has time for a fallback.
@@ -21,9 +21,9 @@ from pddlink.routing import (
     RoutingPolicy,
     choose_option,
 )
+from pddlink.routing.books import PrefillBook, TpotBook
+from pddlink.routing.link import WAN_SHARE_OF_DEADLINE
 from pddlink.routing.options import Option
-from sidecar.prefill import WAN_SHARE_OF_DEADLINE
-from sidecar.recompute import PrefillBook, TpotBook
 
 FAST_PATH_BYTES_S = 1e9  # the fast path to RLD (RDMA, or TCP inside datacenter A): ~8 Gbit/s
 EXTEND_S = 0.02  # MD's extend step for a handoff's token ids (reference engine, tiny model)

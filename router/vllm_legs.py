@@ -164,7 +164,9 @@ class VllmBackend:
     def __init__(self, cfg: RouterConfig) -> None:
         self.cfg = cfg
         self.v: VllmEngineConfig = cfg.vllm
-        self.http = httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=512))
+        self.http = httpx.AsyncClient(
+            timeout=None, limits=httpx.Limits(max_connections=512), headers=self.v.api_headers()
+        )
         self.urls = {"p": self.v.p_url, "md": self.v.md_url, "rld": self.v.rld_url}
         self.roles: dict[str, dict[str, Any]] = {
             role: {"url": url, "usable": bool(url), "error": "" if url else "not configured"}

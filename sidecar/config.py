@@ -17,7 +17,7 @@ allow_plaintext_non_loopback = false   # is set: an explicit operator choice)
 [engine]                 # the engine beside this sidecar
 name = "torch_ref"; preset = "tiny"; dtype = "float64"; block_size = 16; num_blocks = 8192; seed = 0
 mode = "thread"          # thread: a worker thread of this process; process: a child `pddlink engine`
-                         # attached over the engine link (sidecar/proto/pddlink_engine.proto)
+                         # attached over the engine link (pddlink/serving/proto/pddlink_engine.proto)
 call_timeout_s = 30.0; attach_timeout_s = 120.0   # process mode: every engine command; the attach
 
 [peers]                  # "host:port" as this sidecar reaches them (across the WAN for MD)
@@ -34,6 +34,21 @@ wan_line_mbit = 0.0      # the WAN line's rate for that decision (0: unknown, me
 
 [decode]
 max_batch = 32; capacity = 8; catch_up_below_load = 0.5; slice_tokens = 64
+
+Beside vLLM the same program serves vLLM's ``PddlinkConnector`` (``sidecar.vllm_kv``): the file says
+``engine = "vllm"`` at the top (instead of an ``[engine]`` table, which means the reference engine;
+``engine = "reference"`` says so explicitly) and has a ``[vllm]`` table; vLLM itself runs with its
+own server command and the arguments ``pddlink sidecar --config F --print-vllm-args`` prints:
+
+engine = "vllm"
+role = "md"; peer_id = "md0"; host = "10.0.0.5"; kv_port = 7450; admin_port = 7460; tls_dir = "/tls"
+[vllm]
+model_id = "my-model"    # the namespace of block hashes: the same string on P, RLD and MD
+block_size = 16          # vLLM's --block-size
+workdir = "/run/pddlink" # <workdir>/<peer_id>.sock: the connector's control socket (shared with vLLM)
+region_bytes = 268435456 # the shared-memory region KV moves through
+kv_events_endpoint = "tcp://127.0.0.1:5557"   # RLD/MD: vLLM's KV-cache event publisher (the DRC)
+[peers]                  # P: md_kv (across the WAN) and/or rld_kv (the fast path)
 """
 
 from __future__ import annotations
@@ -50,6 +65,7 @@ from pddlink.transport import PeerIdentity
 
 ROLES = tuple(r.value for r in SIDECAR_ROLES)
 ENGINE_MODES = ("thread", "process")
+ENGINE_KINDS = ("reference", "vllm")
 
 
 def _hostport(value: str, name: str) -> str:
@@ -153,6 +169,29 @@ class DecodeConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class VllmConfig:
+    """``[vllm]``: the sidecar beside a vLLM server (``engine = "vllm"``)."""
+
+    model_id: str = ""  # namespace of the block hashes: the same string on every role
+    block_size: int = 16  # vLLM's --block-size
+    workdir: str = "/run/pddlink"  # the control socket <workdir>/<peer_id>.sock lives here
+    region_bytes: int = 256 << 20  # the shared-memory region the KV moves through
+    region_dir: str = ""  # "" = /dev/shm where it has room, else workdir
+    kv_events_endpoint: str = ""  # RLD/MD: vLLM's KV-cache event publisher; "" = no DRC feed
+    orphan_s: float = 120.0  # RLD/MD: a landed transfer no request loads is freed after this long
+    max_model_len: int = 0  # printed as vLLM's --max-model-len (0: vLLM's default)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.region_bytes < (1 << 20) or self.orphan_s <= 0:
+            raise ConfigError("vllm: block_size >= 1, region_bytes >= 1 MiB, orphan_s > 0")
+        if self.kv_events_endpoint and not self.kv_events_endpoint.startswith(("tcp://", "ipc://")):
+            raise ConfigError(
+                "vllm.kv_events_endpoint must be tcp://host:port or ipc://path, "
+                f"got {self.kv_events_endpoint!r}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
 class SidecarConfig:
     role: str
     peer_id: str = ""
@@ -161,11 +200,13 @@ class SidecarConfig:
     kv_port: int = 0
     admin_port: int = 0
     admin_unix: str = ""
-    admin_keys_file: str = ""  # bearer keys for the admin TCP port (sidecar.admin_access)
+    admin_keys_file: str = ""  # bearer keys for the admin TCP port (pddlink.serving.admin_access)
     tls_dir: str = ""
     allow_plaintext_non_loopback: bool = False  # plaintext on a non-loopback host: said explicitly
     allow_unauthenticated_non_loopback: bool = False  # a keyless admin port there: said explicitly
+    engine_kind: str = "reference"  # the TOML's top-level ``engine = "reference" | "vllm"``
     engine: EngineConfig = field(default_factory=EngineConfig)
+    vllm: VllmConfig = field(default_factory=VllmConfig)
     peers: PeersConfig = field(default_factory=PeersConfig)
     data_plane: DataPlaneConfig = field(default_factory=DataPlaneConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
@@ -187,10 +228,28 @@ class SidecarConfig:
                 who="sidecar admin port",
                 remedy="admin_keys_file (--admin-keys-file)",
             )
+        if self.engine_kind not in ENGINE_KINDS:
+            raise ConfigError(f"engine must be one of {', '.join(ENGINE_KINDS)}, got {self.engine_kind!r}")
+        if self.engine_kind == "vllm":
+            self._check_vllm()
+            return
         if self.role == "p" and not (self.peers.md_kv and self.peers.md_grpc):
             raise ConfigError("role p needs peers.md_kv and peers.md_grpc")
         if self.role == "rld" and not self.peers.md_grpc:
             raise ConfigError("role rld needs peers.md_grpc (the handoff goes there)")
+
+    def _check_vllm(self) -> None:
+        if not self.vllm.model_id:
+            raise ConfigError("engine vllm needs vllm.model_id (the same string on P, RLD and MD)")
+        if self.role == "p" and not (self.peers.md_kv or self.peers.rld_kv):
+            raise ConfigError("role p beside vLLM needs peers.md_kv and/or peers.rld_kv")
+        if self.role == "p" and not self.tls_dir:  # P dials out: its peers' hosts must be loopback too
+            for key in ("md_kv", "rld_kv"):
+                host = getattr(self.peers, key).rpartition(":")[0]
+                if host:
+                    check_plaintext_exposure(
+                        host, tls=False, allowed=self.allow_plaintext_non_loopback, who=f"sidecar peers.{key}"
+                    )
 
     @property
     def name(self) -> str:
@@ -199,6 +258,7 @@ class SidecarConfig:
 
 _SECTIONS: dict[str, type[Any]] = {
     "engine": EngineConfig,
+    "vllm": VllmConfig,
     "peers": PeersConfig,
     "data_plane": DataPlaneConfig,
     "decode": DecodeConfig,
@@ -245,13 +305,18 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
             raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    if isinstance(table.get("engine"), str):  # engine = "reference" | "vllm"; a table: the reference engine's
+        table["engine_kind"] = table.pop("engine")
     for key, value in (overrides or {}).items():
         if value is None:
             continue
         section, _, name = key.rpartition(".")
         target = table.setdefault(section, {}) if section else table
         target[name] = value
+    if isinstance(table.get("engine"), str):  # the same, given as an override
+        table["engine_kind"] = table.pop("engine")
     if "role" not in table:
         raise ConfigError(f"{where}: role is required (p, rld or md)")
+
     cfg: SidecarConfig = _build(SidecarConfig, table, where)
     return cfg

@@ -2,7 +2,7 @@
 
 Lifecycle: ``run(cfg)`` builds the engine (worker thread), the role's parts, the KV transport
 server (RLD, MD), the gRPC Sidecar service (TLS 1.3, mutual, when ``tls_dir`` is set: see
-``sidecar.grpc_tls``) and the admin HTTP server; prints one ``READY {json}``
+``pddlink.serving.grpc_tls``) and the admin HTTP server; prints one ``READY {json}``
 line on stdout (ports, identity) once every listener is up; serves until SIGTERM/SIGINT; then
 closes listeners, peers and the engine in that order.
 
@@ -14,9 +14,9 @@ anything else starts, and is stopped after everything else; the role logic sees 
 Admin HTTP: GET /metrics (Prometheus), /healthz (the process serves with a live engine: 503 once
 an engine process is gone, and the sidecar then stops: ``sidecar.sweep``), /readyz (engine loaded
 and attached), /status (JSON; ``state``: what the sidecar holds, what the sweep ended), /memory
-(JSON: where the heap is, ``sidecar.malloc_trim.heap_stats``), /drc/stats (JSON), /drc/snapshot
+(JSON: where the heap is, ``pddlink.serving.malloc_trim.heap_stats``), /drc/stats (JSON), /drc/snapshot
 (bytes), POST /drc/match. On the TCP port (``admin_port``) everything but /healthz and /readyz
-needs a bearer key of ``admin_keys_file`` when one is set (``sidecar.admin_access``); the unix
+needs a bearer key of ``admin_keys_file`` when one is set (``pddlink.serving.admin_access``); the unix
 socket (``admin_unix``, mode 0600) needs none.
 """
 
@@ -37,9 +37,16 @@ from cryptography import x509
 from engines_adapter import EngineAdapter, load_engine
 from pddlink import eventloop, metrics
 from pddlink.drc.inspect import match_json, stats_json
+from pddlink.drc.reservations import ReservationIds
 from pddlink.errors import InvalidInput, PddlinkError, Unavailable
 from pddlink.roles import DECODER_ROLES, Role
 from pddlink.routing import RoutingPolicy
+from pddlink.serving.admin_access import guarded
+from pddlink.serving.client_guard import load_key_file
+from pddlink.serving.grpc_tls import SIDECAR_CALLERS, CallerCheck, bind, new_server
+from pddlink.serving.http import Request, Response, error_response, json_response, serve_http
+from pddlink.serving.malloc_trim import fix_mmap_threshold, freeze_startup, heap_stats, types_asked
+from pddlink.serving.rpc import stubs
 from pddlink.transport import (
     KVServer,
     LinkOptions,
@@ -51,20 +58,13 @@ from pddlink.transport import (
 )
 from pddlink.transport.tls import identity_from_certificate
 from pddlink.wire import Release, Reserve, ReserveAnswer
-from sidecar.admin_access import guarded
-from sidecar.client_guard import load_key_file
 from sidecar.config import SidecarConfig
 from sidecar.decoder import Decoder
 from sidecar.drc_host import DrcHost
 from sidecar.engine_loop import EngineLoop
-from sidecar.grpc_tls import SIDECAR_CALLERS, CallerCheck, bind, new_server
-from sidecar.http import Request, Response, error_response, json_response, serve_http
 from sidecar.kv_admission import KvAdmission
-from sidecar.malloc_trim import fix_mmap_threshold, freeze_startup, heap_stats, types_asked
 from sidecar.peers import DecoderPeer, KVPeer, KVPeerPool
 from sidecar.prefill import Prefiller
-from sidecar.reservations import ReservationIds
-from sidecar.rpc import stubs
 from sidecar.service import SidecarService
 from sidecar.sweep import Sweeper
 from sidecar.wan_codec import WanCodec
@@ -371,7 +371,7 @@ class Sidecar:
             sys.stderr.write("sidecar: plaintext gRPC and KV data plane (tls_dir ''): tests and labs only\n")
         await server.start()
         admin: list[asyncio.Server] = []
-        if cfg.admin_port:  # TCP: bearer keys (sidecar.admin_access)
+        if cfg.admin_port:  # TCP: bearer keys (pddlink.serving.admin_access)
             tcp = guarded(self.admin, self.admin_keys)
             admin += await serve_http(tcp, host=cfg.host, port=cfg.admin_port)
         if cfg.admin_unix:  # keyless, owner only (the CLI's umask already made it so; this says it exactly)
@@ -380,7 +380,7 @@ class Sidecar:
         ports["admin_port"] = cfg.admin_port
         sys.stdout.write("READY " + json.dumps(ports) + "\n")
         sys.stdout.flush()
-        freeze_startup()  # full GC collections walk only what serving makes (sidecar.malloc_trim)
+        freeze_startup()  # full GC collections walk only what serving makes (pddlink.serving.malloc_trim)
         try:
             await stop.wait()
         finally:
@@ -417,5 +417,5 @@ async def _main(cfg: SidecarConfig) -> None:
 
 
 def run(cfg: SidecarConfig) -> None:
-    fix_mmap_threshold()  # KV buffers go back to the OS when freed (sidecar.malloc_trim)
+    fix_mmap_threshold()  # KV buffers go back to the OS when freed (pddlink.serving.malloc_trim)
     eventloop.run(_main(cfg))

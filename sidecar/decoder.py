@@ -22,12 +22,12 @@ from pddlink.errors import LocalError, PddlinkError
 from pddlink.lifecycle import DecodeSequence, SeqState, SliceStep, StreamClosed, StreamEnd
 from pddlink.roles import Role
 from pddlink.routing import RoutingPolicy
+from pddlink.routing.books import RecomputeMode
+from pddlink.serving.handoff_wire import slice_from_wire
 from pddlink.transport import ReceivedTransfer
 from sidecar import decoder_engine
 from sidecar.drc_host import DrcHost
 from sidecar.engine_loop import EngineLoop
-from sidecar.handoff_wire import slice_from_wire
-from sidecar.recompute import RecomputeMode
 from sidecar.relay_handoff import RelayHandoff, SendHandoff
 
 ENDED_REMEMBERED = 4096  # how many ended requests' outcomes StartHandoff can still look up

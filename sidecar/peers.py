@@ -2,7 +2,7 @@
 
 ``KVPeer``: a ``pddlink.transport.KVClient`` to a peer's KV server (the WAN link to MD, the fast
 path to RLD). ``DecoderPeer``: the peer's gRPC Sidecar service, for the token-id handoff. Both
-check the peer's certified identity against the one configured for it (``sidecar.grpc_tls``).
+check the peer's certified identity against the one configured for it (``pddlink.serving.grpc_tls``).
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from typing import Any, TypeVar
 import grpc
 
 from pddlink.errors import ConfigError, DeadlineExceeded, ErrorCode, PddlinkError, RemoteError, Unavailable
+from pddlink.serving.grpc_tls import open_channel
+from pddlink.serving.rpc import stubs
 from pddlink.transport import KVClient, LinkOptions, PeerIdentity, TlsConfig, TransferResult
 from pddlink.transport.base import Message
 from pddlink.wire import TransferBegin
-from sidecar.grpc_tls import open_channel
-from sidecar.rpc import stubs
 from sidecar.wan_silence import LinkSilence
 
 T = TypeVar("T")

@@ -34,17 +34,17 @@ from pddlink.errors import DeadlineExceeded, ErrorCode, PddlinkError, Unavailabl
 from pddlink.handoff import HandoffMode, HandoffSlice
 from pddlink.kv.codec import CodecId
 from pddlink.kv.hashing import BlockHasher
+from pddlink.routing.link import WAN_SHARE_OF_DEADLINE
+from pddlink.serving.backlog import WanBook
+from pddlink.serving.handoff_wire import slice_to_wire
 from pddlink.wire import KVLayoutSpec, Reserve, ReserveAnswer, TransferBegin
-from sidecar.backlog import WanBook
 from sidecar.edf_gate import EdfGate
 from sidecar.engine_loop import EngineLoop
-from sidecar.handoff_wire import slice_to_wire
 from sidecar.peers import DecoderPeer, KVPeer, KVPeerPool
 from sidecar.wan_codec import WanCodec
 
 log = logging.getLogger(__name__)
 
-WAN_SHARE_OF_DEADLINE = 0.6
 FAST_PATH_TIMEOUT_S = 3.0
 _LINK_GONE = (ErrorCode.PEER_UNREACHABLE, ErrorCode.CANCELLED, ErrorCode.UNAVAILABLE)
 

@@ -20,7 +20,7 @@ from pddlink.handoff import HandoffMode, HandoffPlan
 from pddlink.lifecycle import Fallback, HandoffOutcome, HandoffResult, StreamClosed, StreamEnd
 from pddlink.lifecycle.decode import handoff_refused
 from pddlink.routing import RoutingPolicy, choose_handoff_mode
-from sidecar.handoff_wire import slice_to_wire
+from pddlink.serving.handoff_wire import slice_to_wire
 
 if TYPE_CHECKING:
     from sidecar.decoder import Decoder, DecodeSlot

@@ -37,7 +37,7 @@ from engines_adapter import (
 )
 from engines_adapter import link_codec as codec
 from pddlink.errors import ConfigError, DeadlineExceeded, Unavailable
-from sidecar.rpc import engine_stubs
+from pddlink.serving.rpc import engine_stubs
 
 pb2, pb2_grpc = engine_stubs()
 MAX_MESSAGE_BYTES = 512 << 20  # KV payloads travel as bytes fields

@@ -12,14 +12,14 @@ import grpc
 
 from pddlink.errors import DeadlineExceeded, InvalidInput, NotFound, PddlinkError
 from pddlink.kv.hashing import HashScheme
+from pddlink.routing.books import RecomputeMode
+from pddlink.serving.rpc import stubs
+from pddlink.serving.sampling_pb import sampling_from_pb
 from pddlink.wire import WIRE_VERSION
 from sidecar.decoder import Decoder
 from sidecar.drc_host import DrcHost
 from sidecar.kv_admission import CapacityRefused, KvAdmission
 from sidecar.prefill import Prefiller, PrefillJob
-from sidecar.recompute import RecomputeMode
-from sidecar.rpc import stubs
-from sidecar.sampling_pb import sampling_from_pb
 
 pb2, pb2_grpc = stubs()
 

@@ -33,7 +33,7 @@ from typing import Any
 from pddlink import metrics
 from pddlink.errors import ConfigError, PddlinkError
 from pddlink.lifecycle import StreamClosed, StreamEnd
-from sidecar.malloc_trim import TRIM_EVERY_S, release
+from pddlink.serving.malloc_trim import TRIM_EVERY_S, release
 
 log = logging.getLogger(__name__)
 
@@ -237,7 +237,7 @@ class Sweeper:
             except PddlinkError as exc:  # one bad entry must not stop the sweeping
                 log.warning("state sweep: %s", exc.message)
             if time.monotonic() >= next_trim:  # garbage cycles freed, KV buffers back to the OS
-                next_trim = time.monotonic() + TRIM_EVERY_S  # (sidecar.malloc_trim)
+                next_trim = time.monotonic() + TRIM_EVERY_S  # (pddlink.serving.malloc_trim)
                 self.trims += int(await release())
 
     async def close(self) -> None:

@@ -54,9 +54,9 @@ def _shared_servers_last(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(scope="session")
 def tiny_llama_f32() -> Iterator[Path]:
-    """The tiny random Llama in float32 (``engines_adapter.vllm.tiny_model``), built once."""
+    """The tiny random Llama in float32 (``harness.vllm.tiny_model``), built once."""
     pytest.importorskip("transformers", reason="transformers is not installed")
-    from engines_adapter.vllm.tiny_model import TinyLlamaSpec, build_tiny_llama
+    from harness.vllm.tiny_model import TinyLlamaSpec, build_tiny_llama
 
     root = Path(tempfile.mkdtemp(prefix="pddlink-tiny-"))
     try:
@@ -81,7 +81,7 @@ class SharedPair:
         self.close()
         import vllm.distributed.kv_events  # noqa: F401  (before the sidecars' loop imports it)
 
-        from engines_adapter.vllm.pair import PairSpec, VllmPair
+        from harness.vllm.pair import PairSpec, VllmPair
         from netlab import Lab
         from netlab.profile import parse_profile
 
@@ -127,7 +127,7 @@ def shared_pair(tiny_llama_f32: Path) -> Iterator[SharedPair]:
 
 @pytest.fixture(scope="module")
 def vllm_pair(shared_pair: SharedPair) -> Any:
-    """P and MD (``engines_adapter.vllm.pair.VllmPair``), P's sidecar dialling MD's across a netlab
+    """P and MD (``harness.vllm.pair.VllmPair``), P's sidecar dialling MD's across a netlab
     loopback WAN (``pair.lab``: 5 ms one way, 400 Mbit/s; a test that reshapes or cuts it restores
     it), MD's cache small enough to evict (``PAIR_MD_BLOCKS``), ``spec.kv_dump_dir`` holding the KV
     bytes each side's connector held. A landed slot nobody loads (a dead MD URL, a killed vLLM) is

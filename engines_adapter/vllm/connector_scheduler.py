@@ -46,8 +46,8 @@ from engines_adapter.vllm.connector_meta import (
     TransferParams,
 )
 from engines_adapter.vllm.sidecar_channel import SidecarChannel
+from pddlink.connector.control import Op, Pending, TransferState
 from pddlink.errors import PddlinkError
-from sidecar.vllm_kv.control import Op, Pending, TransferState
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks

@@ -42,9 +42,9 @@ from engines_adapter.vllm.connector_meta import LoadSpec, PddlinkMetadata, SaveS
 from engines_adapter.vllm.hook_timing import HookClock
 from engines_adapter.vllm.paged_kv import PagedKV
 from engines_adapter.vllm.sidecar_channel import SidecarChannel
+from pddlink.connector.control import Op, Pending, TransferState
+from pddlink.connector.shm import MappedRegion, Slot
 from pddlink.errors import PddlinkError
-from sidecar.vllm_kv.control import Op, Pending, TransferState
-from sidecar.vllm_kv.shm import MappedRegion, Slot
 
 if TYPE_CHECKING:
     import torch

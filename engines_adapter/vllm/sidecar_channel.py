@@ -13,8 +13,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from pddlink.connector.control import ControlClient, Op, Pending
 from pddlink.errors import PddlinkError
-from sidecar.vllm_kv.control import ControlClient, Op, Pending
 
 log = logging.getLogger("pddlink.vllm")
 

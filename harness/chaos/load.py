@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 
 from harness.demo_workload import DemoRequest
-from sidecar.rpc import stubs
+from pddlink.serving.rpc import stubs
 
 CLIENT_SLACK_S = 5.0  # the client gives up this long after the deadline: a request still open then hung
 

@@ -48,7 +48,7 @@ from harness.demo_workload import DemoRequest, build_trace, demo_requests
 from netlab.lab import Lab
 from netlab.profile import parse_profile
 from pddlink.errors import PddlinkError
-from sidecar.http import fetch
+from pddlink.serving.http import fetch
 
 WARMUP_MIN = 40  # requests before the RSS baseline (allocators and caches reach their size)
 QUIET_S = 10.0  # after the load: what is still held then must be 0
@@ -94,7 +94,7 @@ def admin_status(target: str, path: str = "/status") -> dict[str, Any]:
 
 
 def heap_of(cluster: Cluster, role: str) -> dict[str, Any]:
-    """The role's own process's heap figures (its admin ``/memory``: ``sidecar.malloc_trim``)."""
+    """The role's own process's heap figures (its admin ``/memory``: ``pddlink.serving.malloc_trim``)."""
     target = cluster.router_unix if role == "router" else cluster.admin_socket(role)
     return admin_status("unix:" + target, f"/memory?types={HEAP_TYPES}")
 

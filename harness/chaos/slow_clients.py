@@ -10,7 +10,7 @@ drains what is left at full speed: an answer the router ended by then (cut, or c
 reason) is read to its end within ``DRAIN_SLACK_S``; one still streaming is not (it "hung").
 
 Outcomes: ``cut`` (the stream ended without ``[DONE]``: the router's write deadline,
-``sidecar.write_bound``), ``failed`` (an error event: its reason), ``finished``, ``refused`` (not
+``pddlink.serving.write_bound``), ``failed`` (an error event: its reason), ``finished``, ``refused`` (not
 200: its status), ``hung``.
 """
 
@@ -27,7 +27,7 @@ from typing import Any
 from harness.chaos.invariants import HUNG_SLACK_S
 from harness.chaos.load import CLIENT_SLACK_S
 from harness.demo import VOCAB
-from sidecar.http import fetch
+from pddlink.serving.http import fetch
 
 CLIENTS = 10
 MAX_TOKENS = 1536  # ~470 kB of SSE: more than the router's send buffer and the socket's hold

@@ -201,7 +201,9 @@ def ensure_wheels(log: Log) -> tuple[Path, bool]:
 def build_checkout_wheel(out: Path, repo: Path = REPO) -> Path:
     """A wheel of the checkout, gRPC stubs and C extension included, with reproducible bytes."""
     env = {**os.environ, "SOURCE_DATE_EPOCH": SOURCE_DATE_EPOCH, "PYTHONPATH": str(repo)}
-    subprocess.run([sys.executable, "-m", "sidecar.rpc"], cwd=repo, env=env, capture_output=True, check=True)
+    subprocess.run(
+        [sys.executable, "-m", "pddlink.serving.rpc"], cwd=repo, env=env, capture_output=True, check=True
+    )
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     argv = [

@@ -428,9 +428,9 @@ class ComposeLab:
 
 
 def _make_directory(record: LabRecord, source: ProfileSource) -> None:
+    from pddlink.serving.client_guard import write_key_file
     from pddlink.transport import PeerIdentity, load_or_create_pki
     from pddlink.transport.pki import node_dir
-    from sidecar.client_guard import write_key_file
 
     d = record.directory
     shutil.rmtree(d, ignore_errors=True)

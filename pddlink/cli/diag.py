@@ -13,9 +13,9 @@ import click
 
 def _tls_probe(peer: str, tls_dir: str, identity: str, expect: str, timeout_s: float) -> tuple[Any, Any]:
     """(our credentials, what the server's TLS handshake showed); (None, None) for plaintext."""
+    from pddlink.serving.grpc_tls import probe_server
     from pddlink.transport import PeerIdentity, load_node
     from pddlink.transport.tls import check_peer
-    from sidecar.grpc_tls import probe_server
 
     if not tls_dir:
         return None, None
@@ -31,8 +31,8 @@ def _ping(
     import grpc
 
     from pddlink.errors import Unavailable
-    from sidecar.grpc_tls import open_sync_channel
-    from sidecar.rpc import stubs
+    from pddlink.serving.grpc_tls import open_sync_channel
+    from pddlink.serving.rpc import stubs
 
     pb2, pb2_grpc = stubs()
     opts = [("grpc.max_receive_message_length", 128 << 20)]
@@ -135,8 +135,8 @@ def status(targets: tuple[str, ...], as_json: bool, key_file: str | None) -> Non
 
     TARGETS are their admin HTTP addresses: host:port or unix:/path (sidecar --admin-port /
     --admin-unix, router --http-port / --unix)."""
-    from sidecar.client_guard import load_key_file
-    from sidecar.http import fetch
+    from pddlink.serving.client_guard import load_key_file
+    from pddlink.serving.http import fetch
 
     bearer = load_key_file(key_file, "--key-file")[0].decode() if key_file else ""
     out: dict[str, Any] = {}

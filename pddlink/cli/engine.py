@@ -67,7 +67,7 @@ def command(
 
     from engines_adapter import load_engine
     from engines_adapter.link_client import serve_engine
-    from sidecar.malloc_trim import fix_mmap_threshold, freeze_startup
+    from pddlink.serving.malloc_trim import fix_mmap_threshold, freeze_startup
 
     fix_mmap_threshold()  # KV buffers are unmapped when freed (engines_adapter.link_client)
     torch.set_num_threads(max(1, threads))

@@ -54,7 +54,7 @@ BENCH_COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "codec": ("pddlink.cli.bench_codec:command", "Lossless KV codec ratio and speed against plain zstd."),
     "extend": (
-        "engines_adapter.vllm.bench_extend:command",
+        "harness.vllm.bench_extend:command",
         "On vLLM: extend(100) with the prompt cached against 100 decode steps, one instance, one run.",
     ),
     "link": (

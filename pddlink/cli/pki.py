@@ -60,7 +60,7 @@ def key(key_file: Path) -> None:
     """Write a new random bearer key into KEY_FILE (a new file, mode 0600): a sidecar's
     admin_keys_file or the router's api_keys_file. Clients send it as `Authorization: Bearer KEY`."""
     from pddlink.errors import ConfigError
-    from sidecar.client_guard import write_key_file
+    from pddlink.serving.client_guard import write_key_file
 
     check_writable(key_file.parent, "pki key", create=True)
     if key_file.exists():

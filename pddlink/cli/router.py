@@ -22,8 +22,8 @@ _API_FLAGS = ("model", "tokenizer", "api_keys_file", "http_mtls")
 
 
 def _api(table: dict[str, Any], flags: dict[str, Any]) -> Any:
-    """The ``[api]`` table (``sidecar.client_guard.ApiConfig``), flags overriding it."""
-    from sidecar.client_guard import ApiConfig
+    """The ``[api]`` table (``pddlink.serving.client_guard.ApiConfig``), flags overriding it."""
+    from pddlink.serving.client_guard import ApiConfig
 
     api = table.pop("api", {})
     if not isinstance(api, dict):

@@ -1,4 +1,5 @@
-"""``pddlink sidecar``: run the sidecar daemon for one role (see ``sidecar.config`` for the file)."""
+"""``pddlink sidecar``: run the sidecar daemon for one role beside its engine (the reference engine or
+vLLM, as the file's ``engine`` key says; see ``sidecar.config`` for the file)."""
 
 from __future__ import annotations
 
@@ -58,14 +59,19 @@ from pddlink.roles import SIDECAR_ROLES
 @click.option(
     "--wan-line-mbit", type=float, help="P: the WAN line's rate for the codec decision (0: measure)."
 )
-def command(config_path: str | None, **flags: Any) -> None:
-    """Run the sidecar daemon for one role (p, rld or md) beside a reference engine.
+@click.option(
+    "--print-vllm-args",
+    is_flag=True,
+    help='engine = "vllm": print the vLLM server command this sidecar expects beside it, and exit.',
+)
+def command(config_path: str | None, print_vllm_args: bool, **flags: Any) -> None:
+    """Run the sidecar daemon for one role (p, rld or md) beside its engine: the reference engine,
+    or a vLLM server when the file says engine = "vllm".
 
     Prints one line `READY {json}` with the bound ports when every listener is up; stops on
     SIGTERM or Ctrl-C.
     """
     from sidecar.config import load_config
-    from sidecar.daemon import run
 
     keys = {
         "role": "role",
@@ -94,8 +100,43 @@ def command(config_path: str | None, **flags: Any) -> None:
     }
     overrides = {keys[k]: v for k, v in flags.items() if v is not None}
     cfg = load_config(config_path, overrides)
+    if print_vllm_args:
+        click.echo(vllm_command_line(cfg))
+        return
     preflight(cfg)
+    if cfg.engine_kind == "vllm":
+        from sidecar.vllm_daemon import run as run_vllm
+
+        run_vllm(cfg)
+        return
+    from sidecar.daemon import run
+
     run(cfg)
+
+
+def vllm_command_line(cfg: Any) -> str:
+    """The pddlink part of the vLLM server's arguments for this sidecar's role: the connector pointed
+    at this sidecar's control socket, the block size its hashes use, and (RLD, MD) the KV-event
+    publisher its DRC follows. Words without spaces, so that ``python -m
+    vllm.entrypoints.openai.api_server --model M --port N $(pddlink sidecar --config F
+    --print-vllm-args)`` takes them as they are."""
+    from pathlib import Path
+
+    from engines_adapter.vllm.launch import connector_args
+    from pddlink.errors import ConfigError
+    from pddlink.roles import Role
+
+    if cfg.engine_kind != "vllm":
+        raise ConfigError('--print-vllm-args needs a configuration with engine = "vllm"')
+    sock = Path(cfg.vllm.workdir).absolute() / f"{cfg.name}.sock"
+    args = connector_args(
+        Role(cfg.role), sock, kv_events_endpoint=cfg.vllm.kv_events_endpoint, block_size=cfg.vllm.block_size
+    )
+    if cfg.vllm.max_model_len:
+        args += ["--max-model-len", str(cfg.vllm.max_model_len)]
+    if any(not a or any(c.isspace() for c in a) for a in args):
+        raise ConfigError(f"vllm.workdir {cfg.vllm.workdir!r}: the printed arguments must have no spaces")
+    return " ".join(args)
 
 
 def preflight(cfg: Any) -> None:
@@ -105,10 +146,10 @@ def preflight(cfg: Any) -> None:
     from pathlib import Path
 
     from pddlink.cli.preflight import check_listen, check_unix_socket, private_umask
+    from pddlink.serving.client_guard import load_key_file
     from pddlink.transport import PeerIdentity, load_node
-    from sidecar.client_guard import load_key_file
 
-    ports = [("gRPC", cfg.grpc_port)]
+    ports = [] if cfg.engine_kind == "vllm" else [("gRPC", cfg.grpc_port)]  # vLLM's: no engine gRPC
     if cfg.role in ("rld", "md"):
         ports.append(("KV", cfg.kv_port))
     if cfg.admin_port:

@@ -2,14 +2,16 @@
 
 ``pddlink sim --scenario paper [--json]`` runs the calibrated comparison (``--scenario wan-overload``:
 the same traffic on a line that carries half of the missing suffixes); ``--trace FILE`` replays a
-pddlink or Mooncake trace through the same deployments. ``pddlink sim skew`` compares KV-transfer
-latency on the line for skewed vs uniform hits; ``pddlink sim sweep`` varies line rate, RLD count,
-hit skew, or compares the goodput of P->MD, PDD, PDD with recompute and PDD with the TPOT-bounded
-policy against the offered WAN load (``--wan-load``) or the mean prefix hit rate (``--bathtub``);
-``pddlink sim generate`` writes a trace for ``pddlink demo``. Goodput is requests per second
-meeting both SLOs: ``--slo-ttft-ms`` (default the workload's TTFT bound, 30 s) and
-``--slo-tpot-ms`` (default the workload's TPOT SLO, 30 ms), on ``pddlink sim`` and on ``sweep``.
-Progress goes to stderr; ``--json`` prints exactly one JSON object on stdout.
+pddlink or Mooncake trace through the same deployments; ``--topology FILE [--placement POLICY]``
+replays the demo's traffic over a topology's pools under each placement policy (``sim.pools``).
+``pddlink sim skew`` compares KV-transfer latency on the line for skewed vs uniform hits;
+``pddlink sim sweep`` varies line rate, RLD count, hit skew, or compares the goodput of P->MD, PDD,
+PDD with recompute and PDD with the TPOT-bounded policy against the offered WAN load
+(``--wan-load``) or the mean prefix hit rate (``--bathtub``); ``pddlink sim generate`` writes a
+trace for ``pddlink demo``. Goodput is requests per second meeting both SLOs: ``--slo-ttft-ms``
+(default the workload's TTFT bound, 30 s) and ``--slo-tpot-ms`` (default the workload's TPOT SLO,
+30 ms), on ``pddlink sim`` and on ``sweep``. Progress goes to stderr; ``--json`` prints exactly
+one JSON object on stdout.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from typing import Any
 import click
 
 from pddlink.cli.sim_sweeps import CHECK_TOLERANCE
+from pddlink.errors import InvalidInput
+from pddlink.routing import PlacementPolicy
 from pddlink.sim.engine import Simulation
 from pddlink.sim.fallbacks import FAULTS, fallback_table
 from pddlink.sim.generate import GeneratorConfig, generate, generate_trace
@@ -108,6 +112,19 @@ def _emit(result: dict[str, Any], as_json: bool) -> None:
     "--trace", "trace_path", type=click.Path(dir_okay=False, path_type=Path), help="Replay a trace file."
 )
 @_workload_opt
+@click.option(
+    "--topology",
+    "topology_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Simulate this topology (TOML [topology]) at the demo's scale, per placement policy.",
+)
+@click.option(
+    "--placement",
+    type=click.Choice(["all", *(p.value for p in PlacementPolicy)]),
+    default="all",
+    show_default=True,
+    help="--topology: the placement policy to run (the oracle always runs too).",
+)
 @click.option("--rate", type=float, help="Offered load in requests/s (paper scenario).")
 @click.option("--duration", type=float, help="Simulated seconds of traffic (paper scenario).")
 @click.option("--seed", type=int, default=1, show_default=True)
@@ -124,6 +141,8 @@ def group(
     ctx: click.Context,
     scenario: str | None,
     trace_path: Path | None,
+    topology_path: Path | None,
+    placement: str,
     workload_path: Path,
     rate: float | None,
     duration: float | None,
@@ -138,10 +157,13 @@ def group(
     ctx.obj = {"slo_ms": (slo_ttft_ms, slo_tpot_ms)}  # the default of ``sweep``'s own flags
     if ctx.invoked_subcommand is not None:
         return
-    if (scenario is None) == (trace_path is None):
-        raise click.UsageError("give exactly one of --scenario paper|demo and --trace FILE")
+    if sum(x is not None for x in (scenario, trace_path, topology_path)) != 1:
+        raise click.UsageError("give exactly one of --scenario paper|demo, --trace FILE and --topology FILE")
     started = time.perf_counter()
     workload = load_workload(workload_path)
+    if topology_path is not None:
+        _run_topology(topology_path, placement, workload, seed, rate, as_json)
+        return
     sla = _sla(workload, slo_ttft_ms, slo_tpot_ms)
     if scenario == "demo":
         _emit(_run_demo_scale(workload, seed, rate, started, sla), as_json)
@@ -442,6 +464,42 @@ def _run_demo_scale(
         "knobs": {f: getattr(knobs, f) for f in knobs.__dataclass_fields__},
     }
     return result
+
+
+def _run_topology(
+    path: Path, placement: str, workload: Workload, seed: int, rate: float | None, as_json: bool
+) -> None:
+    from pddlink.sim.demo_scale import DemoKnobs
+    from pddlink.sim.pools import run_topology
+    from pddlink.topology import load_topology
+
+    try:
+        topo = load_topology(path)
+    except InvalidInput as e:
+        raise click.BadParameter(e.message, param_hint="--topology") from None
+    knobs = DemoKnobs(seed=seed) if rate is None else DemoKnobs(seed=seed, rate_rps=rate)
+    policies = list(PlacementPolicy) if placement == "all" else [PlacementPolicy(placement)]
+    try:
+        result = run_topology(topo, workload, knobs, policies, progress=_log)
+    except InvalidInput as e:
+        raise click.BadParameter(e.message, param_hint="--topology") from None
+    result["topology"] = str(path)
+    if as_json:
+        click.echo(json.dumps(result))
+        return
+    for name, f in result["policies"].items():
+        t = f["ttft_s"]
+        wan = ", ".join(f"{k} {n / 1e6:.1f} MB" for k, n in f["wan_bytes_by_link"].items())
+        click.echo(
+            f"{name:>13}: TTFT p50 {t['p50']:.3f}s p90 {t['p90']:.3f}s p99 {t['p99']:.3f}s  "
+            f"MD hit {f['md_hit_rate']:.1%}  WAN {wan}  RLD share {f['rld_token_share']:.1%}"
+        )
+        hits = ", ".join(
+            f"{md} {h:.0%} ({f['md_requests_by_instance'][md]})"
+            for md, h in f["md_hit_rate_by_instance"].items()
+        )
+        click.echo(f"{'':>15}per MD: {hits}")
+    click.echo(f"oracle MD hit rate {result['oracle_md_hit_rate']:.1%}, wall {result['wall_s']:.1f}s")
 
 
 def _knobs_dict(knobs: PaperKnobs) -> dict[str, Any]:

@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Generic, TypeVar
 
-from engines_adapter.base import SamplingParams
 from pddlink.handoff import HandoffIntake, HandoffSlice
 from pddlink.lifecycle.outcomes import HandoffOutcome, HandoffResult, StreamClosed, StreamEnd
 from pddlink.roles import Role
+from pddlink.sampling import SamplingParams
 
 ORPHAN_DEADLINE_S = 60.0  # a KV transfer or slice that arrives before its Attach waits this long
 

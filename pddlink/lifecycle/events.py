@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engines_adapter.base import SamplingParams
 from pddlink.handoff import HandoffMode, MergedToken
 from pddlink.lifecycle.outcomes import Fallback, HandoffResult, RunOutcome, StreamClosed
 from pddlink.roles import Role
 from pddlink.routing import Pipeline, RecomputeMode
+from pddlink.sampling import SamplingParams
 
 # -- events in ------------------------------------------------------------------------------------
 

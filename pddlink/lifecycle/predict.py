@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from engines_adapter.base import SamplingParams
 from pddlink.lifecycle.events import (
     CancelStreams,
     HandoffDone,
@@ -41,6 +40,7 @@ from pddlink.lifecycle.run import RequestRun, RunState
 from pddlink.lifecycle.trace import RunSpec
 from pddlink.roles import Role
 from pddlink.routing import Pipeline
+from pddlink.sampling import SamplingParams
 
 LOST = StreamClosed(StreamEnd.FAILED, "unavailable")
 STEP_S = 0.01  # one event per step of the scripted world

@@ -47,7 +47,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from enum import Enum
 
-from engines_adapter.base import SamplingParams
 from pddlink.handoff import MergedToken, StreamMerger
 from pddlink.lifecycle.events import (
     CancelStreams,
@@ -88,6 +87,7 @@ from pddlink.lifecycle.stall import StallWatch
 from pddlink.lifecycle.trace import RunSpec, RunTrace, TraceBuilder
 from pddlink.roles import Role
 from pddlink.routing import Pipeline, RecomputeMode, md_miss_label
+from pddlink.sampling import SamplingParams
 
 P_REPLY_GRACE_S = 1.0  # how long a finished P->MD run waits for P's reply (its trace fields)
 HANDOFF_MARGIN_S = 0.1  # relay + recompute: MD must be ready this long before the deadline

@@ -10,12 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from engines_adapter.base import SamplingParams
 from pddlink.handoff import HandoffMode
 from pddlink.lifecycle.events import PrefillReport
 from pddlink.lifecycle.outcomes import FailReason, Fallback, HandoffResult, RunOutcome
 from pddlink.lifecycle.stall import MD_STALL_MIN_S
 from pddlink.routing import Option, Pipeline
+from pddlink.sampling import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,7 +5,9 @@ singular for one request; ``choose_handoff_mode(rld_load, policy)`` picks one-sh
 handoff time; ``LinkEstimate.transfer_s`` / ``LinkModel`` estimate how long the missing KV takes on
 the WAN, with the bytes already queued to MD (``BacklogReport``); ``choose_option`` picks ship,
 relay, recompute, relay + recompute or singular per request, or rejects it when none meets its
-deadline. No I/O: callers pass what they observed, and ``now`` where time matters.
+deadline; ``place`` picks the P, MD and RLD instances of one request over a fleet
+(``pddlink.routing.placement``). No I/O: callers pass what they observed, and ``now`` where time
+matters.
 """
 
 from pddlink.handoff import HandoffMode  # the one handoff mode; routing decides which
@@ -23,6 +25,23 @@ from pddlink.routing.options import (
     estimate_options,
     md_miss_label,
 )
+from pddlink.routing.placement import (
+    FleetView,
+    LinkView,
+    MdSnapshot,
+    Placement,
+    PlacementConfig,
+    PlacementMemory,
+    PlacementPolicy,
+    PlacementReason,
+    PlacementRefusal,
+    PlacementRequest,
+    PSnapshot,
+    RefusalReason,
+    RldSnapshot,
+    choose_rld,
+    place,
+)
 from pddlink.routing.policy import (
     DecisionReason,
     HandoffDecision,
@@ -38,26 +57,41 @@ from pddlink.routing.policy import (
 __all__ = [
     "BacklogReport",
     "DecisionReason",
+    "FleetView",
     "HandoffDecision",
     "HandoffMode",
     "LinkEstimate",
     "LinkModel",
+    "LinkView",
     "MdPrefill",
+    "MdSnapshot",
     "Option",
     "OptionDecision",
     "OptionEstimate",
     "OptionInputs",
+    "PSnapshot",
     "Pipeline",
     "PipelineDecision",
+    "Placement",
+    "PlacementConfig",
+    "PlacementMemory",
+    "PlacementPolicy",
+    "PlacementReason",
+    "PlacementRefusal",
+    "PlacementRequest",
     "RecomputeMode",
+    "RefusalReason",
     "RejectReason",
+    "RldSnapshot",
     "RoutingInputs",
     "RoutingPolicy",
     "allowed_options",
     "choose_handoff_mode",
     "choose_option",
     "choose_pipeline",
+    "choose_rld",
     "estimate_options",
     "md_miss_label",
+    "place",
     "rld_finishes_first",
 ]

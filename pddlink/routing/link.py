@@ -19,6 +19,10 @@ from dataclasses import dataclass, field
 
 from pddlink.errors import ConfigError, InvalidInput, NotFound
 
+# The share of a request's deadline that P's shipment to MD may take (the rest: MD's first token and
+# a fallback); P's sidecar and the router's admission use the same figure.
+WAN_SHARE_OF_DEADLINE = 0.6
+
 
 def _require(ok: bool, message: str) -> None:
     if not ok:

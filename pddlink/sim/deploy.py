@@ -3,8 +3,10 @@
 A ``Deployment`` is frozen configuration: the P pool, the decode pool (D inside datacenter A for
 intra-datacenter PD, MainDecode in datacenter B otherwise), the RelayDecode pool (PDD only), the WAN
 line and fast path, the per-GPU prefix-cache capacity on the decode side, the routing policy (the
-real ``pddlink.routing`` one), the price of the line, and the deadlines admission checks against
-(none by default). Its ``cost`` is what BCR divides by.
+real ``pddlink.routing`` one), the placement policy (``pddlink.routing.place``), the price of the
+line, and the deadlines admission checks against (none by default). Its ``cost`` is what BCR
+divides by. ``sites`` splits the decode pool over datacenters, each behind its own WAN line from
+P's datacenter (a topology: ``pddlink.sim.pools``); without it the whole pool sits behind ``link``.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from pddlink.errors import ConfigError
-from pddlink.routing import RoutingPolicy
+from pddlink.routing import PlacementPolicy, RoutingPolicy
 from pddlink.sim.hardware import AFigures, HardwareType, InstanceModel
 
 
@@ -77,6 +79,19 @@ class Link:
 
 
 @dataclass(frozen=True, slots=True)
+class DecodeSite:
+    """Decode instances in one datacenter, and the WAN line from P's datacenter to it."""
+
+    datacenter: str
+    names: tuple[str, ...]
+    link: Link
+
+    def __post_init__(self) -> None:
+        if not self.names or len(set(self.names)) != len(self.names):
+            raise ConfigError(f"decode site {self.datacenter}: names must be non-empty and unique")
+
+
+@dataclass(frozen=True, slots=True)
 class Deployment:
     name: str
     kind: Kind
@@ -94,6 +109,9 @@ class Deployment:
     deadline_s: float | None = None  # admission: reject what no option ends within (None: admit all)
     deadline_per_token_s: float = 0.0  # ... plus this per output token of the request's bound
     ttft_deadline_s: float | None = None  # admission: the first token must be out by then
+    placement: PlacementPolicy = PlacementPolicy.PREFIX_AWARE
+    sites: tuple[DecodeSite, ...] = ()  # () = one site, every decode instance behind ``link``
+    prefill_datacenter: str = "dc-a"  # where P and RLD sit (placement's view)
     tpot_bound_s: float | None = None  # the policy's decode-speed bound (``OptionInputs.tpot_bound_s``)
     md_chunk_tokens: int | None = None  # MD's chunked-prefill budget per step (None: ``md_lane``'s headroom)
 
@@ -108,6 +126,19 @@ class Deployment:
             raise ConfigError(f"deployment {self.name}: md_chunk_tokens must be >= 1 or None")
         if self.kv_bytes_per_token < 1 or self.drc_tokens_per_gpu < 1 or self.line_price < 0:
             raise ConfigError(f"deployment {self.name}: kv_bytes_per_token and drc capacity must be >= 1")
+        if self.sites and sum(len(x.names) for x in self.sites) != self.decode.instances:
+            raise ConfigError(f"deployment {self.name}: the sites must name every decode instance once")
+        if any(x.datacenter == self.prefill_datacenter for x in self.sites):
+            raise ConfigError(f"deployment {self.name}: a decode site in P's datacenter needs no WAN line")
+
+    def decode_sites(self) -> tuple[DecodeSite, ...]:
+        """Where the decode instances sit: ``sites``, or one site of them all behind ``link``."""
+        if self.sites:
+            return self.sites
+        names = tuple(f"d{i}" for i in range(self.decode.instances))
+        here = self.prefill_datacenter
+        far = "dc-b" if here != "dc-b" else "dc-md"
+        return (DecodeSite(far if self.crosses_wan else here, names, self.link),)
 
     @property
     def crosses_wan(self) -> bool:

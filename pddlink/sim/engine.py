@@ -3,9 +3,11 @@
 Lifecycle of a request (DESIGN.md, "Roles and one request's path"), as simulated:
 
 1. Arrival: the router matches the prompt's full blocks against every decode instance's DRC (the
-   real ``pddlink.drc.PrefixIndex``; the sim's mirror is always fresh), picks the best-matching
-   instance among the not-overloaded ones and the least-backlogged P, and calls the real
-   ``pddlink.routing.choose_option`` with the line's state (its backlog included), P's queue, MD's
+   real ``pddlink.drc.PrefixIndex``; the sim's mirror is always fresh) and places the request with
+   the router's own ``pddlink.routing.place`` (the deployment's placement policy; by default the
+   least estimated TTFT among the not-overloaded instances, each behind its own site's WAN line:
+   the best match on one shared line), P going to the least backlogged. It then calls the real
+   ``pddlink.routing.choose_option`` with that MD's line state (its backlog included), P's queue, MD's
    recompute lane and RLD's load: ship, relay, recompute, relay + recompute or singular, or - when
    the deployment has deadlines and none meets them - rejected at once (counted apart).
 2. P prefills the missing suffix (P's own prefix cache is taken to be aligned with the chosen decode
@@ -28,19 +30,31 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from pddlink.routing import (
+    FleetView,
     HandoffMode,
+    LinkView,
     MdPrefill,
+    MdSnapshot,
     Option,
     OptionInputs,
     Pipeline,
+    Placement,
+    PlacementConfig,
+    PlacementMemory,
+    PlacementPolicy,
+    PlacementRequest,
+    PSnapshot,
+    RldSnapshot,
     RoutingInputs,
     choose_handoff_mode,
     choose_option,
     choose_pipeline,
+    choose_rld,
+    place,
 )
 from pddlink.routing.options import ShortOutputs
 from pddlink.sim.cache import DecodeCache
-from pddlink.sim.deploy import Deployment, Kind
+from pddlink.sim.deploy import Deployment, Kind, Link
 from pddlink.sim.md_lane import MdPrefillLane
 from pddlink.sim.records import Record, RunRecords
 from pddlink.sim.resources import Clock, DecodeInstance, DecodeSeq, PrefillInstance
@@ -70,6 +84,9 @@ class _Req:
     tip: int | None
     pipeline: Pipeline
     option: Option
+    line: WanLine
+    link: Link  # the WAN line's figures (rtt) toward this request's MD
+    back_s: float  # tokens from MD cross back to A
     md_lane: MdPrefillLane | None = None
     rld: DecodeInstance | None = None
     rld_seq: DecodeSeq | None = None
@@ -88,9 +105,9 @@ class Simulation:
         self.prefill = [
             PrefillInstance(self.clock, d.prefill.model(d.fig), f"p{i}") for i in range(d.prefill.instances)
         ]
-        self.decode = [
-            DecodeInstance(self.clock, d.decode.model(d.fig), f"d{i}") for i in range(d.decode.instances)
-        ]
+        sites = d.decode_sites()
+        self.decode = [DecodeInstance(self.clock, d.decode.model(d.fig), n) for x in sites for n in x.names]
+        self.md_site = [k for k, x in enumerate(sites) for _ in x.names]  # decode instance -> its site
         cap_blocks = max(1, d.drc_tokens_per_gpu * d.decode.gpus_per_instance // block_tokens)
         self.caches = [DecodeCache(cap_blocks) for _ in self.decode]
         self.relay = (
@@ -110,14 +127,23 @@ class Simulation:
             if d.crosses_wan and d.policy.recompute_enabled
             else []
         )
-        link = d.link
-        self.line = WanLine(
-            self.clock, link.wan_bytes_s, link.rtt_s, link.pool_size, link.flow_cap_bytes_s, link.fifo_pool
-        )
+        self.sites = sites
+        self.lines = [
+            WanLine(self.clock, k.wan_bytes_s, k.rtt_s, k.pool_size, k.flow_cap_bytes_s, k.fifo_pool)
+            for k in (x.link for x in sites)
+        ]
+        self.line = self.lines[0]
         self.records = RunRecords()
         self.short_outputs = ShortOutputs()  # what the TPOT bound spreads a recompute's stall over
         self.crosses_wan = d.crosses_wan
-        self.back_s = d.link.rtt_s / 2 if d.crosses_wan else 0.0  # tokens from MD cross back to A
+        self.back_s = [x.link.rtt_s / 2 if d.crosses_wan else 0.0 for x in sites]  # MD's tokens back to A
+        self.placement = PlacementConfig(d.placement, BALANCE_QUEUE, d.balance_tpot_s)
+        self.memory = PlacementMemory()
+        self._p_dc = d.prefill_datacenter
+        self._p_by_name = {p.name: p for p in self.prefill}
+        self._p_rate = [1.0 / max(1e-12, p.model.prefill_s(4096, 0) / 4096) for p in self.prefill]
+        self._decode_index = {x.name: i for i, x in enumerate(self.decode)}
+        self._wan_bytes = [0] * len(sites)  # measured requests' KV bytes put on each site's line
 
     # -- arrival and routing -------------------------------------------------------------------
 
@@ -128,45 +154,60 @@ class Simulation:
         (a cluster in service is warm); those before ``warmup_s`` run but are not measured. The line's
         figures cover the measured window, from ``warmup_s`` to the last arrival."""
         clock, last = self.clock, 0.0
-        start: LineStats | None = None
+        start: list[LineStats] | None = None
         for r in requests:
             if r.arrival_s < prewarm_s:
                 self._prewarm(r)
                 continue
             if start is None and r.arrival_s >= warmup_s:
                 clock.run(until=warmup_s)
-                start = self.line.stats(max(warmup_s, self.line.now))
+                start = [x.stats(max(warmup_s, x.now)) for x in self.lines]
             clock.run(until=r.arrival_s)
             clock.now = last = r.arrival_s
             self._arrive(r, warmup_s)
-        end = self.line.stats(max(last, self.line.now))
+        end = [x.stats(max(last, x.now)) for x in self.lines]
         clock.run()
-        self.records.simulated_s = max(last, clock.now)
-        self.records.measured_s = max(1e-9, last - warmup_s)
-        self.records.line = end - start if start is not None else LineStats()
-        self.records.pool_size = self.line.pool_size
-        self.records.events = clock.events
-        return self.records
+        recs = self.records
+        recs.simulated_s = max(last, clock.now)
+        recs.measured_s = max(1e-9, last - warmup_s)
+        lines = (
+            [e - s for e, s in zip(end, start, strict=True)]
+            if start is not None
+            else [LineStats()] * len(end)
+        )
+        recs.line = lines[0]
+        recs.pool_size = self.line.pool_size
+        recs.events = clock.events
+        recs.sites = {x.datacenter: line for x, line in zip(self.sites, lines, strict=True)}
+        recs.wan_bytes = {x.datacenter: n for x, n in zip(self.sites, self._wan_bytes, strict=True)}
+        return recs
 
-    def _pick_decode(self, hashes: tuple[int, ...]) -> tuple[int, int]:
-        """Best prefix match among instances whose admission queue is not much longer than the
-        shortest one's and (if any is) below the TPOT bound; ties go to the least loaded."""
-        decode = self.decode
-        queues = [x.queued for x in decode]
-        limit = min(queues) + BALANCE_QUEUE
-        cap = self.d.balance_tpot_s
-        hot = [x.tpot_s() >= cap for x in decode] if cap is not None else [False] * len(decode)
-        if all(hot):
-            hot = [False] * len(decode)
-        loads = [x.load for x in decode]
-        best, best_match = -1, -1
-        for i, cache in enumerate(self.caches):
-            if queues[i] > limit or hot[i]:
-                continue
+    def _place(self, r: TraceRequest, hashes: tuple[int, ...], now: float) -> Placement:
+        """The router's ``place`` on this instant's state: every P's backlog, every decode
+        instance's match in its own DRC, its load and step time, each site's line estimate."""
+        d, cap = self.d, self.d.balance_tpot_s
+        ps = tuple(
+            PSnapshot(p.name, self._p_dc, p.backlog_s(now), rate)
+            for p, rate in zip(self.prefill, self._p_rate, strict=True)
+        )
+        mds = []
+        for x, cache, k in zip(self.decode, self.caches, self.md_site, strict=True):
             m = cache.matched_blocks(hashes)
-            if m > best_match or (m == best_match and loads[i] < loads[best]):
-                best, best_match = i, m
-        return best, best_match
+            step = x.tpot_s() if cap is not None else 0.0
+            site = self.sites[k].datacenter
+            mds.append(MdSnapshot(x.name, site, m, x.load - x.queued, x.queued, x.kv_use_fraction, step, True,
+                                  False, m))  # fmt: skip
+        links: tuple[LinkView, ...] = ()
+        if d.crosses_wan:
+            links = tuple(
+                LinkView(self._p_dc, x.datacenter, line.estimate(now))
+                for x, line in zip(self.sites, self.lines, strict=True)
+            )
+        remembered = hashes if self.placement.policy is PlacementPolicy.PREFIX_HASH else ()
+        request = PlacementRequest(r.prompt_tokens, self.block_tokens, d.kv_bytes_per_token, remembered)
+        got = place(request, FleetView(ps, tuple(mds), (), links), self.placement, self.memory)
+        assert isinstance(got, Placement), got  # every simulated instance is healthy
+        return got
 
     def _prewarm(self, r: TraceRequest) -> None:
         hashes = r.block_ids[: r.prompt_tokens // self.block_tokens]
@@ -180,20 +221,17 @@ class Simulation:
         now = self.clock.now
         b = self.block_tokens
         hashes = r.block_ids[: r.prompt_tokens // b]
-        i, matched_blocks = self._pick_decode(hashes)
+        placed = self._place(r, hashes, now)
+        i = self._decode_index[placed.md]
         cache = self.caches[i]
-        matched = min(r.prompt_tokens - 1, matched_blocks * b)
-        p = self.prefill[0]
-        best = p.backlog_s(now)
-        for q in self.prefill[1:]:
-            b_s = q.backlog_s(now)
-            if b_s < best:
-                p, best = q, b_s
-        option = self._choose(r, matched, now, i, best)
+        matched = placed.matched_tokens
+        p = self._p_by_name[placed.p]
+        option = self._choose(r, matched, now, i, p.backlog_s(now))
         rec = Record(r.arrival_s, r.output_tokens, Pipeline.P_MD, measured=r.arrival_s >= warmup_s)
         if self.d.tpot_bound_s is not None:  # the router learns the same from finished requests
             self.short_outputs.add(r.output_tokens)
         rec.hit = matched / r.prompt_tokens
+        rec.decode = placed.md
         rec.missing_tokens = r.prompt_tokens - matched
         self.records.add(rec)
         if option is None:
@@ -202,9 +240,13 @@ class Simulation:
         rec.option, rec.pipeline = option, option.pipeline
         tip = cache.reserve(hashes, now) if option is not Option.SINGULAR else None
         lane = self.md_lanes[i] if self.md_lanes else None
-        req = _Req(r, hashes, rec, self.decode[i], cache, tip, option.pipeline, option, lane)
+        k = self.md_site[i]
+        req = _Req(
+            r, hashes, rec, self.decode[i], cache, tip, option.pipeline, option,
+            self.lines[k], self.sites[k].link, self.back_s[k], lane,
+        )  # fmt: skip
         if option.recomputes:  # the token ids cross the WAN; MD prefills what its cache lacks
-            self.clock.at(now + self.back_s, self._md_recompute, req)
+            self.clock.at(now + req.back_s, self._md_recompute, req)
         if option is not Option.RECOMPUTE:
             p.submit(rec.missing_tokens, matched, now, self._prefilled, req)
 
@@ -226,7 +268,7 @@ class Simulation:
             matched_tokens=matched,
             kv_bytes_per_token=d.kv_bytes_per_token,
             max_output_tokens=r.max_tokens,
-            link=self.line.estimate(now),
+            link=self.lines[self.md_site[i]].estimate(now),
             rld_available=bool(self.relay),
             rld_active=active,
             rld_capacity=max(1, self.rld_capacity),
@@ -273,8 +315,7 @@ class Simulation:
         rec.prefill_done_s = now
         missing_bytes = rec.missing_tokens * d.kv_bytes_per_token
         if req.pipeline is not Pipeline.P_MD:
-            rld = min(self.relay, key=lambda x: x.load)
-            req.rld = rld
+            req.rld = self._pick_rld()
             self.clock.at(now + d.link.fast_s(r.prompt_tokens * d.kv_bytes_per_token), self._at_rld, req)
             if req.pipeline is Pipeline.SINGULAR:
                 return
@@ -282,13 +323,16 @@ class Simulation:
             return  # MD prefills the prompt itself (``_md_recompute``): no KV on the WAN
         if self.crosses_wan:
             # Reservation round trip with MD, then the suffix on the line.
-            self.clock.at(now + d.link.rtt_s, self._wan_start, req)
+            self.clock.at(now + req.link.rtt_s, self._wan_start, req)
         else:
             self.clock.at(now + d.link.fast_s(missing_bytes), self._kv_at_decode, req)
 
     def _wan_start(self, now: float, req: _Req) -> None:
         req.wan_start_s = now
-        self.line.send(req.record.missing_tokens * self.d.kv_bytes_per_token, now, self._wan_done, req)
+        nbytes = req.record.missing_tokens * self.d.kv_bytes_per_token
+        if req.record.measured:
+            self._wan_bytes[self.lines.index(req.line)] += nbytes
+        req.line.send(nbytes, now, self._wan_done, req)
 
     def _wan_done(self, now: float, req: _Req) -> None:
         req.record.kv_transfer_s = now - req.wan_start_s
@@ -325,14 +369,14 @@ class Simulation:
 
     def _md_first_token(self, t: float, req: _Req) -> None:
         rec = req.record
-        back = self.back_s
+        back = req.back_s
         if rec.first_token_s < 0:
             rec.first_token_s = t + back
         rec.md_start_s = t + back
 
     def _decode_done(self, now: float, req: _Req) -> None:
         rec = req.record
-        rec.finish_s = now + self.back_s
+        rec.finish_s = now + req.back_s
         rec.md_tokens = req.trace.output_tokens - rec.rld_tokens
         self._release(req)
 
@@ -348,6 +392,11 @@ class Simulation:
             req.cache.release(req.tip)
 
     # -- RelayDecode -------------------------------------------------------------------------------
+
+    def _pick_rld(self) -> DecodeInstance:
+        """The router's RLD choice (``choose_rld``: the least loaded), when P's KV is out."""
+        name = choose_rld(tuple(RldSnapshot(x.name, self._p_dc, x.load) for x in self.relay))
+        return next(x for x in self.relay if x.name == name)
 
     def _at_rld(self, now: float, req: _Req) -> None:
         assert req.rld is not None

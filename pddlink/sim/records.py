@@ -21,7 +21,7 @@ from pddlink.sim.wan import LineStats
 
 class Record:
     __slots__ = (
-        "arrival_s", "finish_s", "first_token_s", "handoff", "hit", "kv_transfer_s", "md_start_s",
+        "arrival_s", "decode", "finish_s", "first_token_s", "handoff", "hit", "kv_transfer_s", "md_start_s",
         "md_tokens", "measured", "missing_tokens", "option", "output_tokens", "pipeline",
         "prefill_done_s", "rejected", "rld_tokens",
     )  # fmt: skip
@@ -37,6 +37,7 @@ class Record:
         self.handoff: HandoffMode | None = None
         self.option: Option | None = None  # None: rejected at arrival (``rejected``)
         self.rejected = False
+        self.decode = ""  # the decode instance placement chose
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +62,8 @@ class RunRecords:
     line: LineStats = field(default_factory=LineStats)  # over the measured window
     pool_size: int = 1
     events: int = 0
+    sites: dict[str, LineStats] = field(default_factory=dict)  # each decode site's line, measured window
+    wan_bytes: dict[str, int] = field(default_factory=dict)  # KV bytes measured requests put on each line
 
     def add(self, record: Record) -> None:
         self.records.append(record)

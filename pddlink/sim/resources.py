@@ -148,6 +148,10 @@ class DecodeInstance:
         """Sequences in the batch (decoding now)."""
         return self._n
 
+    @property
+    def kv_use_fraction(self) -> float:
+        return self._kv_used / self._kv_capacity
+
     def stall(self, now: float, seconds: float) -> None:
         """The instance's chips do other work (MainDecode recomputing a prompt) for ``seconds``:
         no decode iteration advances meanwhile; every sequence's next tokens move that much later."""

@@ -143,12 +143,17 @@ def load_node(tls_dir: Path, identity: PeerIdentity) -> TlsConfig:
     Refuses a directory holding a CA key (any node could then mint any identity) and a private key
     that group or others may read (as ssh does)."""
     tls_dir = Path(tls_dir)
-    if (tls_dir / CA_KEY).exists():
+    cert, key, ca = tls_dir / f"{stem(identity)}.pem", tls_dir / f"{stem(identity)}.key", tls_dir / CA_CERT
+    held = (
+        ca_key_in(tls_dir, ca)
+        if ca.is_file()
+        else ((tls_dir / CA_KEY) if (tls_dir / CA_KEY).exists() else None)
+    )
+    if held is not None:
         raise PkiError(
-            f"{tls_dir} holds the CA key {CA_KEY}: a node's tls_dir must hold only its own key, its "
+            f"{tls_dir} holds the CA key ({held.name}): a node's tls_dir must hold only its own key, its "
             "certificate and ca.pem (move the CA out; issue nodes with `pddlink pki issue`)"
         )
-    cert, key, ca = tls_dir / f"{stem(identity)}.pem", tls_dir / f"{stem(identity)}.key", tls_dir / CA_CERT
     for path in (cert, key, ca):
         if not path.is_file():
             raise PkiError(
@@ -158,6 +163,34 @@ def load_node(tls_dir: Path, identity: PeerIdentity) -> TlsConfig:
     if stat.S_IMODE(key.stat().st_mode) & 0o077:
         raise PkiError(f"{key}: private key readable by group or others (chmod 600 {key})")
     return TlsConfig(identity, cert, key, ca)
+
+
+def ca_key_in(directory: Path, ca_cert: Path) -> Path | None:
+    """The file in ``directory`` that holds the private key of ``ca_cert``, whatever its name (a
+    copy kept as ``ca-backup.key`` is as dangerous as ``ca.key``): None when there is none."""
+    try:
+        ca_public = x509.load_pem_x509_certificate(ca_cert.read_bytes()).public_key()
+    except (OSError, ValueError):
+        return None  # no readable CA certificate: loading the node fails on it next
+    wanted = ca_public.public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    for path in sorted(directory.iterdir()):
+        if not path.is_file() or path.stat().st_size > 64 << 10:
+            continue
+        data = path.read_bytes()
+        if b"PRIVATE KEY" not in data:
+            continue
+        try:
+            private = serialization.load_pem_private_key(data, password=None)
+        except (ValueError, TypeError):
+            continue  # encrypted or not a key: it cannot sign for the CA here
+        public = private.public_key().public_bytes(
+            serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+        if public == wanted:
+            return path
+    return None
 
 
 def load_or_create_pki(root: Path, identities: list[PeerIdentity]) -> dict[PeerIdentity, TlsConfig]:

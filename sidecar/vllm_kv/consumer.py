@@ -21,13 +21,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pddlink import metrics
+from pddlink.connector.control import Op, TransferState
+from pddlink.connector.control import field as cfield
+from pddlink.connector.shm import ShmRegion, Slot
 from pddlink.drc import PrefixIndex, ReservationRefused
+from pddlink.drc.reservations import ReservationIds
 from pddlink.errors import InvalidInput, PddlinkError
 from pddlink.transport import PeerIdentity, ReceivedTransfer
 from pddlink.wire import Release, Reserve, ReserveAnswer, TransferBegin
-from sidecar.vllm_kv.control import Op, TransferState
-from sidecar.vllm_kv.control import field as cfield
-from sidecar.vllm_kv.shm import ShmRegion, Slot
 
 
 @dataclass
@@ -53,6 +54,7 @@ class ConsumerBridge:
         self.wan_bytes = 0
         self.recomputed: dict[str, int] = {}  # reason -> requests MD's vLLM prefilled itself
         self.finished: dict[str, dict[str, Any]] = {}  # transfer -> vLLM's own hit, at its end
+        self.reservations = ReservationIds()  # the wire's reservation ids, as the reference MD grants them
 
     def _entry(self, transfer: str) -> Incoming:
         e = self.inc.get(transfer)
@@ -75,12 +77,14 @@ class ConsumerBridge:
             self._entry(msg.request_id).first_block = held.cached_blocks
             return ReserveAnswer(
                 request_id=msg.request_id,
-                reservation_id=1,
+                reservation_id=self.reservations.grant(msg.request_id),
                 cached_blocks=held.cached_blocks,
                 lease_ms=msg.lease_ms,
             )
         if isinstance(msg, Release):
-            return None
+            request_id = self.reservations.release(msg.reservation_id)
+            if request_id is not None:  # a stale or unknown id releases nothing
+                self.index.release(request_id, time.monotonic())
         return None
 
     def on_transfer(self, received: ReceivedTransfer) -> None:

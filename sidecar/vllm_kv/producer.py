@@ -36,14 +36,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pddlink import metrics
+from pddlink.connector.control import Op
+from pddlink.connector.control import field as cfield
+from pddlink.connector.shm import ShmRegion, Slot
 from pddlink.errors import ErrorCode, InvalidInput, NotFound, PddlinkError, Unavailable
 from pddlink.kv.codec import CodecId
 from pddlink.kv.hashing import BlockHasher
 from pddlink.wire import KVLayoutSpec, Reserve, ReserveAnswer, TransferBegin
 from sidecar.peers import KVPeer, redial_after
-from sidecar.vllm_kv.control import Op
-from sidecar.vllm_kv.control import field as cfield
-from sidecar.vllm_kv.shm import ShmRegion, Slot
 from sidecar.wan_codec import WanCodec
 
 LEASE_S = 30.0

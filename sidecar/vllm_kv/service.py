@@ -21,12 +21,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from dataclasses import dataclass, field
-from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from pddlink.connector.control import serve_control
+from pddlink.connector.kv_events import KvEventFeed
+from pddlink.connector.shm import ShmRegion, region_path
 from pddlink.drc import PrefixIndex
 from pddlink.errors import ConfigError
+from pddlink.listen_policy import check_plaintext_exposure
+from pddlink.roles import Role
 from pddlink.transport import (
     FastPathChoice,
     KVServer,
@@ -34,21 +38,12 @@ from pddlink.transport import (
     PeerIdentity,
     TlsConfig,
     choose_fast_path,
-    load_or_create_peer,
+    load_node,
 )
 from sidecar.peers import KVPeer
 from sidecar.vllm_kv.consumer import ConsumerBridge
-from sidecar.vllm_kv.control import serve_control
-from sidecar.vllm_kv.kv_events import KvEventFeed
 from sidecar.vllm_kv.producer import ProducerBridge
-from sidecar.vllm_kv.shm import ShmRegion, region_path
 from sidecar.wan_codec import WanCodec
-
-
-class Role(StrEnum):
-    P = "p"
-    MD = "md"
-    RLD = "rld"
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,10 +67,24 @@ class VllmSidecarConfig:
     orphan_s: float = 120.0  # MD: a landed transfer nobody loads is freed after this long
     wan_line_mbit: float = 0.0  # P: the WAN line's rate for the codec choice (0 = from measured goodput)
     wan_codec: str = "auto"  # P: auto | raw | planes_zstd
+    allow_plaintext_non_loopback: bool = False  # tls_dir None off loopback: said explicitly, or refused
 
     def __post_init__(self) -> None:
         if self.role is Role.P and not (self.md_addr or self.rld_addr):
             raise ConfigError("P's vLLM sidecar needs md_addr and/or rld_addr (host:port)")
+        # the same rule as the reference sidecar's: plaintext KV only where no other host can reach it
+        hosts = (
+            [a.rpartition(":")[0] for a in (self.md_addr, self.rld_addr) if a]
+            if self.role is Role.P
+            else [self.kv_host]
+        )
+        for host in hosts:
+            check_plaintext_exposure(
+                host,
+                tls=self.tls_dir is not None,
+                allowed=self.allow_plaintext_non_loopback,
+                who="vLLM sidecar",
+            )
         if self.block_size <= 0:
             raise ConfigError(f"block_size must be positive, got {self.block_size}")
 
@@ -104,7 +113,8 @@ class VllmSidecar:
         return self._kv.port
 
     def _tls(self, identity: PeerIdentity) -> TlsConfig | None:
-        return None if self.cfg.tls_dir is None else load_or_create_peer(self.cfg.tls_dir, identity)
+        """This node's issued credentials (``pddlink pki issue``); read, never minted."""
+        return None if self.cfg.tls_dir is None else load_node(self.cfg.tls_dir, identity)
 
     async def start(self) -> VllmSidecar:
         try:

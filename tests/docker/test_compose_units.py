@@ -14,7 +14,7 @@ from harness.demo_compose import role_configs
 from netlab.compose.lab import LabRecord, check_name
 from netlab.compose.relay import interface_in
 from pddlink.errors import InvalidInput, LocalError
-from sidecar.client_guard import load_key_file
+from pddlink.serving.client_guard import load_key_file
 from sidecar.config import load_config
 
 ADDRS = [

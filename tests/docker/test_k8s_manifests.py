@@ -5,6 +5,8 @@ runs here: validated, not deployed."""
 from __future__ import annotations
 
 import copy
+import re
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -67,9 +69,10 @@ def test_engine_pods_pair_the_engine_with_the_sidecar_ready_on_readyz_with_secre
 def test_services_expose_the_data_plane_and_mds_drc_feed() -> None:
     services = by_kind("Service")
     ports = {name: {p["name"]: p["port"] for p in svc["spec"]["ports"]} for name, svc in services.items()}
-    assert ports["pddlink-md"] == {"grpc": 7440, "kv": 7450, "admin": 7460}  # grpc carries DrcEvents
-    assert ports["pddlink-rld"] == {"grpc": 7441, "kv": 7451, "admin": 7461}
-    assert ports["pddlink-p"] == {"grpc": 7442, "admin": 7462}
+    # vLLM's sidecars serve no gRPC: the router talks to each vLLM's API (engine), P ships to kv
+    assert ports["pddlink-md"] == {"engine": 8100, "kv": 7450, "admin": 7460}
+    assert ports["pddlink-rld"] == {"engine": 8100, "kv": 7451, "admin": 7461}
+    assert ports["pddlink-p"] == {"engine": 8100, "admin": 7462}
     assert ports["pddlink-router"] == {"grpc": 7443, "http": 8000}
 
 
@@ -81,9 +84,35 @@ def test_configmap_files_load_as_role_configs_with_mtls() -> None:
     data = by_kind("ConfigMap")["pddlink-config"]["data"]
     for role in ("p", "rld", "md"):
         cfg = load_config(None, tomllib.loads(data[f"{role}.toml"]))
-        assert cfg.role == role and cfg.tls_dir == "/pki"
+        assert cfg.role == role and cfg.tls_dir == "/pki" and cfg.engine_kind == "vllm"
         assert cfg.admin_port and cfg.admin_keys_file == "/keys/admin-keys"  # the admin port takes keys
     assert tomllib.loads(data["router.toml"])["tls_dir"] == "/pki"
+
+
+def test_each_vllm_engine_runs_beside_a_vllm_sidecar_with_the_arguments_it_prints(tmp_path: Path) -> None:
+    """The pairing the layout check asks for: a container running PddlinkConnector sits beside a
+    sidecar whose file says engine = "vllm", and its arguments carry exactly what that sidecar's
+    ``--print-vllm-args`` prints (the control socket, the block size, the event endpoint)."""
+    from click.testing import CliRunner
+
+    from pddlink.cli.main import cli
+
+    data = by_kind("ConfigMap")["pddlink-config"]["data"]
+    for role in ("p", "rld", "md"):
+        pod = by_kind("Deployment")[f"pddlink-{role}"]["spec"]["template"]["spec"]
+        engine, sidecar = pod["containers"]
+        assert any("PddlinkConnector" in a for a in engine["args"])
+        name = sidecar["args"][-1].rsplit("/", 1)[1]
+        assert re.search(r'^engine = "vllm"$', data[name], re.M), f"{role}: the sidecar's file is not vLLM's"
+        (tmp_path / name).write_text(data[name])
+        out = CliRunner().invoke(cli, ["sidecar", "--config", str(tmp_path / name), "--print-vllm-args"])
+        assert out.exit_code == 0, out.output
+        words = out.output.split()
+        at = engine["args"].index(words[0])
+        assert engine["args"][at : at + len(words)] == words
+        assert {k: v for k, v in engine["env"][0].items() if k == "name"} == {"name": "VLLM_API_KEY"}
+    router = tomllib.loads(data["router.toml"])
+    assert router["engine"] == "vllm" and router["vllm"]["api_key_file"] == "/keys/vllm-api-key"
 
 
 def test_the_router_pod_takes_api_keys_and_its_probe_needs_none(tmp_path: Path) -> None:

@@ -21,9 +21,9 @@ import pytest
 from harness import port_probe
 from harness.cluster import free_port
 from netlab.compose.lab import DEFAULT_CONFIG, IDENTITY, KEY_FILE
+from pddlink.serving.client_guard import write_key_file
 from pddlink.transport import PeerIdentity
 from pddlink.transport.pki import create_ca, issue_node
-from sidecar.client_guard import write_key_file
 
 pytestmark = [pytest.mark.e2e, pytest.mark.process, pytest.mark.timeout(300)]
 PORTS = (7440, 7441, 7442, 7443, 7450, 7451, 7460, 7461, 7462, 8000)
@@ -124,7 +124,7 @@ def test_every_port_of_the_docker_configs_refuses_an_anonymous_client(
 def test_the_probe_sees_a_port_that_serves_anyone(tmp_path: Path) -> None:
     """The checks can fail: a plaintext, keyless HTTP server, probed as an HTTP port and as an mTLS one."""
     script = (
-        "import asyncio\nfrom sidecar.http import serve_http, json_response\n"
+        "import asyncio\nfrom pddlink.serving.http import serve_http, json_response\n"
         "async def h(req):\n    return json_response(200, {'ok': True})\n"
         "async def main():\n    s = await serve_http(h, host='127.0.0.1', port=0)\n"
         "    print(s[0].sockets[0].getsockname()[1], flush=True)\n    await asyncio.sleep(60)\n"

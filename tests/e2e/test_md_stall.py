@@ -24,8 +24,8 @@ import pytest
 
 from harness.cluster import Cluster, ClusterSpec, NoWan
 from pddlink.lifecycle.stall import MD_STALL_MIN_S
-from sidecar.http import fetch
-from sidecar.rpc import stubs
+from pddlink.serving.http import fetch
+from pddlink.serving.rpc import stubs
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 

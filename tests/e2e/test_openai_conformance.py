@@ -1,7 +1,7 @@
 """Side by side: the same calls through the official ``openai`` client against vLLM's own OpenAI
 server and against the pddlink router, compared field by field (names and JSON types, recursively).
 
-vLLM serves the tiny random Llama (``engines_adapter/vllm/tiny_model.py``, float32: P's server of the
+vLLM serves the tiny random Llama (``harness/vllm/tiny_model.py``, float32: P's server of the
 session's shared pair, tests/conftest.py, called without transfer parameters); the router fronts the
 loopback hand deployment of ``examples/deploy/loopback`` (reference engines, the tiny model's
 tokenizer built with the reference engine's 2048 ids). The two models differ, so texts differ; what
@@ -90,7 +90,7 @@ def bare_vllm(vllm_pair: Any) -> tuple[Any, Path]:
 def clients(
     bare_vllm: tuple[Any, Path], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[Any, Any]]:
-    from engines_adapter.vllm.tiny_model import TinyLlamaSpec, build_tiny_llama
+    from harness.vllm.tiny_model import TinyLlamaSpec, build_tiny_llama
 
     work = tmp_path_factory.mktemp("conformance")
     shutil.copytree(ROOT / "examples", work / "examples")

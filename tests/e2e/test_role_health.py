@@ -23,7 +23,7 @@ from engines_adapter import SamplingParams
 from harness.cluster import Cluster, ClusterSpec, NoWan
 from harness.demo_load import replay
 from harness.demo_workload import DemoRequest
-from sidecar.http import fetch
+from pddlink.serving.http import fetch
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 

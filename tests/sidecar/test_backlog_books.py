@@ -9,8 +9,8 @@ import pytest
 
 from pddlink.errors import InvalidInput
 from pddlink.routing import LinkModel, Option
-from sidecar.backlog import WanBook, md_miss_label, report_from_status
-from sidecar.recompute import PrefillBook, RecomputeMode
+from pddlink.routing.books import PrefillBook, RecomputeMode
+from pddlink.serving.backlog import WanBook, md_miss_label, report_from_status
 
 
 def test_wan_book_round_trips_through_p_status_into_the_link_model() -> None:
@@ -58,7 +58,7 @@ def test_recompute_mode_follows_the_option() -> None:
 
 
 def test_tpot_book_learns_from_requests_that_decoded_on_md_alone() -> None:
-    from sidecar.recompute import TpotBook
+    from pddlink.routing.books import TpotBook
 
     book = TpotBook(tpot_s=0.02)
     slow = {"outcome": "finished", "tokens": {"md": 41}, "ttft_s": 0.5, "e2e_s": 8.5, "output_tokens": 41}

@@ -21,9 +21,9 @@ from typing import Any
 
 import pytest
 
+from pddlink.serving.http import fetch
 from pddlink.transport import KVClient, PeerIdentity
 from pddlink.wire import KVLayoutSpec, Reserve, ReserveAnswer, TransferBegin
-from sidecar.http import fetch
 from sidecar.sweep import HeldEntry, SweepPolicy, Verdict, verdict
 
 pytestmark = pytest.mark.timeout(120)
@@ -168,7 +168,7 @@ def test_a_reservation_for_a_request_that_already_ended_is_released_at_once(
     never came) pins blocks for its whole lease unless the sweep releases it."""
     import grpc
 
-    from sidecar.rpc import stubs
+    from pddlink.serving.rpc import stubs
 
     _, ready, admin = md
     pb2, pb2_grpc = stubs()

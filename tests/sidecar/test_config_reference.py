@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from harness import config_reference as ref
-from sidecar.client_guard import ApiConfig
+from pddlink.serving.client_guard import ApiConfig
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "config-reference.md"
 

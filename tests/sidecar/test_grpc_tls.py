@@ -1,4 +1,4 @@
-"""Mutual TLS 1.3 on the gRPC control plane (sidecar.grpc_tls), with real gRPC servers and channels.
+"""Mutual TLS 1.3 on the gRPC control plane (pddlink.serving.grpc_tls), with real gRPC servers and channels.
 
 A server built as the sidecar daemon builds it (``new_server`` + ``bind`` + ``SIDECAR_CALLERS``)
 serves a small Sidecar servicer that counts the calls reaching it, so each test can tell whether a
@@ -15,9 +15,7 @@ from typing import Any
 import grpc
 import pytest
 
-from pddlink.transport import PeerIdentity, TlsConfig, load_or_create_pki
-from pddlink.transport.tls import AuthError
-from sidecar.grpc_tls import (
+from pddlink.serving.grpc_tls import (
     SIDECAR_CALLERS,
     CallerCheck,
     bind,
@@ -26,7 +24,9 @@ from sidecar.grpc_tls import (
     open_channel,
     probe_server,
 )
-from sidecar.rpc import stubs
+from pddlink.serving.rpc import stubs
+from pddlink.transport import PeerIdentity, TlsConfig, load_or_create_pki
+from pddlink.transport.tls import AuthError
 
 pb2, pb2_grpc = stubs()
 MD, P, ROUTER, RLD = (PeerIdentity(r, f"{r}0") for r in ("md", "p", "router", "rld"))

@@ -20,10 +20,10 @@ import pytest
 from harness.cluster import free_port
 from pddlink.errors import ConfigError
 from pddlink.listen_policy import check_open_http
-from sidecar.admin_access import OPEN_PATHS, admin_refusal
-from sidecar.client_guard import bearer_client, load_key_file, write_key_file
+from pddlink.serving.admin_access import OPEN_PATHS, admin_refusal
+from pddlink.serving.client_guard import bearer_client, load_key_file, write_key_file
+from pddlink.serving.http import Request, fetch
 from sidecar.config import SidecarConfig
-from sidecar.http import Request, fetch
 from tests.sidecar.test_secure_defaults import ROUTER, assert_one_line, run_cli
 
 pytestmark = pytest.mark.timeout(180)

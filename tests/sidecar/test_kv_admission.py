@@ -22,10 +22,10 @@ from typing import Any
 import grpc
 import pytest
 
-from sidecar.grpc_tls import open_channel
+from pddlink.serving.grpc_tls import open_channel
+from pddlink.serving.rpc import stubs
+from router.role_health import FULL_COOL_S, RoleHealth
 from sidecar.kv_admission import CapacityRefused, KvAdmission
-from sidecar.role_health import FULL_COOL_S, RoleHealth
-from sidecar.rpc import stubs
 
 pytestmark = pytest.mark.timeout(120)
 PB2, PB2_GRPC = stubs()

@@ -1,5 +1,5 @@
 """RSS after a burst is glibc's high-water, not a leak (issue 16, chaos: P at x2-2.9 RSS after the
-burst of 4x concurrency), and ``sidecar.malloc_trim.trim`` gives it back.
+burst of 4x concurrency), and ``pddlink.serving.malloc_trim.trim`` gives it back.
 
 The pattern of a sidecar's KV buffers, in a fresh interpreter: one large buffer freed (glibc then
 raises its mmap threshold, so later 1.6 MB buffers come from a thread's heap arena instead of their
@@ -16,14 +16,14 @@ import textwrap
 
 import pytest
 
-from sidecar import malloc_trim
+from pddlink.serving import malloc_trim
 
 pytestmark = pytest.mark.timeout(60)
 
 PROGRAM = textwrap.dedent(
     """
     import json, sys, threading
-    from sidecar.malloc_trim import trim
+    from pddlink.serving.malloc_trim import trim
 
     def rss_mb():
         for line in open("/proc/self/status"):
@@ -72,7 +72,8 @@ def test_a_pinned_mmap_threshold_returns_the_burst_without_trim() -> None:
     RSS is back near its start as soon as they are freed, with no ``trim`` (a restarted P ended a
     chaos run at 1.44x its warm-up RSS, trims and all, before the threshold was pinned)."""
     pinned = (
-        "from sidecar.malloc_trim import fix_mmap_threshold\nassert fix_mmap_threshold()\nbase = rss_mb()\n"
+        "from pddlink.serving.malloc_trim import fix_mmap_threshold\n"
+        "assert fix_mmap_threshold()\nbase = rss_mb()\n"
     )
     program = PROGRAM.replace("base = rss_mb()\n", pinned).replace("released = trim()", "released = False")
     assert "fix_mmap_threshold()" in program and "trim()" not in program
@@ -129,7 +130,7 @@ def test_freeze_startup_takes_what_is_alive_out_of_the_collectors_view() -> None
 HEAP_PROGRAM = textwrap.dedent(
     """
     import json
-    from sidecar.malloc_trim import fix_mmap_threshold, heap_stats
+    from pddlink.serving.malloc_trim import fix_mmap_threshold, heap_stats
 
     assert fix_mmap_threshold()  # as in a sidecar; a fresh heap has no free chunk to reuse
     before = heap_stats()
@@ -162,7 +163,7 @@ def test_heap_stats_tell_live_objects_and_mapped_buffers_apart() -> None:
 TYPES_PROGRAM = textwrap.dedent(
     """
     import json
-    from sidecar import malloc_trim
+    from pddlink.serving import malloc_trim
 
     class Marker:
         pass

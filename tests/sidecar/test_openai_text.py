@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from sidecar.openai_text import ChoiceText, TextCodec
+from router.openai_text import ChoiceText, TextCodec
 
 WORDS = ["prefill", "decode", "relay", "main", "wan", "käse", "straße", "日本語", "token", "stream"]
 

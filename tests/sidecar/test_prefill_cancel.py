@@ -21,8 +21,8 @@ import grpc
 import pytest
 
 from harness.cluster import Cluster, ClusterSpec, NoWan
-from sidecar.http import fetch
-from sidecar.rpc import stubs
+from pddlink.serving.http import fetch
+from pddlink.serving.rpc import stubs
 
 pytestmark = [pytest.mark.process, pytest.mark.timeout(180)]
 

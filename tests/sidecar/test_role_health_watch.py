@@ -17,9 +17,9 @@ from typing import Any
 import grpc
 import pytest
 
-from sidecar import role_health
-from sidecar.role_health import RoleHealth
-from sidecar.rpc import stubs
+from pddlink.serving.rpc import stubs
+from router import role_health
+from router.role_health import RoleHealth
 
 
 def pending_watches() -> int:

@@ -17,10 +17,10 @@ import grpc
 import pytest
 
 from pddlink.routing import BacklogReport
+from pddlink.serving.http import serve_http
+from pddlink.serving.rpc import stubs
 from router import Router, RouterConfig
 from router.api import RouterApi, RouterService
-from sidecar.http import serve_http
-from sidecar.rpc import stubs
 
 PROMPT = list(range(1, 400))
 

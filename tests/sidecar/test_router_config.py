@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from pddlink.cli.router import load_router_config
 from pddlink.errors import ConfigError
-from sidecar.client_guard import ApiConfig
+from pddlink.serving.client_guard import ApiConfig
 from sidecar.config import load_config
 
 DEPLOY = Path(__file__).resolve().parents[2] / "examples" / "deploy"
@@ -72,8 +75,8 @@ def test_vllm_engine_config_loads_and_is_checked(tmp_path: Path) -> None:
 
     cfg, serve, api = load_router_config(str(DEPLOY / "vllm" / "router.toml"), {})
     assert cfg.engine == "vllm" and cfg.vllm.md_url.startswith("http://") and cfg.vllm.rld_gets_kv
-    assert serve["http_port"] == 28000 and api.model == "tiny"
-    router = Router(cfg)
+    assert serve["http_port"] == 28000 and api.model == "tiny" and cfg.tls_dir == "run/pki/router"
+    router = Router(dataclasses.replace(cfg, tls_dir=""))  # the example's PKI is made by docs/deploy.md
     assert router.backend.status()["engine"] == "vllm"
     asyncio.run(router.close())
     f = tmp_path / "router.toml"
@@ -88,3 +91,28 @@ def test_vllm_engine_config_loads_and_is_checked(tmp_path: Path) -> None:
         f.write_text(text)
         with pytest.raises((ConfigError, InvalidInput), match=words):
             load_router_config(str(f), {})
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ('p = ["127.0.0.1:1", "127.0.0.1:2"]', "error: router: p: expected a string, got list"),
+        ('p = "a:1,b:2"', 'error: p: expected "host:port", got "a:1,b:2"'),
+    ],
+)
+def test_a_malformed_address_is_refused_at_startup_naming_the_key(
+    tmp_path: Path, line: str, message: str
+) -> None:
+    """Issue 26: a list for p crashed the router with a traceback; "a:1,b:2" was taken and then left a
+    completion unanswered for 25 s. Both now end the start with one error line, exit code 2."""
+    cfg = tmp_path / "router.toml"
+    cfg.write_text(f'{line}\nrld = "127.0.0.1:3"\nmd = "127.0.0.1:4"\n')
+    out = subprocess.run(
+        [sys.executable, "-m", "pddlink", "router", "--config", str(cfg)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines() == [message] or out.stderr.strip().splitlines()[-1].startswith(
+        message
+    )
+    assert "Traceback" not in out.stderr

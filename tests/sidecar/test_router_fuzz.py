@@ -28,14 +28,14 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from pddlink.errors import InvalidInput
+from pddlink.serving.http import serve_http
+from pddlink.serving.pb import pb2
+from pddlink.serving.sampling_pb import sampling_to_pb
 from router import Router, RouterConfig
 from router.api import RouterApi
+from router.openai_schema import Endpoint, Job
+from router.openai_text import TextCodec
 from router.vllm_legs import sampling_body
-from sidecar.http import serve_http
-from sidecar.openai_schema import Endpoint, Job
-from sidecar.openai_text import TextCodec
-from sidecar.pb import pb2
-from sidecar.sampling_pb import sampling_to_pb
 
 MUTATIONS = 99  # byte-wise variants of each drawn body
 EXAMPLES = max(1, CASES // (MUTATIONS + 1))

@@ -31,11 +31,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pddlink.errors import InvalidInput
+from pddlink.serving.pb import pb2
+from pddlink.serving.sampling_pb import sampling_to_pb
 from router import Router, RouterConfig
 from router.api import RouterService, Undecodable, add_router_service, decode_generate, grpc_job
 from router.vllm_legs import sampling_body
-from sidecar.pb import pb2
-from sidecar.sampling_pb import sampling_to_pb
 
 MUTATIONS = 99  # variants of each drawn request
 EXAMPLES = max(1, CASES // (MUTATIONS + 1))

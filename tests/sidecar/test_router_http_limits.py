@@ -14,8 +14,8 @@ import time
 
 import pytest
 
+from pddlink.serving.client_guard import ApiConfig
 from router.api import RouterApi
-from sidecar.client_guard import ApiConfig
 from tests.sidecar.test_router_limits import _closed_within, _serve
 
 BODY = 100_000  # max_body_bytes; the budget holds one such body, not two

@@ -21,11 +21,11 @@ import grpc
 import pytest
 
 from harness.cluster import free_port
+from pddlink.serving.client_guard import ApiConfig, ClientGuard
+from pddlink.serving.http import serve_http
+from pddlink.serving.rpc import stubs
 from router import Router, RouterConfig
 from router.api import RouterApi, RouterService
-from sidecar.client_guard import ApiConfig, ClientGuard
-from sidecar.http import serve_http
-from sidecar.rpc import stubs
 
 KEY = "k-0123456789abcdef"
 NOWHERE = {"p": "127.0.0.1:9", "rld": "127.0.0.1:9", "md": "127.0.0.1:9"}

@@ -16,11 +16,11 @@ from typing import Any
 import grpc
 import pytest
 
+from pddlink.serving.http import serve_http
+from pddlink.serving.rpc import stubs
 from router import Router, RouterConfig
 from router.api import RouterApi, RouterService
-from sidecar.http import serve_http
-from sidecar.openai_schema import Endpoint, Limits, completion_job
-from sidecar.rpc import stubs
+from router.openai_schema import Endpoint, Limits, completion_job
 
 BAD_BODIES = [
     (b"{not json", "not valid JSON"),
@@ -141,8 +141,8 @@ def test_string_prompt_is_bytes_and_defaults() -> None:
 def test_schema_pipelines_are_the_routing_pipelines() -> None:
     import typing
 
+    from router.openai_schema import CompletionBody, GenerateBody
     from router.options import FORCEABLE
-    from sidecar.openai_schema import CompletionBody, GenerateBody
 
     for model in (CompletionBody, GenerateBody):
         allowed = set(typing.get_args(model.model_fields["pipeline"].annotation))

@@ -1,4 +1,4 @@
-"""The gRPC modules are a build product: generated with their type stubs by ``python -m sidecar.rpc``,
+"""The gRPC modules are a build product: generated with their type stubs by ``python -m pddlink.serving.rpc``,
 checked (by content) but never generated when the package is imported."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from pddlink.errors import Unavailable
-from sidecar import rpc
+from pddlink.serving import rpc
 
 
 def test_generate_writes_modules_stubs_and_a_content_stamp(tmp_path: Path) -> None:

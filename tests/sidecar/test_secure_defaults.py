@@ -21,7 +21,7 @@ from click.testing import CliRunner
 from pddlink.errors import ConfigError
 from pddlink.listen_policy import is_loopback
 from pddlink.transport import PeerIdentity, load_node, load_or_create_pki
-from pddlink.transport.pki import create_ca, issue_node
+from pddlink.transport.pki import create_ca, issue_node, node_dir
 from sidecar.config import SidecarConfig, load_config
 
 pytestmark = pytest.mark.timeout(120)
@@ -71,6 +71,22 @@ def test_load_node_refuses_a_directory_with_the_ca_key_a_loose_key_or_missing_fi
         load_node(tmp_path / "node", MD)
     with pytest.raises(ConfigError, match=r"no rld-rld0\.pem"):
         load_node(tmp_path / "node", PeerIdentity("rld", "rld0"))
+
+
+def test_load_node_finds_the_ca_key_under_any_file_name(tmp_path: Path) -> None:
+    """A copy of the CA's key kept as ``ca-backup.key`` (or any name) is refused as ``ca.key`` is;
+    the node's own key, which is a private key too, is not mistaken for it."""
+    root = tmp_path / "pki"
+    load_or_create_pki(root, [MD])
+    node = node_dir(root, MD)
+    load_node(node, MD)  # the node's own key alone: fine
+    (node / "ca-backup.key").write_bytes((root / "ca" / "ca.key").read_bytes())
+    os.chmod(node / "ca-backup.key", 0o600)
+    with pytest.raises(ConfigError, match=r"holds the CA key \(ca-backup.key\)"):
+        load_node(node, MD)
+    (node / "ca-backup.key").rename(node / "notes.txt")
+    with pytest.raises(ConfigError, match=r"holds the CA key \(notes.txt\)"):
+        load_node(node, MD)
 
 
 def test_ping_with_a_tls_dir_never_mints_an_identity(tmp_path: Path) -> None:

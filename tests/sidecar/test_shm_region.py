@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.vllm_kv.shm import RegionInUse, ShmRegion, sweep_stale
+from pddlink.connector.shm import RegionInUse, ShmRegion, sweep_stale
 
 OWNER = """
 import sys, time
 from pathlib import Path
-from sidecar.vllm_kv.shm import ShmRegion
+from pddlink.connector.shm import ShmRegion
 r = ShmRegion(Path(sys.argv[1]), 1 << 20)
 print("ready", flush=True)
 time.sleep(60)

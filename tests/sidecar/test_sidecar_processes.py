@@ -18,8 +18,8 @@ from engines_adapter import SamplingParams, load_engine
 from harness.cluster import Cluster, ClusterSpec, NoWan
 from harness.demo_load import RequestResult, replay
 from harness.demo_workload import DemoRequest
+from pddlink.serving.http import fetch
 from pddlink.transport import PeerIdentity, load_or_create_pki
-from sidecar.http import fetch
 
 pytestmark = [pytest.mark.process, pytest.mark.timeout(180)]
 

@@ -15,7 +15,7 @@ from engines_adapter import SamplingParams, load_engine
 from harness.cluster import Cluster, ClusterSpec, NoWan
 from harness.demo_load import replay
 from harness.demo_workload import DemoRequest
-from sidecar.http import fetch
+from pddlink.serving.http import fetch
 
 pytestmark = pytest.mark.timeout(240)
 DTYPE = "bfloat16"

@@ -4,7 +4,7 @@ The router's runs advance as their answer is written; a client that sends a stre
 then takes no bytes (a small socket receive buffer, or a small HTTP/2 window on gRPC, and an
 answer long enough to fill every buffer on the way) left its write waiting for good: the run
 never reached its deadline, its slot stayed taken (the next request from that client got 503) and
-the router kept it in flight. Now the write is cut (``sidecar.write_bound``): at the stall bound,
+the router kept it in flight. Now the write is cut (``pddlink.serving.write_bound``): at the stall bound,
 or at the request's deadline + 0.5 s, whichever comes first.
 
 Real processes and sockets: P, RLD and MD sidecars (``harness.cluster``), and a router in this
@@ -26,12 +26,12 @@ import grpc
 import pytest
 
 from harness.cluster import Cluster, ClusterSpec, NoWan
+from pddlink.serving.client_guard import ApiConfig, ClientGuard
+from pddlink.serving.grpc_tls import new_server
+from pddlink.serving.http import serve_http
+from pddlink.serving.rpc import stubs
 from router import Router, RouterConfig
 from router.api import RouterApi, RouterService
-from sidecar.client_guard import ApiConfig, ClientGuard
-from sidecar.grpc_tls import new_server
-from sidecar.http import serve_http
-from sidecar.rpc import stubs
 
 pytestmark = [pytest.mark.process, pytest.mark.timeout(240)]
 

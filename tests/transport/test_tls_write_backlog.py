@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 
+from pddlink.serving.malloc_trim import fix_mmap_threshold, heap_stats
 from pddlink.transport import KVClient, KVServer, LinkOptions, ReceivedTransfer
-from sidecar.malloc_trim import fix_mmap_threshold, heap_stats
 from tests.transport.conftest import CLIENT, SERVER
 from tests.transport.test_tcp_link import begin
 

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from engines_adapter.vllm.sidecar_channel import SidecarChannel
+from pddlink.connector.control import ControlClient, Op, serve_control
 from pddlink.errors import InvalidInput, RemoteError, Unavailable
-from sidecar.vllm_kv.control import ControlClient, Op, serve_control
 
 
 @pytest.fixture

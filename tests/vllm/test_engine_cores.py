@@ -1,5 +1,5 @@
 """Which cores each vLLM server gets when one machine stands in for several
-(``engines_adapter.vllm.pair.engine_cores``, ``VllmServerSpec.cpus``): P one half, RLD and MD the
+(``harness.vllm.pair.engine_cores``, ``VllmServerSpec.cpus``): P one half, RLD and MD the
 other, halves of equal size (as many OpenMP threads everywhere), no pinning below two cores; a
 pinned spec hands vLLM its own OpenMP binding of those cores."""
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from engines_adapter.vllm.pair import engine_cores
-from engines_adapter.vllm.server import VllmServerSpec
+from harness.vllm.pair import engine_cores
+from harness.vllm.server import VllmServerSpec
 
 
 def test_p_gets_one_half_rld_and_md_the_other() -> None:

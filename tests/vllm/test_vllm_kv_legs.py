@@ -11,10 +11,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pddlink.connector.control import Op, TransferState
+from pddlink.connector.shm import MappedRegion, Slot
 from pddlink.kv.hashing import BlockHasher
-from sidecar.vllm_kv.control import Op, TransferState
-from sidecar.vllm_kv.service import Role, VllmSidecar, VllmSidecarConfig
-from sidecar.vllm_kv.shm import MappedRegion, Slot
+from pddlink.roles import Role
+from sidecar.vllm_kv.service import VllmSidecar, VllmSidecarConfig
 
 BS, PER_BLOCK, MODEL = 32, 4096, "tiny"
 LAYOUT = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 64, "dtype": "float32", "block_size": BS}
@@ -148,7 +149,7 @@ def test_an_alloc_read_before_its_prepare_waits_for_it() -> None:
     then never left P). The ALLOC waits for the PREPARE and is answered with a slot; the transfer
     ships. Real sidecars and control sockets: the worker's ALLOC is written first, the scheduler's
     PREPARE after it."""
-    from sidecar.vllm_kv.control import ControlClient
+    from pddlink.connector.control import ControlClient
 
     async def go() -> tuple[dict[str, Any], bool]:
         root = Path(tempfile.mkdtemp(prefix="pddlink-legs-"))

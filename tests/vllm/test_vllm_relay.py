@@ -191,7 +191,7 @@ def test_rld_streams_from_fast_path_kv_and_md_continues_in_one_request(trio: Any
         assert len(rld_bytes) == (len(prompt) - 1) // bs * per_block
         assert rld_bytes == p_file.read_bytes()
         # MD loaded the prompt's whole blocks from the transfer (it never saw the prompt before)
-        ends = trio.loop.call(lambda: dict(trio.md_side.consumer.finished))
+        ends = trio.finished()
         assert ends[f"pdd-{i}"]["loaded"] and ends[f"pdd-{i}"]["local_tokens"] == 0, ends[f"pdd-{i}"]
         (md_file,) = dump.glob(f"MD-pdd-{i}-*.bin")
         assert md_file.name.endswith("-0.bin") and md_file.read_bytes() == p_file.read_bytes()
@@ -345,7 +345,7 @@ def test_md_vllm_killed_mid_transfer_ends_in_time_and_nothing_held(trio: Any) ->
             t0 = time.monotonic()
             md = asyncio.ensure_future(_stream(http, trio.md.url, _body(trio, prompt, N, greedy, **kv), 60))
             p = asyncio.ensure_future(_stream(http, trio.p.url, _body(trio, prompt, 1, greedy, **kv), 60))
-            while "mdkill-1" not in trio.loop.call(lambda: dict(trio.md_side.consumer.inc)):
+            while "mdkill-1" not in trio.in_flight():
                 if md.done() or time.monotonic() - t0 > 8:
                     break
                 await asyncio.sleep(0.01)

@@ -45,7 +45,7 @@ def trio() -> Iterator[Any]:
     pytest.importorskip("vllm", reason="vLLM is not installed here (pip install 'pddlink[vllm]')")
     import vllm.distributed.kv_events  # noqa: F401  (before the sidecars' loop imports it)
 
-    from engines_adapter.vllm.tiny_model import TinyLlamaSpec, build_tiny_llama
+    from harness.vllm.tiny_model import TinyLlamaSpec, build_tiny_llama
     from harness.vllm_trio import trio_across_lab
 
     root = Path(tempfile.mkdtemp(prefix="pddlink-vrf-"))  # sockets: keep the path short
@@ -160,8 +160,7 @@ def _mirror(router: Any) -> Any:
 def _held(trio: Any) -> dict[str, Any]:
     st = trio.status()
     out = {side: (st[side]["held_slots"], st[side]["held_bytes"], st[side]["in_flight"]) for side in st}
-    md = trio.md_side.consumer
-    out["md_leases"] = trio.loop.call(lambda: md.index.stats().reservations)
+    out["md_leases"] = trio.md_side.transfers()["leases"]
     return out
 
 

@@ -35,7 +35,7 @@ def _run(out: Path) -> None:  # in the child: two vLLM engines, the runs, JSON o
     from vllm import LLM, SamplingParams
 
     from engines_adapter.vllm.sampling import PositionSeededSampling
-    from engines_adapter.vllm.tiny_model import TinyLlamaSpec, build_tiny_llama
+    from harness.vllm.tiny_model import TinyLlamaSpec, build_tiny_llama
 
     model = build_tiny_llama(out.parent / "tiny-f32", TinyLlamaSpec(dtype="float32"))
 

@@ -113,7 +113,7 @@ def test_handoff_in_one_request_continues_exactly_from_the_shipped_kv(pair: Any)
 
     before = pair.status()["md"]["loaded"]
     runs = asyncio.run(run())
-    ends = pair.loop.call(lambda: dict(pair.md_side.consumer.finished))
+    ends = pair.finished()
     for transfer, alone, k, md in runs:
         assert len(alone) == MAX_TOKENS
         assert list(alone[:k]) + md == list(alone), (transfer, k)

@@ -52,7 +52,7 @@ def test_p_md_exact_one_at_a_time_and_kv_bytes_equal(pair) -> None:
     dump: Path = pair.spec.kv_dump_dir
     compared = 0
     unused: list[str] = []
-    shipped = pair.loop.call(lambda: dict(pair.p_side.producer.done))
+    shipped = pair.shipped_all()
     for rid in ids:
         # MD held every block that travels: known at P's ALLOC (P copied nothing out), or only from
         # MD's late reservation (P copied the blocks out, MD's leg then shipped nothing)

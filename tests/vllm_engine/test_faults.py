@@ -68,8 +68,8 @@ def test_small_md_cache_evicts_and_drc_follows_vllm(lab_pair) -> None:
     st = pair.status()["md"]
     assert st["kv_events"]["removed"] > 0 and st["kv_events"]["error"] == ""
     assert st["drc_blocks"] <= MD_BLOCKS
-    shipped = pair.loop.call(lambda: dict(pair.p_side.producer.done))
-    ends = pair.loop.call(lambda: dict(pair.md_side.consumer.finished))
+    shipped = pair.shipped_all()
+    ends = pair.finished()
     for rid, _ in results:  # what MD's DRC reserved is what MD's vLLM itself held
         assert shipped[rid]["first_block"] * 32 == ends[rid]["local_tokens"], (shipped[rid], ends[rid])
     assert _wait_released(pair) == [0, 0, 0, 0]
@@ -130,10 +130,10 @@ def test_wan_cut_past_deadline_ends_in_time_with_a_reason(lab_pair) -> None:
     md = pair.status()["md"]
     assert md["recomputed"].get("deadline_exceeded", 0) >= 1, md
     deadline = time.monotonic() + 15
-    while req.request_id not in pair.loop.call(lambda: dict(pair.p_side.producer.done)):
+    while req.request_id not in pair.shipped_all():
         assert time.monotonic() < deadline, "P's shipment did not end"
         time.sleep(0.2)
-    assert pair.loop.call(lambda: pair.p_side.producer.done[req.request_id])["ok"] is False
+    assert pair.shipped_all()[req.request_id]["ok"] is False
     assert _wait_released(pair) == [0, 0, 0, 0]
 
 
@@ -151,7 +151,7 @@ def test_md_vllm_killed_mid_transfer(lab_pair) -> None:
         t0 = time.monotonic()
         task = asyncio.ensure_future(d.run_p_md(req))
         try:
-            while req.request_id not in pair.loop.call(lambda: dict(pair.md_side.consumer.inc)):
+            while req.request_id not in pair.in_flight():
                 if task.done() or time.monotonic() - t0 > 8:
                     break
                 await asyncio.sleep(0.01)

@@ -1,0 +1,401 @@
+"""OpenAI-compatible responses at the router, shaped as vLLM's own server shapes them.
+
+``serve_job`` runs a validated ``Job`` (``router.openai_schema``): one router request per prompt,
+run concurrently, each choice's tokens turned into text (``router.openai_text.ChoiceText``); the
+answer is one JSON body or server-sent events. Fields match vLLM's (``stop_reason``, ``token_ids``
+and ``prompt_token_ids`` with ``return_token_ids``, ``usage`` with ``prompt_tokens_details``);
+what pddlink adds (request id, token positions and sources, the trace) sits in one ``pddlink``
+object per choice, where vLLM puts its own per-choice extensions. A choice that a stop string ends
+cancels its router request at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from engines_adapter import SamplingParams
+from router.admission import primed
+from router.openai_schema import Endpoint, Job
+from router.openai_text import ChoiceText, TextCodec
+
+FINGERPRINT = "pddlink-0.1"
+
+
+class Generator(Protocol):
+    def generate(
+        self,
+        prompt: list[int],
+        sampling: SamplingParams,
+        *,
+        deadline_s: float = 0.0,
+        pipeline: str = "",
+        request_id: str = "",
+    ) -> AsyncIterator[dict[str, Any]]: ...
+
+
+@dataclass(slots=True)
+class Choice:
+    """One prompt's progress: text, ids, where its tokens came from, how it ended."""
+
+    index: int
+    prompt: tuple[int, ...]
+    text: ChoiceText
+    tokens: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    sources: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    error: str = ""
+    request_id: str = ""
+    trace: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def cached_tokens(self) -> int:
+        return int(self.trace.get("p_cached_tokens", 0))
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """What one step of a choice adds: new text and tokens; ``done`` when the choice has ended."""
+
+    choice: Choice
+    text: str
+    tokens: list[int]
+    positions: list[int]
+    sources: list[str]
+    done: bool = False
+
+
+async def run_choice(
+    gen: AsyncIterator[dict[str, Any]], job: Job, choice: Choice, eos: int | None
+) -> AsyncIterator[Delta]:
+    s = job.sampling
+    try:
+        async for ev in gen:
+            if ev.get("done"):
+                choice.request_id, choice.trace = ev["request_id"], ev["trace"]
+                if ev["outcome"] != "finished":
+                    choice.error = str(ev["reason"]) or "failed"
+                else:
+                    _finish(choice, s, eos)
+                yield Delta(choice, choice.text.finish(), [], [], [], done=True)
+                return
+            tok = int(ev["token_id"])
+            choice.tokens.append(tok)
+            choice.positions.append(int(ev["position"]))
+            choice.sources.append(str(ev["source"]))
+            is_stop = tok in s.stop_token_ids
+            text = choice.text.push(tok, is_stop_token=is_stop)
+            delta = Delta(choice, text, [tok], [int(ev["position"])], [str(ev["source"])])
+            if choice.text.stopped is not None:
+                choice.finish_reason, choice.stop_reason = "stop", choice.text.stopped
+                yield delta
+                yield Delta(choice, "", [], [], [], done=True)
+                return
+            yield delta
+    finally:
+        aclose = getattr(gen, "aclose", None)
+        if aclose is not None:
+            await aclose()  # a stop string (or a client gone) cancels the request at the router
+
+
+def _finish(choice: Choice, s: SamplingParams, eos: int | None) -> None:
+    last = choice.tokens[-1] if choice.tokens else None
+    if last is not None and last in s.stop_token_ids:
+        choice.finish_reason, choice.stop_reason = "stop", (None if last == eos else last)
+    elif len(choice.tokens) >= s.max_tokens:
+        choice.finish_reason = "length"
+    else:
+        choice.finish_reason = "stop"
+
+
+async def admitted(router: Generator, job: Job, choices: list[Choice]) -> list[AsyncIterator[dict[str, Any]]]:
+    """One router request per choice, all started at once and each run up to its first event: the
+    router's admission (``Overloaded``) or its own checks raise here, before any answer is sent; then
+    none is left open."""
+    starts = [
+        _primed(
+            router.generate(list(c.prompt), job.sampling, deadline_s=job.deadline_s, pipeline=job.pipeline)
+        )
+        for c in choices
+    ]
+    results = await asyncio.gather(*starts, return_exceptions=True)
+    gens = [r for r in results if not isinstance(r, BaseException)]
+    failed = [r for r in results if isinstance(r, BaseException)]
+    if failed:
+        for g in gens:
+            await _close(g)
+        raise failed[0]
+    return gens
+
+
+async def _primed(gen: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
+    """``gen`` with its first event taken now (``router.admission.primed``); closing the result
+    closes ``gen`` at once, which cancels the router's request (a stop string, a client gone)."""
+    try:
+        chained = await primed(gen)
+    except BaseException:
+        await _close(gen)
+        raise
+
+    async def closing() -> AsyncIterator[dict[str, Any]]:
+        try:
+            async for ev in chained:
+                yield ev
+        finally:
+            await _close(gen)
+
+    return closing()
+
+
+async def _close(gen: AsyncIterator[Any]) -> None:
+    aclose = getattr(gen, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
+async def merged(
+    gens: list[AsyncIterator[dict[str, Any]]], job: Job, choices: list[Choice], eos: int | None
+) -> AsyncIterator[Delta]:
+    """Every choice's deltas as they come (one task per choice); all cancelled if the reader leaves."""
+    if len(choices) == 1:
+        async for d in run_choice(gens[0], job, choices[0], eos):
+            yield d
+        return
+    queue: asyncio.Queue[Delta | None] = asyncio.Queue()
+
+    async def pump(g: AsyncIterator[dict[str, Any]], c: Choice) -> None:
+        try:
+            async for d in run_choice(g, job, c, eos):
+                await queue.put(d)
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.ensure_future(pump(g, c)) for g, c in zip(gens, choices, strict=True)]
+    try:
+        left = len(tasks)
+        while left:
+            item = await queue.get()
+            if item is None:
+                left -= 1
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@dataclass(slots=True)
+class Responder:
+    """Builds one job's answer: ``body()`` (non-streaming) or ``events()`` (SSE)."""
+
+    router: Generator
+    job: Job
+    model: str
+    codec: TextCodec | None
+    eos: int | None
+    created: int = field(default_factory=lambda: int(time.time()))
+    choices: list[Choice] = field(default_factory=list)
+    gens: list[AsyncIterator[dict[str, Any]]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        j = self.job
+        self.choices = [
+            Choice(i, p, ChoiceText(self.codec, j.stop, j.include_stop_str, j.skip_special_tokens))
+            for i, p in enumerate(j.prompts)
+        ]
+
+    @property
+    def chat(self) -> bool:
+        return self.job.endpoint is Endpoint.CHAT
+
+    @property
+    def response_id(self) -> str:
+        rid = self.choices[0].request_id or f"{time.time_ns():x}"
+        return ("chatcmpl-" if self.chat else "cmpl-") + rid
+
+    async def admit(self) -> None:
+        """Start the job's router requests; raises ``Overloaded`` (nothing left running) when the
+        router cannot meet the deadline. ``body()``/``events()`` call it when it was not called."""
+        if not self.gens:
+            self.gens = await admitted(self.router, self.job, self.choices)
+
+    async def body(self) -> tuple[int, dict[str, Any]]:
+        await self.admit()
+        async for _ in merged(self.gens, self.job, self.choices, self.eos):
+            pass
+        failed = [c for c in self.choices if c.error]
+        if failed:
+            return 503, _error(f"request failed: {failed[0].error}", "ServiceUnavailableError", 503)
+        out: dict[str, Any] = {
+            "id": self.response_id,
+            "object": "chat.completion" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [self._choice(c) for c in self.choices],
+            "service_tier": None,
+            "system_fingerprint": FINGERPRINT,
+            "usage": self._usage(full=True),
+        }
+        if self.chat:
+            out.update(prompt_logprobs=None, prompt_token_ids=None, prompt_text=None)
+        out.update(kv_transfer_params=None, ec_transfer_params=None, metrics=None)
+        return 200, out
+
+    def _choice(self, c: Choice) -> dict[str, Any]:
+        ids = c.tokens if self.job.return_token_ids else None
+        if self.chat:
+            message = {
+                "role": "assistant",
+                "content": c.text.text if self.codec else "",
+                "refusal": None,
+                "annotations": None,
+                "audio": None,
+                "function_call": None,
+                "reasoning": None,
+            }
+            head: dict[str, Any] = {"index": c.index, "message": message, "logprobs": None}
+        else:
+            head = {"index": c.index, "text": c.text.text if self.codec else "", "logprobs": None}
+        head.update(finish_reason=c.finish_reason, stop_reason=c.stop_reason, token_ids=ids)
+        if not self.chat:
+            head.update(
+                prompt_logprobs=None, prompt_token_ids=list(c.prompt) if self.job.return_token_ids else None
+            )
+        head.update(routed_experts=None, pddlink=self._ext(c, c.positions, c.sources, final=True))
+        return head
+
+    def _ext(self, c: Choice, positions: list[int], sources: list[str], final: bool) -> dict[str, Any]:
+        ext: dict[str, Any] = {"positions": positions, "sources": sources}
+        if final:
+            ext.update(request_id=c.request_id, token_ids=c.tokens, trace=c.trace)
+        return ext
+
+    def _usage(self, full: bool) -> dict[str, Any]:
+        prompt = sum(len(c.prompt) for c in self.choices)
+        completion = sum(len(c.tokens) for c in self.choices)
+        cached = sum(c.cached_tokens for c in self.choices)
+        usage: dict[str, Any] = {
+            "prompt_tokens": prompt,
+            "total_tokens": prompt + completion,
+            "completion_tokens": completion,
+            "prompt_tokens_details": {"cached_tokens": cached, "created_cache_tokens": prompt - cached},
+        }
+        if not full and not self.chat:  # vLLM's streamed completion usage counts cached tokens only
+            del usage["prompt_tokens_details"]["created_cache_tokens"]
+        if full:
+            usage["prompt_tokens_details"]["multimodal_tokens"] = None
+            usage["completion_tokens_details"] = None
+        return usage
+
+    async def events(self) -> AsyncIterator[bytes]:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        sent_first: set[int] = set()
+        rid = ""
+        await self.admit()
+        async for d in merged(self.gens, self.job, self.choices, self.eos):
+            c = d.choice
+            rid = rid or self.response_id
+            if c.error:
+                yield _sse(_error(f"request failed: {c.error}", "ServiceUnavailableError", 503))
+                break
+            if self.chat and c.index not in sent_first:
+                yield _sse(
+                    self._chunk(rid, obj, [self._chat_first(c)], prompt_token_ids=None, prompt_text=None)
+                )
+            choice = self._stream_choice(c, d, first=c.index not in sent_first)
+            sent_first.add(c.index)
+            if d.text or d.tokens or d.done:
+                # vLLM: the fingerprint rides on the last chunk, or on the usage chunk when one follows
+                extra = {"system_fingerprint": FINGERPRINT} if d.done and not self.job.include_usage else {}
+                yield _sse(self._chunk(rid, obj, [choice], **extra))
+        else:
+            if self.job.include_usage:
+                yield _sse(
+                    self._chunk(rid, obj, [], usage=self._usage(full=False), system_fingerprint=FINGERPRINT)
+                )
+        yield b"data: [DONE]\n\n"
+
+    def _chunk(self, rid: str, obj: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        return {
+            "id": rid,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            **extra,
+        }
+
+    def _chat_first(self, c: Choice) -> dict[str, Any]:
+        return {
+            "index": c.index,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+
+    def _stream_choice(self, c: Choice, d: Delta, first: bool) -> dict[str, Any]:
+        ids = d.tokens if self.job.return_token_ids else None
+        if self.chat:
+            out: dict[str, Any] = {"index": c.index, "delta": {"content": d.text}, "logprobs": None}
+            out["finish_reason"] = c.finish_reason if d.done else None
+            if d.done:
+                out["stop_reason"] = c.stop_reason
+            out["token_ids"] = ids
+        else:
+            out = {"index": c.index, "text": d.text, "logprobs": None}
+            out.update(
+                finish_reason=c.finish_reason if d.done else None,
+                stop_reason=c.stop_reason if d.done else None,
+            )
+            pids = list(c.prompt) if first and self.job.return_token_ids else None
+            out.update(prompt_token_ids=pids, token_ids=ids)
+        out["pddlink"] = self._ext(c, d.positions, d.sources, final=d.done)
+        return out
+
+
+def _sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+def _error(message: str, kind: str, code: int, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_body(message: str, kind: str, code: int, param: str | None = None) -> dict[str, Any]:
+    """vLLM's error shape: ``{"error": {"message", "type", "param", "code"}}``."""
+    return _error(message, kind, code, param)
+
+
+def models_body(model: str, root: str, max_model_len: int, created: int) -> dict[str, Any]:
+    perm = {
+        "id": f"modelperm-{model}",
+        "object": "model_permission",
+        "created": created,
+        "allow_create_engine": False,
+        "allow_sampling": True,
+        "allow_logprobs": False,
+        "allow_search_indices": False,
+        "allow_view": True,
+        "allow_fine_tuning": False,
+        "organization": "*",
+        "group": None,
+        "is_blocking": False,
+    }
+    card = {
+        "id": model,
+        "object": "model",
+        "created": created,
+        "owned_by": "pddlink",
+        "root": root,
+        "parent": None,
+        "max_model_len": max_model_len,
+        "permission": [perm],
+    }
+    return {"object": "list", "data": [card]}

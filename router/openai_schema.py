@@ -1,0 +1,416 @@
+"""The router's client request schema: OpenAI completions and chat completions over HTTP, and the
+gRPC ``Router.Generate`` request, validated by one set of pydantic models before any work starts.
+
+Every field a client may send is declared here with its type and its bounds; anything else is
+refused (``RequestRefused``, a 400 / ``INVALID_ARGUMENT`` naming the field). Fields of the OpenAI
+API that pddlink does not implement are accepted only at their neutral value (``n`` 1, no
+``best_of``, no penalties, ...), so a client that relies on them hears so instead of getting a
+silently different answer. Bounds that depend on the deployment (vocabulary, prompt and output
+limits) come from ``Limits`` and are checked in ``completion_job`` / ``generate_job``.
+
+Defaults follow vLLM's: ``temperature`` 1 (a random seed unless ``seed`` is given), ``max_tokens``
+16 (also for chat, where vLLM would use the rest of the context), the model's EOS ends a choice
+unless ``ignore_eos``.
+
+Parsing uses pydantic's JSON parser (jiter): nesting deeper than its recursion limit, NaN,
+infinities and numbers out of range are invalid JSON, never an exception of another kind.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Annotated, Any, Literal, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from engines_adapter import SamplingParams
+from pddlink.errors import InvalidInput
+from pddlink.routing import Pipeline
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 128
+MAX_STOP_TOKEN_IDS = 64
+MAX_REQUEST_ID_CHARS = 128
+MAX_PROMPTS = 16
+MAX_MESSAGES = 256
+MAX_TEXT_CHARS = 1 << 20
+MAX_DEADLINE_S = 600.0
+
+TokenId = Annotated[int, Field(ge=0, lt=2**31)]
+
+
+# A forced pipeline (tests, the P->MD baseline): a pipeline's name or a routing option's
+# (``router.options.FORCEABLE``).
+ForcedPipeline = Literal["", "p_md", "p_rld_md", "singular", "ship", "relay", "recompute", "relay_recompute"]
+
+
+class RequestRefused(InvalidInput):
+    """A client request that the schema refuses; ``param`` names the field ("" for the body)."""
+
+    def __init__(self, message: str, param: str = "") -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class Endpoint(StrEnum):
+    COMPLETIONS = "completions"
+    CHAT = "chat"
+    GRPC = "grpc"
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """The deployment's bounds (``RouterConfig``): what a request may ask of it."""
+
+    vocab_size: int
+    max_prompt_tokens: int
+    max_tokens_limit: int
+
+
+class TextCodec(Protocol):
+    """What the schema needs of a tokenizer (``router.openai_text.TextCodec``)."""
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def render_chat(self, messages: list[dict[str, str]]) -> str: ...
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: Literal[False] = False
+
+
+def _neutral(value: Any, neutral: tuple[Any, ...], what: str) -> Any:
+    if value not in neutral:
+        raise ValueError(f"{what} is not supported by pddlink")
+    return value
+
+
+class _Sampling(_Strict):
+    """Fields shared by completions and chat (OpenAI's, vLLM's extensions, pddlink's)."""
+
+    model: str | None = Field(None, max_length=256)
+    max_tokens: int | None = Field(None, ge=1, le=1_000_000)
+    temperature: float | None = Field(None, ge=0.0, le=100.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1, le=1 << 20)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stop: str | list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]] | None = Field(
+        None, max_length=MAX_STOP_STRINGS
+    )
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    n: int | None = 1
+    user: str | None = Field(None, max_length=256)
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    return_token_ids: bool | None = None
+    min_tokens: int = 0
+    # pddlink's own: the request's deadline and a forced pipeline (tests, the P->MD baseline)
+    deadline_s: float | None = Field(None, gt=0.0, le=MAX_DEADLINE_S)
+    pipeline: ForcedPipeline = ""
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_nonempty(cls, v: Any) -> Any:
+        if v == "":
+            raise ValueError("a stop string must not be empty")
+        return v
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, v: Any) -> Any:
+        return _neutral(v, (None, 1), "n > 1 (several choices per prompt)")
+
+    @field_validator("frequency_penalty", "presence_penalty")
+    @classmethod
+    def _no_penalty(cls, v: Any) -> Any:
+        return _neutral(v, (None, 0.0), "a non-zero penalty")
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_bias(cls, v: Any) -> Any:
+        return _neutral(v, (None, {}), "logit_bias")
+
+    @field_validator("min_tokens")
+    @classmethod
+    def _no_min_tokens(cls, v: Any) -> Any:
+        return _neutral(v, (0,), "min_tokens")
+
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+
+PromptIds = Annotated[list[int], Field(min_length=1, max_length=1 << 20)]
+PromptText = Annotated[str, Field(max_length=MAX_TEXT_CHARS)]
+
+
+class CompletionBody(_Sampling):
+    prompt: PromptText | PromptIds | list[PromptText] | list[PromptIds] = Field(union_mode="left_to_right")
+    best_of: int | None = None
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+
+    @field_validator("best_of")
+    @classmethod
+    def _no_best_of(cls, v: Any) -> Any:
+        return _neutral(v, (None, 1), "best_of > 1")
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v: Any) -> Any:
+        return _neutral(v, (False,), "echo")
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v: Any) -> Any:
+        return _neutral(v, (None,), "logprobs (the reference engine returns none)")
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v: Any) -> Any:
+        return _neutral(v, (None, ""), "suffix")
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str = Field(max_length=MAX_TEXT_CHARS)
+
+
+class Message(_Strict):
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[TextPart] = Field(max_length=MAX_TEXT_CHARS)
+    name: str | None = Field(None, max_length=256)
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatBody(_Sampling):
+    messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_completion_tokens: int | None = Field(None, ge=1, le=1_000_000)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v: Any) -> Any:
+        return _neutral(v, (None, False), "logprobs (the reference engine returns none)")
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _no_top(cls, v: Any) -> Any:
+        return _neutral(v, (None, 0), "top_logprobs")
+
+
+class GenerateBody(_Strict):
+    """The gRPC request, as a dict of its protobuf fields (``router.api``)."""
+
+    request_id: str = Field("", max_length=MAX_REQUEST_ID_CHARS, pattern=r"^[A-Za-z0-9._:-]*$")
+    prompt: PromptIds
+    seed: int = Field(0, ge=0, lt=2**63)
+    temperature: float = Field(0.0, ge=0.0, le=100.0)
+    top_k: int = Field(0, ge=0, le=1 << 20)
+    top_p: float = Field(1.0, ge=0.0, le=1.0)
+    max_tokens: int = Field(0, ge=0, le=1_000_000)
+    stop_token_ids: list[TokenId] = Field([], max_length=MAX_STOP_TOKEN_IDS)
+    deadline_s: float = Field(0.0, ge=0.0, le=MAX_DEADLINE_S)
+    pipeline: ForcedPipeline = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """A validated request: what the router runs, one prompt per choice."""
+
+    endpoint: Endpoint
+    prompts: tuple[tuple[int, ...], ...]
+    sampling: SamplingParams
+    stop: tuple[str, ...] = ()
+    stream: bool = False
+    include_usage: bool = False
+    deadline_s: float = 0.0
+    pipeline: str = ""
+    model: str = ""
+    request_id: str = ""
+    ignore_eos: bool = False
+    include_stop_str: bool = False
+    skip_special_tokens: bool = True
+    return_token_ids: bool = False
+
+
+def explain(exc: ValidationError) -> RequestRefused:
+    """One message naming the first offending field (all unknown fields at once)."""
+    errors = exc.errors(include_url=False)
+    unknown = sorted(".".join(str(p) for p in e["loc"]) for e in errors if e["type"] == "extra_forbidden")
+    if unknown:
+        return RequestRefused(f"unknown field(s): {', '.join(unknown)}", unknown[0])
+    first = min(errors, key=lambda e: len(e["loc"]))  # the outermost: a union's branches come later
+    loc = [str(p) for p in first["loc"]]
+    field = ".".join(loc)
+    if first["type"] == "json_invalid":
+        return RequestRefused(f"body is not valid JSON: {first['msg'].removeprefix('Invalid JSON: ')}")
+    if first["type"] == "model_type":
+        return RequestRefused("body must be a JSON object")
+    if first["type"] == "missing":
+        return RequestRefused(f'"{field}" is required', loc[0])
+    if loc[:1] == ["prompt"]:
+        return RequestRefused(
+            '"prompt" must be a string, a list of token ids (ints), or a list of strings or of id lists',
+            "prompt",
+        )
+    msg = str(first["msg"]).removeprefix("Value error, ")
+    return RequestRefused(f'"{field}": {msg}', loc[0] if loc else "")
+
+
+def parse_body(model: type[_Strict], body: bytes) -> Any:
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        raise explain(exc) from None
+
+
+def _check_prompt(ids: list[int], limits: Limits, where: str) -> tuple[int, ...]:
+    if not ids:
+        raise RequestRefused(f'"{where}" must not be empty', where)
+    if len(ids) > limits.max_prompt_tokens:
+        raise RequestRefused(
+            f'"{where}" has {len(ids)} tokens; the limit is {limits.max_prompt_tokens}', where
+        )
+    if any(not 0 <= t < limits.vocab_size for t in ids):
+        raise RequestRefused(f'"{where}": token ids must be in [0, {limits.vocab_size})', where)
+    return tuple(ids)
+
+
+def _sampling(body: _Sampling, limits: Limits, max_tokens: int | None, eos: int | None) -> SamplingParams:
+    max_tokens = max_tokens or 16
+    if max_tokens > limits.max_tokens_limit:
+        raise RequestRefused(
+            f'"max_tokens": {max_tokens} exceeds the limit {limits.max_tokens_limit}', "max_tokens"
+        )
+    stops = tuple(body.stop_token_ids or ())
+    if any(t >= limits.vocab_size for t in stops):
+        raise RequestRefused(f'"stop_token_ids" must be in [0, {limits.vocab_size})', "stop_token_ids")
+    if eos is not None and not body.ignore_eos and eos not in stops:
+        stops += (eos,)
+    top_k = body.top_k or 0
+    return SamplingParams(
+        seed=secrets.randbelow(2**63) if body.seed is None else body.seed,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_k=0 if top_k < 0 or top_k >= limits.vocab_size else top_k,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        max_tokens=max_tokens,
+        stop_token_ids=stops,
+    )
+
+
+def completion_job(
+    body: bytes, endpoint: Endpoint, limits: Limits, codec: TextCodec | None, eos: int | None = None
+) -> Job:
+    """A completions or chat request body, validated whole; ``RequestRefused`` else."""
+    parsed: CompletionBody | ChatBody
+    prompts: tuple[tuple[int, ...], ...]
+    if endpoint is Endpoint.CHAT:
+        chat: ChatBody = parse_body(ChatBody, body)
+        if codec is None:
+            raise RequestRefused("chat completions need a tokenizer with a chat template", "messages")
+        text = codec.render_chat([{"role": m.role, "content": m.text()} for m in chat.messages])
+        prompts = (_check_prompt(codec.encode(text), limits, "messages"),)
+        parsed, max_tokens = chat, chat.max_completion_tokens or chat.max_tokens
+    else:
+        comp: CompletionBody = parse_body(CompletionBody, body)
+        prompts = _completion_prompts(comp.prompt, limits, codec)
+        parsed, max_tokens = comp, comp.max_tokens
+    opts = parsed.stream_options
+    if opts is not None and not parsed.stream:
+        raise RequestRefused('"stream_options" is only allowed with "stream": true', "stream_options")
+    return Job(
+        endpoint=endpoint,
+        prompts=prompts,
+        sampling=_sampling(parsed, limits, max_tokens, eos),
+        stop=parsed.stop_strings(),
+        stream=bool(parsed.stream),
+        include_usage=bool(opts and opts.include_usage),
+        deadline_s=parsed.deadline_s or 0.0,
+        pipeline=parsed.pipeline,
+        model=parsed.model or "",
+        ignore_eos=parsed.ignore_eos,
+        include_stop_str=parsed.include_stop_str_in_output,
+        skip_special_tokens=parsed.skip_special_tokens,
+        return_token_ids=bool(parsed.return_token_ids),
+    )
+
+
+def _completion_prompts(prompt: Any, limits: Limits, codec: TextCodec | None) -> tuple[tuple[int, ...], ...]:
+    items: list[Any] = [prompt] if isinstance(prompt, str) or _is_ids(prompt) else list(prompt)
+    if not items:
+        raise RequestRefused('"prompt" must not be empty', "prompt")
+    if len(items) > MAX_PROMPTS:
+        raise RequestRefused(f'"prompt": at most {MAX_PROMPTS} prompts per request', "prompt")
+    out = []
+    for item in items:
+        ids = item if isinstance(item, list) else _encode(item, codec)
+        out.append(_check_prompt(ids, limits, "prompt"))
+    return tuple(out)
+
+
+def _is_ids(prompt: Any) -> bool:
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], int)
+
+
+def _encode(text: str, codec: TextCodec | None) -> list[int]:
+    if codec is not None:
+        return codec.encode(text)
+    return [b + 1 for b in text.encode()]  # no tokenizer: one token per UTF-8 byte (id = byte + 1)
+
+
+def generate_job(fields: dict[str, Any], limits: Limits) -> Job:
+    """The gRPC request's fields (see ``GenerateBody``), validated; ``RequestRefused`` else."""
+    try:
+        g = GenerateBody.model_validate(fields)
+    except ValidationError as exc:
+        raise explain(exc) from None
+    prompt = _check_prompt(g.prompt, limits, "prompt")
+    if any(t >= limits.vocab_size for t in g.stop_token_ids):
+        raise RequestRefused(f'"stop_token_ids" must be in [0, {limits.vocab_size})', "stop_token_ids")
+    max_tokens = g.max_tokens or 16
+    if max_tokens > limits.max_tokens_limit:
+        raise RequestRefused(f'"max_tokens": {max_tokens} exceeds the limit {limits.max_tokens_limit}')
+    try:
+        sampling = SamplingParams(
+            seed=g.seed,
+            temperature=g.temperature,
+            top_k=g.top_k,
+            top_p=g.top_p or 1.0,
+            max_tokens=max_tokens,
+            stop_token_ids=tuple(g.stop_token_ids),
+        )
+    except InvalidInput as exc:
+        raise RequestRefused(exc.message) from None
+    return Job(
+        Endpoint.GRPC,
+        (prompt,),
+        sampling,
+        deadline_s=g.deadline_s,
+        pipeline=g.pipeline,
+        request_id=g.request_id,
+    )
+
+
+_ = Pipeline  # ForcedPipeline spells FORCEABLE's names (test_schema_pipelines_are_the_routing_pipelines)
