@@ -94,11 +94,12 @@ def plot_wan_load(rows: Sequence[Mapping[str, Any]], path: Path) -> Path:
 
 
 def plot_bathtub(rows: Sequence[Mapping[str, Any]], path: Path) -> Path:
-    """Benefit per cost (BCR) and goodput against the mean prefix hit rate, one line per deployment."""
+    """Benefit per cost (BCR) and sustained goodput against the mean prefix hit rate, and TPOT P90
+    and the rejected share at the offered rate, one line per deployment."""
     panels: tuple[Panel, ...] = (
         ("BCR (goodput per cost / intra-DC PD's)", lambda r: r["bcr"]),
-        ("goodput, TTFT and TPOT SLO (req/s)", lambda r: r["goodput_rps"]),
-        ("TPOT P90 (s)", lambda r: r["tpot_s"]["p90"]),
-        ("rejected share", lambda r: r["rejected_share"]),
+        ("sustained goodput, both SLOs (req/s)", lambda r: r["goodput_rps"]),
+        ("TPOT P90 at the offered rate (s)", lambda r: r["tpot_s"]["p90"]),
+        ("rejected share at the offered rate", lambda r: r["rejected_share"]),
     )
     return _plot_panels(rows, "hit", "mean prefix hit rate on the decode side", panels, path)
