@@ -11,6 +11,9 @@ One transfer's life on MD::
                            lands) the sweeper frees it (counted as ``swept``)
 
 A transfer that lands after its RELEASE (the request was aborted or recomputed) is dropped at once.
+vLLM killed (``engine_lost``, from ``sidecar.vllm_kv.engine_link``): every transfer held for it is
+released (slots freed; its KV still arriving is dropped as above) and the DRC, vLLM's prefix cache
+as it was, is cleared with its leases; the new engine's KV events rebuild it.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ class ConsumerBridge:
         self.inc: dict[str, Incoming] = {}
         self.released: dict[str, float] = {}  # transfer -> when (a late arrival is dropped)
         self.counts = {"landed": 0, "failed": 0, "loaded": 0, "swept": 0, "late_dropped": 0}
+        self.counts |= {"engine_lost": 0, "engine_lost_released": 0}
         self.wan_bytes = 0
         self.recomputed: dict[str, int] = {}  # reason -> requests MD's vLLM prefilled itself
         self.finished: dict[str, dict[str, Any]] = {}  # transfer -> vLLM's own hit, at its end
@@ -178,6 +182,16 @@ class ConsumerBridge:
                 self.counts["loaded"] += 1
         with contextlib.suppress(ReservationRefused):  # expired, evicted or never granted
             self.index.release(transfer, time.monotonic())
+
+    def engine_lost(self, reason: str) -> int:
+        """vLLM died (``reason``): release every transfer held for it, clear the DRC. How many."""
+        held = list(self.inc)
+        for t in held:
+            self.release(t)
+        self.index.clear(time.monotonic())
+        self.counts["engine_lost"] += 1
+        self.counts["engine_lost_released"] += len(held)
+        return len(held)
 
     def sweep(self) -> None:
         now = time.monotonic()
