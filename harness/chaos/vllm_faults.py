@@ -65,6 +65,23 @@ def held_now(trio: VllmPair, router_in_flight: int) -> dict[str, Any]:
     return held
 
 
+def p_legs(trio: VllmPair) -> dict[str, Any]:
+    """P's per-leg counters (shipped, failed, bytes per destination)."""
+    try:
+        legs: dict[str, Any] = trio.sides()["p"].status().get("legs", {})
+    except (PddlinkError, OSError):
+        return {}
+    return legs
+
+
+def legs_moved(at: dict[str, dict[str, Any]], end: dict[str, Any]) -> dict[str, dict[str, bool]]:
+    """Per restart, per leg of P: whether it shipped more after the restart than up to it."""
+    return {
+        role: {leg: end.get(leg, {}).get("shipped", 0) > c.get("shipped", 0) for leg, c in legs.items()}
+        for role, legs in at.items()
+    }
+
+
 class VllmFaultRunner:
     def __init__(self, trio: VllmPair, usable: Callable[[str], bool], t0: float) -> None:
         """``usable(role)``: whether the router has the role in its pool now."""
@@ -72,6 +89,7 @@ class VllmFaultRunner:
         self.records: list[FaultRecord] = []
         self.after_restart: dict[str, dict[str, Any]] = {}  # role -> its sidecar, right after
         self.restarted: list[str] = []
+        self.p_legs_at: dict[str, dict[str, Any]] = {}  # role -> P's per-leg counters at its restart
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -105,6 +123,7 @@ class VllmFaultRunner:
             return f"restart failed: {exc.message}"
         held = sidecar_held(self.trio, role)  # the new engine has served nothing through it yet
         self.after_restart[role] = held
+        self.p_legs_at[role] = p_legs(self.trio)
         self.restarted.append(role)
         note = f"vLLM restarted after {up:.1f} s; its sidecar then held {held}; "
         until = time.monotonic() + POOL_RETURN_S

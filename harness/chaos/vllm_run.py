@@ -40,7 +40,7 @@ from harness.chaos.report import table, timeline
 from harness.chaos.rss import RssBook, rss_bytes
 from harness.chaos.run import Phases
 from harness.chaos.schedule import Fault, FaultKind
-from harness.chaos.vllm_faults import VllmFaultRunner, held_now, say
+from harness.chaos.vllm_faults import VllmFaultRunner, held_now, legs_moved, say
 from harness.demo_workload import DemoRequest
 from harness.vllm.pair import VllmPair
 from pddlink.errors import InvalidInput, PddlinkError
@@ -242,6 +242,7 @@ async def _run(
     doc["rss_baseline_mib"] = {f"{role}:{pid}": round(b / 2**20, 1) for pid, (role, b) in rss.base.items()}
     doc["rss_engines_mib"] = engines
     doc["sidecars"] = await asyncio.to_thread(trio.status)
+    doc["p_legs_moved_after_restart"] = legs_moved(runner.p_legs_at, doc["sidecars"]["p"].get("legs", {}))
     return doc, results, runner.records
 
 
@@ -261,10 +262,13 @@ async def _reference(trio: VllmPair, reqs: Sequence[DemoRequest], concurrency: i
         return list(await asyncio.gather(*(alone(http, r) for r in reqs)))
 
 
-def restart_table(after: dict[str, dict[str, Any]]) -> str:
+def restart_table(doc: dict[str, Any]) -> str:
     lines = ["", "after each vLLM restart, its sidecar held (before new traffic):"]
-    for role, held in after.items():
+    for role, held in doc["after_restart"].items():
         lines.append(f"  {role:<4} " + ", ".join(f"{k} {v}" for k, v in held.items()))
+    for role, legs in doc["p_legs_moved_after_restart"].items():
+        moved = ", ".join(f"{leg} {'yes' if m else 'NO'}" for leg, m in legs.items())
+        lines.append(f"P's legs shipped more after {role}'s restart: {moved}")
     return "\n".join(lines)
 
 
@@ -299,7 +303,7 @@ def main(spec: VllmChaosSpec, json_path: str | None, plot_path: str, keep: bool 
         "max_output_tokens": spec.max_output,
         "work_dir": str(root),
     }
-    print(table(doc) + restart_table(doc["after_restart"]))
+    print(table(doc) + restart_table(doc))
     timeline(results, records, Path(plot_path))
     say(f"timeline: {plot_path}; logs: {root / 'w'}")
     if json_path:
