@@ -17,8 +17,10 @@ into two events, with ``now`` passed in:
 
 Rules (one table, ``_LOST_ON``): a watched process that exits is the engine's death (the kernel
 also closes its sockets, but a closed connection alone is not: the connector reopens one after an
-error). An unwatchable peer has only its connections to go by: when the last of them closes, the
-engine is taken as gone (vLLM's connector keeps its two connections for the engine's life). A loss
+error; and the kernel closes a killed process's sockets before its pidfd says it exited, so the
+connections are often gone first). An unwatchable peer has only its connections to go by: when the
+last of them closes, the engine is taken as gone (vLLM's connector keeps its two connections for
+the engine's life). A loss
 is reported once per engine: a second signal of the same death says nothing new. vLLM's KV events
 starting over (a new publisher) are the DRC's own business (``pddlink.connector.kv_events``): they
 come after the new engine's first connection, so they never end an engine's life here.
@@ -65,6 +67,7 @@ class EngineWatch:
     def __init__(self) -> None:
         self.state = EngineState.UNSEEN
         self._conns: dict[int, int | None] = {}  # open control connection -> peer pid (None: unwatched)
+        self._engine: set[int] = set()  # the engine's processes: their connections may close first
         self._dead: set[int] = set()  # pids seen to exit (a late connection from one is ignored)
         self.losses = 0
         self.last_reason = ""
@@ -73,12 +76,14 @@ class EngineWatch:
     @property
     def pids(self) -> set[int]:
         """The engine processes watched now."""
-        return {p for p in self._conns.values() if p is not None}
+        return set(self._engine)
 
     def connected(self, conn: int, pid: int | None, now: float) -> list[EngineEvent]:
         if pid is not None and pid in self._dead:
             return []  # a connection the dead process opened just before it died
         self._conns[conn] = pid
+        if pid is not None:
+            self._engine.add(pid)
         if self.state is EngineState.UP:
             return []
         was_lost = self.state is EngineState.LOST
@@ -97,9 +102,8 @@ class EngineWatch:
 
     def exited(self, pid: int, now: float) -> list[EngineEvent]:
         self._dead.add(pid)
-        if pid not in self.pids:
+        if pid not in self._engine:
             return []
-        self._conns = {c: p for c, p in self._conns.items() if p != pid}
         return self._lose("exited", f"the engine's process {pid} exited", now)
 
     def _lose(self, signal: str, reason: str, now: float) -> list[EngineEvent]:
@@ -107,6 +111,7 @@ class EngineWatch:
             return []
         self.state = EngineState.LOST
         self._conns.clear()  # whatever else the dead engine had open is its too
+        self._engine.clear()
         self.losses += 1
         self.last_reason, self.lost_at = reason, now
         return [EngineLost(reason, now)]

@@ -39,6 +39,15 @@ def test_a_watched_process_exit_is_the_engine_lost_once_and_a_new_one_comes_back
     assert w.losses == 1 and w.status()["pids"] == [200]
 
 
+def test_the_exit_counts_when_the_kernel_closed_the_connections_first() -> None:
+    w = EngineWatch()
+    w.connected(1, 100, 0.0)
+    w.connected(2, 100, 0.0)
+    assert w.closed(1, 1.0) == [] and w.closed(2, 1.0) == []  # a killed process: sockets go first
+    assert w.state is EngineState.UP
+    assert w.exited(100, 1.01) == [EngineLost("the engine's process 100 exited", 1.01)]
+
+
 def test_unwatched_peers_are_lost_with_their_last_connection_and_strangers_exit_quietly() -> None:
     w = EngineWatch()
     assert w.exited(7, 0.0) == []  # nothing seen yet: no engine to lose
