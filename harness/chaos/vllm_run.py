@@ -6,9 +6,13 @@ a loopback netlab WAN; the router (``engine = "vllm"``) runs in this process and
 through its ``generate``. Scaled to what two shared cores carry: a few requests at once, short
 answers, a handful of faults.
 
-Lifecycle: model, lab and trio up -> warm-up (the load's mix, twice the concurrency), 10 s of quiet,
-each sidecar's RSS baseline -> load and faults together (``Phases`` from the reference suite: a
-fault fires once its phase's first requests are in flight, the next phase waits until it is over):
+Lifecycle: model, lab and trio up -> warm-up (the load's mix at its concurrency, then the same mix
+while the WAN is cut as long as the run's long outage: the regions' and buffers' high-water mark is
+reached before the baseline, as the reference suite's peak wave does), 10 s of quiet, each
+sidecar's RSS baseline -> load and faults together (``Phases`` from the reference suite: a fault
+fires once its phase's first requests are in flight, the next phase waits until it is over; while
+a fault lasts, requests still arrive, one each ``FAULT_PACE_S``: a vLLM restart takes ~30 s here,
+and a closed loop of 4 would otherwise spend the rest of the load failing fast against a dead P):
 kill -9 and restart of MD's, RLD's and P's vLLM, a WAN outage shorter and one longer than the
 deadline -> 10 s of quiet, then what every sidecar and the router still hold, and RSS -> the
 reference (P's vLLM alone, greedy, the faults over) -> invariants (``harness.chaos.invariants``),
@@ -51,6 +55,8 @@ SYSTEM_TOKENS = 256  # a system prompt every request shares (MD's and RLD's DRC 
 SESSIONS = 8  # each session's own context after it (its next turns hit it too)
 VOCAB = 1000  # token ids below the tiny Llama's vocabulary (1024)
 PIPELINES = ("", "p_md", "", "p_rld_md")  # half the router's own choice
+FAULT_PACE_S = 2.0  # while a fault lasts, one new request each this long
+LONG_OUTAGE = 1.2  # the long outage, in deadlines
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +78,7 @@ def vllm_schedule(deadline_s: float) -> list[Fault]:
         Fault(FaultKind.KILL_RESTART, 0.10, "md", 1.0),
         Fault(FaultKind.WAN_OUTAGE, 0.25, duration_s=0.3 * deadline_s, label="wan_outage_short"),
         Fault(FaultKind.KILL_RESTART, 0.40, "rld", 1.0),
-        Fault(FaultKind.WAN_OUTAGE, 0.55, duration_s=1.2 * deadline_s, label="wan_outage_long"),
+        Fault(FaultKind.WAN_OUTAGE, 0.55, duration_s=LONG_OUTAGE * deadline_s, label="wan_outage_long"),
         Fault(FaultKind.KILL_RESTART, 0.70, "p", 1.0),
     ]
 
@@ -132,6 +138,7 @@ async def drive(
     phases: Phases | None = None,
 ) -> list[StreamResult]:
     slots = asyncio.Semaphore(concurrency)
+    pace = asyncio.Lock()
     issued = 0
     done = 0
 
@@ -141,6 +148,9 @@ async def drive(
             k, issued = issued, issued + 1
             if phases is not None:
                 await phases.admit(k)
+                if phases.firing:  # a fault lasts: requests keep arriving, at a walk
+                    async with pace:
+                        await asyncio.sleep(FAULT_PACE_S)
             res = await one(router, req, pipeline, deadline_s, t0)
         done += 1
         if done % 40 == 0 or done == len(reqs):
@@ -148,6 +158,15 @@ async def drive(
         return res
 
     return list(await asyncio.gather(*(run(r, p) for r, p in reqs)))
+
+
+def memory_of(trio: VllmPair, role: str) -> dict[str, Any]:
+    """The sidecar's heap figures (its admin ``/memory``)."""
+    try:
+        out: dict[str, Any] = trio.sides()[role].get("/memory?types=8")
+    except (PddlinkError, OSError) as exc:
+        return {"error": str(exc)}
+    return out
 
 
 class Sidecars:
@@ -196,13 +215,20 @@ async def _run(
     router = Router(router_config(trio, spec))
     await router.start()
     try:
-        warm = workload(2 * spec.concurrency * 3, spec.seed + 1, spec.max_output, first=0)
+        warm = workload(6 * spec.concurrency, spec.seed + 1, spec.max_output, first=0)
         t = time.monotonic()
+        await drive(router, warm, concurrency=spec.concurrency, deadline_s=spec.deadline_s, t0=t)
+        outage_s = LONG_OUTAGE * spec.deadline_s
+        say(f"[chaos] warm-up under a {outage_s:g} s WAN outage, as the run's long one")
+        await asyncio.to_thread(trio.lab.outage, outage_s)  # type: ignore[attr-defined]
+        cut = workload(6 * spec.concurrency, spec.seed + 2, spec.max_output, first=0)
+        await drive(router, cut, concurrency=spec.concurrency, deadline_s=spec.deadline_s, t0=t)
+        await asyncio.sleep(max(0.0, t + outage_s - time.monotonic()))
         await drive(router, warm, concurrency=spec.concurrency, deadline_s=spec.deadline_s, t0=t)
         say(f"[chaos] warm-up over; {QUIET_S:g} s of quiet, then each sidecar's RSS baseline")
         await asyncio.sleep(QUIET_S)
         procs = Sidecars(trio)
-        rss = RssBook(len(warm))
+        rss = RssBook(len(warm), heap=lambda role: memory_of(trio, role))
         rss.sample(procs, ("p", "rld", "md"))
         reqs = workload(spec.requests, spec.seed, spec.max_output)
         t0 = time.monotonic()
@@ -227,6 +253,7 @@ async def _run(
         await asyncio.sleep(QUIET_S)
         held = await asyncio.to_thread(held_now, trio, await _router_in_flight(router))
         growth = rss.growth(procs)
+        parts, heaps = rss.parts_report(procs), await asyncio.to_thread(rss.heap_report, procs)
         engines = {role: round(rss_bytes(s.pid) / 2**20, 1) for role, s in trio.servers().items()}
         say("reference: P's vLLM generating every request alone (greedy, float32)")
         reference = await _reference(trio, [r for r, _ in reqs], spec.concurrency)
@@ -240,6 +267,8 @@ async def _run(
     doc["rss_growth_max"] = max((g for g in growth.values() if g is not None), default=0.0)
     doc["rss_growth"] = growth
     doc["rss_baseline_mib"] = {f"{role}:{pid}": round(b / 2**20, 1) for pid, (role, b) in rss.base.items()}
+    doc["rss_parts_mib"] = parts  # baseline and end: anon (heaps), file, shmem (the KV regions)
+    doc["heap"] = heaps
     doc["rss_engines_mib"] = engines
     doc["sidecars"] = await asyncio.to_thread(trio.status)
     doc["p_legs_moved_after_restart"] = legs_moved(runner.p_legs_at, doc["sidecars"]["p"].get("legs", {}))
