@@ -47,3 +47,16 @@ def test_cli_uses_the_vllm_defaults(monkeypatch) -> None:
     out = CliRunner().invoke(command, ["--engine", "vllm", "--plot", "/tmp/pddlink-vchaos-test.png"])
     assert out.exit_code == 0, out.output
     assert got == [VllmChaosSpec()] and got[0].requests >= 200
+
+
+def test_cli_keeps_the_reference_defaults(monkeypatch) -> None:
+    import harness.chaos.run as run
+    from pddlink.cli.chaos import command
+
+    got: list[dict[str, object]] = []
+    monkeypatch.setattr(run, "main", lambda **kw: got.append(kw))
+    out = CliRunner().invoke(command, ["--plot", "/tmp/pddlink-chaos-test.png", "--requests", "7"])
+    assert out.exit_code == 0, out.output
+    kw = got[0]
+    assert (kw["requests"], kw["concurrency"], kw["deadline_s"], kw["max_output"]) == (7, 50, 10.0, 48)
+    assert (kw["line_mbit"], kw["rtt_ms"], kw["engine_mode"]) == (100.0, 20.0, "process")
