@@ -11,8 +11,10 @@ while the WAN is cut as long as the run's long outage: the regions' and buffers'
 reached before the baseline, as the reference suite's peak wave does), 10 s of quiet, each
 sidecar's RSS baseline -> load and faults together (``Phases`` from the reference suite: a fault
 fires once its phase's first requests are in flight, the next phase waits until it is over; while
-a fault lasts, requests still arrive, one each ``FAULT_PACE_S``: a vLLM restart takes ~30 s here,
-and a closed loop of 4 would otherwise spend the rest of the load failing fast against a dead P):
+a fault lasts, requests still arrive, one each ``FAULT_PACE_S`` and placed by the router alone: a
+vLLM restart takes ~30 s here, and a closed loop of 4 would otherwise spend the rest of the load
+failing fast against a dead P; a pipeline forced onto a dead MD would ship it KV that nobody
+loads, which its sidecar holds until ``md_orphan_s``):
 kill -9 and restart of MD's, RLD's and P's vLLM, a WAN outage shorter and one longer than the
 deadline -> 10 s of quiet, then what every sidecar and the router still hold, and RSS -> the
 reference (P's vLLM alone, greedy, the faults over) -> invariants (``harness.chaos.invariants``),
@@ -148,7 +150,8 @@ async def drive(
             k, issued = issued, issued + 1
             if phases is not None:
                 await phases.admit(k)
-                if phases.firing:  # a fault lasts: requests keep arriving, at a walk
+                if phases.firing:  # a fault lasts: requests keep arriving, at a walk, and
+                    pipeline = ""  # go where the router finds the roles alive (no forced pipeline)
                     async with pace:
                         await asyncio.sleep(FAULT_PACE_S)
             res = await one(router, req, pipeline, deadline_s, t0)
