@@ -17,6 +17,10 @@ transfer, not which vLLM request asks, so what would hand one request's KV to an
 transfer (``failed``: vLLM prefills itself, exact) instead: a second Reserve of a key held or
 released here (refused too, ``BAD_REQUEST``), a second landing, or KV whose block hashes are not
 the reserved prompt's (``kv_mismatch``).
+
+vLLM killed (``engine_lost``, from ``sidecar.vllm_kv.engine_link``): every transfer held for it is
+released (slots freed; its KV still arriving is dropped as above) and the DRC, vLLM's prefix cache
+as it was, is cleared with its leases; the new engine's KV events rebuild it.
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ class ConsumerBridge:
         self.inc: dict[str, Incoming] = {}
         self.released: dict[str, float] = {}  # transfer -> when (a late arrival is dropped)
         self.counts = {"landed": 0, "failed": 0, "loaded": 0, "swept": 0, "late_dropped": 0, "key_refused": 0}
+        self.counts |= {"engine_lost": 0, "engine_lost_released": 0}
         self.wan_bytes = 0
         self.recomputed: dict[str, int] = {}  # reason -> requests MD's vLLM prefilled itself
         self.finished: dict[str, dict[str, Any]] = {}  # transfer -> vLLM's own hit, at its end
@@ -210,6 +215,16 @@ class ConsumerBridge:
                 self.counts["loaded"] += 1
         with contextlib.suppress(ReservationRefused):  # expired, evicted or never granted
             self.index.release(transfer, time.monotonic())
+
+    def engine_lost(self, reason: str) -> int:
+        """vLLM died (``reason``): release every transfer held for it, clear the DRC. How many."""
+        held = list(self.inc)
+        for t in held:
+            self.release(t)
+        self.index.clear(time.monotonic())
+        self.counts["engine_lost"] += 1
+        self.counts["engine_lost_released"] += len(held)
+        return len(held)
 
     def sweep(self) -> None:
         now = time.monotonic()

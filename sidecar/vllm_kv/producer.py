@@ -308,6 +308,17 @@ class ProducerBridge:
             if all(x.ship is not None and (x is leg or x.ship.done()) for x in out.legs.values()):
                 self._finish(out)
 
+    def engine_lost(self, reason: str) -> int:
+        """vLLM died (``reason``): every transfer it had not committed ends (its reservations
+        cancelled, its slot freed); committed ones ship from the region on and end by themselves.
+        How many ended."""
+        for event in self._prepared.values():  # an ALLOC waiting for its PREPARE: it never comes
+            event.set()
+        gone = [t for t, out in self.out.items() if not out.committed]
+        for t in gone:
+            self._release(t, f"engine lost: {reason}")
+        return len(gone)
+
     def _release(self, transfer: str, reason: str) -> None:
         out = self.out.get(transfer)
         if out is None or out.committed:
