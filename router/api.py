@@ -37,7 +37,7 @@ from pddlink import metrics
 from pddlink.errors import ConfigError, InvalidInput
 from pddlink.serving.client_guard import ApiConfig, ClientGuard, Refusal
 from pddlink.serving.grpc_tls import bind, new_server
-from pddlink.serving.http import HttpLimits, Request, Response, json_response, serve_http
+from pddlink.serving.http import ConnectionGate, HttpLimits, Request, Response, json_response, serve_http
 from pddlink.serving.malloc_trim import (
     fix_mmap_threshold,
     freeze_startup,
@@ -102,11 +102,12 @@ class RouterApi:
             a.retry_after_s,
             a.write_stall_s,
             a.send_buffer_bytes,
+            a.first_byte_timeout_s,
         )
 
-    def gate(self, peer: str) -> Response | None:
-        refusal = self.guard.open_connection(peer)
-        return None if refusal is None else _refused(refusal)
+    @property
+    def gate(self) -> ConnectionGate:
+        return _Gate(self.guard)
 
     async def http(self, req: Request) -> Response:
         if req.method == "GET" and req.path == "/healthz":
@@ -193,6 +194,27 @@ class RouterApi:
         finally:
             await events.aclose()  # type: ignore[attr-defined]
             self.guard.release()
+
+
+@dataclass(frozen=True, slots=True)
+class _Gate:
+    """The HTTP server's ``ConnectionGate`` over ``ClientGuard``'s connection slots."""
+
+    guard: ClientGuard
+
+    def opened(self, conn: int, peer: str, now: float) -> tuple[int, ...] | Response:
+        got = self.guard.open_connection(conn, peer, now)
+        return _refused(got) if isinstance(got, Refusal) else got
+
+    def headed(self, conn: int, peer: str, authorization: str | None, now: float) -> Response | None:
+        refusal = self.guard.connection_headed(conn, authorization, peer, now)
+        return None if refusal is None else _refused(refusal)
+
+    def idled(self, conn: int, now: float) -> None:
+        self.guard.connection_idle(conn, now)
+
+    def closed(self, conn: int) -> None:
+        self.guard.close_connection(conn)
 
 
 _GRPC_REFUSAL = {401: grpc.StatusCode.UNAUTHENTICATED, 429: grpc.StatusCode.RESOURCE_EXHAUSTED}
@@ -402,7 +424,6 @@ async def serve_router(
         limits=rapi.http_limits(),
         tls=tls,
         gate=rapi.gate,
-        ungate=guard.close_connection,
     )
     http_bound = http[0].sockets[0].getsockname()[1] if http_port else 0
     sys.stdout.write(
