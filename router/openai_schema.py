@@ -67,10 +67,14 @@ class Limits:
     vocab_size: int
     max_prompt_tokens: int
     max_tokens_limit: int
+    max_prompt_bytes: int = 0  # a text prompt's UTF-8 bytes, checked before tokenizing (0: no check)
 
 
 class TextCodec(Protocol):
     """What the schema needs of a tokenizer (``router.openai_text.TextCodec``)."""
+
+    @property
+    def max_token_bytes(self) -> int: ...
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -330,6 +334,7 @@ def completion_job(
         chat: ChatBody = parse_body(ChatBody, body)
         if codec is None:
             raise RequestRefused("chat completions need a tokenizer with a chat template", "messages")
+        _check_bytes(sum(len(m.text().encode()) for m in chat.messages), limits, codec, "messages")
         text = codec.render_chat([{"role": m.role, "content": m.text()} for m in chat.messages])
         prompts = (_check_prompt(codec.encode(text), limits, "messages"),)
         parsed, max_tokens = chat, chat.max_completion_tokens or chat.max_tokens
@@ -365,7 +370,7 @@ def _completion_prompts(prompt: Any, limits: Limits, codec: TextCodec | None) ->
         raise RequestRefused(f'"prompt": at most {MAX_PROMPTS} prompts per request', "prompt")
     out = []
     for item in items:
-        ids = item if isinstance(item, list) else _encode(item, codec)
+        ids = item if isinstance(item, list) else _encode(item, limits, codec)
         out.append(_check_prompt(ids, limits, "prompt"))
     return tuple(out)
 
@@ -374,10 +379,32 @@ def _is_ids(prompt: Any) -> bool:
     return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], int)
 
 
-def _encode(text: str, codec: TextCodec | None) -> list[int]:
-    if codec is not None:
-        return codec.encode(text)
-    return [b + 1 for b in text.encode()]  # no tokenizer: one token per UTF-8 byte (id = byte + 1)
+def _encode(text: str, limits: Limits, codec: TextCodec | None) -> list[int]:
+    if not text:
+        raise RequestRefused('"prompt" must not be empty', "prompt")
+    if codec is None:  # answering it with empty text would hide the misconfiguration (issue 27)
+        raise RequestRefused(
+            "this router has no tokenizer ([api] tokenizer): send the prompt as token ids", "prompt"
+        )
+    _check_bytes(len(text.encode()), limits, codec, "prompt")
+    return codec.encode(text)
+
+
+def prompt_byte_limit(limits: Limits, codec: TextCodec) -> int:
+    """The most UTF-8 bytes a text prompt may have: ``limits.max_prompt_bytes`` when set, else
+    what ``max_prompt_tokens`` tokens of the longest token can spell (so no prompt within the
+    token limit is refused by it, and a longer one is refused before any tokenizing)."""
+    return limits.max_prompt_bytes or limits.max_prompt_tokens * max(1, codec.max_token_bytes)
+
+
+def _check_bytes(size: int, limits: Limits, codec: TextCodec, where: str) -> None:
+    limit = prompt_byte_limit(limits, codec)
+    if size > limit:
+        raise RequestRefused(
+            f'"{where}" has {size} bytes of text; the limit is {limit} bytes '
+            f"(at most {limits.max_prompt_tokens} tokens)",
+            where,
+        )
 
 
 def generate_job(fields: dict[str, Any], limits: Limits) -> Job:

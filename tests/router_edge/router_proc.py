@@ -37,17 +37,28 @@ def _toml(value: Any) -> str:
 
 
 @contextlib.contextmanager
-def router_process(tmp: Path, api: dict[str, Any] | None = None, **top: Any) -> Iterator[RouterProc]:
+def router_process(
+    tmp: Path,
+    api: dict[str, Any] | None = None,
+    env: dict[str, str] | None = None,
+    vllm: dict[str, Any] | None = None,
+    **top: Any,
+) -> Iterator[RouterProc]:
+    """``env``: the process's environment (another checkout's PYTHONPATH, to measure a baseline);
+    ``vllm``: a ``[vllm]`` table (the router then fronts vLLM servers: ``engine = "vllm"``)."""
     port = free_port()
-    table = {**NOWHERE, "http_port": port, "grpc_port": 0, **top}
+    table = {**({"engine": "vllm"} if vllm else NOWHERE), "http_port": port, "grpc_port": 0, **top}
     lines = [f"{k} = {_toml(v)}" for k, v in table.items()]
     lines += ["[api]", *(f"{k} = {_toml(v)}" for k, v in (api or {}).items())]
+    if vllm:
+        lines += ["[vllm]", *(f"{k} = {_toml(v)}" for k, v in vllm.items())]
     conf = tmp / f"router-{port}.toml"
     conf.write_text("\n".join(lines) + "\n")
     proc = subprocess.Popen(
         [sys.executable, "-m", "pddlink.cli.main", "router", "--config", str(conf)],
         stdout=subprocess.PIPE,
         text=True,
+        env=env,
     )
     try:
         assert proc.stdout is not None
@@ -88,6 +99,28 @@ def read_answer(s: socket.socket) -> bytes:
     while len(body) < length and (part := s.recv(65536)):
         body += part
     return head + b"\r\n\r\n" + body
+
+
+def read_answers(s: socket.socket, n: int) -> list[bytes]:
+    """``n`` whole responses that may arrive together (pipelined requests), each head and body."""
+    data, out = b"", []
+    while len(out) < n:
+        while b"\r\n\r\n" not in data:
+            part = s.recv(65536)
+            if not part:
+                return out
+            data += part
+        head, _, rest = data.partition(b"\r\n\r\n")
+        length = 0
+        for line in head.split(b"\r\n")[1:]:
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-length":
+                length = int(value)
+        while len(rest) < length and (part := s.recv(65536)):
+            rest += part
+        out.append(head + b"\r\n\r\n" + rest[:length])
+        data = rest[length:]
+    return out
 
 
 def closed_within(s: socket.socket, seconds: float) -> bool:

@@ -15,7 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.router_edge.router_proc import RouterProc, closed_within, connect, read_answer, router_process
+from tests.router_edge.router_proc import (
+    RouterProc,
+    closed_within,
+    connect,
+    read_answer,
+    read_answers,
+    router_process,
+)
 
 pytestmark = [pytest.mark.process, pytest.mark.timeout(120)]
 
@@ -140,6 +147,22 @@ def test_a_good_request_after_a_chunked_body_on_the_same_connection(router: Rout
     assert read_answer(s).startswith(b"HTTP/1.1 400 Bad Request")
     s.sendall(b"GET /healthz HTTP/1.1\r\n" + H + b"\r\n")
     assert read_answer(s).startswith(b"HTTP/1.1 200 OK")
+    s.close()
+
+
+def test_sized_bodies_keep_alive_and_pipelined(router: RouterProc) -> None:
+    """Content-Length bodies are read around h11 (``_sized_body``): the keep-alive connection still
+    serves the next request, whole or pipelined behind the body in the same packet."""
+    s = connect(router.port)
+    post = b"POST /v1/completions HTTP/1.1\r\n" + H + b"content-length: 5\r\n\r\n{bad}"
+    s.sendall(post)
+    assert read_answer(s).startswith(b"HTTP/1.1 400 Bad Request")
+    s.sendall(post + b"GET /healthz HTTP/1.1\r\n" + H + b"\r\n" + post)
+    got = [a.split(b"\r\n")[0] for a in read_answers(s, 3)]
+    assert got == [b"HTTP/1.1 400 Bad Request", b"HTTP/1.1 200 OK", b"HTTP/1.1 400 Bad Request"], got
+    big = b"x" * 200_000  # over max_body_bytes: 413 and closed, without reading it whole
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\n" + H + b"content-length: %d\r\n\r\n" % len(big))
+    assert read_answer(s).startswith(b"HTTP/1.1 413")
     s.close()
 
 

@@ -20,7 +20,7 @@ from pddlink.serving.http import serve_http
 from pddlink.serving.rpc import stubs
 from router import Router, RouterConfig
 from router.api import RouterApi, RouterService
-from router.openai_schema import Endpoint, Limits, completion_job
+from router.openai_schema import Endpoint, Limits, RequestRefused, completion_job
 
 BAD_BODIES = [
     (b"{not json", "not valid JSON"),
@@ -130,10 +130,13 @@ def test_grpc_generate_refuses_bad_request() -> None:
     asyncio.run(main())
 
 
-def test_string_prompt_is_bytes_and_defaults() -> None:
-    job = completion_job(
-        b'{"prompt": "AB", "stream": true}', Endpoint.COMPLETIONS, Limits(2048, 8000, 4096), None
-    )
+def test_string_prompt_without_a_tokenizer_is_refused_and_defaults() -> None:
+    """Issue 27, item 5: no tokenizer, no text (it was taken as bytes and answered with empty text)."""
+    limits = Limits(2048, 8000, 4096)
+    with pytest.raises(RequestRefused, match=r"no tokenizer \(\[api\] tokenizer\)") as err:
+        completion_job(b'{"prompt": "AB", "stream": true}', Endpoint.COMPLETIONS, limits, None)
+    assert err.value.param == "prompt"
+    job = completion_job(b'{"prompt": [66, 67], "stream": true}', Endpoint.COMPLETIONS, limits, None)
     assert job.prompts == ((66, 67),) and job.sampling.max_tokens == 16 and job.stream
     assert job.deadline_s == 0.0 and job.pipeline == "" and job.sampling.temperature == 1.0
 

@@ -1,0 +1,206 @@
+"""One client's heavy prompts do not stall another client (issue 27, item 4).
+
+A client sends a small streaming request to a real router process (its own tokenizer, trained
+here) and times its first token, sent just after four heavy ones (another process, another
+address). Two loads: ~1 MB prompts, refused on their byte count before any tokenizing, and
+prompts just under the byte limit, tokenized on the router's worker threads (and refused on their
+token count). The small request's median first-token time under load stays within 1.2x of its
+unloaded median (+ 10 ms: 2 cores here, shared by the load's sender, the router and 3 sidecars).
+
+Real processes: P, RLD and MD sidecars with the reference engine (``harness.cluster``), and a
+router process (``pddlink router``) with ``[api] tokenizer``.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import random
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from harness.cluster import Cluster, ClusterSpec, NoWan
+from tests.router_edge.router_proc import RouterProc, router_process
+
+pytestmark = [pytest.mark.process, pytest.mark.timeout(300)]
+
+WORDS = ["prefill", "decode", "relay", "main", "wan", "cache", "prefix", "block", "token", "stream"]
+SMALL = {"prompt": list(range(1, 17)), "max_tokens": 2, "stream": True, "temperature": 0.0}
+ROUNDS = 15
+
+
+def _tokenizer_dir(out: Path) -> Path:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    rng = random.Random(0)
+    tok.train_from_iterator([" ".join(rng.choice(WORDS) for _ in range(50)) for _ in range(200)], trainer)
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "bos_token": "<s>"}))
+    return out
+
+
+def _text(n_bytes: int, seed: int) -> str:
+    rng = random.Random(seed)
+    parts: list[str] = []
+    size = 0
+    while size < n_bytes:
+        w = rng.choice(WORDS) + str(rng.randrange(1000)) + " "
+        parts.append(w)
+        size += len(w)
+    return "".join(parts)[:n_bytes]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    spec = ClusterSpec(tmp_path_factory.mktemp("heavy"), relay=True, tls=True, deadline_s=30.0)
+    with Cluster(NoWan(), spec) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def router(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProc]:
+    tmp = tmp_path_factory.mktemp("heavy-router")
+    p = cluster.ports
+    api = {
+        "tokenizer": str(_tokenizer_dir(tmp / "tok")),
+        "max_body_bytes": 2 << 20,
+        "rate_per_client_s": 0.0,
+    }
+    with router_process(
+        tmp,
+        api,
+        p=f"127.0.0.1:{p['p_grpc']}",
+        rld=f"127.0.0.1:{p['rld_grpc']}",
+        md=f"127.0.0.1:{p['md_grpc']}",
+        tls_dir=cluster.tls_dir("router"),
+        admission=False,
+    ) as r:
+        yield r
+
+
+def _post(port: int, body: bytes, source: str) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60, source_address=(source, 0))
+    try:
+        conn.request("POST", "/v1/completions", body, {"content-type": "application/json"})
+        r = conn.getresponse()
+        return r.status, r.read()
+    finally:
+        conn.close()
+
+
+def _first_token_s(port: int) -> float:
+    """Seconds from sending the small streaming request to its first token's event."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30, source_address=("127.0.0.2", 0))
+    try:
+        t0 = time.monotonic()
+        conn.request("POST", "/v1/completions", json.dumps(SMALL), {"content-type": "application/json"})
+        r = conn.getresponse()
+        assert r.status == 200, r.read()
+        while line := r.readline():
+            if line.startswith(b"data: {"):
+                took = time.monotonic() - t0
+                r.read()
+                return took
+        raise AssertionError("no token")
+    finally:
+        conn.close()
+
+
+_SENDER = """
+import http.client, sys, threading, time
+port, path = int(sys.argv[1]), sys.argv[2]
+body = open(path, "rb").read()
+def send():
+    t0 = time.monotonic()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60, source_address=("127.0.0.3", 0))
+    conn.request("POST", "/v1/completions", body, {"content-type": "application/json"})
+    r = conn.getresponse(); r.read(); conn.close()
+    print(f"{r.status} {time.monotonic() - t0:.4f}", flush=True)
+for line in sys.stdin:
+    for _ in range(4):
+        threading.Thread(target=send).start()
+"""
+
+
+def _under_load(
+    port: int, body: bytes, rounds: int, tmp: Path
+) -> tuple[list[float], list[tuple[int, float]]]:
+    """The small request's first-token times, each sent 5 ms after another process (another client:
+    127.0.0.3) has sent four requests with ``body`` at once; and those requests' (status, seconds)."""
+    path = tmp / "heavy-body.json"
+    path.write_bytes(body)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SENDER, str(port), str(path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    times: list[float] = []
+    heavy: list[tuple[int, float]] = []
+    try:
+        time.sleep(0.5)  # the sender's interpreter is up
+        for _ in range(rounds):
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            time.sleep(0.005)
+            times.append(_first_token_s(port))
+            for _ in range(4):
+                status, took = proc.stdout.readline().split()
+                heavy.append((int(status), float(took)))
+    finally:
+        proc.kill()
+        proc.wait(10)
+    return times, heavy
+
+
+def test_large_prompts_are_refused_on_their_bytes_before_tokenizing(router: RouterProc) -> None:
+    body = json.dumps({"prompt": _text(1_000_000, 1), "max_tokens": 2}).encode()
+    t0 = time.monotonic()
+    status, answer = _post(router.port, body, "127.0.0.3")
+    took = time.monotonic() - t0
+    error = json.loads(answer)["error"]
+    print(f"\n1 MB text prompt: {status} in {took * 1000:.1f} ms: {error['message']}")
+    assert status == 400 and error["param"] == "prompt" and "bytes of text" in error["message"]
+    assert took < 0.3, took
+
+
+def router_limit_bytes(router: RouterProc) -> int:
+    """The router's text byte limit, from its answer to a prompt one byte too long for anything."""
+    _, answer = _post(router.port, json.dumps({"prompt": "x" * 1_000_000}).encode(), "127.0.0.3")
+    message = json.loads(answer)["error"]["message"]
+    return int(message.split("the limit is ")[1].split()[0])
+
+
+@pytest.mark.parametrize("size", ["1MB", "under_limit"])
+def test_a_small_request_is_not_delayed_by_four_heavy_prompts(
+    router: RouterProc, size: str, tmp_path: Path
+) -> None:
+    _first_token_s(router.port)  # warm: the router's channels, the engines
+    unloaded = statistics.median(_first_token_s(router.port) for _ in range(ROUNDS))
+    # the byte limit: 8000 tokens (max_prompt_tokens) x the longest token's bytes
+    n_bytes = 1_000_000 if size == "1MB" else router_limit_bytes(router) - 1000
+    body = json.dumps({"prompt": _text(n_bytes, 2), "max_tokens": 2}).encode()
+    times, heavy = _under_load(router.port, body, ROUNDS, tmp_path)
+    loaded = statistics.median(times)
+    statuses = {s for s, _ in heavy}
+    heavy_s = statistics.median(t for _, t in heavy)
+    print(
+        f"\n{size}: small request first token median {unloaded * 1000:.1f} ms unloaded, "
+        f"{loaded * 1000:.1f} ms with four heavy prompts in flight (max {max(times) * 1000:.1f} ms; "
+        f"{len(heavy)} heavy requests, statuses {sorted(statuses)}, each {heavy_s * 1000:.0f} ms median)"
+    )
+    assert statuses == {400}
+    assert loaded <= 1.2 * unloaded + 0.010, (loaded, unloaded)
