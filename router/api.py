@@ -183,7 +183,8 @@ class RouterApi:
             return _refused(refusal)
         deadline_s = job.deadline_s or self.router.cfg.deadline_s
         send_by = WriteBound.for_request(self.api.write_stall_s, started, deadline_s).send_by
-        responder = Responder(self.router, job, self.api.model, self.codec, self.eos)
+        trace = (req.header("pddlink-trace") or "").lower() in ("1", "true")
+        responder = Responder(self.router, job, self.api.model, self.codec, self.eos, trace)
         try:
             await responder.admit()  # the router's admission answers before any byte of the reply
         except Overloaded as exc:

@@ -122,12 +122,14 @@ _SENDER = """
 import http.client, sys, threading, time
 port, path = int(sys.argv[1]), sys.argv[2]
 body = open(path, "rb").read()
+lock = threading.Lock()
 def send():
     t0 = time.monotonic()
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60, source_address=("127.0.0.3", 0))
     conn.request("POST", "/v1/completions", body, {"content-type": "application/json"})
     r = conn.getresponse(); r.read(); conn.close()
-    print(f"{r.status} {time.monotonic() - t0:.4f}", flush=True)
+    with lock:
+        print(f"{r.status} {time.monotonic() - t0:.4f}", flush=True)
 for line in sys.stdin:
     for _ in range(4):
         threading.Thread(target=send).start()
@@ -204,3 +206,21 @@ def test_a_small_request_is_not_delayed_by_four_heavy_prompts(
     )
     assert statuses == {400}
     assert loaded <= 1.2 * unloaded + 0.010, (loaded, unloaded)
+
+
+def test_answers_carry_no_pddlink_field_unless_asked(router: RouterProc) -> None:
+    """Issue 27: an answer has only vLLM's fields; ``pddlink-trace: 1`` adds the per-choice
+    ``pddlink`` object (request id, positions, sources, trace)."""
+    body = json.dumps({"prompt": list(range(1, 17)), "max_tokens": 2, "temperature": 0.0})
+    for asked in (False, True):
+        conn = http.client.HTTPConnection("127.0.0.1", router.port, timeout=30)
+        headers = {"content-type": "application/json", **({"pddlink-trace": "1"} if asked else {})}
+        conn.request("POST", "/v1/completions", body, headers)
+        r = conn.getresponse()
+        answer = json.loads(r.read())
+        conn.close()
+        assert r.status == 200 and r.reason == "OK", answer
+        choice = answer["choices"][0]
+        assert ("pddlink" in choice) is asked, choice
+        if asked:
+            assert choice["pddlink"]["trace"]["pipeline"] and len(choice["pddlink"]["sources"]) == 2

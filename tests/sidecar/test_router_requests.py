@@ -25,7 +25,10 @@ from router.openai_schema import Endpoint, Limits, RequestRefused, completion_jo
 BAD_BODIES = [
     (b"{not json", "not valid JSON"),
     (b"[1, 2]", "must be a JSON object"),
-    (b'{"prompt": [1, 2], "max_tokens": 4, "temprature": 0.5}', "unknown field(s): temprature"),
+    (
+        b'{"prompt": [1, 2], "max_tokens": 4, "repetition_penalty": 1.2}',
+        '"repetition_penalty" is not supported',
+    ),
     (b'{"prompt": [], "max_tokens": 4}', "must not be empty"),
     (b'{"prompt": "", "max_tokens": 4}', "must not be empty"),
     (b'{"max_tokens": 4}', '"prompt" is required'),
@@ -150,3 +153,18 @@ def test_schema_pipelines_are_the_routing_pipelines() -> None:
     for model in (CompletionBody, GenerateBody):
         allowed = set(typing.get_args(model.model_fields["pipeline"].annotation))
         assert allowed == {"", *FORCEABLE}
+
+
+def test_vllm_fields_at_their_neutral_value_pass_and_unknown_fields_are_ignored_as_vllm_does() -> None:
+    """Issue 27: ``vllm bench serve --backend openai`` sends ``repetition_penalty: 1.0`` (it was
+    refused as an unknown field); a field vLLM does not know either is ignored, as vLLM does."""
+    limits = Limits(2048, 8000, 4096)
+    bench = {"prompt": [5, 6], "repetition_penalty": 1.0, "logprobs": None, "max_tokens": 2}
+    bench |= {"stream": True, "stream_options": {"include_usage": True, "x": 1}, "temprature": 0.5}
+    job = completion_job(json.dumps(bench).encode(), Endpoint.COMPLETIONS, limits, None)
+    assert job.prompts == ((5, 6),) and job.sampling.temperature == 1.0 and job.include_usage
+    for field, value in (("repetition_penalty", True), ("min_p", 0.1), ("cache_salt", "s"), ("tools", [{}])):
+        body = json.dumps({"prompt": [5], field: value}).encode()
+        with pytest.raises(RequestRefused, match=f'"{field}" is not supported by pddlink') as err:
+            completion_job(body, Endpoint.COMPLETIONS, limits, None)
+        assert err.value.param == field
