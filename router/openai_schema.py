@@ -107,6 +107,8 @@ class _Body(BaseModel):
 _ANY = object()  # ignored whatever its value: changes no token of the answer
 VLLM_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "repetition_penalty": (None, 1.0),
+    "echo": (None, False),  # (chat: completions declare it)
+    "add_special_tokens": (None, True),  # the tokenizer's special tokens are added (chat too)
     "min_p": (None, 0.0),
     "length_penalty": (None, 1.0),
     "use_beam_search": (None, False),
