@@ -28,7 +28,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from harness.cluster import Cluster, ClusterSpec, NoWan
-from tests.router_edge.router_proc import RouterProc, router_process
+from tests.router_edge.router_proc import RouterProc, connect, router_process
 
 pytestmark = [pytest.mark.process, pytest.mark.timeout(300)]
 
@@ -101,12 +101,13 @@ def _post(port: int, body: bytes, source: str) -> tuple[int, bytes]:
         conn.close()
 
 
-def _first_token_s(port: int) -> float:
+def _first_token_s(port: int, headers: dict[str, str] | None = None) -> float:
     """Seconds from sending the small streaming request to its first token's event."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30, source_address=("127.0.0.2", 0))
     try:
         t0 = time.monotonic()
-        conn.request("POST", "/v1/completions", json.dumps(SMALL), {"content-type": "application/json"})
+        head = {"content-type": "application/json", **(headers or {})}
+        conn.request("POST", "/v1/completions", json.dumps(SMALL), head)
         r = conn.getresponse()
         assert r.status == 200, r.read()
         while line := r.readline():
@@ -227,3 +228,42 @@ def test_answers_carry_no_pddlink_field_unless_asked(router: RouterProc) -> None
         assert ("pddlink" in choice) is asked, choice
         if asked:
             assert choice["pddlink"]["trace"]["pipeline"] and len(choice["pddlink"]["sources"]) == 2
+
+
+def test_a_keyed_client_gets_its_first_token_through_three_thousand_idle_connections(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """Issue 27's acceptance: with 3,000 idle unauthenticated connections held open against the
+    router (default caps: 512, 64 per client), a request with a key gets its first token about as
+    fast as unloaded, and the router's open files stay under its cap + 64."""
+    keys = tmp_path / "keys"
+    keys.write_text("k-edge-0123456789abcdef\n")
+    p = cluster.ports
+    api = {"api_keys_file": str(keys), "first_byte_timeout_s": 120.0, "rate_per_client_s": 0.0}
+    with router_process(
+        tmp_path,
+        api,
+        p=f"127.0.0.1:{p['p_grpc']}",
+        rld=f"127.0.0.1:{p['rld_grpc']}",
+        md=f"127.0.0.1:{p['md_grpc']}",
+        tls_dir=cluster.tls_dir("router"),
+        admission=False,
+    ) as router:
+        auth = {"authorization": "Bearer k-edge-0123456789abcdef"}
+        _first_token_s(router.port, auth)
+        alone = statistics.median(_first_token_s(router.port, auth) for _ in range(9))
+        sources = ["127.0.0.2"] * 64 + [f"127.0.0.{3 + i % 49}" for i in range(3000 - 64)]
+        held = [connect(router.port, src) for src in sources]
+        try:
+            time.sleep(0.5)
+            flooded = statistics.median(_first_token_s(router.port, auth) for _ in range(9))
+            files = router.open_files()
+        finally:
+            for s in held:
+                s.close()
+        print(
+            f"\nkeyed first token median {alone * 1000:.1f} ms alone, {flooded * 1000:.1f} ms with 3000 "
+            f"idle connections held; router open files {files}"
+        )
+        assert files < 512 + 64, files
+        assert flooded <= 1.5 * alone + 0.010, (flooded, alone)
