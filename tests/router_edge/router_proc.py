@@ -1,5 +1,5 @@
 """A real router process for the edge tests: ``pddlink router --config FILE`` on a loopback HTTP
-port, its sidecars nowhere (127.0.0.1:9) unless given; stopped on exit. Raw-socket helpers."""
+port, its sidecars nowhere (127.0.0.1:9, :10, :11) unless given; stopped on exit. Raw-socket helpers."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from typing import Any
 
 from harness.cluster import free_port
 
-NOWHERE = {"p": "127.0.0.1:9", "rld": "127.0.0.1:9", "md": "127.0.0.1:9"}
+NOWHERE = {"p": "127.0.0.1:9", "rld": "127.0.0.1:10", "md": "127.0.0.1:11"}
 
 
 @dataclass(frozen=True, slots=True)

@@ -47,7 +47,7 @@ def _until(fn: Any, timeout_s: float) -> Any:
 def test_a_kv_event_endpoint_with_no_publisher_makes_readyz_and_status_say_so(tmp_path: Path) -> None:
     zmq = pytest.importorskip("zmq")
     endpoint = f"ipc://{tmp_path}/md-kv-events"  # nothing publishes there (yet)
-    vllm = {"p_url": "http://127.0.0.1:9", "md_url": "http://127.0.0.1:9", "model": "tiny"}
+    vllm = {"p_url": "http://127.0.0.1:9", "md_url": "http://127.0.0.1:11", "model": "tiny"}
     with router_process(tmp_path, vllm={**vllm, "md_kv_events": endpoint}) as router:
         t0 = time.monotonic()  # (the bound runs from the router's start, a little earlier)
         status, ready = _until(lambda: (s := _get(router.port, "/readyz"))[0] == 503 and s, 15.0)

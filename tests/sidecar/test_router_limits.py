@@ -28,7 +28,7 @@ from router import Router, RouterConfig
 from router.api import RouterApi, RouterService
 
 KEY = "k-0123456789abcdef"
-NOWHERE = {"p": "127.0.0.1:9", "rld": "127.0.0.1:9", "md": "127.0.0.1:9"}
+NOWHERE = {"p": "127.0.0.1:9", "rld": "127.0.0.1:10", "md": "127.0.0.1:11"}
 
 
 def _serve(api_cfg: ApiConfig, fn: Any) -> None:
@@ -232,8 +232,8 @@ def test_forty_large_uploads_keep_the_router_small() -> None:
     the router's peak RSS grows by well under the bodies' size (40 x 7.9 MB = 316 MB)."""
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pddlink.cli.main", "router", "--p", "127.0.0.1:9", "--rld", "127.0.0.1:9",
-         "--md", "127.0.0.1:9", "--grpc-port", "0", "--http-port", str(port)],
+        [sys.executable, "-m", "pddlink.cli.main", "router", "--p", "127.0.0.1:9", "--rld", "127.0.0.1:10",
+         "--md", "127.0.0.1:11", "--grpc-port", "0", "--http-port", str(port)],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:

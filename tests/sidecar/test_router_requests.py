@@ -64,7 +64,7 @@ def _post(port: int, body: bytes, path: str = "/v1/completions", method: str = "
 @pytest.mark.timeout(60)
 def test_malformed_requests_get_400_and_change_nothing() -> None:
     async def main() -> None:
-        router = Router(RouterConfig(p="127.0.0.1:9", rld="127.0.0.1:9", md="127.0.0.1:9"))
+        router = Router(RouterConfig(p="127.0.0.1:9", rld="127.0.0.1:10", md="127.0.0.1:11"))
         servers = await serve_http(RouterApi(router).http, host="127.0.0.1", port=0)
         port = servers[0].sockets[0].getsockname()[1]
         ids_before = next(router.ids)
@@ -94,7 +94,7 @@ def test_grpc_generate_refuses_bad_request() -> None:
     pb2, pb2_grpc = stubs()
 
     async def main() -> None:
-        router = Router(RouterConfig(p="127.0.0.1:9", rld="127.0.0.1:9", md="127.0.0.1:9"))
+        router = Router(RouterConfig(p="127.0.0.1:9", rld="127.0.0.1:10", md="127.0.0.1:11"))
         server = grpc.aio.server()
         pb2_grpc.add_RouterServicer_to_server(RouterService(router), server)
         port = server.add_insecure_port("127.0.0.1:0")
