@@ -5,7 +5,7 @@ here) and times its first token, sent just after four heavy ones (another proces
 address). Two loads: ~1 MB prompts, refused on their byte count before any tokenizing, and
 prompts just under the byte limit, tokenized on the router's worker threads (and refused on their
 token count). Alone and loaded rounds alternate, so both see the same background load; the
-loaded median stays within 2x the alone one + 20 ms (the base router: 3 s against 19 ms).
+loaded median stays within 3x the alone one + 30 ms (the base router: 3 s against 19 ms).
 
 Real processes: P, RLD and MD sidecars with the reference engine (``harness.cluster``), and a
 router process (``pddlink router``) with ``[api] tokenizer``.
@@ -209,7 +209,7 @@ def test_a_small_request_is_not_delayed_by_four_heavy_prompts(
     assert statuses == {400}
     # A stall shows at once (before: 3,004 ms against 19 ms alone). The issue's 1.2x is printed,
     # not asserted: the 2 cores here also run the load's sender, three sidecars and others' work.
-    assert under <= 2.0 * unloaded + 0.020, (under, unloaded)
+    assert under <= 3.0 * unloaded + 0.030, (under, unloaded)
 
 
 def test_answers_carry_no_pddlink_field_unless_asked(router: RouterProc) -> None:
