@@ -121,16 +121,25 @@ MEANINGS: dict[str, str] = {
     "api.header_timeout_s": "the whole request head must arrive within this",
     "api.body_timeout_s": "the whole request body must arrive within this (408 after)",
     "api.idle_timeout_s": "a keep-alive connection without a request closes after this",
+    "api.first_byte_timeout_s": "a new connection that sends no byte closes after this (or idle_timeout_s,"
+    " if shorter); head-less connections are also the first closed to make room at the caps",
     "api.write_stall_s": "an answer whose client takes none of its bytes this long is cut (its request"
     " cancelled); every answer is cut at its deadline + 0.5 s",
     "api.send_buffer_bytes": "each HTTP connection's kernel send buffer (SO_SNDBUF): what an unread"
     " answer pins",
-    "api.max_connections": "open HTTP client connections over all clients",
-    "api.max_connections_per_client": "open HTTP connections per client address (429 beyond)",
+    "api.max_connections": "open HTTP client connections over all clients; at the cap the oldest"
+    " head-less (then idle) connection is closed for a new one, and only when all are busy is it"
+    " refused (503, at once)",
+    "api.max_connections_per_client": "open HTTP connections per client: its API key once a request head"
+    " names one, else its address (429 beyond; strangers' head-less connections go first)",
     "api.max_concurrent_requests": "requests generating at once, HTTP and gRPC (503 + Retry-After beyond)",
     "api.rate_per_client_s": "requests per second per client, token bucket (429 + Retry-After; 0 = off)",
     "api.rate_burst": "the token bucket's size",
     "api.retry_after_s": "Retry-After that a 503 tells the client",
+    "api.tokenizer_workers": "threads that tokenize large text prompts (and detokenize), off the event loop",
+    "api.max_prompt_bytes": "a text prompt's UTF-8 bytes, checked before tokenizing (400 beyond);"
+    " 0 = max_prompt_tokens x the tokenizer's longest token in bytes (no prompt within the token"
+    " limit is refused)",
 }
 
 ROUTER_SERVING = [

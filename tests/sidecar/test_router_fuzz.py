@@ -201,7 +201,7 @@ def _codec() -> TextCodec:
 def api() -> Iterator[RouterApi]:
     loop = asyncio.new_event_loop()  # the router's gRPC channels belong to a loop (never run here)
     asyncio.set_event_loop(loop)
-    cfg = RouterConfig(p="127.0.0.1:9", rld="127.0.0.1:9", md="127.0.0.1:9")
+    cfg = RouterConfig(p="127.0.0.1:9", rld="127.0.0.1:10", md="127.0.0.1:11")
     router = Router(cfg)
     yield RouterApi(router, codec=_codec())
     loop.run_until_complete(router.close())
@@ -254,7 +254,7 @@ def test_fuzz_request_bodies_over_sockets() -> None:
     rng = random.Random(16)
 
     async def main() -> None:
-        cfg = RouterConfig(p="127.0.0.1:9", rld="127.0.0.1:9", md="127.0.0.1:9", deadline_s=2.0)
+        cfg = RouterConfig(p="127.0.0.1:9", rld="127.0.0.1:10", md="127.0.0.1:11", deadline_s=2.0)
         router = Router(cfg)
         api = RouterApi(router)
         servers = await serve_http(api.http, host="127.0.0.1", port=0)

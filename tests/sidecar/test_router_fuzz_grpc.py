@@ -253,7 +253,7 @@ def judge(service: RouterService, raw: bytes) -> tuple[str, str]:
 def service() -> Iterator[RouterService]:
     loop = asyncio.new_event_loop()  # the router's gRPC channels belong to a loop (never run here)
     asyncio.set_event_loop(loop)
-    router = Router(RouterConfig(p="127.0.0.1:9", rld="127.0.0.1:9", md="127.0.0.1:9"))
+    router = Router(RouterConfig(p="127.0.0.1:9", rld="127.0.0.1:10", md="127.0.0.1:11"))
     yield RouterService(router)
     loop.run_until_complete(router.close())
     asyncio.set_event_loop(None)
@@ -316,7 +316,7 @@ def test_fuzz_generate_requests_over_sockets() -> None:
     rng = random.Random(16)
 
     async def main() -> None:
-        cfg = RouterConfig(p="127.0.0.1:9", rld="127.0.0.1:9", md="127.0.0.1:9", deadline_s=2.0)
+        cfg = RouterConfig(p="127.0.0.1:9", rld="127.0.0.1:10", md="127.0.0.1:11", deadline_s=2.0)
         router = Router(cfg)
         service = RouterService(router)
         server = grpc.aio.server()

@@ -51,7 +51,7 @@ def test_a_leg_that_raises_ends_the_request_at_once(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(router.legs, "sampling_to_pb", out_of_range)
 
     async def main() -> None:
-        cfg = RouterConfig(p="127.0.0.1:9", rld="127.0.0.1:9", md="127.0.0.1:9", deadline_s=DEADLINE_S)
+        cfg = RouterConfig(p="127.0.0.1:9", rld="127.0.0.1:10", md="127.0.0.1:11", deadline_s=DEADLINE_S)
         r = Router(cfg)
         try:
             gen = r.generate([1, 2, 3], SamplingParams(max_tokens=4), pipeline=pipeline)
