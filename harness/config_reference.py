@@ -14,6 +14,7 @@ from typing import Any
 from pddlink.serving.client_guard import ApiConfig
 from router import RouterConfig, VllmEngineConfig
 from sidecar.config import DataPlaneConfig, DecodeConfig, EngineConfig, PeersConfig, SidecarConfig
+from sidecar.config import VllmConfig as SidecarVllmConfig
 
 MEANINGS: dict[str, str] = {
     # sidecar, top level
@@ -30,7 +31,21 @@ MEANINGS: dict[str, str] = {
     "sidecar.allow_plaintext_non_loopback": "allow tls_dir = '' on a non-loopback host (an explicit choice)",
     "sidecar.allow_unauthenticated_non_loopback": "allow admin_port without admin_keys_file on a"
     " non-loopback host (an explicit choice)",
-    "sidecar.engine": "the [engine] table",
+    "sidecar.engine_kind": 'the engine beside this sidecar, written `engine = "reference"` or'
+    ' `engine = "vllm"` at the top level (an [engine] table means the reference engine)',
+    "sidecar.engine": "the [engine] table (the reference engine)",
+    "sidecar.vllm": 'the [vllm] table (engine = "vllm")',
+    # [vllm] of a sidecar beside vLLM
+    "sidecar_vllm.model_id": "namespace of the block hashes: the same string on P, RLD and MD; required",
+    "sidecar_vllm.block_size": "vLLM's --block-size (printed by --print-vllm-args)",
+    "sidecar_vllm.workdir": "directory of the connector's control socket <workdir>/<peer_id>.sock"
+    " (shared with vLLM)",
+    "sidecar_vllm.region_bytes": "size of the shared-memory region the KV moves through",
+    "sidecar_vllm.region_dir": "where the region lives ('' = /dev/shm where it has room, else workdir)",
+    "sidecar_vllm.kv_events_endpoint": "RLD/MD: vLLM's KV-cache event publisher the DRC follows (ipc:// or"
+    " tcp://; '' = no DRC feed)",
+    "sidecar_vllm.orphan_s": "RLD/MD: a landed transfer no request loads is freed after this long",
+    "sidecar_vllm.max_model_len": "printed as vLLM's --max-model-len (0: vLLM's default)",
     "sidecar.peers": "the [peers] table",
     "sidecar.data_plane": "the [data_plane] table",
     "sidecar.decode": "the [decode] table",
@@ -109,6 +124,8 @@ MEANINGS: dict[str, str] = {
     "vllm.model": "the model name the vLLM servers serve (sent as the body's model)",
     "vllm.wan_share": "time share P's transfer to MD may take (MD then reports a miss in time)",
     "vllm.rld_gets_kv": "P ships the prompt's KV to RLD over the fast path (else RLD prefills it itself)",
+    "vllm.api_key_file": "file holding the key the vLLM servers were started with (--api-key or"
+    " VLLM_API_KEY), sent as a bearer token ('' = none)",
     "vllm.md_kv_events": "MD vLLM's KV-event publisher (its --kv-events-config endpoint): the router's DRC"
     " mirror subscribes beside MD's sidecar ('' = no mirror: the router sees no prefix on MD)",
     # router [api]
@@ -193,6 +210,7 @@ TABLES: list[tuple[str, type[Any]]] = [
     ("peers", PeersConfig),
     ("data_plane", DataPlaneConfig),
     ("decode", DecodeConfig),
+    ("sidecar_vllm", SidecarVllmConfig),
     ("router", RouterConfig),
     ("vllm", VllmEngineConfig),
     ("api", ApiConfig),
@@ -204,6 +222,7 @@ TITLES = {
     "peers": "### `[peers]`",
     "data_plane": "### `[data_plane]`",
     "decode": "### `[decode]`",
+    "sidecar_vllm": '### `[vllm]` of a sidecar beside vLLM (`engine = "vllm"`)',
     "router": "## Router (`pddlink router --config FILE`): top level",
     "vllm": '### `[vllm]`: the roles as vLLM servers (`engine = "vllm"`)',
     "api": "### `[api]`: the client API",
