@@ -14,6 +14,7 @@ from typing import Any
 from pddlink.serving.client_guard import ApiConfig
 from router import RouterConfig, VllmEngineConfig
 from sidecar.config import DataPlaneConfig, DecodeConfig, EngineConfig, PeersConfig, SidecarConfig
+from sidecar.config import VllmConfig as SidecarVllmConfig
 
 MEANINGS: dict[str, str] = {
     # sidecar, top level
@@ -30,7 +31,21 @@ MEANINGS: dict[str, str] = {
     "sidecar.allow_plaintext_non_loopback": "allow tls_dir = '' on a non-loopback host (an explicit choice)",
     "sidecar.allow_unauthenticated_non_loopback": "allow admin_port without admin_keys_file on a"
     " non-loopback host (an explicit choice)",
-    "sidecar.engine": "the [engine] table",
+    "sidecar.engine_kind": 'the engine beside this sidecar, written `engine = "reference"` or'
+    ' `engine = "vllm"` at the top level (an [engine] table means the reference engine)',
+    "sidecar.engine": "the [engine] table (the reference engine)",
+    "sidecar.vllm": 'the [vllm] table (engine = "vllm")',
+    # [vllm] of a sidecar beside vLLM
+    "sidecar_vllm.model_id": "namespace of the block hashes: the same string on P, RLD and MD; required",
+    "sidecar_vllm.block_size": "vLLM's --block-size (printed by --print-vllm-args)",
+    "sidecar_vllm.workdir": "directory of the connector's control socket <workdir>/<peer_id>.sock"
+    " (shared with vLLM)",
+    "sidecar_vllm.region_bytes": "size of the shared-memory region the KV moves through",
+    "sidecar_vllm.region_dir": "where the region lives ('' = /dev/shm where it has room, else workdir)",
+    "sidecar_vllm.kv_events_endpoint": "RLD/MD: vLLM's KV-cache event publisher the DRC follows (ipc:// or"
+    " tcp://; '' = no DRC feed)",
+    "sidecar_vllm.orphan_s": "RLD/MD: a landed transfer no request loads is freed after this long",
+    "sidecar_vllm.max_model_len": "printed as vLLM's --max-model-len (0: vLLM's default)",
     "sidecar.peers": "the [peers] table",
     "sidecar.data_plane": "the [data_plane] table",
     "sidecar.decode": "the [decode] table",
@@ -115,6 +130,8 @@ MEANINGS: dict[str, str] = {
     "vllm.model": "the model name the vLLM servers serve (sent as the body's model)",
     "vllm.wan_share": "time share P's transfer to MD may take (MD then reports a miss in time)",
     "vllm.rld_gets_kv": "P ships the prompt's KV to RLD over the fast path (else RLD prefills it itself)",
+    "vllm.api_key_file": "file holding the key the vLLM servers were started with (--api-key or"
+    " VLLM_API_KEY), sent as a bearer token ('' = none)",
     "vllm.md_kv_events": "MD vLLM's KV-event publisher (its --kv-events-config endpoint): the router's DRC"
     " mirror subscribes beside MD's sidecar ('' = no mirror: the router sees no prefix on MD)",
     # router [api]
@@ -127,16 +144,25 @@ MEANINGS: dict[str, str] = {
     "api.header_timeout_s": "the whole request head must arrive within this",
     "api.body_timeout_s": "the whole request body must arrive within this (408 after)",
     "api.idle_timeout_s": "a keep-alive connection without a request closes after this",
+    "api.first_byte_timeout_s": "a new connection that sends no byte closes after this (or idle_timeout_s,"
+    " if shorter); head-less connections are also the first closed to make room at the caps",
     "api.write_stall_s": "an answer whose client takes none of its bytes this long is cut (its request"
     " cancelled); every answer is cut at its deadline + 0.5 s",
     "api.send_buffer_bytes": "each HTTP connection's kernel send buffer (SO_SNDBUF): what an unread"
     " answer pins",
-    "api.max_connections": "open HTTP client connections over all clients",
-    "api.max_connections_per_client": "open HTTP connections per client address (429 beyond)",
+    "api.max_connections": "open HTTP client connections over all clients; at the cap the oldest"
+    " head-less (then idle) connection is closed for a new one, and only when all are busy is it"
+    " refused (503, at once)",
+    "api.max_connections_per_client": "open HTTP connections per client: its API key once a request head"
+    " names one, else its address (429 beyond; strangers' head-less connections go first)",
     "api.max_concurrent_requests": "requests generating at once, HTTP and gRPC (503 + Retry-After beyond)",
     "api.rate_per_client_s": "requests per second per client, token bucket (429 + Retry-After; 0 = off)",
     "api.rate_burst": "the token bucket's size",
     "api.retry_after_s": "Retry-After that a 503 tells the client",
+    "api.tokenizer_workers": "threads that tokenize large text prompts (and detokenize), off the event loop",
+    "api.max_prompt_bytes": "a text prompt's UTF-8 bytes, checked before tokenizing (400 beyond);"
+    " 0 = max_prompt_tokens x the tokenizer's longest token in bytes (no prompt within the token"
+    " limit is refused)",
 }
 
 ROUTER_SERVING = [
@@ -190,6 +216,7 @@ TABLES: list[tuple[str, type[Any]]] = [
     ("peers", PeersConfig),
     ("data_plane", DataPlaneConfig),
     ("decode", DecodeConfig),
+    ("sidecar_vllm", SidecarVllmConfig),
     ("router", RouterConfig),
     ("vllm", VllmEngineConfig),
     ("api", ApiConfig),
@@ -201,6 +228,7 @@ TITLES = {
     "peers": "### `[peers]`",
     "data_plane": "### `[data_plane]`",
     "decode": "### `[decode]`",
+    "sidecar_vllm": '### `[vllm]` of a sidecar beside vLLM (`engine = "vllm"`)',
     "router": "## Router (`pddlink router --config FILE`): top level",
     "vllm": '### `[vllm]`: the roles as vLLM servers (`engine = "vllm"`)',
     "api": "### `[api]`: the client API",

@@ -176,7 +176,8 @@ def run_report(
     codecs: dict[str, int] = {}
     per_token = 0
     for req in out["done"]:
-        s, e = shipped.get(req.request_id, {}), ends.get(req.request_id, {})
+        key = req.trace.get("request_key", req.request_id)  # what the sidecars knew it by
+        s, e = shipped.get(key, {}), ends.get(key, {})
         n = len(req.prompt)
         blocks = (n - 1) // bs - int(s.get("first_block", 0))
         if s.get("wan_bytes") and blocks:

@@ -28,6 +28,13 @@ FALLBACKS = Counter("pddlink_fallbacks", "Fallbacks taken, by kind", ["kind"])
 DECISIONS = Counter("pddlink_router_decisions", "Requests per routing option (or rejected)", ["option"])
 REJECTED = Counter("pddlink_router_rejected", "Requests refused at admission, by reason", ["reason"])
 CLIENT_ERRORS = Counter("pddlink_client_errors", "Malformed client requests refused, by API", ["api"])
+KV_EVENTS_PUBLISHER_UP = Gauge(
+    "pddlink_router_kv_events_publisher_up",
+    "1 while the router's vLLM KV-event subscription ([vllm] md_kv_events) has a publisher connected",
+)
+HTTP_EVICTED = Counter(
+    "pddlink_http_connections_evicted", "HTTP connections closed to make room (head-less or idle first)"
+)
 WRITES_CUT = Counter(
     "pddlink_writes_cut", "Answers cut because the client did not take them in time, by API", ["api"]
 )

@@ -9,9 +9,17 @@ Lifecycle: ``Router(cfg)``; ``await start()`` starts the backend (reference: con
 -- gRPC channels are lazy; mutual TLS 1.3 with each sidecar's identity checked when ``tls_dir`` is
 set, see ``pddlink.serving.grpc_tls`` -- and follows MD's DRC and P's transfer state); ``generate(request)``
 admits the request or raises ``Overloaded`` (``router.admission``), then yields merged tokens and
-ends with the trace; ``close()``. Per-request choices use only local state: the DRC view (never
-blocks on MD), the link model (its own flows plus P's reported backlog toward MD), P's and MD's
-prefill books and the count of requests RLD is streaming.
+ends with the trace; ``close()``.
+
+Request identity: what the sidecars key a request by (``RunSpec.request_id``, every leg's id, P's
+transfer, vLLM's ``kv_transfer_params``) is minted here per request (``mint_request_key``:
+``<router name>-<128 random bits, hex>``), never the client's id: two routers in front of the same
+sidecars, even two with one name, never share a key. The client's id (or one made up here) is a
+label only: the answer and the trace carry it (``request_id``) next to the key (``request_key``).
+
+Per-request choices use only local state: the DRC view (never blocks on MD), the link model (its
+own flows plus P's reported backlog toward MD), P's and MD's prefill books and the count of
+requests RLD is streaming.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import contextlib
 import itertools
 import logging
 import math
+import secrets
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -54,6 +63,12 @@ REPLACE_MIN_LEFT_S = 1.0  # a run that lost its MD runs again elsewhere only wit
 log = logging.getLogger(__name__)
 
 
+def mint_request_key(router_name: str) -> str:
+    """A key no other request of any router has: the name says whose (two routers may share one),
+    the 128 random bits make it unique. No ``/``: vLLM's connector names files after it (tests)."""
+    return f"{router_name}-{secrets.token_hex(16)}"
+
+
 class Router:
     def __init__(self, cfg: RouterConfig) -> None:
         self.cfg = cfg
@@ -73,8 +88,9 @@ class Router:
         self.md_book = PrefillBook(cfg.md_prefill_tokens_per_s)
         self.md_tpot = TpotBook(cfg.md_tpot_s)
         self.ids = itertools.count(1)
-        self.in_flight: dict[str, RunDriver] = {}
-        self.routes: dict[str, Route] = {}  # request id -> where it runs
+        self.in_flight: dict[str, RunDriver] = {}  # by request key
+        self.labels_in_flight: set[str] = set()  # the clients' ids of those requests
+        self.routes: dict[str, Route] = {}  # a run's key -> where it runs
         self.caller_check: CallerCheck | None = None  # set by the gRPC server (who calls, with TLS)
 
     @property
@@ -201,46 +217,58 @@ class Router:
         pipeline: str = "",
         request_id: str = "",
         arrived: float | None = None,
+        request_key: str = "",
     ) -> AsyncIterator[dict[str, Any]]:
         """Validates (``InvalidInput``, nothing changed), admits (``Overloaded``, nothing started),
         then yields token dicts and a final trace. The deadline counts from ``arrived`` (when the
-        API got the request; default now), so time spent in the checks and queues is its own."""
+        API got the request; default now), so time spent in the checks and queues is its own.
+        ``request_key``: for an in-process caller that finds the sidecars' records by a unique key
+        of its own (``router.vllm_driver``); the client APIs never pass one, the router mints it."""
         deadline_s = deadline_s or self.cfg.deadline_s
         self.validate(prompt, sampling, deadline_s, pipeline)
-        rid = request_id or f"req-{next(self.ids)}-{time.time_ns() % 10**9}"
+        label = request_id or f"req-{next(self.ids)}-{time.time_ns() % 10**9}"
+        if label in self.labels_in_flight:
+            raise InvalidInput(f"request id {label!r} is already in flight")
+        rid = request_key or mint_request_key(self.cfg.name)  # what the sidecars key it by
         if rid in self.in_flight:
-            raise InvalidInput(f"request id {rid!r} is already in flight")
+            raise InvalidInput(f"request key {rid!r} is already in flight")
         decision, matched, route = self.decide_route(tuple(prompt), sampling.max_tokens, pipeline, deadline_s)
         option = decision.option
         metrics.DECISIONS.labels(option=option.value if option else "rejected").inc()
         if option is None:
             raise Overloaded.of(decision, deadline_s)
         arrived = time.monotonic() if arrived is None else arrived
-        sid, replaced_from = rid, []
-        while True:
-            emitted = 0
-            run = self._start(sid, prompt, sampling, deadline_s, decision, matched, route, arrived)
-            self.in_flight[rid] = run
-            tokens = run.run()
-            try:
-                async for tok in tokens:
-                    emitted += 1
-                    yield {"position": tok.position, "token_id": tok.token_id, "source": tok.source}
-            finally:
-                await tokens.aclose()  # a client that went away: the run ends (cancelled), its legs go now
-                self.in_flight.pop(rid, None)
-                self._ended(sid, run, decision, route)
-            lost = not emitted
-            again = (
-                self.replacement(run.trace, route, prompt, sampling, deadline_s, arrived) if lost else None
-            )
-            if again is None:
-                break
-            replaced_from.append(route.md.name)
-            decision, matched, route = again
-            sid = f"{rid}~{len(replaced_from)}"  # the sidecars may still hold the first key
+        sid, replaced_from = rid, list[dict[str, str]]()
+        self.labels_in_flight.add(label)
+        try:
+            while True:
+                emitted = 0
+                run = self._start(sid, prompt, sampling, deadline_s, decision, matched, route, arrived)
+                self.in_flight[rid] = run
+                tokens = run.run()
+                try:
+                    async for tok in tokens:
+                        emitted += 1
+                        yield {"position": tok.position, "token_id": tok.token_id, "source": tok.source}
+                finally:
+                    await tokens.aclose()  # a client that went away: the run ends (cancelled), its legs go
+                    self.in_flight.pop(rid, None)
+                    self._ended(sid, run, decision, route)
+                lost = not emitted
+                again = (
+                    self.replacement(run.trace, route, prompt, sampling, deadline_s, arrived)
+                    if lost
+                    else None
+                )
+                if again is None:
+                    break
+                replaced_from.append({"p": route.p.name, "md": route.md.name})
+                decision, matched, route = again
+                sid = mint_request_key(self.cfg.name)  # a key of its own: the sidecars may hold the first
+        finally:
+            self.labels_in_flight.discard(label)
         out = run.trace.to_dict()
-        out.update(option_trace(decision))
+        out.update(option_trace(decision), request_id=label, request_key=sid)
         out["placement"] = {
             "p": route.p.name,
             "md": route.md.name,
@@ -251,7 +279,8 @@ class Router:
         self.md_tpot.observe(out)
         yield {
             "done": True,
-            "request_id": rid,
+            "request_id": label,
+            "request_key": sid,
             "outcome": out["outcome"],
             "reason": out["reason"],
             "trace": out,

@@ -2,9 +2,10 @@
 
 The router's ``choose_option`` (``pddlink.routing``) returns a rejection with a typed reason and a
 retry hint instead of an option; the router raises ``Overloaded`` before it contacts any sidecar.
-The client APIs turn it into HTTP 503 with ``Retry-After`` (whole seconds) and a JSON error of type
-``overloaded`` carrying the reason, or gRPC ``RESOURCE_EXHAUSTED`` with the reason in the details
-and ``retry-after`` / ``pddlink-reject-reason`` in the trailing metadata.
+The client APIs turn it into HTTP 503 with ``Retry-After`` (whole seconds), a JSON error of type
+``overloaded`` in vLLM's shape and the reason in the header ``pddlink-reject-reason``, or gRPC
+``RESOURCE_EXHAUSTED`` with the reason in the details and ``retry-after`` /
+``pddlink-reject-reason`` in the trailing metadata.
 """
 
 from __future__ import annotations
@@ -48,9 +49,11 @@ class Overloaded(LocalError):
 
 
 def http_rejection(exc: Overloaded) -> Response:
-    body = {"error": {"message": exc.message, "type": "overloaded", "code": 503, "reason": exc.reason.value}}
+    """503 in vLLM's error shape; the typed reason in the header ``pddlink-reject-reason``."""
+    body = {"error": {"message": exc.message, "type": "overloaded", "param": None, "code": 503}}
     r = json_response(503, body)
-    return Response(r.status, r.body, r.content_type, (("Retry-After", exc.retry_after),))
+    headers = (("Retry-After", exc.retry_after), ("pddlink-reject-reason", exc.reason.value))
+    return Response(r.status, r.body, r.content_type, headers)
 
 
 async def grpc_rejection(context: Any, exc: Overloaded) -> None:

@@ -1,6 +1,9 @@
 """The router's client APIs: gRPC ``Router.Generate`` (server streaming) and an HTTP API in the
 shape of vLLM's OpenAI-compatible server (``/v1/completions``, ``/v1/chat/completions``,
-``/v1/models``; ``"stream": true`` for server-sent events), plus GET /metrics, /healthz, /status, /memory.
+``/v1/models``; ``"stream": true`` for server-sent events), plus GET /metrics, /healthz, /readyz,
+/status, /memory. /readyz (open, like /healthz) answers 503 with the problems when the router is
+misconfigured in a way that serving hides: a ``[vllm] md_kv_events`` endpoint where no publisher
+has been connected for a while (``router.mirror.PublisherWatch``).
 
 Every request is validated whole by one schema (``router.openai_schema``) before any work starts:
 a bad field gets 400 (gRPC ``INVALID_ARGUMENT``) naming it, and nothing changes (no request id is
@@ -14,8 +17,10 @@ With ``tls_dir`` the gRPC port takes mutual TLS 1.3 (clients hold a certificate 
 deployment's CA) and, with ``api.http_mtls``, so does the HTTP port. The unix sockets (``--unix``)
 stay plaintext and keyless for local clients, guarded by their file mode (0600).
 
-Prompts are token ids or text; text needs ``api.tokenizer`` (a model directory), else it is taken
-as UTF-8 bytes, one token per byte (id = byte + 1), and ``text`` in the answers stays empty.
+Prompts are token ids or text; text needs ``api.tokenizer`` (a model directory), else it is
+refused (400, naming the setting). A text prompt longer in bytes than the prompt token limit
+allows is refused before it is tokenized; a large body is parsed and tokenized off the event loop
+(``router.openai_text.TextWorkers``, ``api.tokenizer_workers`` threads).
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from pddlink import metrics
 from pddlink.errors import ConfigError, InvalidInput, NotFound
 from pddlink.serving.client_guard import ApiConfig, ClientGuard, Refusal
 from pddlink.serving.grpc_tls import bind, new_server
-from pddlink.serving.http import HttpLimits, Request, Response, json_response, serve_http
+from pddlink.serving.http import ConnectionGate, HttpLimits, Request, Response, json_response, serve_http
 from pddlink.serving.malloc_trim import (
     fix_mmap_threshold,
     freeze_startup,
@@ -51,15 +56,16 @@ from router import Router, RouterConfig
 from router.admission import Overloaded, grpc_rejection, http_rejection
 from router.openai_api import Responder, error_body, models_body
 from router.openai_schema import Endpoint, Job, Limits, RequestRefused, completion_job, generate_job
-from router.openai_text import TextCodec
+from router.openai_text import TextCodec, TextWorkers
 
 pb2, pb2_grpc = stubs()
 
 PATHS = {"/v1/completions": Endpoint.COMPLETIONS, "/v1/chat/completions": Endpoint.CHAT}
 
 
-def limits_of(cfg: RouterConfig) -> Limits:
-    return Limits(cfg.vocab_size, cfg.max_prompt_tokens, cfg.max_tokens_limit)
+def limits_of(cfg: RouterConfig, api: ApiConfig | None = None) -> Limits:
+    prompt_bytes = api.max_prompt_bytes if api is not None else 0
+    return Limits(cfg.vocab_size, cfg.max_prompt_tokens, cfg.max_tokens_limit, prompt_bytes)
 
 
 def _error(
@@ -87,9 +93,10 @@ class RouterApi:
         self.api = api or ApiConfig()
         self.codec = codec
         self.guard = guard or ClientGuard(self.api)
-        self.limits = limits_of(router.cfg)
+        self.limits = limits_of(router.cfg, self.api)
         self.eos = codec.eos_token_id if codec is not None else None
         self.created = int(time.time())
+        self.workers = TextWorkers(self.api.tokenizer_workers)  # large bodies parse off the loop
 
     def http_limits(self) -> HttpLimits:
         a = self.api
@@ -102,15 +109,19 @@ class RouterApi:
             a.retry_after_s,
             a.write_stall_s,
             a.send_buffer_bytes,
+            a.first_byte_timeout_s,
         )
 
-    def gate(self, peer: str) -> Response | None:
-        refusal = self.guard.open_connection(peer)
-        return None if refusal is None else _refused(refusal)
+    @property
+    def gate(self) -> ConnectionGate:
+        return _Gate(self.guard)
 
     async def http(self, req: Request) -> Response:
         if req.method == "GET" and req.path == "/healthz":
             return json_response(200, {"ok": True})
+        if req.method == "GET" and req.path == "/readyz":
+            problems = self.problems()
+            return json_response(503 if problems else 200, {"ready": not problems, "problems": problems})
         client = self.guard.authenticate(req.header("authorization"), req.peer) if req.peer else "local"
         if isinstance(client, Refusal):
             metrics.CLIENT_ERRORS.labels(api="http").inc()
@@ -157,8 +168,15 @@ class RouterApi:
         except NotFound as exc:
             return _error(404, exc.message, "NotFoundError", "instance")
 
+    def problems(self) -> list[str]:
+        """What makes this router not ready to serve as configured ([] when nothing does)."""
+        mirror = getattr(self.router.backend, "mirror", None)  # the vLLM backend's KV-event mirror
+        problem = mirror.problem() if mirror is not None and hasattr(mirror, "problem") else ""
+        return [problem] if problem else []
+
     def parse(self, body: bytes, endpoint: Endpoint) -> Job:
-        """The validated job, or ``RequestRefused`` / ``InvalidInput`` (both answer 400)."""
+        """The validated job, or ``RequestRefused`` / ``InvalidInput`` (both answer 400). Runs on a
+        ``TextWorkers`` thread for a large body: it reads only the router's configuration."""
         job = completion_job(body, endpoint, self.limits, self.codec, self.eos)
         deadline_s = job.deadline_s or self.router.cfg.deadline_s
         for prompt in job.prompts:
@@ -167,7 +185,7 @@ class RouterApi:
 
     async def _generate(self, req: Request, endpoint: Endpoint, client: str) -> Response:
         try:
-            job = self.parse(req.body, endpoint)
+            job = await self.workers.run(lambda: self.parse(req.body, endpoint), len(req.body))
         except InvalidInput as exc:
             metrics.CLIENT_ERRORS.labels(api="http").inc()
             return _error(400, exc.message, "BadRequestError", getattr(exc, "param", None))
@@ -184,7 +202,8 @@ class RouterApi:
             return _refused(refusal)
         deadline_s = job.deadline_s or self.router.cfg.deadline_s
         send_by = WriteBound.for_request(self.api.write_stall_s, started, deadline_s).send_by
-        responder = Responder(self.router, job, self.api.model, self.codec, self.eos)
+        trace = (req.header("pddlink-trace") or "").lower() in ("1", "true")
+        responder = Responder(self.router, job, self.api.model, self.codec, self.eos, trace)
         try:
             await responder.admit()  # the router's admission answers before any byte of the reply
         except Overloaded as exc:
@@ -212,6 +231,27 @@ class RouterApi:
         finally:
             await events.aclose()  # type: ignore[attr-defined]
             self.guard.release()
+
+
+@dataclass(frozen=True, slots=True)
+class _Gate:
+    """The HTTP server's ``ConnectionGate`` over ``ClientGuard``'s connection slots."""
+
+    guard: ClientGuard
+
+    def opened(self, conn: int, peer: str, now: float) -> tuple[int, ...] | Response:
+        got = self.guard.open_connection(conn, peer, now)
+        return _refused(got) if isinstance(got, Refusal) else got
+
+    def headed(self, conn: int, peer: str, authorization: str | None, now: float) -> Response | None:
+        refusal = self.guard.connection_headed(conn, authorization, peer, now)
+        return None if refusal is None else _refused(refusal)
+
+    def idled(self, conn: int, now: float) -> None:
+        self.guard.connection_idle(conn, now)
+
+    def closed(self, conn: int) -> None:
+        self.guard.close_connection(conn)
 
 
 _GRPC_REFUSAL = {401: grpc.StatusCode.UNAUTHENTICATED, 429: grpc.StatusCode.RESOURCE_EXHAUSTED}
@@ -421,7 +461,6 @@ async def serve_router(
         limits=rapi.http_limits(),
         tls=tls,
         gate=rapi.gate,
-        ungate=guard.close_connection,
     )
     http_bound = http[0].sockets[0].getsockname()[1] if http_port else 0
     sys.stdout.write(
@@ -446,3 +485,4 @@ async def serve_router(
             s.close()
         await server.stop(grace=0.5)
         await router.close()
+        rapi.workers.close()

@@ -16,6 +16,7 @@ from pddlink.errors import InvalidInput
 from pddlink.roles import Role
 from pddlink.routing.placement import PlacementPolicy
 from pddlink.topology import Engine, Topology, topology_from_addresses
+from pddlink.topology.model import check_address
 from pddlink.transport import PeerIdentity, TlsConfig, load_node
 
 ENGINES = ("reference", "vllm")
@@ -98,8 +99,9 @@ class RouterConfig:
             )
         if self.topology is not None:
             self._check_fleet()
-        elif self.engine == "reference" and self.p and self.rld and self.md:
-            self.deployment()  # one each; its errors name the key ("p: expected host:port, got 'a:1,b:2'")
+        for key in ("p", "rld", "md"):
+            if getattr(self, key):  # one address each (several instances are a topology's job)
+                check_address(getattr(self, key), key)
         if self.engine == "reference" and self.topology is None and not (self.p and self.rld and self.md):
             raise InvalidInput("router: p, rld and md (the sidecars' gRPC addresses) are required")
         if self.engine == "vllm" and not (self.vllm.p_url and self.vllm.md_url and self.vllm.model):

@@ -7,7 +7,13 @@ events follow. A gap the mirror cannot bridge, or MD going away, ends the stream
 reconnects shortly and starts again from a snapshot.
 
 ``VllmMirror`` is the same view for vLLM's MD: MD vLLM's own KV-cache events replayed into a local
-``PrefixIndex`` (the feed MD's vLLM sidecar uses, ``pddlink.connector.kv_events``).
+``PrefixIndex`` (the feed MD's vLLM sidecar uses, ``pddlink.connector.kv_events``). A ZMQ
+subscriber connects to a path or port where nothing publishes without a word, so the mirror would
+stay empty and every request look like a miss (issue 27, item 5): ``PublisherWatch`` follows the
+subscription's connection (a ZMQ socket monitor on a second subscriber that asks for no topic)
+and, when no publisher has been connected for ``PUBLISHER_BOUND_S``, the mirror's ``problem()``
+says so: the router's /readyz answers 503, /status carries it, and the metric
+``pddlink_router_kv_events_publisher_up`` is 0.
 """
 
 from __future__ import annotations
@@ -18,12 +24,15 @@ from typing import Any
 
 import grpc
 
+from pddlink import metrics
 from pddlink.connector.kv_events import KvEventFeed
 from pddlink.drc import Mirror, PrefixIndex, decode_event, decode_snapshot
 from pddlink.kv.hashing import BlockHasher
 from pddlink.serving.pb import pb2
 
 RECONNECT_S = 0.5
+PUBLISHER_BOUND_S = 5.0  # no KV-event publisher connected this long: the mirror is broken
+_NO_TOPIC = b"pddlink-probe: no topic"  # the probe's subscription: the publisher sends it nothing
 
 
 class MirrorFollower:
@@ -80,6 +89,64 @@ class MirrorFollower:
         }
 
 
+class PublisherWatch:
+    """Whether a publisher is connected at a ZMQ endpoint, and since when it is not."""
+
+    def __init__(self, endpoint: str, now: float) -> None:
+        self.endpoint = endpoint
+        self.connected = False
+        self.since = now  # of the last change (start: not connected)
+        self.connects = 0
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.ensure_future(self._run())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    def problem(self, now: float) -> str:
+        down_s = now - self.since
+        if self.connected or down_s < PUBLISHER_BOUND_S:
+            return ""
+        return (
+            f"no vLLM KV-event publisher at {self.endpoint} ([vllm] md_kv_events) for {down_s:.0f} s: "
+            "the DRC mirror is empty and every request looks like a cache miss (does MD's vLLM "
+            "--kv-events-config publish there?)"
+        )
+
+    def _set(self, connected: bool, now: float) -> None:
+        if connected != self.connected:
+            self.connected, self.since = connected, now
+            self.connects += connected
+        metrics.KV_EVENTS_PUBLISHER_UP.set(1 if connected else 0)
+
+    async def _run(self) -> None:
+        import zmq
+        import zmq.asyncio
+        from zmq.utils.monitor import parse_monitor_message
+
+        ctx = zmq.asyncio.Context()
+        sock = ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.SUBSCRIBE, _NO_TOPIC)
+        sock.setsockopt(zmq.LINGER, 0)
+        up, down = zmq.EVENT_HANDSHAKE_SUCCEEDED, zmq.EVENT_DISCONNECTED
+        monitor = sock.get_monitor_socket(up | down)
+        sock.connect(self.endpoint)
+        metrics.KV_EVENTS_PUBLISHER_UP.set(0)
+        try:
+            while True:
+                ev = parse_monitor_message(await monitor.recv_multipart())
+                self._set(ev["event"] == up, time.monotonic())
+        finally:
+            sock.disable_monitor()
+            monitor.close()
+            sock.close()
+            ctx.term()
+
+
 class VllmMirror(KvEventFeed):
     """The router's mirror of MD's vLLM prefix cache, fed by MD vLLM's own KV-cache events (a second
     subscriber on its ZMQ publisher, beside MD's sidecar; ``pddlink.connector.kv_events``).
@@ -96,10 +163,22 @@ class VllmMirror(KvEventFeed):
         self.endpoint = ""
         self._gaps_seen = 0
         self.resets = 0
+        self.watch: PublisherWatch | None = None
 
     def start(self, endpoint: str) -> None:
         self.endpoint = endpoint
         super().start(endpoint)
+        self.watch = PublisherWatch(endpoint, time.monotonic())
+        self.watch.start()
+
+    async def close(self) -> None:
+        if self.watch is not None:
+            await self.watch.close()
+        await super().close()
+
+    def problem(self) -> str:
+        """Why the mirror cannot be trusted now ("" when it can): no publisher at the endpoint."""
+        return self.watch.problem(time.monotonic()) if self.watch is not None else ""
 
     def apply(self, events: list[Any]) -> None:
         if self.counts["gaps"] != self._gaps_seen:
@@ -127,8 +206,13 @@ class VllmMirror(KvEventFeed):
         return self.index.match(hashes).matched_blocks * self.block_size
 
     def status(self) -> dict[str, Any]:
+        now = time.monotonic()
+        watch = self.watch
         return {
             "source": f"md's vLLM KV events at {self.endpoint}",
+            "publisher_connected": watch.connected if watch is not None else None,
+            "last_batch_age_s": round(now - self.last_event_at, 1) if self.last_event_at else None,
+            "problem": self.problem(),
             "block_size": self.block_size if self.learnt else None,
             "resets": self.resets,
             **self.stats(),

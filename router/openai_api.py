@@ -5,7 +5,9 @@ run concurrently, each choice's tokens turned into text (``router.openai_text.Ch
 answer is one JSON body or server-sent events. Fields match vLLM's (``stop_reason``, ``token_ids``
 and ``prompt_token_ids`` with ``return_token_ids``, ``usage`` with ``prompt_tokens_details``);
 what pddlink adds (request id, token positions and sources, the trace) sits in one ``pddlink``
-object per choice, where vLLM puts its own per-choice extensions. A choice that a stop string ends
+object per choice, where vLLM puts its own per-choice extensions, only when the client asks for
+it (``Responder.trace``: the request header ``pddlink-trace: 1``): an answer carries no field
+vLLM's would not. A choice that a stop string ends
 cancels its router request at once.
 """
 
@@ -200,6 +202,7 @@ class Responder:
     model: str
     codec: TextCodec | None
     eos: int | None
+    trace: bool = False  # add the per-choice ``pddlink`` object (request id, positions, sources, trace)
     created: int = field(default_factory=lambda: int(time.time()))
     choices: list[Choice] = field(default_factory=list)
     gens: list[AsyncIterator[dict[str, Any]]] = field(default_factory=list)
@@ -268,7 +271,9 @@ class Responder:
             head.update(
                 prompt_logprobs=None, prompt_token_ids=list(c.prompt) if self.job.return_token_ids else None
             )
-        head.update(routed_experts=None, pddlink=self._ext(c, c.positions, c.sources, final=True))
+        head.update(routed_experts=None)
+        if self.trace:
+            head["pddlink"] = self._ext(c, c.positions, c.sources, final=True)
         return head
 
     def _ext(self, c: Choice, positions: list[int], sources: list[str], final: bool) -> dict[str, Any]:
@@ -356,7 +361,8 @@ class Responder:
             )
             pids = list(c.prompt) if first and self.job.return_token_ids else None
             out.update(prompt_token_ids=pids, token_ids=ids)
-        out["pddlink"] = self._ext(c, d.positions, d.sources, final=d.done)
+        if self.trace:
+            out["pddlink"] = self._ext(c, d.positions, d.sources, final=d.done)
         return out
 
 

@@ -1,12 +1,14 @@
 """The router's client request schema: OpenAI completions and chat completions over HTTP, and the
 gRPC ``Router.Generate`` request, validated by one set of pydantic models before any work starts.
 
-Every field a client may send is declared here with its type and its bounds; anything else is
-refused (``RequestRefused``, a 400 / ``INVALID_ARGUMENT`` naming the field). Fields of the OpenAI
-API that pddlink does not implement are accepted only at their neutral value (``n`` 1, no
-``best_of``, no penalties, ...), so a client that relies on them hears so instead of getting a
-silently different answer. Bounds that depend on the deployment (vocabulary, prompt and output
-limits) come from ``Limits`` and are checked in ``completion_job`` / ``generate_job``.
+Every field a client may send is declared here with its type and its bounds (a bad value is
+refused: ``RequestRefused``, a 400 / ``INVALID_ARGUMENT`` naming the field). Fields of the OpenAI
+API and of vLLM's server that pddlink does not implement are accepted only at their neutral value
+(``n`` 1, no ``best_of``, ``repetition_penalty`` 1, ...: ``VLLM_NEUTRAL``), so a client that
+relies on them hears so instead of getting a silently different answer; a field vLLM does not
+know either is ignored, as vLLM ignores it (and logged). The gRPC request stays strict. Bounds
+that depend on the deployment (vocabulary, prompt and output limits) come from ``Limits`` and are
+checked in ``completion_job`` / ``generate_job``.
 
 Defaults follow vLLM's: ``temperature`` 1 (a random seed unless ``seed`` is given), ``max_tokens``
 16 (also for chat, where vLLM would use the rest of the context), the model's EOS ends a choice
@@ -18,6 +20,8 @@ infinities and numbers out of range are invalid JSON, never an exception of anot
 
 from __future__ import annotations
 
+import json
+import logging
 import secrets
 from dataclasses import dataclass
 from enum import StrEnum
@@ -67,10 +71,14 @@ class Limits:
     vocab_size: int
     max_prompt_tokens: int
     max_tokens_limit: int
+    max_prompt_bytes: int = 0  # a text prompt's UTF-8 bytes, checked before tokenizing (0: no check)
 
 
 class TextCodec(Protocol):
     """What the schema needs of a tokenizer (``router.openai_text.TextCodec``)."""
+
+    @property
+    def max_token_bytes(self) -> int: ...
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -81,7 +89,93 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
 
 
-class StreamOptions(_Strict):
+class _Open(BaseModel):
+    """vLLM's own request models let unknown fields through (and ignore them): so do these."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False, frozen=True)
+
+
+class _Body(BaseModel):
+    """A top-level body: unknown fields are kept aside (``model_extra``) for ``_check_extra``."""
+
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False, frozen=True)
+
+
+# Fields of vLLM's OpenAI server that pddlink does not carry (yet): accepted at the value that
+# changes nothing, refused otherwise (400 naming the field), never silently dropped. A field in
+# neither the schema nor this table is unknown to vLLM too, and ignored as vLLM ignores it.
+_ANY = object()  # ignored whatever its value: changes no token of the answer
+VLLM_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "repetition_penalty": (None, 1.0),
+    "echo": (None, False),  # (chat: completions declare it)
+    "add_special_tokens": (None, True),  # the tokenizer's special tokens are added (chat too)
+    "min_p": (None, 0.0),
+    "length_penalty": (None, 1.0),
+    "use_beam_search": (None, False),
+    "truncate_prompt_tokens": (None,),
+    "truncation_side": (_ANY,),
+    "allowed_token_ids": (None, []),
+    "prompt_logprobs": (None,),
+    "logprob_token_ids": (None, []),
+    "bad_words": (None, []),
+    "spaces_between_special_tokens": (None, True),
+    "response_format": (None, {"type": "text"}),
+    "structured_outputs": (None,),
+    "priority": (None, 0),
+    "request_id": (_ANY,),
+    "session_id": (_ANY,),
+    "return_tokens_as_token_ids": (None, False),
+    "return_token_offsets": (None, False),
+    "return_prompt_text": (None, False),
+    "routed_experts_prompt_start": (None,),
+    "prompt_embeds": (None,),
+    "mm_payload": (None,),
+    "return_mm_kwargs": (None, False),
+    "cache_salt": (None,),  # a salt asks for cache isolation: not to be dropped
+    "kv_transfer_params": (None,),
+    "ec_transfer_params": (None,),
+    "vllm_xargs": (None, {}),
+    "repetition_detection": (None,),
+    "thinking_token_budget": (None,),
+    "stream_interval": (None, 1),
+    "watermarking": (None,),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "parallel_tool_calls": (_ANY,),
+    "reasoning_effort": (None,),
+    "include_reasoning": (None, True),
+    "continue_final_message": (None, False),
+    "documents": (None,),
+    "chat_template": (None,),
+    "chat_template_kwargs": (None, {}),
+    "media_io_kwargs": (None, {}),
+    "mm_processor_kwargs": (None, {}),
+}
+log = logging.getLogger("pddlink.router.api")
+
+
+def _check_extra(body: _Body) -> None:
+    """Refuse a vLLM field pddlink cannot honour; log (as vLLM does) the unknown ones ignored."""
+    ignored = []
+    for name, value in (body.model_extra or {}).items():
+        neutral = VLLM_NEUTRAL.get(name)
+        if neutral is None:
+            ignored.append(name)
+        elif _ANY not in neutral and not any(_same(value, n) for n in neutral):
+            shown = " or ".join(json.dumps(n) for n in neutral)
+            raise RequestRefused(f'"{name}" is not supported by pddlink (only {shown})', name)
+    if ignored:
+        log.warning("fields present in the request but ignored: %s", ", ".join(sorted(ignored))[:256])
+
+
+def _same(value: Any, neutral: Any) -> bool:
+    """JSON equality: ``true`` is not ``1``, ``1`` is ``1.0``."""
+    if isinstance(value, bool) or isinstance(neutral, bool) or value is None or neutral is None:
+        return value is neutral
+    return bool(value == neutral)
+
+
+class StreamOptions(_Open):
     include_usage: bool = False
     continuous_usage_stats: Literal[False] = False
 
@@ -92,7 +186,7 @@ def _neutral(value: Any, neutral: tuple[Any, ...], what: str) -> Any:
     return value
 
 
-class _Sampling(_Strict):
+class _Sampling(_Body):
     """Fields shared by completions and chat (OpenAI's, vLLM's extensions, pddlink's)."""
 
     model: str | None = Field(None, max_length=256)
@@ -186,12 +280,12 @@ class CompletionBody(_Sampling):
         return _neutral(v, (None, ""), "suffix")
 
 
-class TextPart(_Strict):
+class TextPart(_Open):
     type: Literal["text"]
     text: str = Field(max_length=MAX_TEXT_CHARS)
 
 
-class Message(_Strict):
+class Message(_Open):
     role: Literal["system", "user", "assistant", "developer"]
     content: str | list[TextPart] = Field(max_length=MAX_TEXT_CHARS)
     name: str | None = Field(None, max_length=256)
@@ -279,11 +373,14 @@ def explain(exc: ValidationError) -> RequestRefused:
     return RequestRefused(f'"{field}": {msg}', loc[0] if loc else "")
 
 
-def parse_body(model: type[_Strict], body: bytes) -> Any:
+def parse_body(model: type[_Strict] | type[_Body], body: bytes) -> Any:
     try:
-        return model.model_validate_json(body)
+        parsed = model.model_validate_json(body)
     except ValidationError as exc:
         raise explain(exc) from None
+    if isinstance(parsed, _Body):
+        _check_extra(parsed)
+    return parsed
 
 
 def _check_prompt(ids: list[int], limits: Limits, where: str) -> tuple[int, ...]:
@@ -330,6 +427,7 @@ def completion_job(
         chat: ChatBody = parse_body(ChatBody, body)
         if codec is None:
             raise RequestRefused("chat completions need a tokenizer with a chat template", "messages")
+        _check_bytes(sum(len(m.text().encode()) for m in chat.messages), limits, codec, "messages")
         text = codec.render_chat([{"role": m.role, "content": m.text()} for m in chat.messages])
         prompts = (_check_prompt(codec.encode(text), limits, "messages"),)
         parsed, max_tokens = chat, chat.max_completion_tokens or chat.max_tokens
@@ -365,7 +463,7 @@ def _completion_prompts(prompt: Any, limits: Limits, codec: TextCodec | None) ->
         raise RequestRefused(f'"prompt": at most {MAX_PROMPTS} prompts per request', "prompt")
     out = []
     for item in items:
-        ids = item if isinstance(item, list) else _encode(item, codec)
+        ids = item if isinstance(item, list) else _encode(item, limits, codec)
         out.append(_check_prompt(ids, limits, "prompt"))
     return tuple(out)
 
@@ -374,10 +472,32 @@ def _is_ids(prompt: Any) -> bool:
     return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], int)
 
 
-def _encode(text: str, codec: TextCodec | None) -> list[int]:
-    if codec is not None:
-        return codec.encode(text)
-    return [b + 1 for b in text.encode()]  # no tokenizer: one token per UTF-8 byte (id = byte + 1)
+def _encode(text: str, limits: Limits, codec: TextCodec | None) -> list[int]:
+    if not text:
+        raise RequestRefused('"prompt" must not be empty', "prompt")
+    if codec is None:  # answering it with empty text would hide the misconfiguration (issue 27)
+        raise RequestRefused(
+            "this router has no tokenizer ([api] tokenizer): send the prompt as token ids", "prompt"
+        )
+    _check_bytes(len(text.encode()), limits, codec, "prompt")
+    return codec.encode(text)
+
+
+def prompt_byte_limit(limits: Limits, codec: TextCodec) -> int:
+    """The most UTF-8 bytes a text prompt may have: ``limits.max_prompt_bytes`` when set, else
+    what ``max_prompt_tokens`` tokens of the longest token can spell (so no prompt within the
+    token limit is refused by it, and a longer one is refused before any tokenizing)."""
+    return limits.max_prompt_bytes or limits.max_prompt_tokens * max(1, codec.max_token_bytes)
+
+
+def _check_bytes(size: int, limits: Limits, codec: TextCodec, where: str) -> None:
+    limit = prompt_byte_limit(limits, codec)
+    if size > limit:
+        raise RequestRefused(
+            f'"{where}" has {size} bytes of text; the limit is {limit} bytes '
+            f"(at most {limits.max_prompt_tokens} tokens)",
+            where,
+        )
 
 
 def generate_job(fields: dict[str, Any], limits: Limits) -> Job:

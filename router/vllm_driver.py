@@ -5,7 +5,9 @@ request through the router itself (``Router(RouterConfig(engine="vllm"))``, pipe
 ``VllmDriver(p_url, md_url, model)``: ``run_p_md(DriveRequest)`` returns the tokens and timings or
 raises ``RemoteError`` with the run's reason (never tokens from KV that did not fully arrive: the
 legs turn a failed load into a failed stream); ``generate_alone(url, req)`` is the exactness
-reference (``router.vllm_legs.generate_alone``); ``close()``.
+reference (``router.vllm_legs.generate_alone``); ``close()``. A ``DriveRequest``'s ``request_id`` (a
+uuid4 unless given) is also its key at the sidecars (``Router.generate(request_key=...)``): the
+connector's tests find P's and MD's records and KV dumps by it.
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ class VllmDriver:
             deadline_s=req.deadline_s,
             pipeline="p_md",
             request_id=req.request_id,
+            request_key=req.request_id,  # unique (uuid4): the sidecars' records are found by it
         )
         async for ev in gen:
             if ev.get("done"):

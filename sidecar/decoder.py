@@ -6,6 +6,12 @@ the token stream (one queue per request, drained by ``attach``). On MD an Attach
 recompute (ship or recompute): no KV comes, MD prefills the prompt itself
 (``decoder_engine.recompute``) and streams a ``ready`` event once it holds the prompt's KV.
 RLD's handoff to MD is in ``sidecar.relay_handoff``.
+
+Requests are keyed by the router's request key; what would attach one request's tokens or KV to
+another is refused (``sidecar.request_keys``): a second Attach of a key held here, or ended here
+lately (``RequestKeyInUse``, before anything changes), KV whose blocks are not the attached
+prompt's (the request fails ``kv_mismatch``: it never imports them), a second KV for a key (dropped),
+a slice drawn with other sampling or for a key that ended here (``HandoffRefused``).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from typing import Any
 from engines_adapter import KVLayout, SamplingParams, StepOutput
 from pddlink import metrics
 from pddlink.errors import LocalError, PddlinkError
+from pddlink.kv.hashing import BlockHasher
 from pddlink.lifecycle import DecodeSequence, SeqState, SliceStep, StreamClosed, StreamEnd
 from pddlink.roles import Role
 from pddlink.routing import RoutingPolicy
@@ -29,6 +36,7 @@ from sidecar import decoder_engine
 from sidecar.drc_host import DrcHost
 from sidecar.engine_loop import EngineLoop
 from sidecar.relay_handoff import RelayHandoff, SendHandoff
+from sidecar.request_keys import RequestKeyInUse, kv_mismatch, sampling_mismatch
 
 ENDED_REMEMBERED = 4096  # how many ended requests' outcomes StartHandoff can still look up
 FINISHED = StreamClosed(StreamEnd.FINISHED)
@@ -65,6 +73,8 @@ class Decoder:
         self.relay = RelayHandoff(self, policy or RoutingPolicy(), send_handoff, send_handoff_to)
         self.slots: dict[str, DecodeSlot] = {}
         self.ended_recently: dict[str, str] = {}  # request id -> how it ended (bounded, oldest dropped)
+        self.hasher = BlockHasher(loop.engine.layout.model_id, loop.engine.layout.block_size)
+        self.refused: dict[str, int] = {"key_in_use": 0, "kv_mismatch": 0, "duplicate_kv": 0, "handoff": 0}
 
     @property
     def layout(self) -> KVLayout:
@@ -84,6 +94,14 @@ class Decoder:
 
     # -- inputs ----------------------------------------------------------------------------------
 
+    def check_attachable(self, request_id: str) -> None:
+        """``RequestKeyInUse`` when an Attach of ``request_id`` would share another's entry: one
+        attached here now, or one that ended here lately (each leg attaches once per decoder)."""
+        slot = self.slots.get(request_id)
+        if (slot is not None and slot.seq.prompt) or request_id in self.ended_recently:
+            self.refused["key_in_use"] += 1
+            raise RequestKeyInUse(f"request key {request_id!r} is in use here (attached, or ended lately)")
+
     async def attach(
         self,
         request_id: str,
@@ -92,6 +110,7 @@ class Decoder:
         deadline_s: float,
         recompute: RecomputeMode = RecomputeMode.NONE,
     ) -> AsyncIterator[dict[str, Any]]:
+        self.check_attachable(request_id)  # before anything changes: the holder keeps its entry
         slot = self._slot(request_id)
         recomputes = recompute is not RecomputeMode.NONE
         if slot.seq.attach(prompt, sampling, time.monotonic() + deadline_s, recompute=recomputes):
@@ -129,6 +148,9 @@ class Decoder:
         slot = self._slot(received.begin.request_id)
         if slot.seq.ended:
             return
+        if slot.seq.kv is not None or slot.seq.state is not SeqState.WAITING:
+            self.refused["duplicate_kv"] += 1  # a second KV for one key: never the held request's
+            return
         path = "wan" if self.role is Role.MD else "fast"
         metrics.KV_BYTES.labels(path=path).inc(sum(len(c) for c in received.chunks))
         if slot.seq.kv_arrived(received):
@@ -138,6 +160,12 @@ class Decoder:
         asyncio.get_running_loop().create_task(self._run_import(slot, slot.seq.take_kv()))
 
     async def _run_import(self, slot: DecodeSlot, kv: ReceivedTransfer) -> None:
+        if mismatch := kv_mismatch(kv.begin, slot.seq.prompt, self.hasher):
+            self.refused["kv_mismatch"] += 1
+            slot.seq.import_error = mismatch
+            slot.imported.set()
+            await self.end(slot, StreamClosed(StreamEnd.FAILED, mismatch))
+            return
         try:
             await decoder_engine.import_kv(self.loop, self.drc, slot.seq, kv)
             slot.seq.import_done()
@@ -171,13 +199,17 @@ class Decoder:
 
     async def handoff(self, frame: bytes, *, emit_given: bool, sender_finished: bool) -> int:
         """A slice for this decoder: extend with it; the final one starts decoding here."""
-        s, _sampling = slice_from_wire(frame)
+        s, sampling = slice_from_wire(frame)
+        if s.request_id in self.ended_recently and s.request_id not in self.slots:
+            self.refused["handoff"] += 1
+            raise HandoffRefused(f"request {s.request_id!r} already ended here")
         slot = self._slot(s.request_id)
         seq = slot.seq
         async with slot.handoff_lock:
             left = max(seq.deadline - time.monotonic(), 0.001)
             await asyncio.wait_for(slot.imported.wait(), timeout=left)
-            if refused := seq.refusal():
+            if refused := seq.refusal() or sampling_mismatch(sampling, seq.sampling):
+                self.refused["handoff"] += 1
                 raise HandoffRefused(refused)
             step = seq.on_slice(s, sender_finished=sender_finished)
             if step is SliceStep.RELEASE:  # the sender finished the request: keep only the cached prefix
@@ -249,6 +281,7 @@ class Decoder:
             "decoding": sum(1 for s in live if s.state is SeqState.DECODING),
             "waiting_kv": sum(1 for s in live if not s.imported),
             "load": self.load,
+            "refused": dict(self.refused),
         }
 
 

@@ -15,7 +15,8 @@ A WAN transfer that fails or outlives its deadline ends in ``md_ok = False`` wit
 router then falls back (RLD finishes the request). The WAN leg's codec is ``sidecar.wan_codec``'s
 choice per transfer (the fast path always goes RAW): ``wan_bytes`` in the reply and the
 ``pddlink_kv_bytes{path="wan"}`` metric count KV before the codec, ``pddlink_kv_wire_bytes`` what
-crossed.
+crossed. A Prefill whose request key is already in flight here is refused at once
+(``RequestKeyInUse``, ``sidecar.request_keys``): the one in flight goes on untouched.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from pddlink.wire import KVLayoutSpec, Reserve, ReserveAnswer, TransferBegin
 from sidecar.edf_gate import EdfGate
 from sidecar.engine_loop import EngineLoop
 from sidecar.peers import DecoderPeer, KVPeer, KVPeerPool
+from sidecar.request_keys import RequestKeyInUse
 from sidecar.wan_codec import WanCodec
 
 log = logging.getLogger(__name__)
@@ -92,12 +94,16 @@ class Prefiller:
         layout = loop.engine.layout
         self.hasher = BlockHasher(layout.model_id, layout.block_size)
         self.in_flight = 0
+        self.keys_in_flight: set[str] = set()  # request keys between Prefill's start and its reply
         self.engine_gate = EdfGate()  # which waiting prefill the engine runs next
         self.in_engine: set[str] = set()  # requests P's engine holds (prefill sent, not released)
         self._releasing: set[asyncio.Future[None]] = set()
         self.wan_book = WanBook()  # what is queued toward MD (the router's link estimate reads it)
 
     async def prefill(self, job: PrefillJob) -> dict[str, Any]:
+        if job.request_id in self.keys_in_flight or job.request_id in self.in_engine:
+            raise RequestKeyInUse(f"request key {job.request_id!r} is already prefilling here")
+        self.keys_in_flight.add(job.request_id)
         self.in_flight += 1
         if job.ship_to_md:
             self.wan_book.will_ship(job.request_id, job.md_identity or self.md.expected.common_name)
@@ -105,6 +111,7 @@ class Prefiller:
             return await self._prefill(job)
         finally:
             self.in_flight -= 1
+            self.keys_in_flight.discard(job.request_id)
             self.wan_book.ended(job.request_id)
 
     async def _prefill(self, job: PrefillJob) -> dict[str, Any]:

@@ -1,5 +1,6 @@
 """The gRPC ``Sidecar`` service: maps RPCs onto the role's parts (Prefiller on P, Decoder on RLD
-and MD, DrcHost on MD). Errors become gRPC status codes with the reason as details."""
+and MD, DrcHost on MD). Errors become gRPC status codes with the reason as details; a request key
+this sidecar already holds (``sidecar.request_keys``) is ``ALREADY_EXISTS``."""
 
 from __future__ import annotations
 
@@ -20,12 +21,14 @@ from sidecar.decoder import Decoder
 from sidecar.drc_host import DrcHost
 from sidecar.kv_admission import CapacityRefused, KvAdmission
 from sidecar.prefill import Prefiller, PrefillJob
+from sidecar.request_keys import RequestKeyInUse
 
 pb2, pb2_grpc = stubs()
 
 
 _STATUS = {
     InvalidInput: grpc.StatusCode.INVALID_ARGUMENT,
+    RequestKeyInUse: grpc.StatusCode.ALREADY_EXISTS,  # after InvalidInput: the last match wins
     NotFound: grpc.StatusCode.NOT_FOUND,
     DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
     CapacityRefused: grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -92,6 +95,10 @@ class SidecarService(pb2_grpc.SidecarServicer):  # type: ignore[misc,name-define
         try:
             sampling = sampling_from_pb(request.sampling)
         except PddlinkError as exc:
+            await _abort(context, exc)
+        try:
+            self.decoder.check_attachable(request.request_id)  # before admission books anything
+        except RequestKeyInUse as exc:
             await _abort(context, exc)
         booking = None
         if self.admission is not None:

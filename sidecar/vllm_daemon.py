@@ -7,8 +7,12 @@ connector inside vLLM dials this process's control socket (``<vllm.workdir>/<pee
 moves through the shared-memory region, and on RelayDecode and MainDecode the DRC follows vLLM's
 KV-cache events. Lifecycle: build the ``VllmSidecarConfig`` from the file, start (the KV server on
 RLD/MD, the links on P, the control socket), serve the admin HTTP (``/healthz``, ``/readyz``,
-``/status``, ``/metrics``; bearer keys on TCP as for the reference sidecar), print one ``READY
-{json}`` line, and on SIGTERM or SIGINT close everything (the region and the socket are removed).
+``/status``, ``/transfers``, ``/memory``, ``/metrics``; bearer keys on TCP as for the reference
+sidecar), print one ``READY {json}`` line, and on SIGTERM or SIGINT close everything (the region and
+the socket are removed). Memory as the reference sidecar keeps it (``pddlink.serving.malloc_trim``):
+a fixed mmap threshold so KV buffers go back to the OS when freed, the startup objects frozen out of
+the collector's view, and a collection plus ``malloc_trim`` every few seconds; otherwise a sidecar
+living through its engine's restarts ended a chaos run at 1.14-1.19x its RSS after warm-up.
 """
 
 from __future__ import annotations
@@ -25,6 +29,13 @@ from pddlink.roles import Role
 from pddlink.serving.admin_access import guarded
 from pddlink.serving.client_guard import load_key_file
 from pddlink.serving.http import Request, Response, error_response, json_response, serve_http
+from pddlink.serving.malloc_trim import (
+    fix_mmap_threshold,
+    freeze_startup,
+    heap_stats,
+    trim_every,
+    types_asked,
+)
 from pddlink.transport import LinkOptions
 from sidecar.config import SidecarConfig
 from sidecar.vllm_kv.service import VllmSidecar, VllmSidecarConfig
@@ -73,6 +84,8 @@ class VllmAdmin:  # /status: counts; /transfers: each transfer's record (tools a
             return json_response(200, self.status())
         if req.method == "GET" and req.path == "/transfers":
             return json_response(200, self.transfers())
+        if req.method == "GET" and req.path == "/memory":  # tens of ms: asked for, never polled
+            return json_response(200, heap_stats(types_asked(req.query)))
         return error_response(404, f"no such endpoint: {req.method} {req.path}")
 
     def transfers(self) -> dict[str, object]:
@@ -103,6 +116,7 @@ class VllmAdmin:  # /status: counts; /transfers: each transfer's record (tools a
 async def serve(cfg: SidecarConfig, stop: asyncio.Event) -> None:
     side = await VllmSidecar(bridge_config(cfg)).start()
     servers: list[asyncio.Server] = []
+    trimmer: asyncio.Task[None] | None = None
     try:
         admin = VllmAdmin(cfg, side)
         if cfg.admin_port:
@@ -122,8 +136,12 @@ async def serve(cfg: SidecarConfig, stop: asyncio.Event) -> None:
             sys.stderr.write("sidecar: plaintext KV data plane (tls_dir ''): loopback, tests and labs only\n")
         sys.stdout.write("READY " + json.dumps(ready) + "\n")
         sys.stdout.flush()
+        freeze_startup()  # full GC collections walk only what serving makes
+        trimmer = asyncio.get_running_loop().create_task(trim_every(), name="malloc-trim")
         await stop.wait()
     finally:
+        if trimmer is not None:
+            trimmer.cancel()
         for s in servers:
             s.close()
         if cfg.admin_unix:
@@ -140,4 +158,5 @@ async def _main(cfg: SidecarConfig) -> None:
 
 
 def run(cfg: SidecarConfig) -> None:
+    fix_mmap_threshold()  # KV buffers go back to the OS when freed
     eventloop.run(_main(cfg))

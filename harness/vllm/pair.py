@@ -14,12 +14,17 @@ transport is ``rld_transport``: "auto" = RDMA where a device is, else TCP) and a
 the connector as ``kv_consumer``. One prefill on P then ships to both, each the suffix its DRC lacks
 (RLD's and MD's sidecars each follow their own vLLM's KV-cache events). ``status()`` has a key per
 sidecar: "p", "md" and "rld".
+
+``servers()`` names the vLLM servers by role; ``restart(role)`` kills one with ``kill -9``, starts
+it again on the same port and arguments beside the same sidecar, and waits until it serves (the
+chaos suite's engine restart, as a supervisor would do it).
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -174,6 +179,21 @@ class VllmPair:
             if server is not None:
                 server.wait_ready(timeout_s)
         return self
+
+    def servers(self) -> dict[str, VllmServer]:
+        named = {"p": self.p, "md": self.md, "rld": self.rld}
+        return {k: v for k, v in named.items() if v is not None}
+
+    def restart(self, role: str, down_s: float = 0.0, timeout_s: float = 300.0) -> float:
+        """``kill -9`` of ``role``'s vLLM, ``down_s`` without it, then the same server again; the
+        seconds from the kill until it serves."""
+        server = self.servers()[role]
+        t0 = time.monotonic()
+        server.kill()
+        time.sleep(down_s)
+        server.start()
+        server.wait_ready(timeout_s)
+        return time.monotonic() - t0
 
     def sides(self) -> dict[str, SidecarProcess]:
         named = {"p": self.p_side, "md": self.md_side, "rld": self.rld_side}

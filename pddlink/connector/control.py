@@ -31,11 +31,12 @@ import contextlib
 import json
 import select
 import socket
+import struct
 import threading
 from collections.abc import Awaitable, Callable
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from pddlink.errors import ErrorCode, InvalidInput, PddlinkError, RemoteError, Unavailable
 
@@ -90,11 +91,39 @@ async def _answer(handler: Handler, line: bytes) -> dict[str, Any]:
         return {"ok": False, "error": f"bad_request: {exc}"}
 
 
-async def serve_control(path: Path, handler: Handler) -> asyncio.AbstractServer:
-    """Serve the channel on ``path`` (replaced if it exists, mode 0600)."""
+class ConnectionWatch(Protocol):
+    """Told of each control connection's life: who is at the other end (the engine's process,
+    ``peer_pid``) and when it goes (the sidecar notices its engine's death by them)."""
+
+    def opened(self, conn: int, pid: int | None) -> None: ...
+
+    def closed(self, conn: int) -> None: ...
+
+
+def peer_pid(sock: Any) -> int | None:
+    """The process at the other end of a Unix socket (SO_PEERCRED); None where the kernel cannot
+    say (another PID namespace reads 0, or no such option)."""
+    if sock is None or not hasattr(socket, "SO_PEERCRED"):
+        return None
+    try:
+        pid, _uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    except OSError:
+        return None
+    return pid or None
+
+
+async def serve_control(
+    path: Path, handler: Handler, *, watch: ConnectionWatch | None = None
+) -> asyncio.AbstractServer:
+    """Serve the channel on ``path`` (replaced if it exists, mode 0600); ``watch`` hears each
+    connection open (with its peer's pid) and close."""
     path.unlink(missing_ok=True)
+    conns = iter(range(1, 1 << 62))
 
     async def on_client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conn = next(conns)
+        if watch is not None:
+            watch.opened(conn, peer_pid(writer.get_extra_info("socket")))
         try:
             while line := await reader.readline():
                 writer.write(json.dumps(await _answer(handler, line)).encode() + b"\n")
@@ -102,6 +131,8 @@ async def serve_control(path: Path, handler: Handler) -> asyncio.AbstractServer:
         except (ConnectionError, asyncio.IncompleteReadError, ValueError):
             pass
         finally:
+            if watch is not None:
+                watch.closed(conn)
             writer.close()
             with contextlib.suppress(ConnectionError):
                 await writer.wait_closed()

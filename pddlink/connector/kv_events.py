@@ -12,6 +12,13 @@ blocks below it along, as in vLLM, where they can no longer match).
 A block whose parent is unknown (stored before the feed subscribed) is not indexed: the DRC then
 answers a shorter prefix than vLLM holds and P ships a little more; never the other way round.
 Events from other media (CPU offload tiers) are ignored.
+
+A restarted vLLM is a new publisher on the same endpoint (the subscriber reconnects by itself): its
+sequence numbers start over, so a batch numbered at or below the last one seen means a new engine,
+whose cache starts empty: the index is cleared before the batch is applied. When the sidecar learns
+of its engine's death first (``engine_lost``), the index is cleared then, and batches that continue
+the dead publisher's sequence for ``STALE_S`` after it (queued in the subscriber before the kill)
+are ignored rather than re-inserting blocks nobody holds.
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ from pddlink.kv.hashing import BlockHasher
 
 log = logging.getLogger("pddlink.vllm.events")
 
+STALE_S = 2.0  # a restarted vLLM takes far longer than this to publish again
+
 
 class KvEventFeed:
     def __init__(self, index: PrefixIndex, *, model_id: str, block_size: int) -> None:
@@ -36,7 +45,9 @@ class KvEventFeed:
         self._ours: dict[Any, int] = {}  # vLLM block hash -> pddlink block hash
         self._task: asyncio.Task[None] | None = None
         self.counts = {"batches": 0, "stored": 0, "removed": 0, "cleared": 0, "orphans": 0, "gaps": 0}
+        self.counts |= {"restarts": 0, "engine_lost": 0, "stale": 0}
         self._seq: int | None = None
+        self._stale_until = 0.0
         self.last_event_at = 0.0
         self.error = ""
 
@@ -64,14 +75,36 @@ class KvEventFeed:
         try:
             while True:
                 _topic, seq_bytes, payload = await sock.recv_multipart()
-                seq = int.from_bytes(seq_bytes, "big")
-                if self._seq is not None and seq != self._seq + 1:
-                    self.counts["gaps"] += 1  # lost batches: the DRC may lag; vLLM stays the truth
-                self._seq = seq
-                self.apply(decoder.decode(payload).events)
+                if self.accept(int.from_bytes(seq_bytes, "big"), time.monotonic()):
+                    self.apply(decoder.decode(payload).events)
         finally:
             sock.close()
             ctx.term()
+
+    def accept(self, seq: int, now: float) -> bool:
+        """Whether batch ``seq`` is to be applied: False for the dead engine's, still queued."""
+        last, self._seq = self._seq, seq
+        if last is not None and seq <= last:  # a new publisher: a new engine, an empty cache
+            self._forget(now)
+            self.counts["restarts"] += 1
+            self._stale_until = 0.0
+            return True
+        if now < self._stale_until:
+            self.counts["stale"] += 1
+            return False
+        if last is not None and seq != last + 1:
+            self.counts["gaps"] += 1  # lost batches: the DRC may lag; vLLM stays the truth
+        return True
+
+    def engine_lost(self, now: float) -> None:
+        """The engine died: its blocks are gone; what its publisher left queued is ignored."""
+        self._forget(now)
+        self.counts["engine_lost"] += 1
+        self._stale_until = now + STALE_S
+
+    def _forget(self, now: float) -> None:
+        self._ours.clear()
+        self.index.clear(now)
 
     def apply(self, events: list[Any]) -> None:
         from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored

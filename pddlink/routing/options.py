@@ -29,13 +29,29 @@ queues, RLD's load). It then picks:
 4. otherwise the MD-only option with the earlier first token;
 5. and when nothing meets the deadline: a rejection with a typed reason and a retry hint.
 
-Without recompute and without a deadline this is exactly ``choose_pipeline``. Pure: the router and
-the simulator call the very same function.
+A decode-speed bound (``OptionInputs.tpot_bound_s``, the SLO's time per output token) adds a second
+half to "meets": this request's own expected TPOT, and the TPOT of the requests MD decodes while it
+recomputes (those running, ``md_running``, and those that join during the prefill), stay within it.
+Recompute costs them MD's prefill time: a blocking prefill stalls one step for the whole prompt
+(and what is queued before it); chunked prefill (``MdPrefill.chunk_tokens``, a per-step token
+budget) lengthens each step by ``chunk / tokens_per_s`` while it lasts, and the prompt rides on
+one decode step per chunk. Spread over ``md_output_tokens`` (the output length of the short
+requests, whose mean TPOT a stall hurts most), that is ``work / md_output_tokens`` per token,
+chunked at most ``chunk / tokens_per_s`` (``MdPrefill.tpot_cost_s``; the work counts MD's queue,
+so recompute stops once MD's queue is long). An option that breaks the bound is not chosen while
+another meets every bound; a request whose every option meets the deadlines only by breaking it
+is rejected as ``TPOT_UNREACHABLE``. Shipping and a handoff's extend step are not charged to MD's
+batch (importing KV and extending a few hundred token ids fit in a step).
+
+Without recompute and without a deadline this is exactly ``choose_pipeline``; without a TPOT bound it
+is what it was before the bound existed. Pure: the router and the simulator call the same function.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum, StrEnum
@@ -48,6 +64,11 @@ from pddlink.routing.policy import (
     RoutingPolicy,
     rld_finishes_first,
 )
+
+# Recompute is planned to keep MD's batch within this share of the TPOT bound: the step time it is
+# judged by is now's, the batch grows while the prefill runs, and a plan at the bound itself breaks
+# it for about half of the requests MD decodes meanwhile (the simulator shows it).
+BATCH_TPOT_SHARE = 0.9
 
 
 class Option(StrEnum):
@@ -113,6 +134,7 @@ class RejectReason(StrEnum):
 
     DEADLINE_UNREACHABLE = "deadline_unreachable"  # every allowed option ends after the deadline
     NO_OPTION = "no_option"  # nothing is allowed at all (no relay, no recompute, no line)
+    TPOT_UNREACHABLE = "tpot_unreachable"  # options meet the deadlines only by breaking the TPOT bound
 
 
 def _require(ok: bool, message: str) -> None:
@@ -122,17 +144,35 @@ def _require(ok: bool, message: str) -> None:
 
 @dataclass(frozen=True, slots=True)
 class MdPrefill:
-    """MD's ability to recompute: its prefill speed and the prefill work already queued there."""
+    """MD's ability to recompute: its prefill speed, the prefill work already queued there, and
+    ``chunk_tokens``: the per-step prompt-token budget of an engine with chunked prefill (None:
+    the engine prefills a prompt in one step, stalling every sequence it decodes meanwhile)."""
 
     tokens_per_s: float
     queue_s: float = 0.0
+    chunk_tokens: int | None = None
 
     def __post_init__(self) -> None:
         _require(self.tokens_per_s > 0, f"tokens_per_s must be > 0, got {self.tokens_per_s}")
         _require(self.queue_s >= 0, f"queue_s must be >= 0, got {self.queue_s}")
+        _require(self.chunk_tokens is None or self.chunk_tokens >= 1, "chunk_tokens must be >= 1 or None")
 
-    def ready_s(self, tokens: int) -> float:
-        return self.queue_s + tokens / self.tokens_per_s
+    def ready_s(self, tokens: int, step_s: float = 0.0) -> float:
+        """When MD holds ``tokens`` prefilled: after its queue; chunked, each of the prefill's steps
+        also runs one decode iteration of ``step_s`` (0 when MD decodes nothing)."""
+        ready = self.queue_s + tokens / self.tokens_per_s
+        if self.chunk_tokens is not None and tokens > 0:
+            ready += math.ceil(tokens / self.chunk_tokens) * step_s
+        return ready
+
+    def tpot_cost_s(self, tokens: int, over_tokens: float) -> float:
+        """What prefilling ``tokens`` adds to the time per output token of a request of
+        ``over_tokens`` output tokens MD decodes meanwhile: the prefill and what is queued before it
+        stall it (blocking: all of it; chunked: one chunk per step while it lasts, so at most one
+        chunk's time per token), spread over its tokens."""
+        work = self.queue_s + max(0, tokens) / self.tokens_per_s
+        spread = work / max(1.0, over_tokens)
+        return spread if self.chunk_tokens is None else min(self.chunk_tokens / self.tokens_per_s, spread)
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +184,11 @@ class OptionInputs:
     ``p_prefill_s``: P's queue plus this prompt's prefill. ``fast_s``: the whole KV to RLD on the
     fast path. ``md_prefill``: None where MD cannot recompute. ``md_tpot_s``: MD's time per token.
     ``extend_s``: MD's extend step at a token-id handoff.
+    ``tpot_bound_s``: the SLO's time per output token (None: no decode-speed bound, as before it
+    existed). ``md_running``: sequences MD is decoding now (a chunked prefill rides on their decode
+    steps); ``md_output_tokens``: the output length a stall is spread over; pass the short ones' (a
+    low quantile of the output bounds of the requests MD decodes), since a stall hurts a short
+    request's mean TPOT most (1 when unknown: a stall then counts in full against one token).
     """
 
     routing: RoutingInputs
@@ -154,9 +199,15 @@ class OptionInputs:
     md_prefill: MdPrefill | None = None
     md_tpot_s: float = 0.03
     extend_s: float = 0.0
+    tpot_bound_s: float | None = None
+    md_running: int = 0
+    md_output_tokens: float = 1.0
 
     def __post_init__(self) -> None:
         _require(self.deadline_s is None or self.deadline_s > 0, "deadline_s must be > 0 or None")
+        _require(self.tpot_bound_s is None or self.tpot_bound_s > 0, "tpot_bound_s must be > 0 or None")
+        _require(self.md_running >= 0, "md_running must be >= 0")
+        _require(self.md_output_tokens >= 1, "md_output_tokens must be >= 1")
         _require(self.ttft_deadline_s is None or self.ttft_deadline_s > 0, "ttft_deadline_s must be > 0")
         for name in ("p_prefill_s", "fast_s", "extend_s"):
             _require(getattr(self, name) >= 0, f"{name} must be >= 0")
@@ -172,11 +223,25 @@ class OptionEstimate:
     md_ready_s: float  # MD holds the prompt's KV (inf for singular)
     finish_s: float
     rld_tokens: float  # expected tokens produced on RLD
+    tpot_s: float = 0.0  # this request's expected time per output token after its first
+    md_batch_tpot_s: float = 0.0  # what MD's running requests get while it recomputes (0: not charged)
 
-    def meets(self, deadline_s: float | None, ttft_deadline_s: float | None = None) -> bool:
-        """Ends by the deadline and, where one is given, has its first token out by the TTFT one."""
+    def meets(
+        self,
+        deadline_s: float | None,
+        ttft_deadline_s: float | None = None,
+        tpot_bound_s: float | None = None,
+    ) -> bool:
+        """Ends by the deadline, has its first token out by the TTFT one and keeps this request's
+        and MD's running requests' TPOT within the bound, each where one is given."""
         ends = deadline_s is None or self.finish_s <= deadline_s
-        return ends and (ttft_deadline_s is None or self.ttft_s <= ttft_deadline_s)
+        first = ttft_deadline_s is None or self.ttft_s <= ttft_deadline_s
+        return ends and first and self.meets_tpot(tpot_bound_s)
+
+    def meets_tpot(self, tpot_bound_s: float | None) -> bool:
+        if tpot_bound_s is None:
+            return True
+        return self.tpot_s <= tpot_bound_s and self.md_batch_tpot_s <= BATCH_TPOT_SHARE * tpot_bound_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,9 +284,13 @@ def estimate_options(inputs: OptionInputs, policy: RoutingPolicy) -> tuple[Optio
     wan_s = r.link.transfer_s(r.wan_bytes)
     ship_ready = inputs.p_prefill_s + wan_s
     # token ids cross in half a round trip; MD prefills what its own cache lacks
-    recompute_ready = math.inf
-    if inputs.md_prefill is not None:
-        recompute_ready = r.link.rtt_s / 2 + inputs.md_prefill.ready_s(r.missing_tokens)
+    recompute_ready, batch_tpot = math.inf, 0.0
+    md = inputs.md_prefill
+    if md is not None:
+        step = inputs.md_tpot_s if inputs.md_running else 0.0
+        recompute_ready = r.link.rtt_s / 2 + md.ready_s(r.missing_tokens, step)
+        # charged even to an idle MD: whatever joins its batch during the prefill pays it too
+        batch_tpot = inputs.md_tpot_s + md.tpot_cost_s(r.missing_tokens, inputs.md_output_tokens)
     rld_first = inputs.p_prefill_s + inputs.fast_s + r.rld_tpot_s
     rld_alone = rld_first + (out_tokens - 1) * r.rld_tpot_s
     md_decode = (out_tokens - 1) * inputs.md_tpot_s
@@ -229,14 +298,22 @@ def estimate_options(inputs: OptionInputs, policy: RoutingPolicy) -> tuple[Optio
     for option in allowed_options(inputs, policy):
         ready = recompute_ready if option.recomputes else ship_ready
         if option is Option.SINGULAR:
-            estimates.append(OptionEstimate(option, rld_first, math.inf, rld_alone, float(out_tokens)))
+            first, ready, finish, on_rld = rld_first, math.inf, rld_alone, float(out_tokens)
         elif option.relays:
+            first = rld_first
             on_rld = min(float(out_tokens), max(0.0, (ready - rld_first) / r.rld_tpot_s) + 1)
             rest = out_tokens - on_rld
             via_md = ready + inputs.extend_s + rest * inputs.md_tpot_s if rest > 0 else rld_alone
-            estimates.append(OptionEstimate(option, rld_first, ready, min(rld_alone, via_md), on_rld))
+            finish = min(rld_alone, via_md)
         else:
-            estimates.append(OptionEstimate(option, ready, ready, ready + md_decode, 0.0))
+            first, finish, on_rld = ready, ready + md_decode, 0.0
+        own = (finish - first) / (out_tokens - 1) if out_tokens > 1 else 0.0
+        if md is not None and inputs.tpot_bound_s is not None and option is not Option.SINGULAR:
+            # MD's prefill work still queued when this request starts decoding there stalls it too
+            left = MdPrefill(md.tokens_per_s, max(0.0, md.queue_s - ready), md.chunk_tokens)
+            own += left.tpot_cost_s(0, out_tokens) if left.queue_s > 0 else 0.0
+        charged = batch_tpot if option.recomputes else 0.0
+        estimates.append(OptionEstimate(option, first, ready, finish, on_rld, own, charged))
     return tuple(estimates)
 
 
@@ -245,17 +322,15 @@ def choose_option(inputs: OptionInputs, policy: RoutingPolicy) -> OptionDecision
     r = inputs.routing
     wan_s = r.link.transfer_s(r.wan_bytes)
     every = estimate_options(inputs, policy)
-    fits = {e.option: e for e in every if e.meets(inputs.deadline_s, inputs.ttft_deadline_s)}
+    bound = inputs.tpot_bound_s
+    fits = {e.option: e for e in every if e.meets(inputs.deadline_s, inputs.ttft_deadline_s, bound)}
 
     def take(option: Option, reason: DecisionReason) -> OptionDecision:
         shipped = r.wan_bytes if option.ships_kv else 0
         return OptionDecision(option, reason, shipped, wan_s, every)
 
     if not fits:
-        late = min((_overshoot_s(e, inputs) for e in every), default=math.inf)
-        retry = max(1.0, late) if math.isfinite(late) else 5.0
-        why = RejectReason.DEADLINE_UNREACHABLE if every else RejectReason.NO_OPTION
-        return OptionDecision(None, why, 0, wan_s, every, retry_after_s=min(retry, 60.0))
+        return _reject(inputs, every, wan_s)
     direct = [fits[o] for o in (Option.SHIP, Option.RECOMPUTE) if o in fits]
     best_direct = min(direct, key=lambda e: (e.md_ready_s, e.option is Option.RECOMPUTE), default=None)
     threshold = policy.relay_min_wan_s
@@ -285,13 +360,27 @@ def choose_option(inputs: OptionInputs, policy: RoutingPolicy) -> OptionDecision
     return _direct_or(best_direct, fits, take, DecisionReason.RLD_BUSY)
 
 
+def _reject(inputs: OptionInputs, every: tuple[OptionEstimate, ...], wan_s: float) -> OptionDecision:
+    """No option meets every bound: why (the deadlines, or only the TPOT bound) and a retry hint."""
+    late = min((_overshoot_s(e, inputs) for e in every), default=math.inf)
+    retry = max(1.0, late) if math.isfinite(late) else 5.0
+    why = RejectReason.DEADLINE_UNREACHABLE if every else RejectReason.NO_OPTION
+    if any(e.meets(inputs.deadline_s, inputs.ttft_deadline_s) for e in every):
+        why = RejectReason.TPOT_UNREACHABLE
+    return OptionDecision(None, why, 0, wan_s, every, retry_after_s=min(retry, 60.0))
+
+
 def _overshoot_s(e: OptionEstimate, inputs: OptionInputs) -> float:
-    """How far past its deadline (either one) an option would end: the retry hint's basis."""
+    """How far past its bounds an option would end: the retry hint's basis (a TPOT overshoot
+    counts over this request's output)."""
     over = 0.0
     if inputs.deadline_s is not None:
         over = max(over, e.finish_s - inputs.deadline_s)
     if inputs.ttft_deadline_s is not None:
         over = max(over, e.ttft_s - inputs.ttft_deadline_s)
+    if inputs.tpot_bound_s is not None:
+        worst = max(e.tpot_s, e.md_batch_tpot_s) - inputs.tpot_bound_s
+        over = max(over, worst * inputs.routing.max_output_tokens)
     return over
 
 
@@ -315,3 +404,27 @@ def _direct_or(
         first = min(direct, key=lambda e: (e.ttft_s, e.option is Option.RECOMPUTE))
         return take(first.option, reason)
     return take(Option.SINGULAR, DecisionReason.SHORT_OUTPUT)  # RLD busy for relays, singular fits
+
+
+class ShortOutputs:
+    """``OptionInputs.md_output_tokens``: the output length of the short requests among the last
+    ``window`` finished (a low ``quantile``), since a stall hurts a short request's mean TPOT most.
+    Output bounds say little (most are the API's default), so this is what requests produced. The
+    router and the simulator keep one each; sans-I/O."""
+
+    def __init__(self, window: int = 256, quantile: float = 0.1) -> None:
+        self.window, self.quantile = window, quantile
+        self._order: deque[int] = deque()
+        self._sorted: list[int] = []
+
+    def add(self, output_tokens: int) -> None:
+        self._order.append(output_tokens)
+        bisect.insort(self._sorted, output_tokens)
+        if len(self._order) > self.window:
+            old = self._order.popleft()
+            del self._sorted[bisect.bisect_left(self._sorted, old)]
+
+    def tokens(self) -> float:
+        if not self._sorted:
+            return 1.0
+        return float(max(1, self._sorted[int(self.quantile * (len(self._sorted) - 1))]))

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pddlink.errors import ConfigError
+from pddlink.serving.conn_slots import ConnSlots, SlotRefusal
 from pddlink.serving.write_bound import SEND_BUFFER_BYTES, WRITE_STALL_S
 
 
@@ -38,25 +39,32 @@ class ApiConfig:
     header_timeout_s: float = 10.0  # the whole request head must arrive within this
     body_timeout_s: float = 30.0  # the whole body must arrive within this
     idle_timeout_s: float = 60.0  # a keep-alive connection with no request closes after this
+    first_byte_timeout_s: float = 5.0  # a new connection that sends nothing closes after this
     write_stall_s: float = WRITE_STALL_S  # an answer's write the client takes nothing of this long is cut
     send_buffer_bytes: int = SEND_BUFFER_BYTES  # kernel send buffer per HTTP connection (SO_SNDBUF)
     max_connections: int = 512  # open client connections (HTTP), over all clients
-    max_connections_per_client: int = 64  # per client address
+    max_connections_per_client: int = 64  # per client: its key (with api_keys_file), else its address
     max_concurrent_requests: int = 256  # generating requests (HTTP and gRPC); more get 503
     rate_per_client_s: float = 50.0  # requests per second per client (token bucket); 0 = no limit
     rate_burst: int = 100  # the bucket's size
     retry_after_s: int = 1  # what a 429 / 503 tells the client
+    tokenizer_workers: int = 2  # threads that tokenize and detokenize large texts, off the event loop
+    max_prompt_bytes: int = 0  # a text prompt's UTF-8 bytes; 0 = what max_prompt_tokens allows at most
 
     def __post_init__(self) -> None:
         positive = ("max_body_bytes", "body_budget_bytes", "max_connections", "max_connections_per_client")
         if not 4096 <= self.send_buffer_bytes <= 64 << 20:
             raise ConfigError("api.send_buffer_bytes must be in [4096, 64 MiB]")
-        for name in (*positive, "max_concurrent_requests", "rate_burst", "retry_after_s"):
+        at_least_one = ("max_concurrent_requests", "rate_burst", "retry_after_s", "tokenizer_workers")
+        for name in (*positive, *at_least_one):
             if getattr(self, name) < 1:
                 raise ConfigError(f"api.{name} must be >= 1")
-        for name in ("header_timeout_s", "body_timeout_s", "idle_timeout_s", "write_stall_s"):
+        timeouts = ("header_timeout_s", "body_timeout_s", "idle_timeout_s", "first_byte_timeout_s")
+        for name in (*timeouts, "write_stall_s"):
             if not 0 < getattr(self, name) <= 3600:
                 raise ConfigError(f"api.{name} must be in (0, 3600]")
+        if self.max_prompt_bytes < 0 or self.tokenizer_workers > 64:
+            raise ConfigError("api.max_prompt_bytes must be >= 0, api.tokenizer_workers <= 64")
         if self.rate_per_client_s < 0:
             raise ConfigError("api.rate_per_client_s must be >= 0")
         if self.body_budget_bytes < self.max_body_bytes:
@@ -130,8 +138,11 @@ class ClientGuard:
     cfg: ApiConfig
     keys: tuple[bytes, ...] = ()
     active: int = 0  # requests generating now
-    connections: dict[str, int] = field(default_factory=dict)
     buckets: dict[str, _Bucket] = field(default_factory=dict)
+    slots: ConnSlots = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.slots = ConnSlots(self.cfg.max_connections, self.cfg.max_connections_per_client)
 
     @classmethod
     def from_config(cls, cfg: ApiConfig) -> ClientGuard:
@@ -191,20 +202,32 @@ class ClientGuard:
 
     # -- connections ----------------------------------------------------------------------------
 
-    def open_connection(self, peer: str) -> Refusal | None:
-        total = sum(self.connections.values())
-        if total >= self.cfg.max_connections:
-            return Refusal(503, "too many connections", "ServiceUnavailableError", self.cfg.retry_after_s)
-        if self.connections.get(peer, 0) >= self.cfg.max_connections_per_client:
-            return Refusal(
-                429, "too many connections from this client", "RateLimitError", self.cfg.retry_after_s
-            )
-        self.connections[peer] = self.connections.get(peer, 0) + 1
-        return None
+    def owner_of(self, authorization: str | None, peer: str) -> str:
+        """Whom a connection's slot counts against once its request head names a client: the
+        key's client with a valid key, else its address (``pddlink.serving.conn_slots``)."""
+        if self.keys:
+            client = bearer_client(self.keys, authorization)
+            if not isinstance(client, Refusal):
+                return client
+        return f"addr:{peer}"
 
-    def close_connection(self, peer: str) -> None:
-        n = self.connections.get(peer, 0) - 1
-        if n > 0:
-            self.connections[peer] = n
-        else:
-            self.connections.pop(peer, None)
+    def open_connection(self, conn: int, peer: str, now: float) -> tuple[int, ...] | Refusal:
+        """A slot for a new connection from ``peer``: the connections to close for it, or a refusal."""
+        got = self.slots.open(conn, f"addr:{peer}", now)
+        return got if isinstance(got, tuple) else self._slot_refusal(got)
+
+    def connection_headed(
+        self, conn: int, authorization: str | None, peer: str, now: float
+    ) -> Refusal | None:
+        refused = self.slots.headed(conn, self.owner_of(authorization, peer), now)
+        return None if refused is None else self._slot_refusal(refused)
+
+    def connection_idle(self, conn: int, now: float) -> None:
+        self.slots.idle(conn, now)
+
+    def close_connection(self, conn: int) -> None:
+        self.slots.close(conn)
+
+    def _slot_refusal(self, r: SlotRefusal) -> Refusal:
+        kind = "RateLimitError" if r.status == 429 else "ServiceUnavailableError"
+        return Refusal(r.status, r.message, kind, self.cfg.retry_after_s)

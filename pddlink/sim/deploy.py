@@ -112,6 +112,8 @@ class Deployment:
     placement: PlacementPolicy = PlacementPolicy.PREFIX_AWARE
     sites: tuple[DecodeSite, ...] = ()  # () = one site, every decode instance behind ``link``
     prefill_datacenter: str = "dc-a"  # where P and RLD sit (placement's view)
+    tpot_bound_s: float | None = None  # the policy's decode-speed bound (``OptionInputs.tpot_bound_s``)
+    md_chunk_tokens: int | None = None  # MD's chunked-prefill budget per step (None: ``md_lane``'s headroom)
 
     def deadline_for(self, max_tokens: int) -> float | None:
         """The request's end-to-end deadline (the SLA's TTFT bound plus its TPOT bound per token)."""
@@ -120,6 +122,8 @@ class Deployment:
     def __post_init__(self) -> None:
         if self.kind is Kind.PDD and self.relay is None:
             raise ConfigError(f"deployment {self.name}: PDD needs a relay (RLD) pool")
+        if self.md_chunk_tokens is not None and self.md_chunk_tokens < 1:
+            raise ConfigError(f"deployment {self.name}: md_chunk_tokens must be >= 1 or None")
         if self.kv_bytes_per_token < 1 or self.drc_tokens_per_gpu < 1 or self.line_price < 0:
             raise ConfigError(f"deployment {self.name}: kv_bytes_per_token and drc capacity must be >= 1")
         if self.sites and sum(len(x.names) for x in self.sites) != self.decode.instances:

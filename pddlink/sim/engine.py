@@ -52,6 +52,7 @@ from pddlink.routing import (
     choose_rld,
     place,
 )
+from pddlink.routing.options import ShortOutputs
 from pddlink.sim.cache import DecodeCache
 from pddlink.sim.deploy import Deployment, Kind, Link
 from pddlink.sim.md_lane import MdPrefillLane
@@ -122,7 +123,7 @@ class Simulation:
         # on the share of its chips that decoding leaves within the TPOT bound (``sim.md_lane``)
         tpot_bound = d.balance_tpot_s or 0.03
         self.md_lanes = (
-            [MdPrefillLane(self.clock, x, tpot_bound) for x in self.decode]
+            [MdPrefillLane(self.clock, x, tpot_bound, chunk_tokens=d.md_chunk_tokens) for x in self.decode]
             if d.crosses_wan and d.policy.recompute_enabled
             else []
         )
@@ -133,6 +134,7 @@ class Simulation:
         ]
         self.line = self.lines[0]
         self.records = RunRecords()
+        self.short_outputs = ShortOutputs()  # what the TPOT bound spreads a recompute's stall over
         self.crosses_wan = d.crosses_wan
         self.back_s = [x.link.rtt_s / 2 if d.crosses_wan else 0.0 for x in sites]  # MD's tokens back to A
         self.placement = PlacementConfig(d.placement, BALANCE_QUEUE, d.balance_tpot_s)
@@ -226,6 +228,8 @@ class Simulation:
         p = self._p_by_name[placed.p]
         option = self._choose(r, matched, now, i, p.backlog_s(now))
         rec = Record(r.arrival_s, r.output_tokens, Pipeline.P_MD, measured=r.arrival_s >= warmup_s)
+        if self.d.tpot_bound_s is not None:  # the router learns the same from finished requests
+            self.short_outputs.add(r.output_tokens)
         rec.hit = matched / r.prompt_tokens
         rec.decode = placed.md
         rec.missing_tokens = r.prompt_tokens - matched
@@ -278,9 +282,7 @@ class Simulation:
         p_model, md = self.prefill[0].model, self.decode[i]
         md_prefill = None
         if self.md_lanes:
-            lane = self.md_lanes[i]
-            took = lane.work_s(missing, matched) / lane.share()
-            md_prefill = MdPrefill(missing / max(took, 1e-9), lane.backlog_s(now))
+            md_prefill = self._md_prefill(self.md_lanes[i], missing, matched, now)
         inputs = OptionInputs(
             routing,
             deadline_s=d.deadline_for(r.max_tokens),
@@ -288,10 +290,23 @@ class Simulation:
             p_prefill_s=p_backlog_s + p_model.fig.prefill_batch_s + p_model.prefill_s(missing, matched),
             fast_s=d.link.fast_s(r.prompt_tokens * d.kv_bytes_per_token),
             md_prefill=md_prefill,
-            md_tpot_s=md.tpot_s(),
+            # chunked: MD's decode speed, its prefill queue (``md_prefill``) says what slows it
+            md_tpot_s=md.base_step_s() if d.md_chunk_tokens is not None else md.tpot_s(),
             extend_s=md.model.extend_s(16),
+            tpot_bound_s=d.tpot_bound_s,
+            md_running=md.running,
+            md_output_tokens=self.short_outputs.tokens(),
         )
         return choose_option(inputs, policy).option
+
+    @staticmethod
+    def _md_prefill(lane: MdPrefillLane, missing: int, matched: int, now: float) -> MdPrefill:
+        """MD's recompute as the policy sees it: the headroom lane's effective speed, or (chunked)
+        its full speed with the per-step budget, which ``MdPrefill`` spreads over decode steps."""
+        work = lane.work_s(missing, matched)
+        if lane.chunk_tokens is not None:
+            return MdPrefill(missing / max(work, 1e-9), lane.backlog_s(now), lane.chunk_tokens)
+        return MdPrefill(missing / max(work / lane.share(), 1e-9), lane.backlog_s(now))
 
     # -- after prefill ---------------------------------------------------------------------------
 

@@ -29,13 +29,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from pddlink.errors import ConfigError
-from pddlink.routing import Pipeline
 from pddlink.sim.deploy import Deployment
 from pddlink.sim.engine import Simulation
 from pddlink.sim.generate import GeneratorConfig, generate
-from pddlink.sim.records import RunRecords, Sla
+from pddlink.sim.records import Record, RunRecords, Sla
 from pddlink.sim.trace import TraceRequest
-from pddlink.sim.workload import Workload
+from pddlink.sim.workload import HitBin, Workload
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,10 +80,13 @@ def line_load(records: RunRecords, deployment: Deployment, window_s: float) -> f
     """KV bytes the measured requests put on the WAN, over what the line carries in ``window_s``."""
     if not deployment.crosses_wan:
         return 0.0
-    tokens = sum(
-        r.missing_tokens for r in records.records if r.measured and r.pipeline is not Pipeline.SINGULAR
-    )
+    tokens = sum(r.missing_tokens for r in records.records if r.measured and _ships(r))
     return tokens * deployment.kv_bytes_per_token / (deployment.link.wan_bytes_s * window_s)
+
+
+def _ships(r: Record) -> bool:
+    """Its missing suffix crossed the line: not singular, not recomputed on MD, not rejected."""
+    return r.option is not None and r.option.ships_kv
 
 
 def probe(
@@ -149,11 +151,13 @@ class GeneratedTraffic:
     seed: int
     block_tokens: int
     duration_s: float
+    hit_bins: tuple[HitBin, ...] | None = None  # None: the workload's own
 
     def __call__(self, rate: float) -> tuple[TraceRequest, ...]:
         config = GeneratorConfig(
-            rate_rps=rate, duration_s=self.duration_s, seed=self.seed, block_tokens=self.block_tokens
-        )
+            rate_rps=rate, duration_s=self.duration_s, seed=self.seed, block_tokens=self.block_tokens,
+            hit_bins=self.hit_bins,
+        )  # fmt: skip
         return tuple(generate(self.workload, config))
 
 
@@ -183,3 +187,25 @@ def sustained_goodputs(
     futures = tuple(pool.submit(_search_one, d, traffic, sla, search) for d in deployments)
     pool.shutdown(wait=False)
     return futures
+
+
+def bounded_lead(
+    rows: Sequence[dict[str, Any]], over: str, key: str = "goodput_rps", bounded: str = "pdd_bounded"
+) -> list[dict[str, Any]]:
+    """At each value of ``over`` (a sweep's rows, one per deployment and point): the bounded
+    policy's ``key`` against the best other WAN deployment's (intra-DC PD, the normaliser, left
+    out), and by how much it leads (negative: it trails)."""
+    points: dict[float, dict[str, float]] = {}
+    for r in rows:
+        points.setdefault(float(r[over]), {})[str(r["deployment"])] = float(r[key])
+    out = []
+    for x, by in sorted(points.items()):
+        others = {n: v for n, v in by.items() if n not in (bounded, "intra_dc_pd")}
+        if bounded not in by or not others:
+            continue
+        best = max(others, key=lambda n: others[n])
+        out.append({
+            over: x, "bounded": by[bounded], "best_other": best, "best_other_value": others[best],
+            "lead": round(by[bounded] - others[best], 4),
+        })  # fmt: skip
+    return out

@@ -2,7 +2,9 @@
 
 A ``Record`` is filled in as its request moves through the simulation (times in simulated seconds,
 -1 until known). ``RunRecords.summary`` turns the measured ones (arrived after the warm-up) into
-TTFT / TPOT / end-to-end percentiles, SLA attainment and goodput, token shares by tier, KV transfer
+TTFT / TPOT / end-to-end percentiles, SLA attainment and goodput (requests per second of the
+measured window meeting both the TTFT and the TPOT bound of the ``Sla``), output speed per request
+(the median of each request's output tokens per second after its first), token shares by tier, KV transfer
 latencies and line figures.
 """
 
@@ -97,6 +99,8 @@ class RunRecords:
         out = np.array([r.output_tokens for r in recs])
         tpot = np.where(out > 1, (e2e - ttft) / np.maximum(1, out - 1), 0.0)
         ok = (ttft <= sla.ttft_s) & (tpot <= sla.tpot_s)
+        many = out > 1
+        speed = (out[many] - 1) / np.maximum(1e-9, (e2e - ttft)[many])  # output tokens/s per request
         rld = sum(r.rld_tokens for r in recs)
         total = int(out.sum()) if recs else 0
         pipes = {p.value: sum(1 for r in recs if r.pipeline is p) for p in Pipeline}
@@ -116,6 +120,8 @@ class RunRecords:
             "e2e_s": percentiles(e2e),
             "sla_attainment": round(float(ok.mean()), 4) if recs else 0.0,
             "sla_goodput_rps": round(float(ok.sum()) / self.measured_s, 4),
+            "tokens_per_s_per_request": round(float(np.median(speed)), 2) if speed.size else 0.0,
+            "slo": {"ttft_s": sla.ttft_s, "tpot_s": sla.tpot_s},
             "rld_token_share": round(rld / total, 4) if total else 0.0,
             "pipelines": pipes,
             "handoffs": modes,

@@ -119,6 +119,7 @@ class DecodeInstance:
         self.clock, self.model, self.name = clock, model, name
         self.max_seqs, self._kv_capacity = model.max_seqs, model.kv_capacity_tokens
         self._slow = 1.0  # > 1 while the instance's chips also prefill (``slow_down``)
+        self._chunk_s = 0.0  # > 0 while each iteration also carries a prefill chunk (``chunk_steps``)
         self._model_step_s = model.step_s
         self._v = 0.0  # iterations done
         self._t = 0.0
@@ -143,6 +144,11 @@ class DecodeInstance:
         return self._step_s(self._n or 1, self._context)
 
     @property
+    def running(self) -> int:
+        """Sequences in the batch (decoding now)."""
+        return self._n
+
+    @property
     def kv_use_fraction(self) -> float:
         return self._kv_used / self._kv_capacity
 
@@ -154,7 +160,14 @@ class DecodeInstance:
         self._arm()
 
     def _step_s(self, seqs: int, context_tokens: int) -> float:
-        return self._model_step_s(seqs, context_tokens) * self._slow
+        return self._model_step_s(seqs, context_tokens) * self._slow + self._chunk_s
+
+    def chunk_steps(self, now: float, chunk_s: float) -> None:
+        """From ``now`` on every iteration also carries a prefill chunk of ``chunk_s`` (chunked
+        prefill with a fixed token budget: MainDecode recomputing a prompt); 0 ends it."""
+        self._advance(now)
+        self._chunk_s = chunk_s
+        self._arm()
 
     def slow_down(self, now: float, factor: float) -> None:
         """From ``now`` on every iteration takes ``factor`` times its time (the chips also run a

@@ -4,10 +4,15 @@ The offered WAN load is the rate at which the missing suffixes' KV would have to
 (bytes per second of what the decode side's caches lack, as cross-datacenter PD ships it), over the
 line's goodput. ``offered_suffix_bytes_s`` measures it on the traffic itself (one cross-datacenter
 PD run on a line so fat it never queues); ``wan_load_deployments`` then sizes the line so the same
-traffic offers ``load`` times what it carries, and runs cross-datacenter PD, PDD without recompute
-and PDD with recompute (MD prefills the missing suffix itself at its own, decode-leaning speed),
-all three with admission: a request's deadline is the SLA (TTFT bound plus the TPOT bound per
-output token), and what no option can end by then is rejected at arrival, counted apart.
+traffic offers ``load`` times what it carries, and runs cross-datacenter PD (P->MD), PDD without
+recompute, PDD with recompute (MD prefills the missing suffix itself at its own, decode-leaning
+speed, whenever that is sooner) and PDD with the bounded policy (recompute only where the TPOT of
+MD's running requests and of the request itself stays within the SLO's bound), all with
+admission: a request's deadline is the SLA (TTFT bound plus the TPOT bound per output token), and
+what no option can end by then (or, bounded, end within the TPOT bound) is rejected at arrival,
+counted apart. Both recompute variants run MD as an engine with chunked prefill of a fixed
+per-step budget (``md_chunk_tokens``, 2048 by default: vLLM's and SGLang's usual setting), which
+knows nothing of the TPOT bound: what protects the running requests is the policy or nothing.
 
 ``run_wan_load_sweep`` gives one row per (deployment, load); ``wan_overload_scenario`` is the
 public overload scenario (load 2 by default, at least 1.8 as the issue asks).
@@ -23,10 +28,12 @@ from pddlink.errors import ConfigError
 from pddlink.sim.deploy import Deployment, Kind, Link
 from pddlink.sim.engine import Simulation
 from pddlink.sim.generate import GeneratorConfig, generate
+from pddlink.sim.records import Sla
 from pddlink.sim.scenario import PaperKnobs, paper_deployments, run_deployments, sla_of
 from pddlink.sim.trace import TraceRequest
 from pddlink.sim.workload import Workload
 
+MD_CHUNK_TOKENS = 256  # MD's chunked-prefill budget per step, when it recomputes
 FAT_LINE_GBPS = 10_000.0  # never queues: what crosses is what the caches lack, not what the line allows
 
 
@@ -34,10 +41,13 @@ FAT_LINE_GBPS = 10_000.0  # never queues: what crosses is what the caches lack, 
 class WanLoadKnobs:
     paper: PaperKnobs = field(default_factory=lambda: PaperKnobs(duration_s=900.0))
     load: float = 2.0  # offered suffix bytes / line goodput
+    md_chunk_tokens: int = MD_CHUNK_TOKENS
 
     def __post_init__(self) -> None:
         if self.load <= 0:
             raise ConfigError(f"load must be > 0, got {self.load}")
+        if self.md_chunk_tokens < 1:
+            raise ConfigError(f"md_chunk_tokens must be >= 1, got {self.md_chunk_tokens}")
 
 
 def traffic(workload: Workload, k: PaperKnobs) -> tuple[TraceRequest, ...]:
@@ -57,25 +67,45 @@ def offered_suffix_bytes_s(workload: Workload, k: PaperKnobs, requests: Sequence
 
 
 def wan_load_deployments(
-    workload: Workload, k: PaperKnobs, load: float, suffix_bytes_s: float
+    workload: Workload,
+    k: PaperKnobs,
+    load: float,
+    suffix_bytes_s: float,
+    sla: Sla | None = None,
+    md_chunk_tokens: int = MD_CHUNK_TOKENS,
 ) -> list[Deployment]:
-    """Cross-DC PD, PDD and PDD with recompute on a line that carries ``1 / load`` of the suffixes."""
+    """P->MD, PDD, PDD with recompute and PDD bounded, on a line that carries ``1 / load`` of the
+    suffixes; admission and the bounded policy use ``sla`` (default: the workload's)."""
     eff = Link().wan_efficiency
     gbps = suffix_bytes_s * 8 / 1e9 / eff / load
     link = Link(wan_gbps=gbps, pool_size=k.pool_size, flow_cap_gbps=min(k.flow_cap_gbps, gbps))
-    sla = sla_of(workload)
+    return policy_variants(
+        paper_deployments(workload, k, link=link), sla or sla_of(workload), md_chunk_tokens
+    )
+
+
+def policy_variants(
+    paper: Sequence[Deployment], sla: Sla, md_chunk_tokens: int = MD_CHUNK_TOKENS, keep_intra: bool = False
+) -> list[Deployment]:
+    """The four policies compared on goodput, from ``paper_deployments``: P->MD (cross-DC PD), PDD
+    without recompute, PDD with recompute and PDD bounded, all with admission against ``sla``; MD
+    recomputes with chunked prefill of ``md_chunk_tokens``. ``keep_intra``: intra-DC PD first, as is
+    (no WAN, no admission: the BCR normaliser)."""
     admission = dict(deadline_s=sla.ttft_s, deadline_per_token_s=sla.tpot_s, ttft_deadline_s=sla.ttft_s)
-    out = [
-        replace(d, **admission)  # type: ignore[arg-type]
-        for d in paper_deployments(workload, k, link=link)
-        if d.kind is not Kind.INTRA_DC_PD
-    ]
+    intra = [d for d in paper if d.kind is Kind.INTRA_DC_PD][:1] if keep_intra else []
+    out = [replace(d, **admission) for d in paper if d.kind is not Kind.INTRA_DC_PD]  # type: ignore[arg-type]
     pdd = out[-1]
-    out.append(replace(pdd, name="pdd_recompute", policy=replace(pdd.policy, recompute_enabled=True)))
-    return out
+    recompute = replace(
+        pdd, name="pdd_recompute", policy=replace(pdd.policy, recompute_enabled=True),
+        md_chunk_tokens=md_chunk_tokens,
+    )  # fmt: skip
+    return [*intra, *out, recompute, replace(recompute, name="pdd_bounded", tpot_bound_s=sla.tpot_s)]
 
 
-ROW_KEYS = ("ttft_s", "goodput_rps", "rld_token_share", "rejected_share", "rejected", "decisions")
+ROW_KEYS = (
+    "ttft_s", "tpot_s", "goodput_rps", "tokens_per_s_per_request", "rld_token_share", "rejected_share",
+    "rejected", "decisions",
+)  # fmt: skip
 
 
 def run_wan_load_sweep(
@@ -83,8 +113,12 @@ def run_wan_load_sweep(
     k: PaperKnobs,
     loads: Sequence[float],
     progress: Callable[[str], None] | None = None,
+    sla: Sla | None = None,
+    md_chunk_tokens: int = MD_CHUNK_TOKENS,
 ) -> dict[str, Any]:
-    """One row per (deployment, load): TTFT percentiles, SLA goodput, RLD's token share, rejected."""
+    """One row per (deployment, load): TTFT and TPOT percentiles, SLA goodput, output speed per
+    request, RLD's token share, rejected."""
+    sla = sla or sla_of(workload)
     requests = traffic(workload, k)
     suffix = offered_suffix_bytes_s(workload, k, requests)
     rows = []
@@ -93,29 +127,38 @@ def run_wan_load_sweep(
             raise ConfigError(f"WAN loads must be > 0, got {load}")
         if progress:
             progress(f"WAN load {load:g}x")
-        deps = wan_load_deployments(workload, k, load, suffix)
+        deps = wan_load_deployments(workload, k, load, suffix, sla, md_chunk_tokens)
         result, _ = run_deployments(
-            requests, deps, block_tokens=k.block_tokens, sla=sla_of(workload), prewarm_s=k.prewarm_s,
+            requests, deps, block_tokens=k.block_tokens, sla=sla, prewarm_s=k.prewarm_s,
             warmup_s=k.warmup_s,
         )  # fmt: skip
         for name, d in result["deployments"].items():
             rows.append({"deployment": name, "wan_load": load, **{f: d[f] for f in ROW_KEYS}})
     line_gbps = suffix * 8 / 1e9 / Link().wan_efficiency
-    return {"offered_suffix_gbps": round(line_gbps, 4), "rate_rps": k.rate_rps, "rows": rows}
+    return {
+        "offered_suffix_gbps": round(line_gbps, 4), "rate_rps": k.rate_rps,
+        "md_chunk_tokens": md_chunk_tokens, "slo": {"ttft_s": sla.ttft_s, "tpot_s": sla.tpot_s},
+        "rows": rows,
+    }  # fmt: skip
 
 
 def wan_overload_scenario(
-    workload: Workload, knobs: WanLoadKnobs, progress: Callable[[str], None] | None = None
+    workload: Workload,
+    knobs: WanLoadKnobs,
+    progress: Callable[[str], None] | None = None,
+    sla: Sla | None = None,
 ) -> dict[str, Any]:
-    """The three deployments at ``knobs.load`` times the line; ``run_deployments``' document."""
+    """The four policies at ``knobs.load`` times the line; ``run_deployments``' document."""
     k = knobs.paper
+    sla = sla or sla_of(workload)
     requests = traffic(workload, k)
     suffix = offered_suffix_bytes_s(workload, k, requests)
-    deps = wan_load_deployments(workload, k, knobs.load, suffix)
+    deps = wan_load_deployments(workload, k, knobs.load, suffix, sla, knobs.md_chunk_tokens)
     result, _ = run_deployments(
-        requests, deps, block_tokens=k.block_tokens, sla=sla_of(workload), prewarm_s=k.prewarm_s,
+        requests, deps, block_tokens=k.block_tokens, sla=sla, prewarm_s=k.prewarm_s,
         warmup_s=k.warmup_s, progress=progress,
     )  # fmt: skip
+    result["slo"] = {"ttft_s": sla.ttft_s, "tpot_s": sla.tpot_s}
     result["wan_load"] = knobs.load
     result["line_gbps"] = round(deps[0].link.wan_gbps, 4)
     return result

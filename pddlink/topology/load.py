@@ -90,7 +90,8 @@ def topology_from_addresses(
     rld_url: str = "",
     md_url: str = "",
 ) -> Topology:
-    """The old router form as a topology of one each: P and RLD in "dc-a", MD in "dc-b", one link.
+    """The old router form as a topology of one each: P and RLD in "dc-a", MD in "dc-b", one link
+    (one address may serve several roles, as the old form allowed).
     An empty ``rld`` (and ``rld_url``) means no RelayDecode. Errors name the old keys (``p``,
     ``md_identity``, ``line_mbit``, ...)."""
 
@@ -106,7 +107,7 @@ def topology_from_addresses(
     link = _build(lambda: WanLink("dc-a", "dc-b", line_mbit, rtt_ms), lambda msg: msg)
     a = Datacenter("dc-a", p=(one(Role.P, p, p_identity, p_url),), rld=relay)
     b = Datacenter("dc-b", md=(one(Role.MD, md, md_identity, md_url),))
-    return Topology((a, b), (link,))
+    return Topology((a, b), (link,), shared_addresses=True)
 
 
 def _rename(msg: str, keys: Mapping[str, str]) -> str:

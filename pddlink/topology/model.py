@@ -149,9 +149,12 @@ class Member:
 class Topology:
     datacenters: tuple[Datacenter, ...]
     links: tuple[WanLink, ...] = ()
+    # the router's old three-address form: one address may stand for several roles (a dummy peer
+    # in tests); a topology file's instances each have their own
+    shared_addresses: bool = False
 
     def __post_init__(self) -> None:
-        _check_unique_names(self.datacenters)
+        _check_unique_names(self.datacenters, addresses=not self.shared_addresses)
         _check_links(self.datacenters, self.links)
         _check_roles(self)
 
@@ -173,7 +176,7 @@ class Topology:
 _KEY = "topology.datacenter"
 
 
-def _check_unique_names(dcs: tuple[Datacenter, ...]) -> None:
+def _check_unique_names(dcs: tuple[Datacenter, ...], *, addresses: bool = True) -> None:
     seen_dc: set[str] = set()
     seen: dict[str, dict[str, str]] = {"name": {}, "identity": {}, "address": {}, "admin": {}, "kv": {}}
     for i, dc in enumerate(dcs):
@@ -188,7 +191,7 @@ def _check_unique_names(dcs: tuple[Datacenter, ...]) -> None:
                     "address": inst.address, "admin": inst.admin_address, "kv": inst.kv_address,
                 }  # fmt: skip
                 for key, value in values.items():
-                    if not value:
+                    if not value or (key == "address" and not addresses):
                         continue
                     if value in seen[key]:
                         raise InvalidInput(f'{at}.{key}: duplicate "{value}" (also {seen[key][value]})')

@@ -11,6 +11,16 @@ One transfer's life on MD::
                            lands) the sweeper frees it (counted as ``swept``)
 
 A transfer that lands after its RELEASE (the request was aborted or recomputed) is dropped at once.
+
+A transfer is named by the router's request key (``sidecar.request_keys``); POLL names only the
+transfer, not which vLLM request asks, so what would hand one request's KV to another ends the
+transfer (``failed``: vLLM prefills itself, exact) instead: a second Reserve of a key held or
+released here (refused too, ``BAD_REQUEST``), a second landing, or KV whose block hashes are not
+the reserved prompt's (``kv_mismatch``).
+
+vLLM killed (``engine_lost``, from ``sidecar.vllm_kv.engine_link``): every transfer held for it is
+released (slots freed; its KV still arriving is dropped as above) and the DRC, vLLM's prefix cache
+as it was, is cleared with its leases; the new engine's KV events rebuild it.
 """
 
 from __future__ import annotations
@@ -26,7 +36,7 @@ from pddlink.connector.control import field as cfield
 from pddlink.connector.shm import ShmRegion, Slot
 from pddlink.drc import PrefixIndex, ReservationRefused
 from pddlink.drc.reservations import ReservationIds
-from pddlink.errors import InvalidInput, PddlinkError
+from pddlink.errors import ErrorCode, InvalidInput, PddlinkError
 from pddlink.transport import PeerIdentity, ReceivedTransfer
 from pddlink.wire import Release, Reserve, ReserveAnswer, TransferBegin
 
@@ -41,6 +51,7 @@ class Incoming:
     bytes_per_block: int = 0
     failed: str | None = None
     info: dict[str, Any] = field(default_factory=dict)
+    hashes: tuple[int, ...] = ()  # the reserved prompt's block hashes (what a landing must carry)
 
 
 class ConsumerBridge:
@@ -50,7 +61,8 @@ class ConsumerBridge:
         self.region, self.index, self.block_size, self.orphan_s = region, index, block_size, orphan_s
         self.inc: dict[str, Incoming] = {}
         self.released: dict[str, float] = {}  # transfer -> when (a late arrival is dropped)
-        self.counts = {"landed": 0, "failed": 0, "loaded": 0, "swept": 0, "late_dropped": 0}
+        self.counts = {"landed": 0, "failed": 0, "loaded": 0, "swept": 0, "late_dropped": 0, "key_refused": 0}
+        self.counts |= {"engine_lost": 0, "engine_lost_released": 0}
         self.wan_bytes = 0
         self.recomputed: dict[str, int] = {}  # reason -> requests MD's vLLM prefilled itself
         self.finished: dict[str, dict[str, Any]] = {}  # transfer -> vLLM's own hit, at its end
@@ -66,6 +78,8 @@ class ConsumerBridge:
 
     def on_message(self, peer: PeerIdentity, msg: Any) -> Any:
         if isinstance(msg, Reserve):
+            if refused := self._reserve_refusal(msg.request_id):
+                return ReserveAnswer(request_id=msg.request_id, code=ErrorCode.BAD_REQUEST, reason=refused)
             now = time.monotonic()
             try:
                 held = self.index.reserve(msg.request_id, list(msg.block_hashes), msg.lease_ms / 1e3, now)
@@ -74,7 +88,8 @@ class ConsumerBridge:
             metrics.DRC_LOOKUPS.inc()
             metrics.DRC_LOOKUP_BLOCKS.inc(held.total_blocks)
             metrics.DRC_HIT_BLOCKS.inc(held.cached_blocks)
-            self._entry(msg.request_id).first_block = held.cached_blocks
+            e = self._entry(msg.request_id)
+            e.first_block, e.hashes = held.cached_blocks, tuple(msg.block_hashes)
             return ReserveAnswer(
                 request_id=msg.request_id,
                 reservation_id=self.reservations.grant(msg.request_id),
@@ -87,6 +102,24 @@ class ConsumerBridge:
                 self.index.release(request_id, time.monotonic())
         return None
 
+    def _reserve_refusal(self, transfer: str) -> str:
+        """Why a Reserve of ``transfer`` is refused ("" when it is not); a refused one also ends
+        the entry held under that key (its POLL cannot tell whose request asks)."""
+        if transfer not in self.inc and transfer not in self.released:
+            return ""
+        self.counts["key_refused"] += 1
+        reason = f"key_collision: transfer {transfer!r} is already reserved here, or was lately"
+        if (e := self.inc.get(transfer)) is not None and e.failed is None:
+            e.failed = reason
+        return reason
+
+    def _landing_refusal(self, e: Incoming, begin: TransferBegin) -> str:
+        if e.slot is not None or e.failed is not None:
+            return f"key_collision: a second landing of transfer {begin.request_id!r}"
+        if e.hashes and tuple(begin.block_hashes) != e.hashes[begin.first_block :]:
+            return "kv_mismatch: the landed blocks are not the reserved prompt's"
+        return ""
+
     def on_transfer(self, received: ReceivedTransfer) -> None:
         begin = received.begin
         assert isinstance(begin, TransferBegin)
@@ -95,6 +128,10 @@ class ConsumerBridge:
             self.counts["late_dropped"] += 1
             return
         e = self._entry(transfer)
+        if refused := self._landing_refusal(e, begin):
+            self.counts["key_refused"] += 1
+            e.failed = e.failed or refused  # a held slot stays until RELEASE: a load may be reading it
+            return
         nblocks = -(-begin.num_tokens // self.block_size)
         if nblocks <= 0 or begin.total_bytes % nblocks:
             e.failed = f"bad_request: {begin.total_bytes} bytes for {nblocks} blocks"
@@ -178,6 +215,16 @@ class ConsumerBridge:
                 self.counts["loaded"] += 1
         with contextlib.suppress(ReservationRefused):  # expired, evicted or never granted
             self.index.release(transfer, time.monotonic())
+
+    def engine_lost(self, reason: str) -> int:
+        """vLLM died (``reason``): release every transfer held for it, clear the DRC. How many."""
+        held = list(self.inc)
+        for t in held:
+            self.release(t)
+        self.index.clear(time.monotonic())
+        self.counts["engine_lost"] += 1
+        self.counts["engine_lost_released"] += len(held)
+        return len(held)
 
     def sweep(self) -> None:
         now = time.monotonic()

@@ -18,6 +18,12 @@ prefill on P feeds them all from one region slot. One transfer's life on P::
 The finished record (``done[transfer]``) holds the MD leg's result at its top level (as before RLD
 existed) and every leg's under ``legs``.
 
+A transfer is named by the router's request key (``sidecar.request_keys``). ALLOC and COMMIT name
+only the transfer, not which vLLM request saves, so a second PREPARE of a key this bridge holds
+(or held lately) is refused (``RequestKeyInUse``) and, while the held one has not committed yet,
+ends it too (released, ``key_collision``): whichever request's worker allocated first would
+otherwise ship its KV under the other's key. Both destinations then prefill themselves (exact).
+
 Only whole blocks below the one holding the prompt's last token travel: MD's vLLM recomputes that
 tail (fewer than ``block_size`` tokens) from a block-aligned prefix, as after a local prefix hit.
 (vLLM's CPU bf16 kernels die with SIGILL when a request resumes mid-block, and a partial block's
@@ -44,6 +50,7 @@ from pddlink.kv.codec import CodecId
 from pddlink.kv.hashing import BlockHasher
 from pddlink.wire import KVLayoutSpec, Reserve, ReserveAnswer, TransferBegin
 from sidecar.peers import KVPeer, redial_after
+from sidecar.request_keys import RequestKeyInUse
 from sidecar.wan_codec import WanCodec
 
 LEASE_S = 30.0
@@ -155,8 +162,9 @@ class ProducerBridge:
         prompt = msg.get("prompt")
         if not isinstance(prompt, list) or not prompt or not all(isinstance(t, int) for t in prompt):
             raise InvalidInput("PREPARE needs the prompt's token ids")
-        if transfer in self.out:
-            raise InvalidInput(f"transfer {transfer!r} is already in flight")
+        if transfer in self.out or transfer in self.done:
+            self._release(transfer, "key_collision: a second PREPARE of this transfer")
+            raise RequestKeyInUse(f"transfer {transfer!r} is already in flight here, or was lately")
         names = self._legs(msg)
         out = Outgoing(
             transfer, self.hasher.hash_blocks(prompt), len(prompt), cfield(msg, "deadline_at", float)
@@ -193,7 +201,7 @@ class ProducerBridge:
 
     def _alloc(self, out: Outgoing, msg: dict[str, Any]) -> dict[str, Any]:
         num_blocks, per_block = cfield(msg, "num_blocks", int), cfield(msg, "bytes_per_block", int)
-        if out.slot is not None:
+        if out.slot is not None or out.per_block:
             raise InvalidInput(f"transfer {out.transfer!r} already holds a slot")
         known = [self._reserved(leg) for leg in out.legs.values()]
         first = min(min(k if k is not None else 0 for k in known), num_blocks)
@@ -299,6 +307,17 @@ class ProducerBridge:
             leg.result["ship_seconds"] = time.perf_counter() - t0
             if all(x.ship is not None and (x is leg or x.ship.done()) for x in out.legs.values()):
                 self._finish(out)
+
+    def engine_lost(self, reason: str) -> int:
+        """vLLM died (``reason``): every transfer it had not committed ends (its reservations
+        cancelled, its slot freed); committed ones ship from the region on and end by themselves.
+        How many ended."""
+        for event in self._prepared.values():  # an ALLOC waiting for its PREPARE: it never comes
+            event.set()
+        gone = [t for t, out in self.out.items() if not out.committed]
+        for t in gone:
+            self._release(t, f"engine lost: {reason}")
+        return len(gone)
 
     def _release(self, transfer: str, reason: str) -> None:
         out = self.out.get(transfer)

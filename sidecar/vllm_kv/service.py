@@ -11,7 +11,10 @@ picks RDMA where a device is, else TCP, as the reference sidecar does).
 Lifecycle: ``await VllmSidecar(cfg).start()`` creates the region (``region_dir``, by default
 ``/dev/shm`` where it has room, so the KV copies touch RAM only: in ``<workdir>`` on a disk the
 kernel writes every KV byte copied into the mapping back to the disk; see ``shm.region_path``) and
-``<workdir>/<name>.sock`` (the channel) and, on MD, listens for P; ``status()`` is what the admin
+``<workdir>/<name>.sock`` (the channel) and, on MD, listens for P; the channel's connections tell
+it when its vLLM dies (``engine_link``): what it held for that engine is reset then (``engine_lost``:
+in-flight transfers end, slots are freed, the DRC is cleared and rebuilt from the next engine's
+KV events); ``status()`` is what the admin
 endpoint and the tests read (held slots and bytes, transfers in flight, counts); ``close()`` ends
 in-flight work, closes listeners and links, unlinks the region and the socket.
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +46,7 @@ from pddlink.transport import (
 )
 from sidecar.peers import KVPeer
 from sidecar.vllm_kv.consumer import ConsumerBridge
+from sidecar.vllm_kv.engine_link import EngineMonitor
 from sidecar.vllm_kv.producer import ProducerBridge
 from sidecar.wan_codec import WanCodec
 
@@ -102,6 +107,7 @@ class VllmSidecar:
         self._rld: KVPeer | None = None
         self.fast_path: FastPathChoice | None = None
         self._sweeper: asyncio.Task[None] | None = None
+        self.engine = EngineMonitor(self.engine_lost)
 
     @property
     def control_path(self) -> Path:
@@ -183,8 +189,17 @@ class VllmSidecar:
                 self.feed.start(cfg.kv_events_endpoint)
             handler = self.consumer.handle
             self._sweeper = asyncio.ensure_future(self._sweep_forever(self.consumer))
-        self._control = await serve_control(self.control_path, handler)
+        self._control = await serve_control(self.control_path, handler, watch=self.engine)
         return self
+
+    def engine_lost(self, reason: str) -> None:
+        """The vLLM beside this sidecar died: nothing held for it stays (see ``engine_watch``)."""
+        if self.producer is not None:
+            self.producer.engine_lost(reason)
+        if self.consumer is not None:
+            self.consumer.engine_lost(reason)
+        if self.feed is not None:
+            self.feed.engine_lost(time.monotonic())
 
     @staticmethod
     async def _sweep_forever(consumer: ConsumerBridge) -> None:
@@ -198,6 +213,7 @@ class VllmSidecar:
         if self.consumer is not None:
             self.consumer.sweep()  # as its STATUS over the control channel does
         out = bridge.status() if bridge is not None else {}
+        out["engine"] = self.engine.watch.status()
         if self.feed is not None:
             out["kv_events"] = self.feed.stats()
         if self._rld is not None:
@@ -205,6 +221,7 @@ class VllmSidecar:
         return out
 
     async def close(self) -> None:
+        self.engine.close()
         if self._control is not None:
             self._control.close()
             with contextlib.suppress(Exception):

@@ -48,7 +48,9 @@ def unix_request(path: str, method: str, target: str, body: dict[str, Any] | Non
     conn = _Unix(path)
     try:
         data = json.dumps(body).encode() if body is not None else None
-        conn.request(method, target, body=data, headers={"content-type": "application/json"})
+        # pddlink-trace: the per-choice ``pddlink`` object (opt-in since issue 27)
+        headers = {"content-type": "application/json", "pddlink-trace": "1"}
+        conn.request(method, target, body=data, headers=headers)
         resp = conn.getresponse()
         return resp.status, json.loads(resp.read() or b"null")
     finally:

@@ -67,7 +67,8 @@ def test_http_rejects_with_503_retry_after_and_a_typed_reason() -> None:
                 assert status == 503, answer
                 assert int(headers["retry-after"]) >= 1
                 assert answer["error"]["type"] == "overloaded"
-                assert answer["error"]["reason"] == "deadline_unreachable"
+                assert set(answer["error"]) == {"message", "type", "param", "code"}  # vLLM's shape
+                assert headers["pddlink-reject-reason"] == "deadline_unreachable"
             assert router.in_flight == {}
         finally:
             for s in servers:
@@ -113,8 +114,9 @@ def test_grpc_rejects_with_resource_exhausted() -> None:
 @pytest.mark.timeout(60)
 def test_an_idle_line_admits_and_recompute_can_rescue_a_full_one() -> None:
     async def main() -> None:
-        nowhere = {"p": "127.0.0.1:9", "rld": "127.0.0.1:10", "md": "127.0.0.1:11"}
-        idle = Router(RouterConfig(**nowhere, relay_enabled=False))
+        idle = Router(
+            RouterConfig(p="127.0.0.1:9", rld="127.0.0.1:10", md="127.0.0.1:11", relay_enabled=False)
+        )
         decision, _ = idle.decide(tuple(PROMPT), 8, "", 5.0)
         assert decision.option is not None and decision.option.value == "ship"
         full = _router()

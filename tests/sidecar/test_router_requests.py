@@ -20,12 +20,15 @@ from pddlink.serving.http import serve_http
 from pddlink.serving.rpc import stubs
 from router import Router, RouterConfig
 from router.api import RouterApi, RouterService
-from router.openai_schema import Endpoint, Limits, completion_job
+from router.openai_schema import Endpoint, Limits, RequestRefused, completion_job
 
 BAD_BODIES = [
     (b"{not json", "not valid JSON"),
     (b"[1, 2]", "must be a JSON object"),
-    (b'{"prompt": [1, 2], "max_tokens": 4, "temprature": 0.5}', "unknown field(s): temprature"),
+    (
+        b'{"prompt": [1, 2], "max_tokens": 4, "repetition_penalty": 1.2}',
+        '"repetition_penalty" is not supported',
+    ),
     (b'{"prompt": [], "max_tokens": 4}', "must not be empty"),
     (b'{"prompt": "", "max_tokens": 4}', "must not be empty"),
     (b'{"max_tokens": 4}', '"prompt" is required'),
@@ -130,10 +133,13 @@ def test_grpc_generate_refuses_bad_request() -> None:
     asyncio.run(main())
 
 
-def test_string_prompt_is_bytes_and_defaults() -> None:
-    job = completion_job(
-        b'{"prompt": "AB", "stream": true}', Endpoint.COMPLETIONS, Limits(2048, 8000, 4096), None
-    )
+def test_string_prompt_without_a_tokenizer_is_refused_and_defaults() -> None:
+    """Issue 27, item 5: no tokenizer, no text (it was taken as bytes and answered with empty text)."""
+    limits = Limits(2048, 8000, 4096)
+    with pytest.raises(RequestRefused, match=r"no tokenizer \(\[api\] tokenizer\)") as err:
+        completion_job(b'{"prompt": "AB", "stream": true}', Endpoint.COMPLETIONS, limits, None)
+    assert err.value.param == "prompt"
+    job = completion_job(b'{"prompt": [66, 67], "stream": true}', Endpoint.COMPLETIONS, limits, None)
     assert job.prompts == ((66, 67),) and job.sampling.max_tokens == 16 and job.stream
     assert job.deadline_s == 0.0 and job.pipeline == "" and job.sampling.temperature == 1.0
 
@@ -147,3 +153,18 @@ def test_schema_pipelines_are_the_routing_pipelines() -> None:
     for model in (CompletionBody, GenerateBody):
         allowed = set(typing.get_args(model.model_fields["pipeline"].annotation))
         assert allowed == {"", *FORCEABLE}
+
+
+def test_vllm_fields_at_their_neutral_value_pass_and_unknown_fields_are_ignored_as_vllm_does() -> None:
+    """Issue 27: ``vllm bench serve --backend openai`` sends ``repetition_penalty: 1.0`` (it was
+    refused as an unknown field); a field vLLM does not know either is ignored, as vLLM does."""
+    limits = Limits(2048, 8000, 4096)
+    bench = {"prompt": [5, 6], "repetition_penalty": 1.0, "logprobs": None, "max_tokens": 2}
+    bench |= {"stream": True, "stream_options": {"include_usage": True, "x": 1}, "temprature": 0.5}
+    job = completion_job(json.dumps(bench).encode(), Endpoint.COMPLETIONS, limits, None)
+    assert job.prompts == ((5, 6),) and job.sampling.temperature == 1.0 and job.include_usage
+    for field, value in (("repetition_penalty", True), ("min_p", 0.1), ("cache_salt", "s"), ("tools", [{}])):
+        body = json.dumps({"prompt": [5], field: value}).encode()
+        with pytest.raises(RequestRefused, match=f'"{field}" is not supported by pddlink') as err:
+            completion_job(body, Endpoint.COMPLETIONS, limits, None)
+        assert err.value.param == field

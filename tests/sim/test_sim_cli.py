@@ -70,11 +70,32 @@ def test_wan_load_sweep_json_and_png(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
     rows = {(r["deployment"], r["wan_load"]): r for r in data["rows"]}
-    assert set(rows) == {(d, x) for d in ("cross_dc_pd", "pdd", "pdd_recompute") for x in (0.5, 2.0)}
+    policies = ("cross_dc_pd", "pdd", "pdd_recompute", "pdd_bounded")
+    assert set(rows) == {(d, x) for d in policies for x in (0.5, 2.0)}
     for r in rows.values():
         assert {"p90", "p99"} <= set(r["ttft_s"]) and 0 <= r["rld_token_share"] <= 1
         assert 0 <= r["rejected_share"] <= 1 and r["goodput_rps"] >= 0
+        assert r["tokens_per_s_per_request"] > 0 and r["tpot_s"]["p90"] is not None
+    assert [p["wan_load"] for p in data["bounded_lead"]] == [0.5, 2.0]
+    assert data["slo"] == {"ttft_s": 30.0, "tpot_s": 0.03} and data["md_chunk_tokens"] == 256
+    assert data["bounded_at_or_above_best"] is True
     assert (tmp_path / "wan_load.png").stat().st_size > 1000
+
+
+def test_bathtub_sweep_and_slo_flags(tmp_path: Path) -> None:
+    out = _run(
+        "--slo-tpot-ms", "40", "sweep", "--bathtub", "0.97", "--duration", "200", "--search-steps", "2",
+        "--slo-ttft-ms", "20000", "--json", "--plots", str(tmp_path),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["slo"] == {"ttft_s": 20.0, "tpot_s": 0.04}  # the group's TPOT, the sweep's own TTFT
+    rows = {r["deployment"]: r for r in data["rows"]}
+    assert set(rows) == {"intra_dc_pd", "cross_dc_pd", "pdd", "pdd_recompute", "pdd_bounded"}
+    assert rows["intra_dc_pd"]["bcr"] == 1.0 and all(r["sustained_rps"] > 0 for r in rows.values())
+    assert set(data["valley"]["floors"]) == set(rows) - {"intra_dc_pd"}
+    assert data["search"]["steps"] == 2  # probes 12.1 then 6.2 req/s: intra-DC PD sustains the latter
+    assert (tmp_path / "bathtub.png").stat().st_size > 1000
 
 
 def test_wan_load_needs_its_values() -> None:
@@ -82,6 +103,12 @@ def test_wan_load_needs_its_values() -> None:
     assert out.returncode != 0 and "--wan-load" in out.stderr
     bad = _run("sweep", "--wan-load", "0,1")
     assert bad.returncode != 0 and "> 0" in bad.stderr
+    both = _run("sweep", "--wan-load", "1", "--bathtub", "0.5")
+    assert both.returncode != 0 and "one of" in both.stderr
+    hit = _run("sweep", "--bathtub", "0.5,1.5")
+    assert hit.returncode != 0 and "[0, 1]" in hit.stderr
+    slo = _run("--slo-tpot-ms", "0", "--scenario", "demo")
+    assert slo.returncode != 0 and "--slo-tpot-ms" in slo.stderr
 
 
 def test_fallbacks_table_is_the_routers_machine() -> None:

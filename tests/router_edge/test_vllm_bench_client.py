@@ -1,0 +1,67 @@
+"""vLLM's own benchmark client, unchanged, against the router (issue 27, item 2).
+
+``vllm bench serve --backend openai`` sent ``repetition_penalty: 1.0`` on every request and the
+router refused it as an unknown field, so the benchmark stopped at its first request. Here it runs
+(in-process: ``vllm.benchmarks.serve``, as the ``vllm bench serve`` command does) with the
+completions and the chat backends, random dataset, against a router in front of the reference
+engine (P, RLD and MD sidecars) whose ``[api] tokenizer`` is the tiny model's: every request
+completes, none fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from harness.cluster import Cluster, ClusterSpec, NoWan
+from tests.router_edge.router_proc import RouterProc, router_process
+
+pytestmark = [pytest.mark.process, pytest.mark.vllm, pytest.mark.timeout(300)]
+PROMPTS = 12
+
+
+@pytest.fixture(scope="module")
+def router(tmp_path_factory: pytest.TempPathFactory, tiny_llama_f32: Path) -> Iterator[RouterProc]:
+    tmp = tmp_path_factory.mktemp("bench")
+    spec = ClusterSpec(tmp / "cluster", relay=True, tls=True, deadline_s=30.0)
+    with Cluster(NoWan(), spec) as c:
+        p = c.ports
+        api = {"tokenizer": str(tiny_llama_f32), "model": "tiny", "rate_per_client_s": 0.0}
+        with router_process(
+            tmp,
+            api,
+            p=f"127.0.0.1:{p['p_grpc']}",
+            rld=f"127.0.0.1:{p['rld_grpc']}",
+            md=f"127.0.0.1:{p['md_grpc']}",
+            tls_dir=c.tls_dir("router"),
+            admission=False,
+        ) as r:
+            yield r
+
+
+@pytest.mark.parametrize(
+    ("backend", "endpoint"), [("openai", "/v1/completions"), ("openai-chat", "/v1/chat/completions")]
+)
+def test_vllm_bench_serve_runs_unchanged_against_the_router(
+    router: RouterProc, tiny_llama_f32: Path, backend: str, endpoint: str
+) -> None:
+    serve = pytest.importorskip("vllm.benchmarks.serve", reason="vLLM is not installed")
+    parser = argparse.ArgumentParser()
+    serve.add_cli_args(parser)
+    args = parser.parse_args(
+        ["--backend", backend, "--base-url", f"http://127.0.0.1:{router.port}", "--endpoint", endpoint,
+         "--model", "tiny", "--tokenizer", str(tiny_llama_f32), "--dataset-name", "random",
+         "--random-input-len", "64", "--random-output-len", "16", "--num-prompts", str(PROMPTS),
+         "--max-concurrency", "4", "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99"]
+    )  # fmt: skip
+    result = serve.main(args)
+    print(
+        f"\n{backend}: {result['completed']} completed, {result['failed']} failed; TTFT median "
+        f"{result['median_ttft_ms']:.1f} ms, P99 {result['p99_ttft_ms']:.1f} ms; TPOT median "
+        f"{result['median_tpot_ms']:.1f} ms; ITL median {result['median_itl_ms']:.1f} ms"
+    )
+    assert result["completed"] == PROMPTS and result["failed"] == 0, result.get("errors")
+    assert result["total_output_tokens"] > 0

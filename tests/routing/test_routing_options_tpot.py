@@ -1,0 +1,160 @@
+"""Ship or recompute under a decode-speed bound: what recompute costs the requests MD is decoding
+(blocking or chunked prefill), this request's own TPOT, and the typed rejection when only breaking
+the bound would meet the deadlines."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pddlink.errors import ConfigError
+from pddlink.routing import (
+    LinkEstimate,
+    MdPrefill,
+    Option,
+    OptionInputs,
+    RejectReason,
+    RoutingPolicy,
+    choose_option,
+    estimate_options,
+)
+from pddlink.routing.options import BATCH_TPOT_SHARE
+from tests.routing.test_routing_options import LINE, PDD_RECOMPUTE, option_inputs, policies, routing
+
+BUSY = LinkEstimate(LINE, 0.02, flows_in_flight=10, backlog_bytes=40_000_000)
+BOUND = 0.03
+MD = MdPrefill(tokens_per_s=8000.0)  # 768 tokens: 96 ms of prefill
+
+
+def overloaded(md: MdPrefill = MD, **kw: object) -> OptionInputs:
+    base: dict[str, object] = dict(
+        deadline_s=60.0, md_prefill=md, md_tpot_s=0.02, md_running=20, tpot_bound_s=BOUND
+    )
+    base.update(kw)
+    return OptionInputs(routing(link=BUSY), **base)  # type: ignore[arg-type]
+
+
+def test_blocking_recompute_on_a_busy_md_breaks_the_bound_so_it_relays() -> None:
+    unbounded = choose_option(overloaded(tpot_bound_s=None), PDD_RECOMPUTE)
+    assert unbounded.option is Option.RECOMPUTE
+    d = choose_option(overloaded(), PDD_RECOMPUTE)
+    assert d.option is Option.RELAY and d.admitted
+    rec = d.estimate(Option.RECOMPUTE)
+    assert rec is not None and rec.md_batch_tpot_s == pytest.approx(0.02 + 768 / 8000)
+    relay = d.estimate(Option.RELAY)
+    assert relay is not None and relay.md_batch_tpot_s == 0.0 and relay.tpot_s <= BOUND
+
+
+def test_chunked_prefill_within_the_headroom_recomputes_and_takes_longer() -> None:
+    chunked = MdPrefill(tokens_per_s=8000.0, chunk_tokens=48)  # 6 ms per step: 26 ms <= 0.9 x 30 ms
+    d = choose_option(overloaded(chunked), PDD_RECOMPUTE)
+    assert d.option is Option.RELAY_RECOMPUTE  # MD ready in 0.43 s: past relay_min_wan_s, RLD streams
+    rec = d.estimate(Option.RECOMPUTE)
+    assert rec is not None and rec.md_batch_tpot_s == pytest.approx(0.026)
+    # 16 chunks, each alongside one 20 ms decode step, after the token ids' half round trip
+    assert rec.md_ready_s == pytest.approx(0.01 + 768 / 8000 + 16 * 0.02)
+    wide = MdPrefill(tokens_per_s=8000.0, chunk_tokens=256)  # 32 ms per step: breaks it
+    assert choose_option(overloaded(wide), PDD_RECOMPUTE).option is Option.RELAY
+
+
+def test_a_plan_at_the_bound_itself_is_not_taken() -> None:
+    at_bound = MdPrefill(tokens_per_s=8000.0, chunk_tokens=80)  # 10 ms per step: exactly 30 ms
+    d = choose_option(overloaded(at_bound), PDD_RECOMPUTE)
+    rec = d.estimate(Option.RECOMPUTE)
+    assert rec is not None and rec.md_batch_tpot_s == pytest.approx(BOUND)
+    assert d.option is Option.RELAY and BATCH_TPOT_SHARE < 1
+
+
+def test_a_stall_spread_over_the_tokens_left_fits_unless_mds_queue_is_long() -> None:
+    long_outputs = overloaded(md_output_tokens=100.0)  # 96 ms over 100 tokens: ~1 ms each
+    assert choose_option(long_outputs, PDD_RECOMPUTE).option is Option.RECOMPUTE
+    queued = overloaded(MdPrefill(8000.0, queue_s=2.0), md_output_tokens=100.0)  # 21 ms more each
+    d = choose_option(queued, PDD_RECOMPUTE)
+    assert d.option is not Option.RECOMPUTE and d.option is not Option.RELAY_RECOMPUTE
+
+
+def test_an_idle_md_still_charges_what_joins_it_but_no_interleaved_steps() -> None:
+    chunked = MdPrefill(tokens_per_s=8000.0, chunk_tokens=48)
+    d = choose_option(overloaded(chunked, md_running=0), PDD_RECOMPUTE)
+    rec = d.estimate(Option.RECOMPUTE)
+    assert rec is not None and rec.md_batch_tpot_s == pytest.approx(0.026)
+    assert rec.md_ready_s == pytest.approx(0.01 + 768 / 8000)  # no decode steps to ride on
+    assert d.option is Option.RECOMPUTE  # ready in 0.1 s: MD alone, sooner than relay_min_wan_s
+    blocking = choose_option(overloaded(md_running=0), PDD_RECOMPUTE)  # 96 ms for whoever joins
+    assert blocking.option is Option.RELAY
+
+
+def test_relay_keeps_the_bound_when_rld_decodes_it_all_though_md_is_slow() -> None:
+    d = choose_option(overloaded(md_tpot_s=0.05), PDD_RECOMPUTE)
+    relay = d.estimate(Option.RELAY)
+    assert d.option is Option.RELAY and relay is not None and relay.rld_tokens == 64
+
+
+def test_every_option_breaking_the_bound_is_rejected_typed() -> None:
+    # MD and RLD both decode slower than the bound already: nothing keeps it, whatever it ships
+    slow_md = replace(overloaded(md_tpot_s=0.05), routing=routing(link=BUSY, rld_tpot_s=0.04))
+    admitted = choose_option(replace(slow_md, tpot_bound_s=None), PDD_RECOMPUTE)
+    assert admitted.admitted
+    d = choose_option(slow_md, PDD_RECOMPUTE)
+    assert d.option is None and d.reason is RejectReason.TPOT_UNREACHABLE
+    assert d.retry_after_s >= 1.0 and all(e.tpot_s > BOUND for e in d.estimates)
+
+
+def test_deadline_rejections_keep_their_reason_under_a_bound() -> None:
+    jammed = LinkEstimate(LINE, 0.02, flows_in_flight=30, backlog_bytes=200_000_000)
+    inputs = OptionInputs(routing(link=jammed), deadline_s=5.0, md_prefill=None, tpot_bound_s=BOUND)
+    d = choose_option(inputs, RoutingPolicy(relay_enabled=False))
+    assert d.option is None and d.reason is RejectReason.DEADLINE_UNREACHABLE
+
+
+def test_bad_tpot_inputs_are_refused() -> None:
+    with pytest.raises(ConfigError):
+        overloaded(tpot_bound_s=0.0)
+    with pytest.raises(ConfigError):
+        overloaded(md_output_tokens=0.5)
+    with pytest.raises(ConfigError):
+        MdPrefill(8000.0, chunk_tokens=0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    option_inputs(),
+    policies,
+    st.floats(0.001, 0.3),
+    st.integers(0, 64),
+    st.floats(1, 1000),
+    st.none() | st.integers(1, 4096),
+)
+def test_never_breaks_the_bound_when_an_option_keeps_it(
+    inputs: OptionInputs,
+    policy: RoutingPolicy,
+    bound: float,
+    running: int,
+    left: float,
+    chunk: int | None,
+) -> None:
+    md = inputs.md_prefill and replace(inputs.md_prefill, chunk_tokens=chunk)
+    bounded = replace(inputs, tpot_bound_s=bound, md_running=running, md_output_tokens=left, md_prefill=md)
+    d = choose_option(bounded, policy)
+    every = estimate_options(bounded, policy)
+    if any(e.meets(bounded.deadline_s, bounded.ttft_deadline_s, bound) for e in every):
+        chosen = d.estimate(d.option) if d.option is not None else None
+        assert chosen is not None and chosen.meets(bounded.deadline_s, bounded.ttft_deadline_s, bound)
+    elif any(e.meets(bounded.deadline_s, bounded.ttft_deadline_s) for e in every):
+        assert d.option is None and d.reason is RejectReason.TPOT_UNREACHABLE
+    else:
+        assert d.option is None and d.reason is not RejectReason.TPOT_UNREACHABLE
+
+
+@settings(max_examples=300, deadline=None)
+@given(option_inputs(), policies, st.integers(0, 64))
+def test_a_bound_nothing_reaches_decides_as_no_bound(
+    inputs: OptionInputs, policy: RoutingPolicy, running: int
+) -> None:
+    plain = replace(inputs, md_running=running)
+    loose = replace(plain, tpot_bound_s=1e9)
+    a, b = choose_option(plain, policy), choose_option(loose, policy)
+    assert (a.option, a.reason) == (b.option, b.reason)
