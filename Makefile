@@ -1,5 +1,5 @@
 # The two commands of the README. Both set everything up first (idempotent) and then run.
-.PHONY: demo test lint setup
+.PHONY: demo test test-fleet lint setup
 
 # Tests and the demo start `pddlink` subprocesses: the project's environment comes first on the PATH.
 export PATH := $(CURDIR)/.venv/bin:$(PATH)
@@ -11,7 +11,11 @@ demo: setup
 	.venv/bin/pddlink demo
 
 test: setup lint
-	.venv/bin/python -m pytest -q --durations=25
+	.venv/bin/python -m pytest -q --durations=25 -m "not fleet"
+
+# The tests that start whole vLLM deployments of their own (marked `fleet`): minutes each here.
+test-fleet: setup
+	.venv/bin/python -m pytest -q --durations=25 -m fleet
 
 lint:
 	.venv/bin/ruff check .

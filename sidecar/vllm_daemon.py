@@ -107,7 +107,7 @@ class VllmAdmin:  # /status: counts; /transfers: each transfer's record (tools a
         return {
             "role": self.cfg.role,
             "peer_id": self.cfg.name,
-            "engine": "vllm",
+            "engine_kind": "vllm",  # "engine": the watch on the vLLM process (engine_watch)
             "control_socket": str(self.side.control_path),
             **self.side.status(),
         }

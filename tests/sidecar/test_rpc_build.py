@@ -27,6 +27,6 @@ def test_missing_modules_are_an_error_that_says_what_to_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(rpc, "GEN_DIR", tmp_path)
-    with pytest.raises(Unavailable, match=r"python -m sidecar\.rpc"):
+    with pytest.raises(Unavailable, match=r"python -m pddlink\.serving\.rpc"):
         rpc.require_generated()
     assert list(tmp_path.iterdir()) == []  # nothing was generated on the way

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-pytestmark = [pytest.mark.vllm, pytest.mark.netlab, pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.fleet, pytest.mark.vllm, pytest.mark.netlab, pytest.mark.timeout(1500)]
 
 PAIRS = 100
 WAVE = 4  # pairs at once: 8 requests over the two routers

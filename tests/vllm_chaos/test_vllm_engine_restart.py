@@ -24,7 +24,13 @@ from typing import Any
 
 import pytest
 
-pytestmark = [pytest.mark.vllm, pytest.mark.netlab, pytest.mark.process, pytest.mark.timeout(1500)]
+pytestmark = [
+    pytest.mark.fleet,
+    pytest.mark.vllm,
+    pytest.mark.netlab,
+    pytest.mark.process,
+    pytest.mark.timeout(1500),
+]
 DEADLINE_S = 20.0
 
 
