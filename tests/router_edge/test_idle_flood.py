@@ -90,7 +90,8 @@ def test_connections_that_send_nothing_close_after_the_first_byte_timeout(tmp_pa
         base_files = router.open_files()
         held = [connect(router.port, f"127.0.0.{2 + i % 8}") for i in range(200)]
         time.sleep(0.5)
-        assert router.open_files() >= base_files + 200
+        # held, not closed at once (a loaded machine may not have accepted the last few yet)
+        assert router.open_files() >= base_files + 190
         t0 = time.monotonic()
         assert all(closed_within(s, 3.0) for s in held)
         took = time.monotonic() - t0
