@@ -82,76 +82,20 @@ from router.config import RouterConfig, VllmEngineConfig
 from router.fleet import Fleet, Route
 from router.legs import Cluster, watch_leg
 from router.mirror import VllmMirror
+from router.vllm_http import (
+    FINISHED,
+    MIN_TIMEOUT_S,
+    cached_tokens,
+    error_text,
+    generate_alone,
+    post_completion,
+    sampling_body,
+)
 
 __all__ = ["VllmBackend", "VllmLegs", "generate_alone", "sampling_body"]
 
-MIN_TIMEOUT_S = 0.01
 HEALTH_INTERVAL_S = 1.0
-FINISHED = ("length", "stop")
 NOTHING_HANDED = ":before_rld_first_token"  # a one-shot handoff's detail when RLD had streamed nothing
-
-
-def sampling_body(sampling: SamplingParams, *, ignore_eos: bool = True) -> dict[str, Any]:
-    """vLLM's sampling fields for ``sampling`` (seeded draws need ``PositionSeededSampling`` on
-    the servers to continue exactly across instances). The router's requests stop only at
-    ``stop_token_ids`` (its API adds the model's EOS there unless the client set ``ignore_eos``),
-    so vLLM is told to ignore its own EOS: the same request stops at the same token on every role."""
-    body: dict[str, Any] = {"temperature": sampling.temperature, "top_p": sampling.top_p}
-    if sampling.top_k > 0:
-        body["top_k"] = sampling.top_k
-    if sampling.temperature > 0:
-        body["seed"] = sampling.seed
-    if sampling.stop_token_ids:
-        body["stop_token_ids"] = list(sampling.stop_token_ids)
-    if ignore_eos:
-        body["ignore_eos"] = True
-    return body
-
-
-def _left(deadline: float) -> float:
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise DeadlineExceeded("no time left")
-    return left
-
-
-async def post_completion(
-    http: httpx.AsyncClient, url: str, body: dict[str, Any], deadline: float
-) -> dict[str, Any]:
-    """One non-streaming completion; typed errors at the edge."""
-    try:
-        r = await http.post(url + "/v1/completions", json=body, timeout=_left(deadline))
-    except httpx.TimeoutException as exc:
-        raise DeadlineExceeded(f"{url} did not answer before the deadline") from exc
-    except httpx.HTTPError as exc:
-        raise RemoteError(f"{url}: {exc!r}") from exc
-    if r.status_code != 200:
-        raise RemoteError(f"{url} answered {r.status_code}: {r.text[:300]}")
-    out: dict[str, Any] = r.json()
-    return out
-
-
-async def generate_alone(
-    http: httpx.AsyncClient,
-    url: str,
-    model: str,
-    prompt: tuple[int, ...],
-    sampling: SamplingParams,
-    *,
-    deadline_s: float = 60.0,
-    ignore_eos: bool = True,
-) -> tuple[int, ...]:
-    """One vLLM generating alone (no transfer params: the connector stays out): the exactness
-    reference for whatever the router produced."""
-    body = {
-        "model": model,
-        "prompt": list(prompt),
-        "max_tokens": sampling.max_tokens,
-        "return_token_ids": True,
-        **sampling_body(sampling, ignore_eos=ignore_eos),
-    }
-    out = await post_completion(http, url, body, time.monotonic() + deadline_s)
-    return tuple(int(t) for t in out["choices"][0]["token_ids"])
 
 
 class _Matched:
@@ -357,7 +301,7 @@ class VllmLegs:
             await self.inbox.put(PrefillFailed(leg.sid, exc.message))
             return
         seconds = time.monotonic() - t0
-        cached = _cached_tokens(out)
+        cached = cached_tokens(out)
         self.c.on_prefilled(leg.sid, len(leg.prompt) - cached, seconds)
         report = PrefillReport(
             first_token=int(out["choices"][0]["token_ids"][0]),
@@ -396,7 +340,7 @@ class VllmLegs:
                         continue
                     chunk = json.loads(line[6:])
                     if chunk.get("error"):  # vLLM failed the request mid-stream (a KV load, say)
-                        return StreamClosed(StreamEnd.FAILED, f"vllm_error:{_error_text(chunk)}"[:200])
+                        return StreamClosed(StreamEnd.FAILED, f"vllm_error:{error_text(chunk)}"[:200])
                     for choice in chunk.get("choices") or []:
                         ids = [int(t) for t in choice.get("token_ids") or []]
                         finish = choice.get("finish_reason") or finish
@@ -445,7 +389,7 @@ class VllmLegs:
             await self.inbox.put(StreamEnded(leg.sid, Role.MD, closed))
             return False
         if recompute:
-            seconds, cached = time.monotonic() - t0, _cached_tokens(out)
+            seconds, cached = time.monotonic() - t0, cached_tokens(out)
             self.c.on_md_ready(leg.sid, len(leg.prompt) - cached, seconds)
             await self.inbox.put(MdReady(leg.sid, seconds, cached))
         return True
@@ -596,14 +540,3 @@ class VllmLegs:
                 task.cancel()
             with contextlib.suppress(Exception):
                 await asyncio.gather(*primes, return_exceptions=True)
-
-
-def _error_text(chunk: dict[str, Any]) -> str:
-    """The message of vLLM's streamed error chunk (``{"error": {"message": ...}}``)."""
-    err = chunk["error"]
-    return str(err.get("message", err)) if isinstance(err, dict) else str(err)
-
-
-def _cached_tokens(out: dict[str, Any]) -> int:
-    details = (out.get("usage") or {}).get("prompt_tokens_details") or {}
-    return int(details.get("cached_tokens") or 0)

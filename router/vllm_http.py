@@ -1,0 +1,91 @@
+"""vLLM's OpenAI API as the router's vLLM legs call it: the sampling fields of a request
+(``sampling_body``), one non-streaming completion with typed errors (``post_completion``), one vLLM
+generating alone as the exactness reference (``generate_alone``), and what its answers say
+(``error_text``, ``cached_tokens``). No state: ``router.vllm_legs`` holds the runs."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import httpx
+
+from pddlink.errors import DeadlineExceeded, RemoteError
+from pddlink.sampling import SamplingParams
+
+MIN_TIMEOUT_S = 0.01
+FINISHED = ("length", "stop")
+
+
+def sampling_body(sampling: SamplingParams, *, ignore_eos: bool = True) -> dict[str, Any]:
+    """vLLM's sampling fields for ``sampling`` (seeded draws need ``PositionSeededSampling`` on
+    the servers to continue exactly across instances). The router's requests stop only at
+    ``stop_token_ids`` (its API adds the model's EOS there unless the client set ``ignore_eos``),
+    so vLLM is told to ignore its own EOS: the same request stops at the same token on every role."""
+    body: dict[str, Any] = {"temperature": sampling.temperature, "top_p": sampling.top_p}
+    if sampling.top_k > 0:
+        body["top_k"] = sampling.top_k
+    if sampling.temperature > 0:
+        body["seed"] = sampling.seed
+    if sampling.stop_token_ids:
+        body["stop_token_ids"] = list(sampling.stop_token_ids)
+    if ignore_eos:
+        body["ignore_eos"] = True
+    return body
+
+
+def left_s(deadline: float) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise DeadlineExceeded("no time left")
+    return left
+
+
+async def post_completion(
+    http: httpx.AsyncClient, url: str, body: dict[str, Any], deadline: float
+) -> dict[str, Any]:
+    """One non-streaming completion; typed errors at the edge."""
+    try:
+        r = await http.post(url + "/v1/completions", json=body, timeout=left_s(deadline))
+    except httpx.TimeoutException as exc:
+        raise DeadlineExceeded(f"{url} did not answer before the deadline") from exc
+    except httpx.HTTPError as exc:
+        raise RemoteError(f"{url}: {exc!r}") from exc
+    if r.status_code != 200:
+        raise RemoteError(f"{url} answered {r.status_code}: {r.text[:300]}")
+    out: dict[str, Any] = r.json()
+    return out
+
+
+async def generate_alone(
+    http: httpx.AsyncClient,
+    url: str,
+    model: str,
+    prompt: tuple[int, ...],
+    sampling: SamplingParams,
+    *,
+    deadline_s: float = 60.0,
+    ignore_eos: bool = True,
+) -> tuple[int, ...]:
+    """One vLLM generating alone (no transfer params: the connector stays out): the exactness
+    reference for whatever the router produced."""
+    body = {
+        "model": model,
+        "prompt": list(prompt),
+        "max_tokens": sampling.max_tokens,
+        "return_token_ids": True,
+        **sampling_body(sampling, ignore_eos=ignore_eos),
+    }
+    out = await post_completion(http, url, body, time.monotonic() + deadline_s)
+    return tuple(int(t) for t in out["choices"][0]["token_ids"])
+
+
+def error_text(chunk: dict[str, Any]) -> str:
+    """The message of vLLM's streamed error chunk (``{"error": {"message": ...}}``)."""
+    err = chunk["error"]
+    return str(err.get("message", err)) if isinstance(err, dict) else str(err)
+
+
+def cached_tokens(out: dict[str, Any]) -> int:
+    details = (out.get("usage") or {}).get("prompt_tokens_details") or {}
+    return int(details.get("cached_tokens") or 0)
