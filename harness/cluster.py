@@ -311,21 +311,7 @@ class Cluster:
         return out
 
     def stop(self, timeout_s: float = 8.0) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        for proc in self.procs.values():
-            try:
-                proc.wait(max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(5)
-        for log in self.logs.values():
-            log.close()
-        self.procs.clear()
+        stop_processes(self.procs, self.logs, timeout_s)
 
     def __enter__(self) -> Cluster:
         try:
@@ -338,3 +324,23 @@ class Cluster:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
+
+
+def stop_processes(procs: dict[str, Any], logs: dict[str, Any], timeout_s: float = 8.0) -> None:
+    """SIGTERM to each process group, SIGKILL to those still there after ``timeout_s`` in all;
+    then the logs are closed and ``procs`` emptied (the clusters' ``stop``)."""
+    for proc in procs.values():
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for proc in procs.values():
+        try:
+            proc.wait(max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)
+    for log in logs.values():
+        log.close()
+    procs.clear()

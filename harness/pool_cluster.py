@@ -17,7 +17,6 @@ each instance gets its own certificate (``<role>/<name>``) and every peer checks
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import signal
@@ -28,7 +27,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Protocol
 
-from harness.cluster import ClusterError, free_port
+from harness.cluster import ClusterError, free_port, stop_processes
 from pddlink.errors import DeadlineExceeded
 from pddlink.roles import Role
 from pddlink.topology import Instance, Member, Topology
@@ -203,20 +202,7 @@ class PoolCluster:
         self._wait_ready([name])
 
     def stop(self, timeout_s: float = 8.0) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGTERM)
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(5)
-        for log in self.logs.values():
-            log.close()
-        self.procs.clear()
+        stop_processes(self.procs, self.logs, timeout_s)
 
     def __enter__(self) -> PoolCluster:
         try:
