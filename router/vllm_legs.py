@@ -146,7 +146,7 @@ class VllmBackend:
         self.fleet = Fleet(
             topo,
             policy=cfg.placement_policy,
-            usable=lambda name: self.usable(self._role_of[name]),
+            usable=self.usable,
             mirrors={m.name: _Matched(self) for m in topo.members(Role.MD)},
             kv_bytes_per_token=cfg.kv_bytes_per_token,
             wan_links=cfg.wan_links,
@@ -164,7 +164,8 @@ class VllmBackend:
         return self.mirror.matched_tokens(prompt)
 
     def usable(self, role: str) -> bool:
-        return bool(self.roles[role]["usable"])
+        """A role or one instance by name (one server per role here)."""
+        return bool(self.roles[self._role_of.get(role, role)]["usable"])
 
     def rld_load(self, rld_active: int) -> float:
         return rld_active / self.cfg.rld_capacity
