@@ -10,8 +10,10 @@ setup:
 demo: setup
 	.venv/bin/pddlink demo
 
+# Two pytest processes side by side (scripts/test.sh): the vLLM and in-memory tests in one, the tests
+# that start the project's other processes or netlab labs in the other.
 test: setup lint
-	.venv/bin/python -m pytest -q --durations=25 -m "not fleet"
+	scripts/test.sh
 
 # The tests that start whole vLLM deployments of their own (marked `fleet`): minutes each here.
 test-fleet: setup

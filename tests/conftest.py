@@ -8,10 +8,13 @@ machine: ``tiny_llama_f32`` (one tiny float32 model directory, session scope) an
 ``PositionSeededSampling`` loaded, a small MD cache, each side's KV bytes dumped), started on first
 use. Its users leave it as they found it: nothing held afterwards, transfer ids and prompts of
 their own, counters read as before/after deltas, a cut or reshaped WAN restored; a test that kills
-one of its servers runs last (a later user then gets a fresh pair). A module whose servers differ
-(the relay trio) or that needs its own processes keeps them. The modules that use the pair run
-together at the end of the session (collection order otherwise kept), so its servers live only
-while they are needed.
+one of its servers runs last (a later user then gets a fresh pair). ``vllm_trio`` is the same with
+RelayDecode too (P, RLD, MD; the relay and router-fault modules): a server a module
+killed is started again beside its sidecar before the next module (what a supervisor does; the
+sidecars reset what they held for it), so a killed vLLM costs one server's start, not three. A
+module that needs its own processes keeps them. The modules that use a shared set run together at
+the end of the session, the trio's first (collection order otherwise kept), so its servers live
+only while they are needed.
 """
 
 from __future__ import annotations
@@ -26,13 +29,17 @@ from typing import Any
 import pytest
 
 FQCN = "engines_adapter.vllm.sampling:PositionSeededSampling"
-SHARED_SERVERS = ("vllm_pair",)
+SHARED_SERVERS = ("vllm_trio", "vllm_pair")  # the order their users run in
 PAIR_WAN = "[link]\ndelay_ms = 5\nrate_mbit = 400\nqueue_packets = 400\n"
 PAIR_MD_BLOCKS = 160  # 5120 tokens: a few 1000-token prompts evict each other
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     _shared_servers_last(items)
+    _skip_root(items)
+
+
+def _skip_root(items: list[pytest.Item]) -> None:
     if os.geteuid() == 0:
         return
     skip_root = pytest.mark.skip(reason="needs root: network namespaces and TUN devices")
@@ -48,8 +55,17 @@ def _shared_servers_last(items: list[pytest.Item]) -> None:
     def module(item: pytest.Item) -> str:
         return item.nodeid.split("::", 1)[0]
 
-    users = {module(i) for i in items if any(f in getattr(i, "fixturenames", ()) for f in SHARED_SERVERS)}
-    items[:] = [i for i in items if module(i) not in users] + [i for i in items if module(i) in users]
+    def uses(item: pytest.Item) -> int:
+        names = getattr(item, "fixturenames", ())
+        return next((k for k, f in enumerate(SHARED_SERVERS) if f in names), len(SHARED_SERVERS))
+
+    group: dict[str, int] = {}
+    for item in items:
+        group[module(item)] = min(group.get(module(item), len(SHARED_SERVERS)), uses(item))
+    last = len(SHARED_SERVERS)
+    items[:] = [i for i in items if group[module(i)] == last] + sorted(
+        (i for i in items if group[module(i)] < last), key=lambda i: group[module(i)]
+    )
 
 
 @pytest.fixture(scope="session")
@@ -65,17 +81,31 @@ def tiny_llama_f32() -> Iterator[Path]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-class SharedPair:
-    """The shared pair and its WAN, started on first use; started afresh when a module left one of
-    its servers dead (a fault test that kills MD's vLLM runs last, but another order still works)."""
+def _running(proc: Any) -> bool:
+    return proc is not None and proc.poll() is None
 
-    def __init__(self, model: Path) -> None:
+
+class SharedPair:
+    """The shared pair (``relay``: trio) and its WAN, started on first use. The pair is started
+    afresh when a module left one of its servers dead (a fault test that kills MD's vLLM runs last,
+    but another order still works); the trio starts a dead server again beside its sidecar, and
+    starts afresh only when a sidecar is gone."""
+
+    def __init__(self, model: Path, relay: bool = False) -> None:
         self.model = model
+        self.relay = relay
         self.pair: Any = None
         self.lab: Any = None
         self.root: Path | None = None
 
     def get(self) -> Any:
+        if self.pair is not None and self.relay and all(_running(s.proc) for s in self.pair.sides().values()):
+            dead = [s for s in self.pair.servers().values() if not _running(s.proc)]
+            for server in dead:
+                server.start()
+            for server in dead:
+                server.wait_ready(300)
+            return self.pair
         if self.pair is not None and all(s.proc.poll() is None for s in (self.pair.p, self.pair.md)):
             return self.pair
         self.close()
@@ -87,8 +117,9 @@ class SharedPair:
 
         self.root = root = Path(tempfile.mkdtemp(prefix="pddlink-vp-"))  # sockets: keep the path short
         (root / "dump").mkdir()
-        profile = parse_profile(PAIR_WAN, name="vpair")
-        self.lab = lab = Lab.up(profile, name=f"vpair{os.getpid() % 100000}", mode="loopback")
+        name = "vtrio" if self.relay else "vpair"
+        profile = parse_profile(PAIR_WAN, name=name)
+        self.lab = lab = Lab.up(profile, name=f"{name}{os.getpid() % 100000}", mode="loopback")
         spec = PairSpec(
             root / "w",
             self.model,
@@ -99,6 +130,7 @@ class SharedPair:
             md_num_blocks=PAIR_MD_BLOCKS,
             md_orphan_s=5.0,
             wan=lambda port: "{}:{}".format(*lab.endpoint("dc-b", port)),
+            relay=self.relay,
         )
         self.pair = VllmPair(spec)
         self.pair.lab = lab  # type: ignore[attr-defined]
@@ -125,11 +157,30 @@ def shared_pair(tiny_llama_f32: Path) -> Iterator[SharedPair]:
         holder.close()
 
 
+@pytest.fixture(scope="session")
+def shared_trio(tiny_llama_f32: Path) -> Iterator[SharedPair]:
+    pytest.importorskip("vllm", reason="vLLM is not installed here (pip install 'pddlink[vllm]')")
+    holder = SharedPair(tiny_llama_f32, relay=True)
+    try:
+        yield holder
+    finally:
+        holder.close()
+
+
 @pytest.fixture(scope="module")
-def vllm_pair(shared_pair: SharedPair) -> Any:
+def vllm_trio(shared_trio: SharedPair) -> Any:
+    """P, RelayDecode and MD (``VllmTrio``): ``vllm_pair``'s servers and WAN with RLD beside P
+    (its KV on loopback, the fast path); a server a module killed is started again before the
+    next module's first use."""
+    return shared_trio.get()
+
+
+@pytest.fixture(scope="module")
+def vllm_pair(shared_pair: SharedPair, shared_trio: SharedPair) -> Any:
     """P and MD (``harness.vllm.pair.VllmPair``), P's sidecar dialling MD's across a netlab
     loopback WAN (``pair.lab``: 5 ms one way, 400 Mbit/s; a test that reshapes or cuts it restores
     it), MD's cache small enough to evict (``PAIR_MD_BLOCKS``), ``spec.kv_dump_dir`` holding the KV
     bytes each side's connector held. A landed slot nobody loads (a dead MD URL, a killed vLLM) is
     swept after 5 s."""
+    shared_trio.close()  # its users ran before (``_shared_servers_last``): free its servers
     return shared_pair.get()

@@ -189,6 +189,7 @@ def router_limit_bytes(router: RouterProc) -> int:
     return int(message.split("the limit is ")[1].split()[0])
 
 
+@pytest.mark.timing
 @pytest.mark.parametrize("size", ["1MB", "under_limit"])
 def test_a_small_request_is_not_delayed_by_four_heavy_prompts(
     router: RouterProc, size: str, tmp_path: Path
@@ -230,6 +231,7 @@ def test_answers_carry_no_pddlink_field_unless_asked(router: RouterProc) -> None
             assert choice["pddlink"]["trace"]["pipeline"] and len(choice["pddlink"]["sources"]) == 2
 
 
+@pytest.mark.timing
 def test_a_keyed_client_gets_its_first_token_through_three_thousand_idle_connections(
     cluster: Cluster, tmp_path: Path
 ) -> None:

@@ -11,7 +11,8 @@ sidecar, MD across a netlab WAN (loopback lab), RLD on P's fast path (TCP here, 
 - Faults (last, they end servers): the WAN cut past the deadline, RLD's vLLM killed, MD's vLLM killed
   mid-transfer: every request ends before its deadline with a reason; nothing is held afterwards
   (held slots and transfers in flight, from the sidecars' status).
-One lab and one trio of servers for the module (its last tests kill RLD's and MD's vLLM).
+The session's shared trio (tests/conftest.py: 400 Mbit/s WAN, MD cache 160 blocks, KV dumped); its last
+tests kill RLD's and MD's vLLM, started again for the next module.
 """
 
 from __future__ import annotations
@@ -19,11 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import shutil
-import tempfile
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -33,26 +30,8 @@ N = 12  # tokens per request
 
 
 @pytest.fixture(scope="module")
-def trio(tiny_llama_f32: Path) -> Iterator[Any]:
-    pytest.importorskip("vllm", reason="vLLM is not installed here (pip install 'pddlink[vllm]')")
-    from harness.vllm_trio import trio_across_lab
-
-    root = Path(tempfile.mkdtemp(prefix="pddlink-vrld-"))  # sockets: keep the path short
-    (root / "dump").mkdir()
-    link = "[link]\ndelay_ms = 5\nrate_mbit = 400\nqueue_packets = 400\n"
-    try:
-        with trio_across_lab(
-            root / "w",
-            tiny_llama_f32,
-            link,
-            "vrld",
-            kv_dump_dir=root / "dump",
-            md_orphan_s=5.0,  # a landed slot nobody loads (a killed vLLM) is swept
-            rld_transport="auto",
-        ) as t:
-            yield t
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+def trio(vllm_trio: Any) -> Any:
+    return vllm_trio  # the session's shared trio (tests/conftest.py)
 
 
 def _body(
