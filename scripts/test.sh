@@ -2,7 +2,7 @@
 # The suite as `make test` runs it: two pytest processes side by side on the 2 cores, each running
 # its tests one at a time. "vllm": the tests that start vLLM servers (they share them: tests/conftest.py)
 # and the in-memory tests; "processes": the tests that start the project's other processes or netlab
-# labs (fixed lab names, timed faults). Then the tests marked `timing` (latency ratios) alone, with
+# labs (fixed lab names, timed faults), with the simulator's (CPU-bound: they even the halves out). Then the tests marked `timing` (latency ratios) alone, with
 # the machine to themselves. Each prints its own summary and slowest tests; the exit status is the
 # first failure's. Extra arguments go to each (e.g. -x, -k EXPR).
 set -uo pipefail
@@ -11,7 +11,7 @@ VENV=${PDDLINK_VENV:-.venv}
 PY=$VENV/bin/python
 export PATH="$PWD/$VENV/bin:$PATH"  # tests start `pddlink` subprocesses: the project's environment first
 mkdir -p out
-PROCS="(e2e or netlab or process or root or docker) and not (vllm or hf or timing)"
+PROCS="(e2e or netlab or process or root or docker or sim) and not (vllm or hf or timing)"
 args=(-q --durations=15 -p no:cacheprovider "$@")
 "$PY" -m pytest "${args[@]}" -m "not fleet and ($PROCS)" > out/test-processes.log 2>&1 &
 procs=$!
