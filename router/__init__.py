@@ -225,18 +225,9 @@ class Router:
         ``request_key``: for an in-process caller that finds the sidecars' records by a unique key
         of its own (``router.vllm_driver``); the client APIs never pass one, the router mints it."""
         deadline_s = deadline_s or self.cfg.deadline_s
-        self.validate(prompt, sampling, deadline_s, pipeline)
-        label = request_id or f"req-{next(self.ids)}-{time.time_ns() % 10**9}"
-        if label in self.labels_in_flight:
-            raise InvalidInput(f"request id {label!r} is already in flight")
-        rid = request_key or mint_request_key(self.cfg.name)  # what the sidecars key it by
-        if rid in self.in_flight:
-            raise InvalidInput(f"request key {rid!r} is already in flight")
-        decision, matched, route = self.decide_route(tuple(prompt), sampling.max_tokens, pipeline, deadline_s)
-        option = decision.option
-        metrics.DECISIONS.labels(option=option.value if option else "rejected").inc()
-        if option is None:
-            raise Overloaded.of(decision, deadline_s)
+        label, rid, (decision, matched, route) = self._admit(
+            prompt, sampling, deadline_s, pipeline, request_id, request_key
+        )
         arrived = time.monotonic() if arrived is None else arrived
         sid, replaced_from = rid, list[dict[str, str]]()
         self.labels_in_flight.add(label)
@@ -267,6 +258,44 @@ class Router:
                 sid = mint_request_key(self.cfg.name)  # a key of its own: the sidecars may hold the first
         finally:
             self.labels_in_flight.discard(label)
+        yield self._final(run, decision, route, label, sid, replaced_from)
+
+    def _admit(
+        self,
+        prompt: list[int],
+        sampling: SamplingParams,
+        deadline_s: float,
+        pipeline: str,
+        request_id: str,
+        request_key: str,
+    ) -> tuple[str, str, tuple[OptionDecision, int, Route]]:
+        """The checks before anything starts: the request (``InvalidInput``), its label and key (one
+        of each in flight), the option and the route (``Overloaded`` when none serves it)."""
+        self.validate(prompt, sampling, deadline_s, pipeline)
+        label = request_id or f"req-{next(self.ids)}-{time.time_ns() % 10**9}"
+        if label in self.labels_in_flight:
+            raise InvalidInput(f"request id {label!r} is already in flight")
+        rid = request_key or mint_request_key(self.cfg.name)  # what the sidecars key it by
+        if rid in self.in_flight:
+            raise InvalidInput(f"request key {rid!r} is already in flight")
+        decision, matched, route = self.decide_route(tuple(prompt), sampling.max_tokens, pipeline, deadline_s)
+        option = decision.option
+        metrics.DECISIONS.labels(option=option.value if option else "rejected").inc()
+        if option is None:
+            raise Overloaded.of(decision, deadline_s)
+        return label, rid, (decision, matched, route)
+
+    def _final(
+        self,
+        run: RunDriver,
+        decision: OptionDecision,
+        route: Route,
+        label: str,
+        sid: str,
+        replaced_from: list[dict[str, str]],
+    ) -> dict[str, Any]:
+        """The request's last item: its outcome and the trace of its last run, with the choice and
+        the placement (and the routes it left before its first token)."""
         out = run.trace.to_dict()
         out.update(option_trace(decision), request_id=label, request_key=sid)
         out["placement"] = {
@@ -277,7 +306,7 @@ class Router:
             "replaced_from": replaced_from,
         }
         self.md_tpot.observe(out)
-        yield {
+        return {
             "done": True,
             "request_id": label,
             "request_key": sid,
