@@ -78,6 +78,8 @@ def role_configs(spec: ClusterSpec) -> dict[str, str]:
         "rld_tpot_s": spec.rld_tpot_s,
         "relay_min_wan_s": spec.relay_min_wan_s,
         "deadline_s": spec.deadline_s,
+        "slo_ttft_ms": spec.slo_ttft_ms,
+        "slo_tpot_ms": spec.slo_tpot_ms,
     }
     return {
         "md": _toml(sidecar("md", 7440, 4096)),
