@@ -37,6 +37,10 @@ from pddlink.serving.http import fetch
 
 VOCAB = 2048  # the reference engine's tiny preset
 KV_BYTES_PER_TOKEN = 2048
+# what the tiny preset decodes a token in on this machine at a small batch (the baseline's TPOT P50
+# in the wan-overload scenario): the router's starting figure for MD and RLD in that scenario, where
+# its TPOT bound judges them (the router refines both from the requests they finish)
+TINY_TPOT_S = 0.008
 
 
 def say(msg: str) -> None:
@@ -235,6 +239,7 @@ def main(
         pdd_spec = replace(spec, run_dir=work / "pdd", relay=True, recompute=overload, admission=overload)
         unbounded_run = None
         if overload:  # recompute without the decode-speed bound, then the router holding the SLO
+            pdd_spec = replace(pdd_spec, md_tpot_s=TINY_TPOT_S, rld_tpot_s=TINY_TPOT_S)
             unbounded_spec = replace(pdd_spec, run_dir=work / "unbounded")
             unbounded_run = run_once(lab, unbounded_spec, warm, reqs, "PDD unbounded", deployment, warm_how)
             pdd_spec = replace(pdd_spec, slo_ttft_ms=slo.ttft_ms, slo_tpot_ms=slo.tpot_ms)

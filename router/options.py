@@ -10,7 +10,8 @@ request still has time for a fallback.
 The SLO (``slo_ttft_ms``, ``slo_tpot_ms``; 0: none) bounds the choice too: the TTFT half as the
 option's first-token deadline, the TPOT half as the decode-speed bound recompute is charged against,
 with the requests MD runs now (``md_running``) and the output length of the short ones among those
-that finished lately (``ShortOutputs``), over which a recompute's stall is spread. A request no
+that finished lately (``ShortOutputs``), over which a recompute's stall is spread; MD's and RLD's
+time per token are what the requests each finished saw (``TpotBook``). A request no
 option serves within the SLO is refused at once (``router.admission.Overloaded``, reason
 ``tpot_unreachable`` or ``deadline_unreachable``), as one that misses its deadline is.
 """
@@ -66,7 +67,7 @@ def option_inputs(
         p_prefill_s=p.queue_s() + routing.missing_tokens / p.tokens_per_s,
         fast_s=routing.prompt_tokens * routing.kv_bytes_per_token / FAST_PATH_BYTES_S,
         md_prefill=router.md_book.estimate() if cfg.recompute else None,
-        md_tpot_s=router.md_tpot.tpot_s,
+        md_tpot_s=router.md_tpot.estimate(md_running),
         extend_s=EXTEND_S,
         tpot_bound_s=cfg.slo_tpot_ms / 1e3 if cfg.slo_tpot_ms else None,
         md_running=md_running,

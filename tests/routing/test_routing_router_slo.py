@@ -131,3 +131,42 @@ def _routing(router: Router) -> tuple[Any, float]:
         rld_available=False,
     )
     return routing, 30.0
+
+
+def test_tpot_books_learn_each_instance_from_the_requests_it_alone_decoded() -> None:
+    from pddlink.routing.books import TpotBook
+
+    md, rld = TpotBook(0.008), TpotBook(0.008, source="rld")
+    slow = {"outcome": "finished", "ttft_s": 0.1, "e2e_s": 2.1, "output_tokens": 101}  # 20 ms per token
+    md.observe({**slow, "tokens": {"md": 101}})
+    rld.observe({**slow, "tokens": {"md": 101}})  # not RLD's pace
+    assert md.tpot_s == pytest.approx(0.8 * 0.008 + 0.2 * 0.02) and rld.tpot_s == 0.008
+    rld.observe({**slow, "tokens": {"rld": 101}})
+    md.observe({**slow, "tokens": {"rld": 60, "md": 41}})  # handed off: neither's pace alone
+    assert rld.tpot_s == md.tpot_s > 0.008
+    # busy: what finished requests saw; idle: at most the unloaded figure it started from
+    assert md.estimate(running=3) == md.tpot_s and md.estimate(running=0) == 0.008
+
+
+@pytest.mark.timeout(30)
+def test_an_md_too_slow_for_the_bound_takes_requests_again_once_idle() -> None:
+    async def body(router: Router) -> None:
+        for _ in range(30):
+            router.short_outputs.add(400)
+            router.md_tpot.observe(
+                {
+                    "outcome": "finished",
+                    "tokens": {"md": 101},
+                    "ttft_s": 0.1,
+                    "e2e_s": 3.1,
+                    "output_tokens": 101,
+                }
+            )
+        assert router.md_tpot.tpot_s > 0.02  # MD was seen at 30 ms per token: over the bound
+        routing, deadline = _routing(router)
+        busy = option_inputs(router, routing, deadline, md_running=2)
+        idle = option_inputs(router, routing, deadline, md_running=0)
+        assert busy.md_tpot_s > 0.02 and idle.md_tpot_s == 0.015
+        assert router.decide(tuple(PROMPT), 64, "", 30.0)[0].option is Option.RECOMPUTE  # idle now
+
+    in_router(config(slo_tpot_ms=20.0), body)
