@@ -8,6 +8,7 @@ token) both meet the SLO, per second of the replay (from its first send to its l
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -193,7 +194,7 @@ def _codec(c: dict[str, Any]) -> str:
     return f"{c['name']}, {c['ratio']:.2f}x, {c['bytes_saved'] / 1e6:.1f}"
 
 
-_ROWS: tuple[tuple[str, Any], ...] = (
+_ROWS: tuple[tuple[str, Callable[[dict[str, Any]], object]], ...] = (
     ("requests", lambda r: r["requests"]),
     ("TTFT P50 (s)", lambda r: f"{r['ttft_s']['p50']:.3f}"),
     ("TTFT P90 (s)", lambda r: f"{r['ttft_s']['p90']:.3f}"),
