@@ -49,6 +49,9 @@ class ClusterSpec:
     relay_min_wan_s: float = 0.15
     recompute: bool = False  # the router may let MD prefill the missing suffix itself
     admission: bool = False  # the router rejects what no option ends before its deadline
+    md_tpot_s: float = 0.0  # the router's starting figure for MD's time per token (0: its default)
+    slo_ttft_ms: float = 0.0  # the router's SLO (``RouterConfig.slo_ttft_ms``; 0: none)
+    slo_tpot_ms: float = 0.0  # its decode-speed bound (``RouterConfig.slo_tpot_ms``; 0: none)
     deadline_s: float = 30.0
     tls: bool = True
     start_timeout_s: float = 120.0
@@ -217,6 +220,13 @@ class Cluster:
         ]
         if not s.tls:
             argv.append("--allow-plaintext-non-loopback")
+        optional = (
+            ("--md-tpot-s", s.md_tpot_s),
+            ("--slo-ttft-ms", s.slo_ttft_ms),
+            ("--slo-tpot-ms", s.slo_tpot_ms),
+        )
+        for flag, value in optional:
+            argv += [flag, str(value)] if value else []
         return [*argv, "--no-relay"] if not s.relay else argv
 
     def _launch(self, role: str) -> None:

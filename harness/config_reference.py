@@ -107,6 +107,11 @@ MEANINGS: dict[str, str] = {
     "router.p_prefill_tokens_per_s": "P's prefill speed to start from (the replies refine it)",
     "router.md_prefill_tokens_per_s": "MD's prefill speed to start from",
     "router.md_tpot_s": "MD's time per output token, for deadlines",
+    "router.slo_ttft_ms": "the SLO's time to first token: no option that misses it is taken; a request"
+    " none meets is refused at once (0: no bound)",
+    "router.slo_tpot_ms": "the SLO's time per output token: recompute on MD only while it keeps this"
+    " request's and MD's running requests' TPOT within it; a request none meets is refused at once"
+    " (0: no bound)",
     "router.tls_dir": "dev PKI directory: mutual TLS 1.3 to the sidecars and on grpc_port ('' = plaintext)",
     "router.name": "this router's instance name; its identity is router/name",
     "router.p_identity": "who must answer at p (checked against its certificate)",

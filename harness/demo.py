@@ -1,6 +1,9 @@
 """``pddlink demo``: P, RLD, MD and the router as separate processes across an emulated WAN,
 replaying one workload twice (cross-datacenter P->MD baseline, then PDD) on fresh deployments,
-then checking every generated token against one engine generating alone.
+then checking every generated token against one engine generating alone. ``--scenario
+wan-overload`` replays it three times: the baseline, PDD recomputing without a decode-speed bound
+(``pdd``, the default router), and PDD whose router holds the SLO (``bounded``:
+``RouterConfig.slo_ttft_ms``/``slo_tpot_ms``); every run's goodput counts against the same SLO.
 
 Lifecycle: lab up (namespaces as root, loopback otherwise) -> for each run: deployment up, open-
 loop replay, deployment down -> reference pass (separate process) -> table, JSON, PNG -> lab down.
@@ -16,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +29,7 @@ from tqdm import tqdm
 from harness.cluster import Cluster, ClusterSpec
 from harness.demo_load import RequestResult, replay
 from harness.demo_overload import offered_suffix_bytes_s, overload_line_mbit
-from harness.demo_report import document, plot, summarize, table
+from harness.demo_report import Slo, document, plot, summarize, table
 from harness.demo_workload import DemoRequest, build_trace, demo_requests
 from netlab.lab import Lab
 from netlab.profile import parse_profile
@@ -34,6 +37,10 @@ from pddlink.serving.http import fetch
 
 VOCAB = 2048  # the reference engine's tiny preset
 KV_BYTES_PER_TOKEN = 2048
+# what the tiny preset decodes a token in on this machine at a small batch (the baseline's TPOT P50
+# in the wan-overload scenario): the router's starting figure for MD and RLD in that scenario, where
+# its TPOT bound judges them (the router refines both from the requests they finish)
+TINY_TPOT_S = 0.008
 
 
 def say(msg: str) -> None:
@@ -56,7 +63,8 @@ def run_once(
     label: str,
     deployment: Any = Cluster,  # Cluster, or harness.demo_compose.ComposeDeployment
     warm_pipeline: str = "p_md",
-) -> tuple[list[RequestResult], dict[str, float]]:
+) -> tuple[list[RequestResult], dict[str, float], float]:
+    """One replay on a fresh deployment: the results, the sidecars' counters over it, its wall time."""
     t0 = time.monotonic()
     with deployment(lab, spec) as cluster:
         say(f"[{label}] deployment up in {time.monotonic() - t0:.1f} s ({lab.mode} lab)")
@@ -86,12 +94,14 @@ def run_once(
             bar.update(1)
             bar.set_postfix(failed=failed)
 
+        t_replay = time.monotonic()
         try:
             results = asyncio.run(
                 replay(cluster.router_target, requests, deadline_s=spec.deadline_s, on_done=done)
             )
         finally:
             bar.close()
+        replay_s = time.monotonic() - t_replay
         with open(spec.run_dir / "requests.jsonl", "w") as f:  # per-request records, for diagnosis
             for r in results:
                 f.write(
@@ -110,7 +120,7 @@ def run_once(
                 )
         time.sleep(1.0)  # shipments that outlive their request (RLD finished it) land on MD
         after = sidecar_counters(cluster)
-    return results, {k: after[k] - before.get(k, 0.0) for k in after}
+    return results, {k: after[k] - before.get(k, 0.0) for k in after}, replay_s
 
 
 def sidecar_counters(cluster: Any) -> dict[str, float]:
@@ -176,7 +186,9 @@ def main(
     engine_mode: str = "thread",
     scenario: str = "default",
     lab_kind: str = "auto",
+    slo: Slo | None = None,
 ) -> dict[str, Any]:
+    slo = slo or Slo()
     work = Path(tempfile.mkdtemp(prefix="pddlink-demo-"))
     every = demo_requests(
         build_trace(
@@ -223,15 +235,28 @@ def main(
         # over the thin line a P->MD warm-up cannot ship (and would leave MD colder than P): there
         # MD prefills the warm-up prompts itself, P too, in both runs alike
         warm_how = "recompute" if overload else "p_md"
-        base_results, base_counters = run_once(lab, spec, warm, reqs, "P->MD baseline", deployment, warm_how)
+        base_run = run_once(lab, spec, warm, reqs, "P->MD baseline", deployment, warm_how)
         pdd_spec = replace(spec, run_dir=work / "pdd", relay=True, recompute=overload, admission=overload)
-        pdd_results, pdd_counters = run_once(lab, pdd_spec, warm, reqs, "PDD", deployment, warm_how)
+        if overload:  # both PDD runs start from the tiny engine's time per token
+            pdd_spec = replace(pdd_spec, md_tpot_s=TINY_TPOT_S, rld_tpot_s=TINY_TPOT_S)
+        pdd_run = run_once(
+            lab, pdd_spec, warm, reqs, "PDD unbounded" if overload else "PDD", deployment, warm_how
+        )
+        bounded_run = None
+        if overload:  # the same with the router holding the SLO (the decode-speed bound)
+            bounded_spec = replace(
+                pdd_spec, run_dir=work / "bounded", slo_ttft_ms=slo.ttft_ms, slo_tpot_ms=slo.tpot_ms
+            )
+            bounded_run = run_once(lab, bounded_spec, warm, reqs, "PDD bounded", deployment, warm_how)
     finally:
         lab.down()
     say("reference: one engine generating every request alone (separate process, float64)")
     reference = reference_tokens(reqs, spec, work)
-    base = summarize(base_results, reference, base_counters)
-    pdd = summarize(pdd_results, reference, pdd_counters)
+    base, pdd, bounded = (
+        summarize(run[0], reference, run[1], slo, run[2]) if run else None
+        for run in (base_run, pdd_run, bounded_run)
+    )
+    assert base is not None and pdd is not None
     setting = {
         "line_mbit": line_mbit,
         "rtt_ms": rtt_ms,
@@ -245,11 +270,13 @@ def main(
         "wan_load": round(wan_load, 3),
         "pdd_recompute": overload,
         "pdd_admission": overload,
+        "slo": asdict(slo),  # what goodput counts against (defaults: harness.demo_report.Slo)
+        "pdd_slo_in_router": False,  # "bounded" (wan-overload's third run): the router holds the SLO
         **lab_figures,
     }
-    doc = document(base, pdd, setting)
+    doc = document(base, pdd, setting, bounded)
     print(table(doc))
-    plot(base, pdd, Path(plot_path))
+    plot(base, pdd, Path(plot_path), bounded)
     say(f"TTFT distributions: {plot_path}; logs: {work}")
     if json_path:
         Path(json_path).write_text(json.dumps(doc, indent=1))

@@ -78,6 +78,9 @@ def role_configs(spec: ClusterSpec) -> dict[str, str]:
         "rld_tpot_s": spec.rld_tpot_s,
         "relay_min_wan_s": spec.relay_min_wan_s,
         "deadline_s": spec.deadline_s,
+        **({"md_tpot_s": spec.md_tpot_s} if spec.md_tpot_s else {}),
+        "slo_ttft_ms": spec.slo_ttft_ms,
+        "slo_tpot_ms": spec.slo_tpot_ms,
     }
     return {
         "md": _toml(sidecar("md", 7440, 4096)),

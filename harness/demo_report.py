@@ -1,14 +1,56 @@
-"""The demo's figures: percentiles, token shares, handoffs, WAN bytes, DRC hit rate, mismatches;
-the printed table, the JSON document (keys fixed by the acceptance check) and the TTFT plot."""
+"""The demo's figures: percentiles, token shares, handoffs, WAN bytes, DRC hit rate, mismatches,
+goodput; the printed table, the JSON document (keys fixed by the acceptance checks) and the TTFT plot.
+
+Goodput is DistServe's, as ``vllm bench serve --goodput ttft:MS tpot:MS`` reports it: finished
+requests whose TTFT and mean TPOT (time after the first token per further token; 0 for a single
+token) both meet the SLO, per second of the replay (from its first send to its last answer).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from harness.demo_load import RequestResult
+from pddlink.errors import ConfigError
+
+# The demo's SLO, scaled to its engine: the reference 'tiny' model on this machine's CPU decodes a
+# token in about 8 ms at a small batch (10 ms: output at least 0.8x that speed); a prompt's first token
+# comes in well under a second when its KV need not wait for the WAN
+DEFAULT_SLO_TTFT_MS = 2000.0
+DEFAULT_SLO_TPOT_MS = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class Slo:
+    """What a request must meet to count in goodput: time to the first token, time per output token."""
+
+    ttft_ms: float = DEFAULT_SLO_TTFT_MS
+    tpot_ms: float = DEFAULT_SLO_TPOT_MS
+
+    def __post_init__(self) -> None:
+        if self.ttft_ms <= 0 or self.tpot_ms <= 0:
+            raise ConfigError(f"SLO: ttft_ms and tpot_ms must be > 0, got {self.ttft_ms}, {self.tpot_ms}")
+
+    def met(self, r: RequestResult) -> bool:
+        if r.outcome != "finished" or r.ttft_s is None:
+            return False
+        return r.ttft_s * 1e3 <= self.ttft_ms and tpot_s(r) * 1e3 <= self.tpot_ms
+
+
+def tpot_s(r: RequestResult) -> float:
+    """A finished request's mean time per output token after its first (0 for one token)."""
+    n = len(r.tokens)
+    return max(0.0, r.e2e_s - (r.ttft_s or 0.0)) / (n - 1) if n > 1 else 0.0
+
+
+def goodput(results: list[RequestResult], slo: Slo, span_s: float) -> dict[str, Any]:
+    met = sum(slo.met(r) for r in results)
+    return {"goodput_rps": met / span_s if span_s > 0 else 0.0, "slo_met": met, "replay_s": span_s}
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
@@ -19,10 +61,15 @@ def percentiles(values: list[float]) -> dict[str, float]:
 
 
 def summarize(
-    results: list[RequestResult], reference: list[list[int]], counters: dict[str, float]
+    results: list[RequestResult],
+    reference: list[list[int]],
+    counters: dict[str, float],
+    slo: Slo,
+    span_s: float,
 ) -> dict[str, Any]:
     """One run's figures. Bytes and DRC hits come from the sidecars' own counters (``counters``:
-    differences over the measured phase), so shipments that outlive their request count too."""
+    differences over the measured phase), so shipments that outlive their request count too;
+    goodput against ``slo`` over ``span_s``, the replay's wall time."""
     ok = [r for r in results if r.outcome == "finished"]
     rejected = sum(r.outcome == "rejected" for r in results)
     ttft_ok = [r.ttft_s for r in ok if r.ttft_s is not None]
@@ -41,7 +88,8 @@ def summarize(
         for src, n in r.sources.items():
             tokens[src] = tokens.get(src, 0) + n
         t = r.trace
-        pipelines[t.get("pipeline", "?")] = pipelines.get(t.get("pipeline", "?"), 0) + 1
+        pipeline = t.get("pipeline", "rejected" if r.outcome == "rejected" else "?")
+        pipelines[pipeline] = pipelines.get(pipeline, 0) + 1
         if t.get("handoff_outcome") == "handed_off" and t.get("handoff_mode") in handoffs:
             handoffs[t["handoff_mode"]] += 1
         for f in t.get("fallbacks", []):
@@ -71,6 +119,8 @@ def summarize(
         "ttft_values": ttft,
         "tokens": tokens,
         "tokens_per_s_per_request": (out_tokens - len(ok)) / decode_s if decode_s else 0.0,
+        "tpot_s": percentiles([tpot_s(r) for r in ok if len(r.tokens) > 1]),
+        **goodput(results, slo, span_s),
         "handoffs": handoffs,
         "singular": pipelines.get("singular", 0),
         "pipelines": pipelines,
@@ -111,14 +161,20 @@ def codec_summary(counters: dict[str, float], path: str = "wan") -> dict[str, An
     }
 
 
-def document(base: dict[str, Any], pdd: dict[str, Any], setting: dict[str, Any]) -> dict[str, Any]:
-    """The ``--json`` document: the acceptance keys first, then detail per run."""
-    strip = {k: v for k, v in pdd.items() if k != "ttft_values"}
+def document(
+    base: dict[str, Any],
+    pdd: dict[str, Any],
+    setting: dict[str, Any],
+    bounded: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The ``--json`` document: the acceptance keys first, then detail per run (``bounded``: PDD
+    whose router holds the SLO, the wan-overload scenario's third run)."""
+    runs = {"baseline": base, "pdd": pdd, **({"bounded": bounded} if bounded else {})}
     return {
         "requests": pdd["requests"],
         "failed": base["failed"] + pdd["failed"],
-        "token_mismatches": base["token_mismatches"] + pdd["token_mismatches"],
-        "ttft_s": {"baseline": base["ttft_s"], "pdd": pdd["ttft_s"]},
+        "token_mismatches": sum(r["token_mismatches"] for r in runs.values()),
+        "ttft_s": {name: r["ttft_s"] for name, r in runs.items()},
         "tokens": {"rld": pdd["tokens"].get("rld", 0), "md": pdd["tokens"].get("md", 0)},
         "handoffs": pdd["handoffs"],
         "singular": pdd["singular"],
@@ -126,13 +182,11 @@ def document(base: dict[str, Any], pdd: dict[str, Any], setting: dict[str, Any])
         "drc_hit_rate": pdd["drc_hit_rate"],
         "codec": pdd["codec"],
         "p90_ratio": pdd["ttft_s"]["p90"] / base["ttft_s"]["p90"] if base["ttft_s"]["p90"] else None,
-        "output_tokens_per_s": {
-            "baseline": base["tokens_per_s_per_request"],
-            "pdd": pdd["tokens_per_s_per_request"],
-        },
+        "output_tokens_per_s": {name: r["tokens_per_s_per_request"] for name, r in runs.items()},
+        "goodput_rps": {name: r["goodput_rps"] for name, r in runs.items()},
+        "slo": setting.get("slo"),
         "setting": setting,
-        "baseline": {k: v for k, v in base.items() if k != "ttft_values"},
-        "pdd": strip,
+        **{name: {k: v for k, v in r.items() if k != "ttft_values"} for name, r in runs.items()},
     }
 
 
@@ -140,41 +194,46 @@ def _codec(c: dict[str, Any]) -> str:
     return f"{c['name']}, {c['ratio']:.2f}x, {c['bytes_saved'] / 1e6:.1f}"
 
 
+_ROWS: tuple[tuple[str, Callable[[dict[str, Any]], object]], ...] = (
+    ("requests", lambda r: r["requests"]),
+    ("TTFT P50 (s)", lambda r: f"{r['ttft_s']['p50']:.3f}"),
+    ("TTFT P90 (s)", lambda r: f"{r['ttft_s']['p90']:.3f}"),
+    ("TTFT P99 (s)", lambda r: f"{r['ttft_s']['p99']:.3f}"),
+    ("output speed (tok/s per request)", lambda r: f"{r['tokens_per_s_per_request']:.1f}"),
+    ("TPOT P50 / P90 (ms)", lambda r: f"{r['tpot_s']['p50'] * 1e3:.1f} / {r['tpot_s']['p90'] * 1e3:.1f}"),
+    ("goodput (req/s in SLO)", lambda r: f"{r['goodput_rps']:.2f} ({r['slo_met']} in {r['replay_s']:.0f} s)"),
+    ("tokens from RLD / MD", lambda r: f"{r['tokens'].get('rld', 0)} / {r['tokens'].get('md', 0)}"),
+    ("handoffs one-shot / catch-up", lambda r: f"{r['handoffs']['one_shot']} / {r['handoffs']['catch_up']}"),
+    ("singular requests", lambda r: r["singular"]),
+    ("pipelines", lambda r: _kv(r["pipelines"])),
+    ("fallbacks", lambda r: _kv(r["fallbacks"]) or "-"),
+    ("WAN bytes (MB)", lambda r: f"{r['wan_bytes'] / 1e6:.1f}"),
+    ("WAN codec, ratio, MB saved", lambda r: _codec(r["codec"])),
+    ("fast-path bytes (MB)", lambda r: f"{r['fast_bytes'] / 1e6:.1f}"),
+    ("DRC hit rate (MD's blocks)", lambda r: f"{r['drc_hit_rate']:.3f}"),
+    ("P's prefix hit rate", lambda r: f"{r['p_prefix_hit_rate']:.3f}"),
+    ("RLD token share", lambda r: f"{r['rld_token_share']:.1%}"),
+    ("decisions", lambda r: _kv({k: v for k, v in r["decisions"].items() if v})),
+    ("rejected (at once, by admission)", lambda r: r["rejected"]),
+    ("failed", lambda r: r["failed"]),
+    ("token mismatches vs one engine alone", lambda r: r["token_mismatches"]),
+)
+COLUMNS = {"baseline": "P->MD baseline", "pdd": "PDD", "bounded": "PDD bounded"}
+
+
 def table(doc: dict[str, Any]) -> str:
-    b, p = doc["baseline"], doc["pdd"]
-    rows = [
-        ("requests", b["requests"], p["requests"]),
-        ("TTFT P50 (s)", f"{b['ttft_s']['p50']:.3f}", f"{p['ttft_s']['p50']:.3f}"),
-        ("TTFT P90 (s)", f"{b['ttft_s']['p90']:.3f}", f"{p['ttft_s']['p90']:.3f}"),
-        ("TTFT P99 (s)", f"{b['ttft_s']['p99']:.3f}", f"{p['ttft_s']['p99']:.3f}"),
-        (
-            "output speed (tok/s per request)",
-            f"{b['tokens_per_s_per_request']:.1f}",
-            f"{p['tokens_per_s_per_request']:.1f}",
-        ),
-        (
-            "tokens from RLD / MD",
-            f"{b['tokens'].get('rld', 0)} / {b['tokens'].get('md', 0)}",
-            f"{p['tokens'].get('rld', 0)} / {p['tokens'].get('md', 0)}",
-        ),
-        ("handoffs one-shot / catch-up", "-", f"{p['handoffs']['one_shot']} / {p['handoffs']['catch_up']}"),
-        ("singular requests", b["singular"], p["singular"]),
-        ("pipelines", _kv(b["pipelines"]), _kv(p["pipelines"])),
-        ("fallbacks", _kv(b["fallbacks"]) or "-", _kv(p["fallbacks"]) or "-"),
-        ("WAN bytes (MB)", f"{b['wan_bytes'] / 1e6:.1f}", f"{p['wan_bytes'] / 1e6:.1f}"),
-        ("WAN codec, ratio, MB saved", _codec(b["codec"]), _codec(p["codec"])),
-        ("fast-path bytes (MB)", f"{b['fast_bytes'] / 1e6:.1f}", f"{p['fast_bytes'] / 1e6:.1f}"),
-        ("DRC hit rate (MD's blocks)", f"{b['drc_hit_rate']:.3f}", f"{p['drc_hit_rate']:.3f}"),
-        ("P's prefix hit rate", f"{b['p_prefix_hit_rate']:.3f}", f"{p['p_prefix_hit_rate']:.3f}"),
-        ("RLD token share", f"{b['rld_token_share']:.1%}", f"{p['rld_token_share']:.1%}"),
-        ("decisions", _kv(b["decisions"]), _kv(p["decisions"])),
-        ("rejected (at once, by admission)", b["rejected"], p["rejected"]),
-        ("failed", b["failed"], p["failed"]),
-        ("token mismatches vs one engine alone", b["token_mismatches"], p["token_mismatches"]),
-    ]
-    w = max(len(r[0]) for r in rows)
-    lines = [f"{'':{w}}  {'P->MD baseline':>22}  {'PDD':>22}"]
-    lines += [f"{name:{w}}  {bv!s:>22}  {pv!s:>22}" for name, bv, pv in rows]
+    runs = [(title, doc[name]) for name, title in COLUMNS.items() if name in doc]
+    if "bounded" in doc:
+        runs[1] = ("PDD unbounded", doc["pdd"])
+    cells = [[str(fn(r)) for _, r in runs] for _, fn in _ROWS]
+    w = max(len(name) for name, _ in _ROWS)
+    cw = [max(22, len(title), *(len(c[i]) for c in cells)) for i, (title, _) in enumerate(runs)]
+    lines = [f"{'':{w}}" + "".join(f"  {title:>{cw[i]}}" for i, (title, _) in enumerate(runs))]
+    for (name, _), row in zip(_ROWS, cells, strict=True):
+        lines.append(f"{name:{w}}" + "".join(f"  {c:>{cw[i]}}" for i, c in enumerate(row)))
+    slo = doc["setting"].get("slo")
+    if slo:
+        lines.append(f"goodput SLO: TTFT <= {slo['ttft_ms']:g} ms and TPOT <= {slo['tpot_ms']:g} ms")
     ratio = doc.get("p90_ratio")
     if ratio is not None:
         lines.append(f"PDD TTFT P90 = {ratio:.2f}x baseline (published: 0.54x)")
@@ -185,14 +244,18 @@ def _kv(d: dict[str, int]) -> str:
     return ", ".join(f"{k}={v}" for k, v in sorted(d.items()))
 
 
-def plot(base: dict[str, Any], pdd: dict[str, Any], path: Path) -> None:
+def plot(
+    base: dict[str, Any], pdd: dict[str, Any], path: Path, bounded: dict[str, Any] | None = None
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for name, run in (("P->MD baseline", base), ("PDD", pdd)):
+    runs = [("P->MD baseline", base)]
+    runs += [("PDD unbounded", pdd), ("PDD bounded", bounded)] if bounded else [("PDD", pdd)]
+    for name, run in runs:
         vals = np.sort(np.asarray(run["ttft_values"]))
         if len(vals):
             ax.step(vals, np.arange(1, len(vals) + 1) / len(vals), where="post", label=name)

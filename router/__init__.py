@@ -48,6 +48,7 @@ from pddlink.routing import (
     RoutingPolicy,
 )
 from pddlink.routing.books import PrefillBook, TpotBook
+from pddlink.routing.options import ShortOutputs
 from pddlink.serving.grpc_tls import CallerCheck
 from router.admission import Overloaded
 from router.backend import EngineBackend, make_backend
@@ -87,6 +88,8 @@ class Router:
         self.p_book = PrefillBook(cfg.p_prefill_tokens_per_s)
         self.md_book = PrefillBook(cfg.md_prefill_tokens_per_s)
         self.md_tpot = TpotBook(cfg.md_tpot_s)
+        self.rld_tpot = TpotBook(cfg.rld_tpot_s, source="rld")  # judged by it under a TPOT SLO
+        self.short_outputs = ShortOutputs()  # what the TPOT bound spreads a recompute's stall over
         self.ids = itertools.count(1)
         self.in_flight: dict[str, RunDriver] = {}  # by request key
         self.labels_in_flight: set[str] = set()  # the clients' ids of those requests
@@ -161,14 +164,22 @@ class Router:
             rld_available=self.rld_usable(route, now),
             rld_active=self.fleet.running[route.rld.name] if route.rld is not None else 0,
             rld_capacity=self.cfg.rld_capacity,
-            rld_tpot_s=self.cfg.rld_tpot_s,
+            rld_tpot_s=self.rld_tpot_s(route),
         )
         if forced:
             return forced_option(routing, forced, self.policy), matched, route
         md_out = not self.md_usable(route, now)
         if md_out and routing.rld_available and routing.rld_active < self.cfg.rld_capacity:
             return OptionDecision(Option.SINGULAR, DecisionReason.MD_UNAVAILABLE, 0, 0.0, ()), matched, route
-        return decide_option(self, routing, deadline_s), matched, route
+        md_running = self.fleet.running[route.md.name]
+        return decide_option(self, routing, deadline_s, md_running), matched, route
+
+    def rld_tpot_s(self, route: Route) -> float:
+        """RLD's time per token for the policy: the configured figure, or under a TPOT SLO what
+        relayed requests RLD finished saw (``TpotBook``)."""
+        if not self.cfg.slo_tpot_ms:
+            return self.cfg.rld_tpot_s
+        return self.rld_tpot.estimate(self.fleet.running[route.rld.name] if route.rld is not None else 0)
 
     # -- what the runs report back (``router.legs.Cluster``) -------------------------------
 
@@ -306,6 +317,9 @@ class Router:
             "replaced_from": replaced_from,
         }
         self.md_tpot.observe(out)
+        self.rld_tpot.observe(out)
+        if out["outcome"] == RunOutcome.FINISHED.value:
+            self.short_outputs.add(int(out.get("output_tokens") or 0))
         return {
             "done": True,
             "request_id": label,
@@ -454,5 +468,7 @@ class Router:
                 "md_tokens_per_s": self.md_book.tokens_per_s,
                 "md_queued_tokens": self.md_book.queued_tokens,
                 "md_tpot_s": self.md_tpot.tpot_s,
+                "md_short_output_tokens": self.short_outputs.tokens(),  # the TPOT bound's spread
+                "rld_tpot_s": self.rld_tpot.tpot_s,
             },
         }

@@ -1,4 +1,5 @@
-"""Honest admission: when no option can end a request before its deadline, say so at once.
+"""Honest admission: when no option can end a request before its deadline (or within the SLO's
+TTFT and TPOT), say so at once.
 
 The router's ``choose_option`` (``pddlink.routing``) returns a rejection with a typed reason and a
 retry hint instead of an option; the router raises ``Overloaded`` before it contacts any sidecar.
@@ -40,6 +41,12 @@ class Overloaded(LocalError):
             f"no option ends within the {deadline_s:.1f} s deadline (earliest: {best:.1f} s; "
             f"the WAN alone needs {decision.wan_estimate_s:.1f} s for the missing KV)"
         )
+        if decision.reason is RejectReason.TPOT_UNREACHABLE:
+            worst = min((max(e.tpot_s, e.md_batch_tpot_s) for e in decision.estimates), default=math.inf)
+            message = (
+                "every option that meets the deadline breaks the TPOT SLO (its own or MD's running"
+                f" requests': at best {worst * 1e3:.1f} ms per token)"
+            )
         metrics.REJECTED.labels(reason=decision.reason.value).inc()
         return cls(decision.reason, decision.retry_after_s, message)
 

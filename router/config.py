@@ -77,6 +77,8 @@ class RouterConfig:
     p_prefill_tokens_per_s: float = 3300.0  # starting figures; the replies refine them
     md_prefill_tokens_per_s: float = 3300.0
     md_tpot_s: float = 0.02
+    slo_ttft_ms: float = 0.0  # the SLO's time to first token; options that miss it are not taken (0: none)
+    slo_tpot_ms: float = 0.0  # the SLO's time per output token: the policy's decode-speed bound (0: none)
     tls_dir: str = ""  # dev PKI: mutual TLS 1.3 to the sidecars and on the gRPC port; "" = plaintext
     name: str = "router0"  # this router's identity is router/<name>
     p_identity: str = "p/p0"  # who must answer at p, rld, md (checked against their certificates)
@@ -113,6 +115,8 @@ class RouterConfig:
             or min(self.p_prefill_tokens_per_s, self.md_prefill_tokens_per_s, self.md_tpot_s) <= 0
         ):
             raise InvalidInput("router: prefill speeds and md_tpot_s must be > 0")
+        if self.slo_ttft_ms < 0 or self.slo_tpot_ms < 0:
+            raise InvalidInput("router: slo_ttft_ms and slo_tpot_ms must be >= 0 (0: no bound)")
         for ident in (self.p_identity, self.rld_identity, self.md_identity):
             PeerIdentity.parse(ident)
         PeerIdentity(Role.ROUTER.value, self.name)

@@ -6,6 +6,14 @@ What the router feeds the policy: the DRC mirror's match and the link estimate w
 P's replies and MD's ready events), RLD's load, and the deadline. The policy's deadline is the
 share of the request's deadline P gives the WAN transfer (``sidecar.prefill``), so an admitted
 request still has time for a fallback.
+
+The SLO (``slo_ttft_ms``, ``slo_tpot_ms``; 0: none) bounds the choice too: the TTFT half as the
+option's first-token deadline, the TPOT half as the decode-speed bound recompute is charged against,
+with the requests MD runs now (``md_running``) and the output length of the short ones among those
+that finished lately (``ShortOutputs``), over which a recompute's stall is spread; MD's and RLD's
+time per token are what the requests each finished saw (``TpotBook``). A request no
+option serves within the SLO is refused at once (``router.admission.Overloaded``, reason
+``tpot_unreachable`` or ``deadline_unreachable``), as one that misses its deadline is.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ from pddlink.routing import (
 )
 from pddlink.routing.books import PrefillBook, TpotBook
 from pddlink.routing.link import WAN_SHARE_OF_DEADLINE
-from pddlink.routing.options import Option
+from pddlink.routing.options import Option, ShortOutputs
 
 FAST_PATH_BYTES_S = 1e9  # the fast path to RLD (RDMA, or TCP inside datacenter A): ~8 Gbit/s
 EXTEND_S = 0.02  # MD's extend step for a handoff's token ids (reference engine, tiny model)
@@ -34,24 +42,37 @@ class RouterState(Protocol):
     p_book: PrefillBook
     md_book: PrefillBook
     md_tpot: TpotBook
+    short_outputs: ShortOutputs
 
     @property
     def cfg(self) -> Any: ...
 
 
-def decide_option(router: RouterState, routing: RoutingInputs, deadline_s: float) -> OptionDecision:
+def decide_option(
+    router: RouterState, routing: RoutingInputs, deadline_s: float, md_running: int = 0
+) -> OptionDecision:
+    """``choose_option`` on what the router knows; ``md_running``: the requests the chosen MD runs."""
+    return choose_option(option_inputs(router, routing, deadline_s, md_running), router.policy)
+
+
+def option_inputs(
+    router: RouterState, routing: RoutingInputs, deadline_s: float, md_running: int = 0
+) -> OptionInputs:
     cfg = router.cfg
     p = router.p_book
-    inputs = OptionInputs(
+    return OptionInputs(
         routing,
         deadline_s=WAN_SHARE_OF_DEADLINE * deadline_s if cfg.admission else None,
+        ttft_deadline_s=cfg.slo_ttft_ms / 1e3 if cfg.slo_ttft_ms else None,
         p_prefill_s=p.queue_s() + routing.missing_tokens / p.tokens_per_s,
         fast_s=routing.prompt_tokens * routing.kv_bytes_per_token / FAST_PATH_BYTES_S,
         md_prefill=router.md_book.estimate() if cfg.recompute else None,
-        md_tpot_s=router.md_tpot.tpot_s,
+        md_tpot_s=router.md_tpot.estimate(md_running),
         extend_s=EXTEND_S,
+        tpot_bound_s=cfg.slo_tpot_ms / 1e3 if cfg.slo_tpot_ms else None,
+        md_running=md_running,
+        md_output_tokens=router.short_outputs.tokens(),
     )
-    return choose_option(inputs, router.policy)
 
 
 FORCEABLE = {
@@ -81,6 +102,8 @@ def option_trace(decision: OptionDecision) -> dict[str, Any]:
                 "md_ready_s": round(e.md_ready_s, 4) if e.md_ready_s != float("inf") else None,
                 "finish_s": round(e.finish_s, 4),
                 "rld_tokens": round(e.rld_tokens, 1),
+                "tpot_s": round(e.tpot_s, 4),
+                "md_batch_tpot_s": round(e.md_batch_tpot_s, 4),
             }
             for e in decision.estimates
         },

@@ -46,6 +46,22 @@ import click
     show_default=True,
     help="--topology: the placement policies to run, comma-separated.",
 )
+@click.option(
+    "--slo-ttft-ms",
+    type=click.FloatRange(min=0, min_open=True),
+    default=2000.0,
+    show_default=True,
+    help="TTFT SLO: goodput counts the requests per second meeting both SLOs; on wan-overload PDD's "
+    "router holds it (the bounded run).",
+)
+@click.option(
+    "--slo-tpot-ms",
+    type=click.FloatRange(min=0, min_open=True),
+    default=10.0,
+    show_default=True,
+    help="TPOT SLO (mean time per output token after the first; the tiny engine decodes one in ~8 ms "
+    "here); on wan-overload the bounded PDD run's decode-speed bound.",
+)
 @click.option("--seed", default=1, show_default=True, help="Workload seed.")
 @click.option("--line-mbit", default=16.0, show_default=True, help="WAN line rate.")
 @click.option("--rtt-ms", default=20.0, show_default=True, help="WAN round-trip time.")
@@ -97,6 +113,8 @@ def command(
     scenario: str,
     topology_path: str | None,
     placements: str,
+    slo_ttft_ms: float,
+    slo_tpot_ms: float,
     seed: int,
     line_mbit: float,
     rtt_ms: float,
@@ -115,8 +133,10 @@ def command(
 
     Starts every role as its own process (P and RLD in datacenter A, MD in datacenter B of a
     netlab WAN: network namespaces as root, loopback relays otherwise), replays the workload once
-    as cross-datacenter PD (P->MD only) and once with PDD, checks every token against one engine
-    generating alone, and prints the table. Progress and logs go to stderr.
+    as cross-datacenter PD (P->MD only) and once with PDD (wan-overload: also PDD recomputing
+    without the TPOT bound), checks every token against one engine generating alone, and prints
+    the table with TTFT, output speed and goodput (requests/s meeting both SLOs). Progress and
+    logs go to stderr.
     """
     if engine == "vllm":
         from pddlink.cli.demo_vllm import run_vllm_demo
@@ -138,6 +158,7 @@ def command(
         _pools(topology_path, placements, requests, rate_rps, workload, json_path, plot_path, seed, warmup)
         return
     from harness.demo import main
+    from harness.demo_report import Slo
     from pddlink.cli.preflight import check_output_file, check_writable
 
     if requests < 1:
@@ -163,6 +184,7 @@ def command(
         engine_mode=engine_mode,
         scenario=scenario,
         lab_kind=lab_kind,
+        slo=Slo(slo_ttft_ms, slo_tpot_ms),
     )
 
 

@@ -202,6 +202,16 @@ def _preflight(cfg: Any, serve: dict[str, Any]) -> None:
 @click.option("--md-prefill-tokens-per-s", type=float, help="MD's prefill speed to start from [3300].")
 @click.option("--p-prefill-tokens-per-s", type=float, help="P's prefill speed to start from [3300].")
 @click.option("--md-tpot-s", type=float, help="MD's time per output token, for deadlines [0.02].")
+@click.option(
+    "--slo-ttft-ms",
+    type=click.FloatRange(min=0),
+    help="TTFT SLO: options that miss it are not taken, a request none meets is refused [0: none].",
+)
+@click.option(
+    "--slo-tpot-ms",
+    type=click.FloatRange(min=0),
+    help="TPOT SLO: recompute on MD only within it for MD's running requests and this one [0: none].",
+)
 @click.option("--rld-capacity", type=int, help="Requests at which RLD's load is 1.0 [8].")
 @click.option("--rld-tpot-s", type=float, help="RLD's time per output token, for the singular test [0.02].")
 @click.option("--singular-max-tokens", type=int, help="Only outputs this short may end on RLD [4].")

@@ -61,20 +61,39 @@ class PrefillBook:
 
 @dataclass(slots=True)
 class TpotBook:
-    """MD's time per output token as the router sees it: an exponentially weighted mean over the
-    requests that decoded on MD alone (their stream's time after the first token per token), so a
-    starved MD makes shipping and recompute look as slow as they are against the deadline."""
+    """An instance's time per output token as the router sees it: an exponentially weighted mean over
+    the requests whose every token it decoded (``source``: "md", or "rld" for relayed requests RLD
+    finished; their stream's time after the first token per token), so a starved MD makes shipping
+    and recompute look as slow as they are against the deadline and the TPOT bound.
+
+    ``estimate(running)``: what a new request would get. An instance running nothing decodes at its
+    unloaded speed (at most the configured ``tpot_s`` it started from), whatever the last requests
+    saw: without that, a bound that keeps every request off a slow instance would never see it
+    recover, since only finished requests teach the book."""
 
     tpot_s: float
     ewma_weight: float = 0.2
+    source: str = "md"
+    idle_tpot_s: float = 0.0  # set from tpot_s on construction
+
+    def __post_init__(self) -> None:
+        if self.tpot_s <= 0 or not 0 < self.ewma_weight <= 1 or self.source not in ("md", "rld"):
+            raise InvalidInput("tpot book: tpot_s > 0, ewma_weight in (0, 1], source md or rld required")
+        self.idle_tpot_s = self.idle_tpot_s or self.tpot_s
 
     def observe(self, trace: dict[str, object]) -> None:
         tokens = trace.get("tokens")
         ttft, e2e, n = trace.get("ttft_s"), trace.get("e2e_s"), trace.get("output_tokens")
-        if trace.get("outcome") != "finished" or not isinstance(tokens, dict) or tokens.get("rld"):
+        if trace.get("outcome") != "finished" or not isinstance(tokens, dict):
+            return
+        other = "rld" if self.source == "md" else "md"
+        if tokens.get(other) or not tokens.get(self.source):
             return
         if not (isinstance(ttft, float) and isinstance(e2e, float) and isinstance(n, int)) or n < 4:
             return
         sample = (e2e - ttft) / (n - 1)
         if sample > 0:
             self.tpot_s = (1 - self.ewma_weight) * self.tpot_s + self.ewma_weight * sample
+
+    def estimate(self, running: int) -> float:
+        return self.tpot_s if running > 0 else min(self.tpot_s, self.idle_tpot_s)
