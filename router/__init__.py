@@ -223,7 +223,11 @@ class Router:
         then yields token dicts and a final trace. The deadline counts from ``arrived`` (when the
         API got the request; default now), so time spent in the checks and queues is its own.
         ``request_key``: for an in-process caller that finds the sidecars' records by a unique key
-        of its own (``router.vllm_driver``); the client APIs never pass one, the router mints it."""
+        of its own (``router.vllm_driver``); the client APIs never pass one, the router mints it.
+        The trace's ``stamps_s`` (seconds since arrival, the router's clock): ``entered`` this call,
+        ``placed`` (admitted and placed), ``sent`` (the first run's calls issued, P's among them),
+        ``first_token`` (out of the run): the router's own part of TTFT (``harness.ttft_stages``)."""
+        entered = time.monotonic()
         deadline_s = deadline_s or self.cfg.deadline_s
         self.validate(prompt, sampling, deadline_s, pipeline)
         label = request_id or f"req-{next(self.ids)}-{time.time_ns() % 10**9}"
@@ -237,7 +241,9 @@ class Router:
         metrics.DECISIONS.labels(option=option.value if option else "rejected").inc()
         if option is None:
             raise Overloaded.of(decision, deadline_s)
+        placed = time.monotonic()
         arrived = time.monotonic() if arrived is None else arrived
+        stamps = {"entered": entered, "placed": placed}  # the router's own clock (TTFT stages)
         sid, replaced_from = rid, list[dict[str, str]]()
         self.labels_in_flight.add(label)
         try:
@@ -246,8 +252,10 @@ class Router:
                 run = self._start(sid, prompt, sampling, deadline_s, decision, matched, route, arrived)
                 self.in_flight[rid] = run
                 tokens = run.run()
+                stamps.setdefault("sent", time.monotonic())  # the first run's calls (P's among them) go out
                 try:
                     async for tok in tokens:
+                        stamps.setdefault("first_token", time.monotonic())
                         emitted += 1
                         yield {"position": tok.position, "token_id": tok.token_id, "source": tok.source}
                 finally:
@@ -276,6 +284,8 @@ class Router:
             "reason": route.reason,
             "replaced_from": replaced_from,
         }
+        origin = min(arrived, entered)  # since the request arrived (the API's clock when it passed one)
+        out["stamps_s"] = {k: v - origin for k, v in stamps.items()}
         self.md_tpot.observe(out)
         yield {
             "done": True,
