@@ -117,6 +117,7 @@ class EngineSide:
     kv_copy_out_s: float | None = None
     load_s: dict[str, float | None] | None = None
     first_decode_s: dict[str, float | None] | None = None
+    consumer_queue_s: dict[str, float | None] | None = None  # queued -> scheduled: waits for its KV
 
     @classmethod
     def of(cls, metrics: dict[str, tuple[str, str]], hooks: dict[str, list[str]]) -> EngineSide:
@@ -130,6 +131,7 @@ class EngineSide:
             kv_copy_out_s=hook_median(hooks.get("p", []), "save"),
             load_s={r: hook_median(hooks.get(r, []), "load") for r in consumers},
             first_decode_s={r: median_between(*metrics[r], PREFILL) for r in consumers},
+            consumer_queue_s={r: median_between(*metrics[r], QUEUE) for r in consumers},
         )
 
 
@@ -142,6 +144,7 @@ class RequestTimes:
     first_token_s: float  # the first token came out of the router's run
     source: str  # who made the first token: "rld" or "md"
     ship_s: float | None  # P's sidecar: that source's leg, COMMIT -> acked
+    p_round_trip_s: float | None = None  # the router's call to P until P answered (trace prefill_seconds)
 
     @property
     def router_s(self) -> float:
@@ -158,10 +161,21 @@ class RequestTimes:
         source = next(iter(tokens))
         leg = (shipped.get("legs") or {}).get(source) or {}
         ship = leg.get("ship_seconds") if leg.get("ok") else None
-        return cls(ttft_s, stamps["sent"], stamps["first_token"], source, ship)
+        return cls(ttft_s, stamps["sent"], stamps["first_token"], source, ship, trace.get("prefill_seconds"))
 
 
 TRANSFER = {"rld": "transfer_fast_path", "md": "transfer_wan"}
+METHOD = {  # how each stage is measured: the JSON says it next to the table
+    "router_admission_placement": "router stamps_s.sent: checks, admission, placement, set-up; per request",
+    "p_queue": "P's vLLM histogram vllm:request_queue_time_seconds over the phase (1 ms buckets)",
+    "prefill": "P's vLLM vllm:request_prefill_time_seconds median less kv_copy_out (inside that step)",
+    "kv_copy_out": "P's connector hook timings: the saving steps' hook time (ALLOC answer, copy, COMMIT)",
+    "transfer_fast_path": "P's sidecar /transfers, leg rld: ship_seconds (COMMIT -> RLD acked); per request",
+    "transfer_wan": "P's sidecar /transfers, leg md: ship_seconds (COMMIT -> MD acked); per request",
+    "consumer_load": "the consumer's connector hook timings: hook time of the steps that loaded",
+    "first_decode": "the consumer's vLLM vllm:request_prefill_time_seconds (scheduled -> first token)",
+    "first_byte": "router stamps_s.first_token -> the client had the token; per request",
+}
 
 
 def _median(xs: Sequence[float | None]) -> float | None:
@@ -206,9 +220,29 @@ def stage_table(requests: Sequence[RequestTimes], engine: EngineSide) -> dict[st
             "stages_sum_s": sum(stages.values()),
             "residual_s": ttft - sum(stages.values()),
             "missing": [k for k, v in raw.items() if v is None],
+            "method": {k: METHOD.get(k, "") for k in stages},
             "router_median_s": router,
             "ttft_median_all_s": ttft_all,
+            "cross_checks": _cross_checks(scoped, engine, source),
         },
+    }
+
+
+def _cross_checks(scoped: Sequence[RequestTimes], engine: EngineSide, source: str) -> dict[str, float | None]:
+    """Readings that overlap the stages, for where the residual goes: P's round trip as the router
+    saw it, the part of it outside P's engine (HTTP in, the answer out: only the part before P
+    queues the request is on the consumer's path) and the consumer's own queue time (from its
+    request's arrival, about when P's did, until its KV was loaded and a step took it)."""
+    rt = _median([r.p_round_trip_s for r in scoped])
+    inside = (
+        None
+        if engine.p_queue_s is None or engine.p_prefill_step_s is None
+        else engine.p_queue_s + engine.p_prefill_step_s
+    )
+    return {
+        "p_round_trip_s": rt,
+        "p_outside_engine_s": None if rt is None or inside is None else rt - inside,
+        "consumer_queue_s": (engine.consumer_queue_s or {}).get(source),
     }
 
 

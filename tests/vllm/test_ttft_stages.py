@@ -133,6 +133,8 @@ def test_stage_table_scopes_to_the_main_consumer_and_adds_up() -> None:
     assert d["stages_sum_s"] == pytest.approx(sum(stages.values()))
     assert d["residual_s"] == pytest.approx(0.120 - sum(stages.values()))
     assert d["missing"] == []
+    assert set(d["method"]) == set(stages) and all(d["method"].values())
+    assert d["cross_checks"]["p_round_trip_s"] is None  # no request carried P's round trip
     # the router's own time over every request (the MD one too), against every request's median TTFT
     router = sorted([0.0025, 0.0045, 0.004, 0.021])
     assert out["router_ttft_share"] == pytest.approx(((router[1] + router[2]) / 2) / ((0.12 + 0.14) / 2))
