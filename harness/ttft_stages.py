@@ -20,9 +20,10 @@ cut into stages, each from the clock that sees it:
                               prompt's tail, < 1 block, recomputed, and the first token sampled)
   first_byte                  the router: its run's first token -> the client has it; per request
 
-Each value is a median: per request where the record is per request; over the phase's histogram
-(Prometheus-style interpolation inside a bucket; the demo gives vLLM 1 ms buckets up to 50 ms) or
-hook records where vLLM or the connector keeps no request id. ``residual_s`` is the median TTFT
+Each value is a median: over the requests in scope where the record is per request; over the whole
+phase's histogram (Prometheus-style interpolation inside a bucket; the demo gives vLLM 1 ms buckets
+up to 50 ms, so a stage under 1 ms reads as a share of the first) or hook records where vLLM or the
+connector keeps no request id. ``residual_s`` is the median TTFT
 less their sum: the waits between stages that no clock here splits (HTTP into and out of each
 vLLM, a landing noticed at the consumer's next step, the consumer waiting for a step, the SSE to
 the router). ``router_ttft_share``: the median of the router's own time per request (admission and
@@ -190,7 +191,7 @@ def stage_table(requests: Sequence[RequestTimes], engine: EngineSide) -> dict[st
     if not requests:
         return {"ttft_stages": {}, "router_ttft_share": None, "ttft_stages_detail": {}}
     sources = [r.source for r in requests]
-    source = max(set(sources), key=sources.count)
+    source = max(sorted(set(sources)), key=sources.count)  # a tie: the same one every time
     scoped = [r for r in requests if r.source == source]
     copy_out = engine.kv_copy_out_s
     prefill = engine.p_prefill_step_s
