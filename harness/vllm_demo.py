@@ -24,7 +24,10 @@ request's KV"), where shipping a turn's new ~600 tokens (~1.2 MB, ~0.6 s) domina
   vllm_prefix_cache_hit_rate (vLLM's own counters on MD over the run), codec, engine = "vllm",
   held (what the sidecars hold at the end: slots, bytes, transfers: all 0 when nothing leaked);
   with PDD: ttft_s {baseline, pdd}, p90_ratio, handoffs {one_shot, catch_up}, tokens {rld, md},
-  rld_token_share, pdd {...}; bfloat16 {divergences with vLLM alone's top-2 logprob gap, ...}.
+  rld_token_share, pdd {...}, ttft_stages {stage: median s}, router_ttft_share and
+  ttft_stages_detail (where the PDD phase's TTFT goes, ``harness.ttft_stages``: the router's own
+  stamps, P's transfer records, vLLM's queue/prefill histograms and the connectors' hook timings);
+  bfloat16 {divergences with vLLM alone's top-2 logprob gap, ...}.
   The connector figures (wan_bytes, drc_hit_rate, ...) are the baseline's; token_mismatches counts
   both float32 runs.
 
@@ -62,6 +65,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -70,6 +74,7 @@ import httpx
 
 from engines_adapter import SamplingParams
 from harness.demo_report import plot
+from harness.ttft_stages import VLLM_ARGS, EngineSide, RequestTimes, stage_table
 from harness.vllm.pair import PairSpec, VllmPair
 from harness.vllm.tiny_model import TinyLlamaSpec, build_tiny_llama
 from harness.vllm_demo_report import Done, fast_path_report, pdd_report, run_report, table
@@ -165,10 +170,16 @@ def sampling_of(spec: VllmDemoSpec, session: int, turn: int) -> SamplingParams:
 
 
 async def _replay(
-    cfg: RouterConfig, spec: VllmDemoSpec, pipeline: str, alone_url: str, label: str
+    cfg: RouterConfig,
+    spec: VllmDemoSpec,
+    pipeline: str,
+    alone_url: str,
+    label: str,
+    after_sessions: Callable[[], Any] | None = None,
 ) -> dict[str, Any]:
     """Every session's turns through the Router (``pipeline`` forced, or "" for the router's own
-    choice), then every answer against ``alone_url``'s vLLM generating alone."""
+    choice), then every answer against ``alone_url``'s vLLM generating alone (``after_sessions``,
+    if given, runs in between: what it reads is the sessions' alone)."""
     system, users = _workload(spec)
     router = Router(cfg)
     await router.start()
@@ -186,14 +197,21 @@ async def _replay(
             sampling = sampling_of(spec, s, turn)
             tokens: list[int] = []
             final: dict[str, Any] = {}
-            started = time.monotonic() - run_t0
+            sent = time.monotonic()
+            first: float | None = None
             try:
                 async for ev in router.generate(
-                    history, sampling, deadline_s=spec.deadline_s, pipeline=pipeline, request_id=rid
+                    history,
+                    sampling,
+                    deadline_s=spec.deadline_s,
+                    pipeline=pipeline,
+                    request_id=rid,
+                    arrived=sent,
                 ):
                     if ev.get("done"):
                         final = ev
                     else:
+                        first = time.monotonic() if first is None else first
                         tokens.append(int(ev["token_id"]))
             except PddlinkError as exc:
                 failed.append(f"{rid}: {exc.message}")
@@ -203,7 +221,10 @@ async def _replay(
                 say(f"  request failed: {final.get('reason')}")
                 continue
             ttft.append(float(final["trace"]["ttft_s"]))
-            done.append(Done(rid, tuple(history), sampling, tuple(tokens), final["trace"], started))
+            client_ttft = None if first is None else first - sent
+            done.append(
+                Done(rid, tuple(history), sampling, tuple(tokens), final["trace"], sent - run_t0, client_ttft)
+            )
             history += tokens
             await asyncio.sleep(spec.think_s)
 
@@ -217,6 +238,8 @@ async def _replay(
                 await asyncio.gather(*(session(s) for s in group))
                 n = group[-1] + 1
                 say(f"  {label} sessions {n}/{spec.sessions}: {len(done)} done, {len(failed)} failed")
+        if after_sessions is not None:
+            await asyncio.to_thread(after_sessions)
         async with httpx.AsyncClient(timeout=None) as http:
             for d in done:  # one vLLM alone: same model and dtype, same sampling, no connector
                 alone = await generate_alone(http, alone_url, cfg.vllm.model, d.prompt, d.sampling)
@@ -266,7 +289,8 @@ def _start(spec: VllmDemoSpec, workdir: Path, model: Path, dtype: str, wan: Any,
 
     # five turns of up to 800 new tokens and 128-token answers outgrow vLLM's default 4096
     room = ("--max-model-len", "8192", "--max-num-batched-tokens", "8192")
-    extra = ("--logits-processors", FQCN, *room, *spec.extra_args)
+    extra = ("--logits-processors", FQCN, *room, *VLLM_ARGS, *spec.extra_args)
+    (workdir / "timings").mkdir(parents=True, exist_ok=True)  # the connectors' hook timings (TTFT stages)
     pair = VllmPair(
         PairSpec(
             workdir,
@@ -277,6 +301,7 @@ def _start(spec: VllmDemoSpec, workdir: Path, model: Path, dtype: str, wan: Any,
             wan_line_mbit=spec.line_mbit,
             relay=relay,
             pin_cores=spec.pin_cores,
+            timing_dir=workdir / "timings",
         )
     )
     t0 = time.monotonic()
@@ -298,6 +323,39 @@ def _records(pair: VllmPair) -> tuple[dict[str, Any], dict[str, Any], dict[str, 
     shipped = pair.shipped_all()
     ends = pair.finished()
     return status, shipped, ends
+
+
+Readings = dict[str, tuple[str, int]]  # role -> (its /metrics text, its hook-timing file's size)
+
+
+def _engine_readings(pair: VllmPair) -> Readings:
+    """Each vLLM server's /metrics text and how far its connector's hook-timing file has grown."""
+    out: Readings = {}
+    for role, server in pair.servers().items():
+        text = urllib.request.urlopen(server.url + "/metrics", timeout=10).read().decode()
+        path = _timing_file(pair, role)
+        out[role] = (text, path.stat().st_size if path.exists() else 0)
+    return out
+
+
+def _timing_file(pair: VllmPair, role: str) -> Path:
+    assert pair.spec.timing_dir is not None
+    kind = "kv_producer" if role == "p" else "kv_consumer"
+    return pair.spec.timing_dir / f"{kind}-{pair.servers()[role].spec.port}.jsonl"
+
+
+def _engine_side(pair: VllmPair, before: Readings, after: Readings) -> EngineSide:
+    """vLLM's and the connectors' readings between ``before`` and ``after`` (``harness.ttft_stages``)."""
+    hooks: dict[str, list[str]] = {}
+    for role in after:
+        if not _timing_file(pair, role).exists():
+            hooks[role] = []
+            continue
+        with _timing_file(pair, role).open("rb") as f:
+            f.seek(before[role][1])
+            hooks[role] = f.read(after[role][1] - before[role][1]).decode().splitlines()
+    metrics = {role: (before[role][0], after[role][0]) for role in after}
+    return EngineSide.of(metrics, hooks)
 
 
 def _urls(pair: VllmPair) -> dict[str, str]:
@@ -331,8 +389,13 @@ def _float32_runs(spec: VllmDemoSpec, root: Path, model: Path, wan: Any) -> dict
             pdd_spec = replace(spec, seed=spec.seed + 1)
             cfg = router_config(urls, str(model), spec, relay=True, rld_gets_kv=True)
             out["pdd_status_before"] = pair.status()
-            out["pdd"] = asyncio.run(_replay(cfg, pdd_spec, "", p_url, "pdd"))
-            out["pdd_status"] = _records(pair)[0]
+            before = _engine_readings(pair)
+            after: Readings = {}
+            out["pdd"] = asyncio.run(
+                _replay(cfg, pdd_spec, "", p_url, "pdd", lambda: after.update(_engine_readings(pair)))
+            )
+            out["pdd_status"], out["pdd_shipped"], _ = _records(pair)
+            out["pdd_engine"] = _engine_side(pair, before, after)
         return out
     finally:
         pair.close()
@@ -351,6 +414,16 @@ def _bf16_run(spec: VllmDemoSpec, root: Path, wan: Any) -> dict[str, Any]:
         return {"run": out, "records": (status, shipped, ends), "spec": bspec}
     finally:
         pair.close()
+
+
+def _stages(pdd: dict[str, Any], shipped: dict[str, dict[str, Any]], engine: EngineSide) -> dict[str, Any]:
+    """The PDD phase's TTFT stage table (``harness.ttft_stages``)."""
+    times = [
+        RequestTimes.of(d.trace, d.client_ttft_s, shipped.get(d.trace.get("request_key", ""), {}))
+        for d in pdd["done"]
+        if d.client_ttft_s is not None
+    ]
+    return stage_table([t for t in times if t is not None], engine)
 
 
 def run(spec: VllmDemoSpec, json_path: str | None) -> dict[str, Any]:
@@ -381,6 +454,7 @@ def run(spec: VllmDemoSpec, json_path: str | None) -> dict[str, Any]:
         report["requests"] += report["pdd"]["requests"]
         report["failed"] += report["pdd"]["failed"]
         report["token_mismatches"] += report["pdd"]["token_mismatches"]  # both float32 runs
+        report.update(_stages(f32["pdd"], f32["pdd_shipped"], f32["pdd_engine"]))
     if bf16 is not None:
         bstatus, bshipped, bends = bf16["records"]
         b = run_report(bf16["spec"], bf16["run"], bshipped, bends, bstatus, (0.0, 0.0))

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from engines_adapter import SamplingParams
+from harness.ttft_stages import stage_rows
 
 if TYPE_CHECKING:
     from harness.vllm_demo import VllmDemoSpec
@@ -24,6 +25,7 @@ class Done:
     tokens: tuple[int, ...]
     trace: dict[str, Any]
     started_s: float = 0.0  # since the run's start
+    client_ttft_s: float | None = None  # the client had its first token (since it sent the request)
 
 
 def pcts(xs: list[float]) -> dict[str, float]:
@@ -159,6 +161,7 @@ def table(r: dict[str, Any]) -> str:
     ]
     if "bfloat16" in r:
         rows.append(("bfloat16 divergences (near-ties)", str(r["bfloat16"]["token_mismatches"])))
+    rows += stage_rows(r)  # where the PDD phase's TTFT goes (harness.ttft_stages)
     w = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:{w}}  {v}" for k, v in rows)
 

@@ -234,11 +234,16 @@ class Router:
         then yields token dicts and a final trace. The deadline counts from ``arrived`` (when the
         API got the request; default now), so time spent in the checks and queues is its own.
         ``request_key``: for an in-process caller that finds the sidecars' records by a unique key
-        of its own (``router.vllm_driver``); the client APIs never pass one, the router mints it."""
+        of its own (``router.vllm_driver``); the client APIs never pass one, the router mints it.
+        The trace's ``stamps_s`` (seconds since arrival, the router's clock): ``entered`` this call,
+        ``placed`` (admitted and placed), ``sent`` (the first run's calls issued, P's among them),
+        ``first_token`` (out of the run): the router's own part of TTFT (``harness.ttft_stages``)."""
+        entered = time.monotonic()
         deadline_s = deadline_s or self.cfg.deadline_s
         label, rid, (decision, matched, route) = self._admit(
             prompt, sampling, deadline_s, pipeline, request_id, request_key
         )
+        stamps = {"entered": entered, "placed": time.monotonic()}  # the router's own clock (TTFT stages)
         arrived = time.monotonic() if arrived is None else arrived
         sid, replaced_from = rid, list[dict[str, str]]()
         self.labels_in_flight.add(label)
@@ -248,15 +253,17 @@ class Router:
                 run = self._start(sid, prompt, sampling, deadline_s, decision, matched, route, arrived)
                 self.in_flight[rid] = run
                 tokens = run.run()
+                stamps.setdefault("sent", time.monotonic())  # the first run's calls (P's among them) go out
                 try:
                     async for tok in tokens:
+                        stamps.setdefault("first_token", time.monotonic())
                         emitted += 1
                         yield {"position": tok.position, "token_id": tok.token_id, "source": tok.source}
                 finally:
                     await tokens.aclose()  # a client that went away: the run ends (cancelled), its legs go
                     self.in_flight.pop(rid, None)
                     self._ended(sid, run, decision, route)
-                lost = not emitted
+                lost = not emitted  # nothing reached the client: another route may still serve it
                 again = (
                     self.replacement(run.trace, route, prompt, sampling, deadline_s, arrived)
                     if lost
@@ -269,7 +276,9 @@ class Router:
                 sid = mint_request_key(self.cfg.name)  # a key of its own: the sidecars may hold the first
         finally:
             self.labels_in_flight.discard(label)
-        yield self._final(run, decision, route, label, sid, replaced_from)
+        origin = min(arrived, entered)  # since the request arrived (the API's clock when it passed one)
+        stamps_s = {k: v - origin for k, v in stamps.items()}
+        yield self._final(run, decision, route, label, sid, replaced_from, stamps_s)
 
     def _admit(
         self,
@@ -304,9 +313,10 @@ class Router:
         label: str,
         sid: str,
         replaced_from: list[dict[str, str]],
+        stamps_s: dict[str, float],
     ) -> dict[str, Any]:
-        """The request's last item: its outcome and the trace of its last run, with the choice and
-        the placement (and the routes it left before its first token)."""
+        """The request's last item: its outcome and the trace of its last run, with the choice, the
+        placement (and the routes it left before its first token) and the router's stamps."""
         out = run.trace.to_dict()
         out.update(option_trace(decision), request_id=label, request_key=sid)
         out["placement"] = {
@@ -316,6 +326,7 @@ class Router:
             "reason": route.reason,
             "replaced_from": replaced_from,
         }
+        out["stamps_s"] = stamps_s
         self.md_tpot.observe(out)
         self.rld_tpot.observe(out)
         if out["outcome"] == RunOutcome.FINISHED.value:
