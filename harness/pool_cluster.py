@@ -53,6 +53,7 @@ class PoolSpec:
     wan_links: int = 2  # P's WAN links toward each MD
     tls: bool = True
     start_timeout_s: float = 180.0
+    routers: int = 1  # replicas over the same topology: router0 (process "router"), router1, ...
 
 
 class PoolCluster:
@@ -61,7 +62,11 @@ class PoolCluster:
         spec.run_dir.mkdir(parents=True, exist_ok=True)
         self.members = {m.name: m for m in spec.topology.members()}
         self.ports = {name: (free_port(), free_port()) for name in self.members}  # (grpc, kv)
-        self.router_port = free_port()
+        if spec.routers < 1:
+            raise ClusterError(f"routers: at least 1, got {spec.routers}")
+        self.router_names = ["router"] + [f"router{k}" for k in range(1, spec.routers)]  # processes
+        self.router_ports = {n: (free_port(), free_port()) for n in self.router_names}  # (grpc, http)
+        self.router_port = self.router_ports["router"][0]
         self.router_unix = str(spec.run_dir / "router.sock")
         self.router_target = f"unix:{self.router_unix}.grpc"
         self.procs: dict[str, subprocess.Popen[str]] = {}
@@ -98,6 +103,15 @@ class PoolCluster:
 
         return str(node_dir(self.spec.run_dir / "pki", PeerIdentity(role, name))) if self.spec.tls else ""
 
+    def router_url(self, process: str = "router") -> str:
+        """A router's HTTP API (its OpenAI-style endpoints, /readyz, /status)."""
+        return f"http://127.0.0.1:{self.router_ports[process][1]}"
+
+    @staticmethod
+    def router_identity(process: str) -> str:
+        """``router`` runs as router0, ``routerK`` as itself (each its own certificate)."""
+        return "router0" if process == "router" else process
+
     def admin_socket(self, name: str) -> str:
         return str(self.spec.run_dir / f"{name}.admin.sock")
 
@@ -125,28 +139,41 @@ class PoolCluster:
             if m.role is Role.RLD:
                 lines += ["[decode]", f"capacity = {s.rld_capacity}", f"slice_tokens = {s.slice_tokens}"]
             (s.run_dir / f"{name}.toml").write_text("\n".join(lines) + "\n")
-        router = [
+        for process in self.router_names:
+            (s.run_dir / f"{process}.toml").write_text("\n".join(self._router_lines(process)) + "\n")
+
+    def _router_lines(self, process: str) -> list[str]:
+        s = self.spec
+        grpc_port, http_port = self.router_ports[process]
+        unix = self.router_unix if process == "router" else str(s.run_dir / f"{process}.sock")
+        ident = self.router_identity(process)
+        return [
             f'topology = "{self.fleet_file}"',
             f'placement = "{s.placement}"',
             'host = "127.0.0.1"',
-            f"grpc_port = {self.router_port}",
-            f'unix = "{self.router_unix}"',
-            f'tls_dir = "{self.tls_dir("router", "router0")}"',
+            f"grpc_port = {grpc_port}",
+            f"http_port = {http_port}",
+            f'unix = "{unix}"',
+            f'name = "{ident}"',
+            f'tls_dir = "{self.tls_dir("router", ident)}"',
             f"rld_capacity = {s.rld_capacity}",
             f"deadline_s = {s.deadline_s}",
             f"relay_enabled = {'true' if s.relay else 'false'}",
             f"recompute = {'true' if s.recompute else 'false'}",
             "admission = false",
             f"wan_links = {s.wan_links}",
+            # every client is 127.0.0.1 here (the demo's, or the load balancer in front)
+            "[api]",
+            "max_connections_per_client = 512",
+            "rate_per_client_s = 0.0",
         ]
-        (s.run_dir / "router.toml").write_text("\n".join(router) + "\n")
 
     # -- processes -------------------------------------------------------------------------------
 
     def _launch(self, name: str) -> None:
         log = open(self.spec.run_dir / f"{name}.log", "a")  # noqa: SIM115 (closed in stop())
         self.logs[name] = log
-        what = "router" if name == "router" else "sidecar"
+        what = "router" if name in self.router_names else "sidecar"
         config = str(self.spec.run_dir / f"{name}.toml")
         argv = [sys.executable, "-m", "pddlink.cli.main", what, "--config", config]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -165,7 +192,8 @@ class PoolCluster:
             raise ClusterError(f"{exc} (logs in {self.spec.run_dir})") from None
 
     def start(self) -> PoolCluster:
-        ids = [(m.role.value, name) for name, m in self.members.items()] + [("router", "router0")]
+        ids = [(m.role.value, name) for name, m in self.members.items()]
+        ids += [("router", self.router_identity(n)) for n in self.router_names]
         if self.spec.tls:
             from pddlink.transport import PeerIdentity, load_or_create_pki
 
@@ -183,8 +211,9 @@ class PoolCluster:
         for name in prefill:
             self._launch(name)
         self._wait_ready(prefill)
-        self._launch("router")
-        self._wait_ready(["router"])
+        for process in self.router_names:
+            self._launch(process)
+        self._wait_ready(self.router_names)
         return self
 
     def kill(self, name: str) -> None:

@@ -64,6 +64,7 @@ from sidecar.decoder import Decoder
 from sidecar.drc_host import DrcHost
 from sidecar.engine_loop import EngineLoop
 from sidecar.kv_admission import KvAdmission
+from sidecar.membership import SidecarMembership
 from sidecar.peers import DecoderPeer, KVPeer, KVPeerPool
 from sidecar.prefill import Prefiller
 from sidecar.service import SidecarService
@@ -116,6 +117,7 @@ class Sidecar:
         self.caller_check: CallerCheck | None = None
         self.sweeper: Sweeper | None = None
         self._stop: asyncio.Event | None = None
+        self.membership: SidecarMembership | None = None  # [membership]: announced in etcd
 
     def _options(self, wan: bool) -> LinkOptions:
         dp = self.cfg.data_plane
@@ -202,6 +204,27 @@ class Sidecar:
             if m.instance.kv_address and m.instance.address
         ]
 
+    def add_peer(self, who: PeerIdentity, grpc_addr: str, kv_addr: str) -> bool:
+        """A peer that announced itself (``sidecar.membership``) becomes one by identity, as the
+        topology file's are: P ships to an MD and relays through an RLD, RLD hands over to an MD.
+        False when this sidecar has no use for it or knows it already."""
+        name, role = who.common_name, Role(who.role)
+        if self.prefiller is not None and role is Role.MD and name not in self.prefiller.md_routes:
+            pool, dec = self.prefiller.md_routes[name] = self._md_route(grpc_addr, kv_addr, who)
+            self.peers += [*pool.links, dec]
+            return True
+        if self.prefiller is not None and role is Role.RLD and name not in self.prefiller.rld_routes:
+            kv, dec = self.prefiller.rld_routes[name] = self._rld_route(grpc_addr, kv_addr, who)
+            self.peers += [kv, dec]
+            return True
+        relay = self.decoder.relay if self.decoder is not None and self.cfg.role == "rld" else None
+        if relay is not None and role is Role.MD and name not in relay.send_to:
+            md = DecoderPeer(grpc_addr, tls=self.tls, expected=who)
+            relay.send_to[name] = _handoff_sender(md)
+            self.peers.append(md)
+            return True
+        return False
+
     def _md_route(self, grpc_addr: str, kv_addr: str, who: PeerIdentity) -> tuple[KVPeerPool, DecoderPeer]:
         """An MD's WAN connection pool (``wan_links`` links) and its Sidecar service."""
         links = [
@@ -284,6 +307,8 @@ class Sidecar:
         }
         if self.fast_path is not None:
             out["fast_path"] = {"kind": self.fast_path.name, "reason": self.fast_path.reason}
+        if self.membership is not None:
+            out["membership"] = self.membership.status()
         if self.decoder is not None:
             out["pipelines"] = self.decoder.status()
         if self.admission is not None:
@@ -426,12 +451,17 @@ class Sidecar:
             admin += await serve_http(self.admin, unix=cfg.admin_unix)
             os.chmod(cfg.admin_unix, 0o600)
         ports["admin_port"] = cfg.admin_port
+        if cfg.membership.enabled:  # announced once it serves; the router may place here from then on
+            self.membership = SidecarMembership(self)
+            self.membership.start(ports)
         sys.stdout.write("READY " + json.dumps(ports) + "\n")
         sys.stdout.flush()
         freeze_startup()  # full GC collections walk only what serving makes (pddlink.serving.malloc_trim)
         try:
             await stop.wait()
         finally:
+            if self.membership is not None:  # leave first: routers stop placing here at once
+                await self.membership.close()
             await self.sweeper.close()
             for s in admin:
                 s.close()
