@@ -54,6 +54,9 @@ class PoolSpec:
     tls: bool = True
     start_timeout_s: float = 180.0
     routers: int = 1  # replicas over the same topology: router0 (process "router"), router1, ...
+    etcd: str = ""  # membership through etcd (every sidecar announces itself, routers follow); "" = off
+    cluster: str = "pools"  # the membership keys' cluster name
+    ttl_s: int = 3  # each sidecar's lease
 
 
 class PoolCluster:
@@ -138,9 +141,51 @@ class PoolCluster:
                 lines += ["[data_plane]", f"wan_links = {s.wan_links}"]
             if m.role is Role.RLD:
                 lines += ["[decode]", f"capacity = {s.rld_capacity}", f"slice_tokens = {s.slice_tokens}"]
+            lines += self._membership_lines(m.datacenter)
             (s.run_dir / f"{name}.toml").write_text("\n".join(lines) + "\n")
         for process in self.router_names:
             (s.run_dir / f"{process}.toml").write_text("\n".join(self._router_lines(process)) + "\n")
+
+    def _membership_lines(self, datacenter: str = "") -> list[str]:
+        s = self.spec
+        if not s.etcd:
+            return []
+        lines = ["[membership]", f'etcd = "{s.etcd}"', f'cluster = "{s.cluster}"']
+        if datacenter:  # a sidecar's
+            lines += [f'datacenter = "{datacenter}"', f"ttl_s = {s.ttl_s}"]
+        return lines
+
+    def add_sidecar(self, name: str, role: Role, datacenter: str) -> None:
+        """Start a sidecar the topology file does not name: it announces itself through etcd
+        (``etcd`` must be set) in ``datacenter``, with a certificate of the deployment's CA."""
+        if not self.spec.etcd:
+            raise ClusterError("add_sidecar: membership through etcd is off (PoolSpec.etcd)")
+        if self.spec.tls:
+            from pddlink.transport import PeerIdentity, load_or_create_pki
+
+            load_or_create_pki(self.spec.run_dir / "pki", [PeerIdentity(role.value, name)])
+        grpc_port, kv_port = self.ports[name] = (free_port(), free_port())
+        s = self.spec
+        lines = [
+            f'role = "{role.value}"',
+            f'peer_id = "{name}"',
+            'host = "127.0.0.1"',
+            f"grpc_port = {grpc_port}",
+            f'admin_unix = "{self.admin_socket(name)}"',
+            f'tls_dir = "{self.tls_dir(role.value, name)}"',
+        ]
+        if role is not Role.P:
+            lines.append(f"kv_port = {kv_port}")
+        lines += [
+            "[engine]",
+            f'preset = "{s.preset}"',
+            f'dtype = "{s.dtype}"',
+            f"num_blocks = {s.md_num_blocks}",
+        ]
+        lines += self._membership_lines(datacenter)
+        (s.run_dir / f"{name}.toml").write_text("\n".join(lines) + "\n")
+        self._launch(name)
+        self._wait_ready([name])
 
     def _router_lines(self, process: str) -> list[str]:
         s = self.spec
@@ -162,6 +207,7 @@ class PoolCluster:
             f"recompute = {'true' if s.recompute else 'false'}",
             "admission = false",
             f"wan_links = {s.wan_links}",
+            *self._membership_lines(),
             # every client is 127.0.0.1 here (the demo's, or the load balancer in front)
             "[api]",
             "max_connections_per_client = 512",

@@ -96,10 +96,11 @@ class RoleHealth:
         self._tasks, self._joined = [], {}
 
     def add(self, key: str, channel: grpc.aio.Channel) -> None:
-        """A channel that joins at run time (membership), followed from now on; unknown counts
-        as usable until its first loss, as at the start."""
+        """A channel that joins at run time (membership), followed from now on. Unlike the
+        topology file's, it is not usable until its channel is READY (with TLS: the handshake
+        proved the identity its record named) and it answered a Status probe."""
         _, pb2_grpc = stubs()
-        self.roles[key] = RoleState(since=time.monotonic())
+        self.roles[key] = RoleState(usable=False, state="JOINING", since=time.monotonic())
         self.channels[key] = channel
         self._stubs[key] = pb2_grpc.SidecarStub(channel)
         self._joined[key] = asyncio.get_running_loop().create_task(self._watch(key))
