@@ -4,7 +4,8 @@ one P and one MD, every sidecar announcing itself, mutual TLS everywhere.
 - an MD that only announces itself in etcd (not in the file) is placed on within 5 s, without a
   restart of the router or of P, and its requests finish with exact tokens;
 - a record anyone could write (an identity whose certificate the peer at that address does not
-  hold) joins the membership but never placement, and no request goes there;
+  hold) joins the membership but never placement, and no request goes there; one that repeats a
+  member's address is refused outright;
 - kill -9 of the added MD: it leaves placement within its lease TTL, nothing is placed on it after;
 - etcd stopped: the router keeps serving on the last membership and says so in /status.
 """
@@ -80,15 +81,15 @@ def _until(check: Any, timeout_s: float) -> float:
     raise AssertionError(f"not within {timeout_s} s")
 
 
-async def _rogue(etcd: EtcdServer, cluster: str, grpc_address: str) -> None:
-    """A record a stranger wrote (no lease): it names md/md-rogue at the address of md-b0, whose
-    certificate says md/md-b0."""
+async def _rogue(etcd: EtcdServer, cluster: str, grpc_address: str, name: str = "md-rogue") -> None:
+    """A record a stranger wrote (no lease): it names md/md-rogue at an address that serves TLS with
+    a certificate of the deployment's CA, but one naming router/router0 (the router's gRPC port)."""
     record = MemberRecord(
         role=Role.MD,
         datacenter="dc-b",
-        name="md-rogue",
+        name=name,
         addresses=MemberAddresses(grpc=grpc_address, kv=grpc_address),
-        identity="md/md-rogue",
+        identity=f"md/{name}",
         engine="reference",
         wire_version=WIRE_VERSION,
     )
@@ -120,13 +121,17 @@ def test_members_join_leave_and_outlive_etcd(tmp_path: Path, own_etcd: EtcdServe
         assert [r.tokens for r in got] == reference(reqs)
 
         # a record a stranger wrote: listed by the watcher, never in placement, no request there
-        grpc_b0 = pools.fleet().member("md-b0").instance.address
-        asyncio.run(_rogue(own_etcd, spec.cluster, grpc_b0))
+        asyncio.run(_rogue(own_etcd, spec.cluster, f"127.0.0.1:{pools.router_port}"))
         _until(lambda: "md-rogue" in _status(pools)["membership"]["joined"], 5.0)
+        assert _in_placement(pools)["md-rogue"] is False  # not before its handshake proves md/md-rogue
+        grpc_b0 = pools.fleet().member("md-b0").instance.address
+        asyncio.run(_rogue(own_etcd, spec.cluster, grpc_b0, name="md-twin"))
+        _until(lambda: "md/md-twin" in _status(pools)["membership"]["refused"], 5.0)
         time.sleep(1.5)  # the rogue's channel tried (and failed) its handshake meanwhile
         assert _in_placement(pools)["md-rogue"] is False
         got = _run(pools, [_req(10 + i) for i in range(4)], "b")
         assert {r.trace["placement"]["md"] for r in got} <= {"md-b0", "md-b1"}
+        assert _in_placement(pools)["md-rogue"] is False
         assert all(r.outcome == "finished" for r in got), [r.reason for r in got]
 
         # kill -9: out of placement within the lease's TTL, nothing placed there afterwards
