@@ -64,6 +64,10 @@ def haproxy_config(
         "    default_backend routers",
         "backend routers",
         "    balance roundrobin",
+        # a router that is stopping answers 503 (or its port is closed): the request goes to another
+        "    retries 2",
+        "    option redispatch 1",
+        "    retry-on conn-failure empty-response 503",
         "    option httpchk GET /readyz",
         "    http-check expect status 200",
     ]

@@ -4,7 +4,8 @@ Lifecycle: ``run(cfg)`` builds the engine (worker thread), the role's parts, the
 server (RLD, MD), the gRPC Sidecar service (TLS 1.3, mutual, when ``tls_dir`` is set: see
 ``pddlink.serving.grpc_tls``) and the admin HTTP server; prints one ``READY {json}``
 line on stdout (ports, identity) once every listener is up; serves until SIGTERM/SIGINT; then
-closes listeners, peers and the engine in that order.
+drains (``[membership]``: announced ``draining``; the requests it holds end, within
+``DRAIN_BOUND_S``), leaves the membership, and closes listeners, peers and the engine in that order.
 
 Engine: ``engine.mode = "thread"`` runs it in a worker thread of this process; ``"process"`` starts
 ``pddlink engine`` as a child that attaches over the engine link (``sidecar.engine_process``) before
@@ -73,6 +74,7 @@ from sidecar.wan_codec import WanCodec
 from sidecar.wan_silence import SILENCE_MIN_S
 
 ENGINE_DEAD_LINGER_S = 1.0  # streams end with their typed reason before the sidecar goes
+DRAIN_BOUND_S = 30.0  # SIGTERM: what runs here may take this long to end (a request's default deadline)
 
 
 class EngineDied(Unavailable):
@@ -203,6 +205,25 @@ class Sidecar:
             for m in fleet.members(role)
             if m.instance.kv_address and m.instance.address
         ]
+
+    def busy(self) -> int:
+        """Requests this sidecar holds now: prefills (P), sequences being decoded (RLD, MD)."""
+        held = self.prefiller.in_flight if self.prefiller is not None else 0
+        if self.decoder is not None:
+            held += int(self.decoder.status()["requests"])
+        return held
+
+    async def drain(self, bound_s: float) -> None:
+        """SIGTERM: announce ``draining`` (membership: routers place nothing new here), then let
+        what runs here end, within ``bound_s``; the listeners stay up meanwhile."""
+        if self.membership is not None:
+            await self.membership.draining()
+        loop = asyncio.get_running_loop()
+        until = loop.time() + bound_s
+        while self.busy() and loop.time() < until:
+            await asyncio.sleep(0.05)
+        if self.busy():
+            sys.stderr.write(f"sidecar: stopping with {self.busy()} request(s) held after {bound_s:.0f} s\n")
 
     def add_peer(self, who: PeerIdentity, grpc_addr: str, kv_addr: str) -> bool:
         """A peer that announced itself (``sidecar.membership``) becomes one by identity, as the
@@ -459,6 +480,8 @@ class Sidecar:
         freeze_startup()  # full GC collections walk only what serving makes (pddlink.serving.malloc_trim)
         try:
             await stop.wait()
+            if not self._engine_dead():
+                await self.drain(DRAIN_BOUND_S)
         finally:
             if self.membership is not None:  # leave first: routers stop placing here at once
                 await self.membership.close()

@@ -16,6 +16,7 @@ record); ``close()`` first thing on stop (the router sees the member leave befor
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -75,6 +76,15 @@ class SidecarMembership:
             changes = self.watcher.changes()
             self.watcher.start()
             self._task = asyncio.get_running_loop().create_task(self._follow(changes))
+
+    async def draining(self, timeout_s: float = 2.0) -> None:
+        """Announce ``draining`` (routers place nothing new here); etcd away: carry on without."""
+        from pddlink.errors import DeadlineExceeded
+        from pddlink.membership import MemberState
+
+        if self.registrar is not None:
+            with contextlib.suppress(DeadlineExceeded):
+                await self.registrar.set_state(MemberState.DRAINING, timeout_s=timeout_s)
 
     async def close(self) -> None:
         if self._task is not None:
