@@ -119,15 +119,20 @@ class GrpcBackend:
     def add_instance(self, m: Member) -> None:
         """``m`` joins: a channel of its own (its identity checked by mTLS on connect), its health
         followed, for an MD its own DRC mirror; then placement may choose it."""
-        channel = self._channel(m)
-        self.channels[m.name] = channel
-        self.stubs[m.name] = pb2_grpc.SidecarStub(channel)
+        channel = self._channel(m)  # lazy: nothing is dialled yet
+        stub = pb2_grpc.SidecarStub(channel)
+        mirror = MirrorFollower(stub) if m.role is Role.MD else None
+        loop = asyncio.get_running_loop()
+        try:
+            self.fleet.add(m.instance, m.datacenter, mirror)  # InvalidInput: the topology cannot hold it
+        except BaseException:
+            self._tasks.append(loop.create_task(_close_later(channel, 0.0)))
+            raise
+        self.channels[m.name], self.stubs[m.name] = channel, stub
         self.health.add(m.name, channel)
-        mirror = None
-        if m.role is Role.MD:
-            mirror = self.mirrors[m.name] = MirrorFollower(self.stubs[m.name])
-            self._followers[m.name] = asyncio.get_running_loop().create_task(mirror.follow())
-        self.fleet.add(m.instance, m.datacenter, mirror)
+        if mirror is not None:
+            self.mirrors[m.name] = mirror
+            self._followers[m.name] = loop.create_task(mirror.follow())
 
     async def remove_instance(self, name: str) -> None:
         """``name`` left: out of placement at once; its channel closes once what runs there has

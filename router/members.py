@@ -59,6 +59,7 @@ class MembershipFollower:
         self.static = set(backend.fleet.members)  # the topology file's: they stay whatever etcd says
         self.joined: set[str] = set()  # members that joined through etcd and are in the fleet
         self.refused: dict[str, str] = {}  # member id -> why its record was refused
+        self.drained: set[str] = set()  # drained because their record says draining
         self.watcher: Any = None
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -107,11 +108,10 @@ class MembershipFollower:
             self._state(record)
             return
         try:
-            member = instance_of(record)
+            self.backend.add_instance(instance_of(record))
         except InvalidInput as exc:
             self._refuse(record, exc.message)
             return
-        self.backend.add_instance(member)
         self.joined.add(record.name)
         self.refused.pop(record.member_id, None)
         metrics.MEMBERSHIP_CHANGES.labels(change="joined").inc()
@@ -121,6 +121,7 @@ class MembershipFollower:
         if name not in self.joined:
             return
         self.joined.discard(name)
+        self.drained.discard(name)
         await self.backend.remove_instance(name)
         metrics.MEMBERSHIP_CHANGES.labels(change="left").inc()
 
@@ -128,10 +129,15 @@ class MembershipFollower:
         if record.name not in self.backend.fleet.members:
             return
         draining = record.state is MemberState.DRAINING
-        if draining == (record.name in self.backend.fleet.drained):
-            return
+        if draining == (record.name in self.drained):
+            return  # an operator's drain (``/admin/drain``) is the operator's to undo
         fleet, now = self.backend.fleet, time.monotonic()
-        (fleet.drain if draining else fleet.undrain)(record.name, now)
+        if draining:
+            self.drained.add(record.name)
+            fleet.drain(record.name, now)
+        else:
+            self.drained.discard(record.name)
+            fleet.undrain(record.name, now)
         metrics.MEMBERSHIP_CHANGES.labels(change="draining" if draining else "serving").inc()
 
     def _refuse(self, record: MemberRecord, why: str) -> None:
