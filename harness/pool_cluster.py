@@ -12,6 +12,10 @@ RLD read it for their peers (``[peers] topology``), the router for its pools. Wi
 (``LoopbackWan``: one netlab loopback relay per WAN link, that link's rate and RTT), everything
 that crosses a link reaches an MD through its link's relay; without one, directly. With ``tls``
 each instance gets its own certificate (``<role>/<name>``) and every peer checks it.
+``routers = N``: N routers over the same sidecars (``router``, ``router1``, ...; each its own
+name, certificate, ports: ``router_url(process)``). ``etcd``: every sidecar and router gets a
+``[membership]`` table (sidecars announce themselves, routers follow); ``add_sidecar`` starts one
+the topology file does not name, which only etcd makes known.
 ``stop()`` (also on leaving the ``with`` block) ends every process.
 """
 

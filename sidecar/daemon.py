@@ -225,11 +225,17 @@ class Sidecar:
         if self.busy():
             sys.stderr.write(f"sidecar: stopping with {self.busy()} request(s) held after {bound_s:.0f} s\n")
 
-    def add_peer(self, who: PeerIdentity, grpc_addr: str, kv_addr: str) -> bool:
+    def add_peer(self, who: PeerIdentity, grpc_addr: str, kv_addr: str, *, moved: bool = False) -> bool:
         """A peer that announced itself (``sidecar.membership``) becomes one by identity, as the
         topology file's are: P ships to an MD and relays through an RLD, RLD hands over to an MD.
+        ``moved``: it announced new addresses (a restart elsewhere): the new ones replace the old.
         False when this sidecar has no use for it or knows it already."""
         name, role = who.common_name, Role(who.role)
+        if moved and self.prefiller is not None:
+            self.prefiller.md_routes.pop(name, None)
+            self.prefiller.rld_routes.pop(name, None)
+        if moved and self.decoder is not None and self.cfg.role == "rld":
+            self.decoder.relay.send_to.pop(name, None)
         if self.prefiller is not None and role is Role.MD and name not in self.prefiller.md_routes:
             pool, dec = self.prefiller.md_routes[name] = self._md_route(grpc_addr, kv_addr, who)
             self.peers += [*pool.links, dec]

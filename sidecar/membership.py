@@ -115,9 +115,9 @@ class SidecarMembership:
             return
         if record.identity != f"{record.role.value}/{record.name}" or not record.addresses.kv:
             return
-        added = self.sidecar.add_peer(
-            PeerIdentity.parse(record.identity), record.addresses.grpc, record.addresses.kv
-        )
-        if added:
+        a = record.addresses
+        moved = isinstance(change, MemberChanged) and change.old.addresses != a
+        moved = moved and record.identity in self.joined  # the file's peers stay where the file says
+        if self.sidecar.add_peer(PeerIdentity.parse(record.identity), a.grpc, a.kv, moved=moved):
             self.joined.add(record.identity)
             log.warning("membership: peer %s at %s joined", record.identity, record.addresses.grpc)
