@@ -13,7 +13,7 @@ serves the roles. An ``EngineBackend`` supplies the rest:
 - ``start``/``close``/``status``: the backend's own connections and what it reports.
 
 Two implementations: ``GrpcBackend`` (the reference engine's sidecars over gRPC, ``router.legs``)
-and ``router.vllm_legs.VllmBackend`` (vLLM's OpenAI servers over HTTP, each beside its pddlink
+and ``router.vllm_backend.VllmBackend`` (vLLM's OpenAI servers over HTTP, each beside its pddlink
 vLLM sidecar). ``make_backend(cfg)`` picks by ``RouterConfig.engine``.
 """
 
@@ -231,7 +231,7 @@ async def _close_later(channel: Any, after_s: float) -> None:
 
 def make_backend(cfg: RouterConfig, tls: TlsConfig | None) -> EngineBackend:
     if cfg.engine == "vllm":
-        from router.vllm_legs import VllmBackend  # httpx only where vLLM is fronted
+        from router.vllm_backend import VllmBackend  # httpx only where vLLM is fronted
 
         return VllmBackend(cfg)
     return GrpcBackend(cfg, tls)

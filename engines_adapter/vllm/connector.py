@@ -39,6 +39,7 @@ where the transfer starts and plans a load, and the worker copies the landed KV 
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -48,7 +49,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
-from engines_adapter.vllm.connector_config import ConnectorConfig
+from engines_adapter.vllm.connector_config import ConnectorConfig, require_in_process_engine
 from engines_adapter.vllm.connector_meta import PddlinkMetadata
 from engines_adapter.vllm.connector_scheduler import ConnectorScheduler
 from engines_adapter.vllm.connector_worker import ConnectorWorker
@@ -73,6 +74,7 @@ class PddlinkConnector(KVConnectorBase_V1):
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        require_in_process_engine(os.environ)
         self.config = ConnectorConfig.of(self._kv_transfer_config, vllm_config, kv_cache_config)
         self.channel = SidecarChannel(self.config.control_socket)
         worker = role == KVConnectorRole.WORKER

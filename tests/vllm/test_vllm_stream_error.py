@@ -55,8 +55,10 @@ async def _serve(chunks: list[bytes]) -> tuple[asyncio.Server, str]:
 async def _read(chunks: list[bytes]) -> tuple[Any, list[Any]]:
     import time
 
+    from pddlink.roles import Role
     from router import RouterConfig, VllmEngineConfig
-    from router.vllm_legs import Role, VllmBackend, VllmLegs
+    from router.vllm_backend import VllmBackend
+    from router.vllm_legs import VllmLegs
 
     server, url = await _serve(chunks)
     backend = VllmBackend(
