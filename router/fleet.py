@@ -119,6 +119,7 @@ class Fleet:
         self.router_name = ""  # this router's name: what starts the request keys it mints
         self.reported_pending: dict[str, frozenset[str]] = {}  # P -> the prefills it holds (its status)
         self.mean_prompt_tokens = 0.0
+        self.turn = 0  # placements made: where the P and RLD lists start (ties go round)
 
     # -- what the router and the operator tell it ----------------------------------------------
 
@@ -286,12 +287,13 @@ class Fleet:
     def view(self, matched: Mapping[str, int], block: int, now: float) -> FleetView:
         """The snapshots placement reads, as this router sees the fleet now."""
         ps, rlds, mds = [], [], []
-        for m in self.topology.members(Role.P):
+        self.turn += 1  # ties between P (and RLD) instances go round: see ``_turned``
+        for m in _turned(self.topology.members(Role.P), self.turn):
             book = self.p_books[m.name]
             ok = self.in_placement(m.name, now)
             queue_s = book.queue_s() + self.others_queued_tokens(m.name) / book.tokens_per_s
             ps.append(PSnapshot(m.name, m.datacenter, queue_s, book.tokens_per_s, healthy=ok))
-        for m in self.topology.members(Role.RLD):
+        for m in _turned(self.topology.members(Role.RLD), self.turn):
             ok = self.in_placement(m.name, now)
             rlds.append(RldSnapshot(m.name, m.datacenter, self.running[m.name], healthy=ok))
         for m in self.topology.members(Role.MD):
@@ -362,3 +364,13 @@ def _with_pool(dc: Datacenter, role: Role, pool: tuple[Instance, ...]) -> Datace
     if role is Role.RLD:
         return dataclasses.replace(dc, rld=pool)
     return dataclasses.replace(dc, md=pool)
+
+
+def _turned(members: tuple[Member, ...], turn: int) -> tuple[Member, ...]:
+    """``members`` starting at ``turn``: placement takes the first of equals, so ties between
+    instances that look alike (idle, or load this router cannot see: another router's) go round
+    instead of all to the first; MDs keep their order (ties there follow the cache)."""
+    if not members:
+        return members
+    k = turn % len(members)
+    return members[k:] + members[:k]
