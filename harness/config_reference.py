@@ -11,6 +11,7 @@ import dataclasses
 import sys
 from typing import Any
 
+from pddlink.membership.config import MembershipConfig
 from pddlink.serving.client_guard import ApiConfig
 from router import RouterConfig, VllmEngineConfig
 from sidecar.config import DataPlaneConfig, DecodeConfig, EngineConfig, PeersConfig, SidecarConfig
@@ -121,6 +122,19 @@ MEANINGS: dict[str, str] = {
     " (relative to this file; docs/topology.md); instead of p, rld and md",
     "router.placement": "which MD (and P, RLD) serves a request: prefix_aware (each MD's own DRC mirror,"
     " its link's backlog, load), round_robin, least_loaded or prefix_hash (no events)",
+    "router.membership": "[membership]: instances that announce themselves in etcd join the topology's"
+    " datacenters (docs/topology.md); needs tls_dir",
+    "sidecar.membership": "[membership]: announce this sidecar in etcd (P and RLD also take announced MDs"
+    " and RLDs as peers; docs/topology.md); needs tls_dir",
+    # [membership], sidecar and router
+    "membership.etcd": "etcd's client endpoints, host:port[,host:port] ('' = off: the topology file alone)",
+    "membership.cluster": "the cluster name: keys under <prefix>/<cluster>/members/<role>/<name>",
+    "membership.prefix": "the keys' prefix",
+    "membership.datacenter": "sidecar: the datacenter it announces (one of the routers' topology); required"
+    " there, refused in a router's file",
+    "membership.ttl_s": "sidecar: its lease in whole seconds; a killed sidecar leaves after this"
+    " (router: refused)",
+    "membership.request_timeout_s": "the longest any one etcd call may take",
     "router.host": "address the router binds (gRPC and HTTP)",
     "router.grpc_port": "gRPC port of the Router service (0: any free port)",
     "router.http_port": "HTTP port of the OpenAI-compatible API (0: off)",
@@ -225,6 +239,7 @@ TABLES: list[tuple[str, type[Any]]] = [
     ("router", RouterConfig),
     ("vllm", VllmEngineConfig),
     ("api", ApiConfig),
+    ("membership", MembershipConfig),
 ]
 
 TITLES = {
@@ -237,6 +252,7 @@ TITLES = {
     "router": "## Router (`pddlink router --config FILE`): top level",
     "vllm": '### `[vllm]`: the roles as vLLM servers (`engine = "vllm"`)',
     "api": "### `[api]`: the client API",
+    "membership": "## `[membership]` of a sidecar or a router: membership through etcd",
 }
 
 

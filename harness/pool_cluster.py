@@ -12,6 +12,10 @@ RLD read it for their peers (``[peers] topology``), the router for its pools. Wi
 (``LoopbackWan``: one netlab loopback relay per WAN link, that link's rate and RTT), everything
 that crosses a link reaches an MD through its link's relay; without one, directly. With ``tls``
 each instance gets its own certificate (``<role>/<name>``) and every peer checks it.
+``routers = N``: N routers over the same sidecars (``router``, ``router1``, ...; each its own
+name, certificate, ports: ``router_url(process)``). ``etcd``: every sidecar and router gets a
+``[membership]`` table (sidecars announce themselves, routers follow); ``add_sidecar`` starts one
+the topology file does not name, which only etcd makes known.
 ``stop()`` (also on leaving the ``with`` block) ends every process.
 """
 
@@ -53,6 +57,10 @@ class PoolSpec:
     wan_links: int = 2  # P's WAN links toward each MD
     tls: bool = True
     start_timeout_s: float = 180.0
+    routers: int = 1  # replicas over the same topology: router0 (process "router"), router1, ...
+    etcd: str = ""  # membership through etcd (every sidecar announces itself, routers follow); "" = off
+    cluster: str = "pools"  # the membership keys' cluster name
+    ttl_s: int = 3  # each sidecar's lease
 
 
 class PoolCluster:
@@ -61,7 +69,11 @@ class PoolCluster:
         spec.run_dir.mkdir(parents=True, exist_ok=True)
         self.members = {m.name: m for m in spec.topology.members()}
         self.ports = {name: (free_port(), free_port()) for name in self.members}  # (grpc, kv)
-        self.router_port = free_port()
+        if spec.routers < 1:
+            raise ClusterError(f"routers: at least 1, got {spec.routers}")
+        self.router_names = ["router"] + [f"router{k}" for k in range(1, spec.routers)]  # processes
+        self.router_ports = {n: (free_port(), free_port()) for n in self.router_names}  # (grpc, http)
+        self.router_port = self.router_ports["router"][0]
         self.router_unix = str(spec.run_dir / "router.sock")
         self.router_target = f"unix:{self.router_unix}.grpc"
         self.procs: dict[str, subprocess.Popen[str]] = {}
@@ -98,6 +110,15 @@ class PoolCluster:
 
         return str(node_dir(self.spec.run_dir / "pki", PeerIdentity(role, name))) if self.spec.tls else ""
 
+    def router_url(self, process: str = "router") -> str:
+        """A router's HTTP API (its OpenAI-style endpoints, /readyz, /status)."""
+        return f"http://127.0.0.1:{self.router_ports[process][1]}"
+
+    @staticmethod
+    def router_identity(process: str) -> str:
+        """``router`` runs as router0, ``routerK`` as itself (each its own certificate)."""
+        return "router0" if process == "router" else process
+
     def admin_socket(self, name: str) -> str:
         return str(self.spec.run_dir / f"{name}.admin.sock")
 
@@ -124,29 +145,85 @@ class PoolCluster:
                 lines += ["[data_plane]", f"wan_links = {s.wan_links}"]
             if m.role is Role.RLD:
                 lines += ["[decode]", f"capacity = {s.rld_capacity}", f"slice_tokens = {s.slice_tokens}"]
+            lines += self._membership_lines(m.datacenter)
             (s.run_dir / f"{name}.toml").write_text("\n".join(lines) + "\n")
-        router = [
+        for process in self.router_names:
+            (s.run_dir / f"{process}.toml").write_text("\n".join(self._router_lines(process)) + "\n")
+
+    def _membership_lines(self, datacenter: str = "") -> list[str]:
+        s = self.spec
+        if not s.etcd:
+            return []
+        lines = ["[membership]", f'etcd = "{s.etcd}"', f'cluster = "{s.cluster}"']
+        if datacenter:  # a sidecar's
+            lines += [f'datacenter = "{datacenter}"', f"ttl_s = {s.ttl_s}"]
+        return lines
+
+    def add_sidecar(self, name: str, role: Role, datacenter: str) -> None:
+        """Start a sidecar the topology file does not name: it announces itself through etcd
+        (``etcd`` must be set) in ``datacenter``, with a certificate of the deployment's CA."""
+        if not self.spec.etcd:
+            raise ClusterError("add_sidecar: membership through etcd is off (PoolSpec.etcd)")
+        if self.spec.tls:
+            from pddlink.transport import PeerIdentity, load_or_create_pki
+
+            load_or_create_pki(self.spec.run_dir / "pki", [PeerIdentity(role.value, name)])
+        grpc_port, kv_port = self.ports[name] = (free_port(), free_port())
+        s = self.spec
+        lines = [
+            f'role = "{role.value}"',
+            f'peer_id = "{name}"',
+            'host = "127.0.0.1"',
+            f"grpc_port = {grpc_port}",
+            f'admin_unix = "{self.admin_socket(name)}"',
+            f'tls_dir = "{self.tls_dir(role.value, name)}"',
+        ]
+        if role is not Role.P:
+            lines.append(f"kv_port = {kv_port}")
+        lines += [
+            "[engine]",
+            f'preset = "{s.preset}"',
+            f'dtype = "{s.dtype}"',
+            f"num_blocks = {s.md_num_blocks}",
+        ]
+        lines += self._membership_lines(datacenter)
+        (s.run_dir / f"{name}.toml").write_text("\n".join(lines) + "\n")
+        self._launch(name)
+        self._wait_ready([name])
+
+    def _router_lines(self, process: str) -> list[str]:
+        s = self.spec
+        grpc_port, http_port = self.router_ports[process]
+        unix = self.router_unix if process == "router" else str(s.run_dir / f"{process}.sock")
+        ident = self.router_identity(process)
+        return [
             f'topology = "{self.fleet_file}"',
             f'placement = "{s.placement}"',
             'host = "127.0.0.1"',
-            f"grpc_port = {self.router_port}",
-            f'unix = "{self.router_unix}"',
-            f'tls_dir = "{self.tls_dir("router", "router0")}"',
+            f"grpc_port = {grpc_port}",
+            f"http_port = {http_port}",
+            f'unix = "{unix}"',
+            f'name = "{ident}"',
+            f'tls_dir = "{self.tls_dir("router", ident)}"',
             f"rld_capacity = {s.rld_capacity}",
             f"deadline_s = {s.deadline_s}",
             f"relay_enabled = {'true' if s.relay else 'false'}",
             f"recompute = {'true' if s.recompute else 'false'}",
             "admission = false",
             f"wan_links = {s.wan_links}",
+            *self._membership_lines(),
+            # every client is 127.0.0.1 here (the demo's, or the load balancer in front)
+            "[api]",
+            "max_connections_per_client = 512",
+            "rate_per_client_s = 0.0",
         ]
-        (s.run_dir / "router.toml").write_text("\n".join(router) + "\n")
 
     # -- processes -------------------------------------------------------------------------------
 
     def _launch(self, name: str) -> None:
         log = open(self.spec.run_dir / f"{name}.log", "a")  # noqa: SIM115 (closed in stop())
         self.logs[name] = log
-        what = "router" if name == "router" else "sidecar"
+        what = "router" if name in self.router_names else "sidecar"
         config = str(self.spec.run_dir / f"{name}.toml")
         argv = [sys.executable, "-m", "pddlink.cli.main", what, "--config", config]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -165,7 +242,8 @@ class PoolCluster:
             raise ClusterError(f"{exc} (logs in {self.spec.run_dir})") from None
 
     def start(self) -> PoolCluster:
-        ids = [(m.role.value, name) for name, m in self.members.items()] + [("router", "router0")]
+        ids = [(m.role.value, name) for name, m in self.members.items()]
+        ids += [("router", self.router_identity(n)) for n in self.router_names]
         if self.spec.tls:
             from pddlink.transport import PeerIdentity, load_or_create_pki
 
@@ -183,8 +261,9 @@ class PoolCluster:
         for name in prefill:
             self._launch(name)
         self._wait_ready(prefill)
-        self._launch("router")
-        self._wait_ready(["router"])
+        for process in self.router_names:
+            self._launch(process)
+        self._wait_ready(self.router_names)
         return self
 
     def kill(self, name: str) -> None:

@@ -99,6 +99,15 @@ INSTANCE_OUT = Counter(
     "Instances taken out of placement, by instance and why (unreachable, stalled, drained)",
     ["instance", "reason"],
 )
+MEMBERSHIP_STALE = Gauge(
+    "pddlink_router_membership_stale",
+    "1 while the router serves on its last known membership (etcd unreachable or silent), else 0",
+)
+MEMBERSHIP_CHANGES = Counter(
+    "pddlink_router_membership_changes",
+    "Membership changes from etcd the router applied (joined, left, draining, serving) or refused",
+    ["change"],
+)
 REPLACED = Counter(
     "pddlink_router_replaced", "Requests re-placed on another MD after theirs failed before a token"
 )

@@ -97,6 +97,7 @@ class RouterApi:
         self.eos = codec.eos_token_id if codec is not None else None
         self.created = int(time.time())
         self.workers = TextWorkers(self.api.tokenizer_workers)  # large bodies parse off the loop
+        self.stopping = False  # SIGTERM: new requests get 503 (the load balancer retries elsewhere)
 
     def http_limits(self) -> HttpLimits:
         a = self.api
@@ -120,7 +121,7 @@ class RouterApi:
         if req.method == "GET" and req.path == "/healthz":
             return json_response(200, {"ok": True})
         if req.method == "GET" and req.path == "/readyz":
-            problems = self.problems()
+            problems = ["stopping: finishing the requests in flight"] if self.stopping else self.problems()
             return json_response(503 if problems else 200, {"ready": not problems, "problems": problems})
         client = self.guard.authenticate(req.header("authorization"), req.peer) if req.peer else "local"
         if isinstance(client, Refusal):
@@ -145,6 +146,9 @@ class RouterApi:
                 models_body(self.api.model, root, cfg.max_prompt_tokens + cfg.max_tokens_limit, self.created),
             )
         endpoint = PATHS.get(req.path)
+        if endpoint is not None and self.stopping:  # on a connection opened before SIGTERM
+            why = "the router is stopping; send the request to another"
+            return _error(503, why, "ServiceUnavailableError", retry_after_s=1)
         if endpoint is not None:
             if req.method != "POST":
                 return _error(405, f"use POST for {req.path}", "MethodNotAllowed")
@@ -478,6 +482,7 @@ async def serve_router(
         loop.add_signal_handler(sig, stop.set)
     try:
         await stop.wait()
+        await _stop_gracefully(router, rapi, server, http, cfg.deadline_s)
     finally:
         trimmer.cancel()
         await asyncio.gather(trimmer, return_exceptions=True)
@@ -486,3 +491,24 @@ async def serve_router(
         await server.stop(grace=0.5)
         await router.close()
         rapi.workers.close()
+
+
+async def _stop_gracefully(
+    router: Router, rapi: RouterApi, server: grpc.aio.Server, http: list[asyncio.Server], bound_s: float
+) -> None:
+    """SIGTERM: stop accepting (listeners closed; a request on a connection opened before gets 503,
+    /readyz 503), let the requests in flight end, within ``bound_s`` (the default request deadline;
+    each request ends by its own), then return: the caller closes what is left."""
+    rapi.stopping = True
+    for s in http:
+        s.close()
+    loop = asyncio.get_running_loop()
+    grpc_done = loop.create_task(server.stop(grace=bound_s))  # refuses new RPCs, lets the running end
+    until = loop.time() + bound_s
+    while router.in_flight and loop.time() < until:
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.2)  # the last events of the streams that just ended reach their clients
+    left = len(router.in_flight)
+    if left:
+        sys.stderr.write(f"router: stopping with {left} request(s) still in flight after {bound_s:.0f} s\n")
+    await asyncio.wait({grpc_done}, timeout=1.0)  # the caller's stop(grace=0.5) ends what is left

@@ -28,10 +28,12 @@ from pddlink.roles import Role
 from pddlink.serving.backlog import POLL_INTERVAL_S, follow_backlog, follow_pool_backlog
 from pddlink.serving.grpc_tls import open_channel
 from pddlink.serving.pb import pb2, pb2_grpc
+from pddlink.topology import Member
 from pddlink.transport import PeerIdentity, TlsConfig
 from router.config import RouterConfig
 from router.fleet import Fleet, Route
 from router.legs import Cluster, LegCalls, RouteStubs
+from router.members import MembershipFollower
 from router.mirror import MirrorFollower
 from router.role_health import RoleHealth
 
@@ -76,24 +78,15 @@ class GrpcBackend:
     md_stall_detection = True  # MD's sidecar says when it holds the KV: from then on tokens are due
 
     def __init__(self, cfg: RouterConfig, tls: TlsConfig | None) -> None:
-        opts = [("grpc.max_receive_message_length", 64 << 20)]
+        self.tls, self.deadline_s = tls, cfg.deadline_s
         topo = cfg.deployment()
         self.pools = cfg.topology is not None  # requests name their MD and RLD to P and RLD
         members = topo.members()
         self.health = RoleHealth([m.name for m in members])  # which instances may get traffic
         # one P: a Prefill waits for it to be back (nothing else could take it); a pool: it fails
         # at once and the request is placed on another P (``Router.replacement``)
-        lone_p = len(topo.members(Role.P)) == 1
-        self.channels = {
-            m.name: open_channel(
-                m.instance.address,
-                tls,
-                PeerIdentity.parse(m.instance.identity),
-                opts,
-                interceptors=self.health.interceptors(m.name, m.role.value, wait_for_p=lone_p),
-            )
-            for m in members
-        }
+        self.lone_p = len(topo.members(Role.P)) == 1
+        self.channels = {m.name: self._channel(m) for m in members}
         self.stubs = {name: pb2_grpc.SidecarStub(ch) for name, ch in self.channels.items()}
         self.health.watch(self.channels)
         self.mirrors = {m.name: MirrorFollower(self.stubs[m.name]) for m in topo.members(Role.MD)}
@@ -107,6 +100,54 @@ class GrpcBackend:
             p_prefill_tokens_per_s=cfg.p_prefill_tokens_per_s,
         )
         self._tasks: list[asyncio.Task[None]] = []
+        self._followers: dict[str, asyncio.Task[None]] = {}  # mirrors of MDs that joined at run time
+        self.fleet.router_name = cfg.name  # the prefix of the request keys it mints
+        self.membership = MembershipFollower(self, cfg.membership) if cfg.membership.enabled else None
+
+    def _channel(self, m: Member) -> Any:
+        """The channel to ``m``: mutual TLS checks the certificate names ``m``'s identity."""
+        return open_channel(
+            m.instance.address,
+            self.tls,
+            PeerIdentity.parse(m.instance.identity),
+            [("grpc.max_receive_message_length", 64 << 20)],
+            interceptors=self.health.interceptors(m.name, m.role.value, wait_for_p=self.lone_p),
+        )
+
+    # -- membership that changes at run time (``router.members``) --------------------------------
+
+    def add_instance(self, m: Member) -> None:
+        """``m`` joins: a channel of its own (its identity checked by mTLS on connect), its health
+        followed, for an MD its own DRC mirror; then placement may choose it."""
+        channel = self._channel(m)  # lazy: nothing is dialled yet
+        stub = pb2_grpc.SidecarStub(channel)
+        mirror = MirrorFollower(stub) if m.role is Role.MD else None
+        loop = asyncio.get_running_loop()
+        try:
+            self.fleet.add(m.instance, m.datacenter, mirror)  # InvalidInput: the topology cannot hold it
+        except BaseException:
+            self._tasks.append(loop.create_task(_close_later(channel, 0.0)))
+            raise
+        self.channels[m.name], self.stubs[m.name] = channel, stub
+        self.health.add(m.name, channel)
+        if mirror is not None:
+            self.mirrors[m.name] = mirror
+            self._followers[m.name] = loop.create_task(mirror.follow())
+
+    async def remove_instance(self, name: str) -> None:
+        """``name`` left: out of placement at once; its channel closes once what runs there has
+        had its deadline (a request placed there ends on its own)."""
+        self.fleet.remove(name, time.monotonic())
+        self.mirrors.pop(name, None)
+        follower = self._followers.pop(name, None)
+        if follower is not None:
+            follower.cancel()
+        await self.health.remove(name)
+        channel = self.channels.pop(name, None)
+        self.stubs.pop(name, None)
+        if channel is not None:
+            task = asyncio.get_running_loop().create_task(_close_later(channel, self.deadline_s))
+            self._tasks.append(task)
 
     def legs(self, cluster: Cluster, deadline: float, route: Route) -> Legs:
         return LegCalls(cluster, self.route_stubs(route), deadline)
@@ -147,13 +188,23 @@ class GrpcBackend:
                 for k in links
             ]  # fmt: skip
             stubs = [self.stubs[p.name] for p in ps]
-            follow = follow_pool_backlog(stubs, pb2.StatusRequest(), behind, POLL_INTERVAL_S)
+            names = [p.name for p in ps]
+
+            def pending(k: int, keys: frozenset[str]) -> None:
+                self.fleet.reported_pending[names[k]] = keys
+
+            follow = follow_pool_backlog(stubs, pb2.StatusRequest(), behind, POLL_INTERVAL_S, pending)
         self._tasks.append(loop.create_task(follow))
+        if self.membership is not None:
+            self.membership.start()
 
     async def close(self) -> None:
-        for task in self._tasks:
+        if self.membership is not None:
+            await self.membership.close()
+        tasks = self._tasks + list(self._followers.values())
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         await self.health.close()
         for ch in self.channels.values():
             await ch.close(None)
@@ -168,7 +219,14 @@ class GrpcBackend:
             out["drc_mirror"] = self.mirrors[by_role["md"]].status(now)
         else:
             out["drc_mirrors"] = {name: m.status(now) for name, m in self.mirrors.items()}
+        if self.membership is not None:
+            out["membership"] = self.membership.status()
         return out
+
+
+async def _close_later(channel: Any, after_s: float) -> None:
+    await asyncio.sleep(after_s)
+    await channel.close(None)
 
 
 def make_backend(cfg: RouterConfig, tls: TlsConfig | None) -> EngineBackend:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pddlink.errors import InvalidInput
+from pddlink.membership.config import MembershipConfig
 from pddlink.roles import Role
 from pddlink.routing.placement import PlacementPolicy
 from pddlink.topology import Engine, Topology, topology_from_addresses
@@ -87,6 +88,8 @@ class RouterConfig:
     vllm: VllmEngineConfig = field(default_factory=VllmEngineConfig)
     topology: Topology | None = None  # the [topology] table (or file); None: p, rld, md, one each
     placement: str = PlacementPolicy.PREFIX_AWARE.value  # which MD (and P, RLD) serves a request
+    # [membership]: instances that announce themselves in etcd join the topology's datacenters
+    membership: MembershipConfig = field(default_factory=MembershipConfig)
 
     def __post_init__(self) -> None:
         for key in ("p", "rld", "md", "engine", "tls_dir", "name", "placement"):
@@ -101,6 +104,12 @@ class RouterConfig:
             )
         if self.topology is not None:
             self._check_fleet()
+        if self.membership.enabled:
+            self.membership.check_for("router", tls=bool(self.tls_dir), sidecar=False)
+            if self.engine != "reference":
+                raise InvalidInput(
+                    "router: [membership] serves the reference engine's pools, not engine vllm"
+                )
         for key in ("p", "rld", "md"):
             if getattr(self, key):  # one address each (several instances are a topology's job)
                 check_address(getattr(self, key), key)

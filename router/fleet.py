@@ -11,6 +11,11 @@ requests it placed on each instance (``begin``/``end``). An instance that leaves
 logged and counted (``pddlink_router_instance_out{instance,reason}``) once per loss; an MD that
 left forgets what ``prefix_hash`` remembered of it (a restarted MD holds nothing).
 
+Membership that changes at run time (``router.members``: etcd) comes in through ``add`` and
+``remove``: an instance joins one of the topology's datacenters (the topology keeps the
+datacenters and links; the file's own instances stay for good) and leaves placement at once when
+it goes; what it was running ends on its own.
+
 When no healthy MD (or P) is left the fleet still answers a route, marked ``md_usable=False``
 (or to the P anyway): the router then takes the single-instance paths it always took (singular on
 RLD while MD is out; P's Prefill waiting for P within its deadline), so a topology of one each
@@ -19,6 +24,7 @@ behaves exactly like the old three addresses. Sans-I/O: the clock comes in as ``
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -26,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pddlink import metrics
-from pddlink.errors import NotFound
+from pddlink.errors import InvalidInput, NotFound
 from pddlink.kv.hashing import BlockHasher
 from pddlink.lifecycle import StallBreaker
 from pddlink.roles import Role
@@ -46,11 +52,12 @@ from pddlink.routing.placement import (
     choose_rld,
     place,
 )
-from pddlink.topology import Member, Topology
+from pddlink.topology import Datacenter, Instance, Member, Topology
 
 log = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_TOKENS = 16  # until an MD's mirror has told its block size
+PROMPT_EWMA = 0.1  # weight of one request in the mean prefill (tokens) this router sends
 
 
 class MirrorView(Protocol):
@@ -99,6 +106,7 @@ class Fleet:
             frozenset((k.a, k.b)): LinkModel(k.line_bytes_per_s, k.rtt_s, pool_size=wan_links)
             for k in topology.links
         }
+        self.p_prefill_tokens_per_s = p_prefill_tokens_per_s
         self.p_books = {m.name: PrefillBook(p_prefill_tokens_per_s) for m in topology.members(Role.P)}
         self.stalls = {name: StallBreaker() for name in self.members}
         self.broke: dict[str, str] = {}  # why an instance's breaker last opened: stalled | failed
@@ -107,6 +115,11 @@ class Fleet:
         self.drained: set[str] = set()
         self.outs: Counter[str] = Counter()
         self._was_in: dict[str, bool] = {name: True for name in self.members}
+        self.left: set[str] = set()  # instances that left the membership (``remove``)
+        self.router_name = ""  # this router's name: what starts the request keys it mints
+        self.reported_pending: dict[str, frozenset[str]] = {}  # P -> the prefills it holds (its status)
+        self.mean_prompt_tokens = 0.0
+        self.turn = 0  # placements made: where the P and RLD lists start (ties go round)
 
     # -- what the router and the operator tell it ----------------------------------------------
 
@@ -154,10 +167,62 @@ class Fleet:
             if m is not None:
                 self.running[m.name] = max(0, self.running[m.name] - 1)
 
+    # -- membership that changes at run time ------------------------------------------------------
+
+    def add(self, instance: Instance, datacenter: str, mirror: MirrorView | None = None) -> None:
+        """``instance`` joins ``datacenter``'s pool of its role; ``InvalidInput`` when the topology
+        would not hold it (an unknown datacenter, a duplicate name, identity or address, an MD
+        datacenter with no link from P's)."""
+        if instance.name in self.members:
+            raise InvalidInput(f"instance {instance.name!r} is already in the topology")
+        dcs = []
+        for dc in self.topology.datacenters:
+            if dc.name == datacenter:
+                dc = _with_pool(dc, instance.role, (*dc.pool(instance.role), instance))
+            dcs.append(dc)
+        if all(dc.name != datacenter for dc in dcs):
+            raise InvalidInput(f"instance {instance.name!r}: no datacenter {datacenter!r} in the topology")
+        self.topology = Topology(tuple(dcs), self.topology.links)
+        self._enter(Member(datacenter, instance), mirror)
+
+    def remove(self, name: str, now: float) -> None:
+        """``name`` leaves the topology and placement; nothing is sent there any more."""
+        m = self.member(name)
+        dcs = []
+        for dc in self.topology.datacenters:
+            pool = tuple(i for i in dc.pool(m.role) if i.name != name)
+            dcs.append(_with_pool(dc, m.role, pool) if dc.name == m.datacenter else dc)
+        self.topology = Topology(tuple(dcs), self.topology.links)
+        if self._was_in.get(name):
+            metrics.INSTANCE_OUT.labels(instance=name, reason="left").inc()
+            log.warning("instance %s out of placement: left the membership", name)
+        # its books stay: the runs still on it report back to them until they end
+        self.left.add(name)
+        self._was_in[name] = False
+        del self.members[name]
+        self.mirrors.pop(name, None)
+        self.drained.discard(name)
+        if m.role is Role.MD:
+            self.memory.forget(name)
+
+    def _enter(self, m: Member, mirror: MirrorView | None) -> None:
+        self.members[m.name] = m
+        if mirror is not None:
+            self.mirrors[m.name] = mirror
+        if m.role is Role.P:
+            self.p_books[m.name] = PrefillBook(self.p_prefill_tokens_per_s)
+        self.stalls[m.name] = StallBreaker()
+        self.broke.pop(m.name, None)
+        self.left.discard(m.name)
+        self._was_in[m.name] = True
+        log.warning("instance %s (%s in %s) joined placement", m.name, m.role.value, m.datacenter)
+
     # -- health ----------------------------------------------------------------------------------
 
     def why_out(self, name: str, now: float) -> str:
         """ "" when ``name`` may get new requests, else why not."""
+        if name in self.left:
+            return "left"
         if name in self.drained:
             return "drained"
         if not self.healthy(name):
@@ -201,6 +266,8 @@ class Fleet:
         fleet = self.view(matched, block, now)
         placed = place(request, fleet, self.config, self.memory)
         if isinstance(placed, Placement):
+            missing = len(prompt) - matched.get(placed.md, 0)
+            self.mean_prompt_tokens += PROMPT_EWMA * (missing - self.mean_prompt_tokens)
             return self._route(placed.p, placed.md, placed.rld, matched, placed.reason.value, True)
         # none usable: the router's single-instance paths decide (see the module docstring)
         p = next((s.name for s in fleet.p if s.healthy and not s.draining), fleet.p[0].name)
@@ -209,14 +276,24 @@ class Fleet:
         rld = choose_rld(fleet.rld, self.members[p].datacenter)
         return self._route(p, md, rld, matched, placed.reason.value, bool(md_in))
 
+    def others_queued_tokens(self, p: str) -> float:
+        """Tokens other routers have queued at ``p``: the prefills P reports holding (its status,
+        polled) that this router did not send, each counted as this router's mean prefill. With one
+        router: 0 (every request P holds is its own, and its own book counts them exactly)."""
+        mine = self.router_name + "-"
+        others = sum(1 for rid in self.reported_pending.get(p, ()) if not rid.startswith(mine))
+        return others * self.mean_prompt_tokens
+
     def view(self, matched: Mapping[str, int], block: int, now: float) -> FleetView:
         """The snapshots placement reads, as this router sees the fleet now."""
         ps, rlds, mds = [], [], []
-        for m in self.topology.members(Role.P):
+        self.turn += 1  # ties between P (and RLD) instances go round: see ``_turned``
+        for m in _turned(self.topology.members(Role.P), self.turn):
             book = self.p_books[m.name]
             ok = self.in_placement(m.name, now)
-            ps.append(PSnapshot(m.name, m.datacenter, book.queue_s(), book.tokens_per_s, healthy=ok))
-        for m in self.topology.members(Role.RLD):
+            queue_s = book.queue_s() + self.others_queued_tokens(m.name) / book.tokens_per_s
+            ps.append(PSnapshot(m.name, m.datacenter, queue_s, book.tokens_per_s, healthy=ok))
+        for m in _turned(self.topology.members(Role.RLD), self.turn):
             ok = self.in_placement(m.name, now)
             rlds.append(RldSnapshot(m.name, m.datacenter, self.running[m.name], healthy=ok))
         for m in self.topology.members(Role.MD):
@@ -279,3 +356,21 @@ class Fleet:
             out["mirror_blocks"] = mirror.blocks()
         out["breaks"] = self.stalls[name].stalls  # stalled or failed a request
         return out
+
+
+def _with_pool(dc: Datacenter, role: Role, pool: tuple[Instance, ...]) -> Datacenter:
+    if role is Role.P:
+        return dataclasses.replace(dc, p=pool)
+    if role is Role.RLD:
+        return dataclasses.replace(dc, rld=pool)
+    return dataclasses.replace(dc, md=pool)
+
+
+def _turned(members: tuple[Member, ...], turn: int) -> tuple[Member, ...]:
+    """``members`` starting at ``turn``: placement takes the first of equals, so ties between
+    instances that look alike (idle, or load this router cannot see: another router's) go round
+    instead of all to the first; MDs keep their order (ties there follow the cache)."""
+    if not members:
+        return members
+    k = turn % len(members)
+    return members[k:] + members[:k]

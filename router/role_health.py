@@ -64,6 +64,7 @@ class RoleHealth:
         self.channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, Any] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        self._joined: dict[str, asyncio.Task[None]] = {}  # channels added at run time (``add``)
 
     def interceptors(
         self, key: str, role: str = "", *, wait_for_p: bool = True
@@ -88,10 +89,33 @@ class RoleHealth:
         self._tasks = [loop.create_task(self._watch(role)) for role in self.channels]
 
     async def close(self) -> None:
-        for task in self._tasks:
+        tasks = self._tasks + list(self._joined.values())
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._tasks = []
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._tasks, self._joined = [], {}
+
+    def add(self, key: str, channel: grpc.aio.Channel) -> None:
+        """A channel that joins at run time (membership), followed from now on. Unlike the
+        topology file's, it is not usable until its channel is READY (with TLS: the handshake
+        proved the identity its record named) and it answered a Status probe."""
+        _, pb2_grpc = stubs()
+        self.roles[key] = RoleState(usable=False, state="JOINING", since=time.monotonic())
+        self.channels[key] = channel
+        self._stubs[key] = pb2_grpc.SidecarStub(channel)
+        self._joined[key] = asyncio.get_running_loop().create_task(self._watch(key))
+
+    async def remove(self, key: str) -> None:
+        """``key`` left: no more watching; ``usable`` answers False for it from now on."""
+        task = self._joined.pop(key, None)
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        self.channels.pop(key, None)
+        self._stubs.pop(key, None)
+        st = self.roles.get(key)
+        if st is not None:
+            self._set(key, False, "left the membership")
 
     def usable(self, role: str) -> bool:
         st = self.roles.get(role)

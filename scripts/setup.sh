@@ -74,4 +74,15 @@ if ! command -v etcd >/dev/null 2>&1; then
     echo "setup: etcd not found and not root: etcd membership tests will skip"
   fi
 fi
+# HAProxy (Debian's haproxy) in front of the routers: `pddlink demo --topology F --routers 2` starts one
+# with a generated config (harness/lb.py) and stops with a clear error without it.
+if ! command -v haproxy >/dev/null 2>&1 && [ ! -x /usr/sbin/haproxy ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup: installing haproxy"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq haproxy >/dev/null) \
+      || echo "setup: warning: could not install haproxy; the replicas demo and its tests will not run"
+  else
+    echo "setup: haproxy not found and not root: the replicas demo and its tests will not run"
+  fi
+fi
 echo "setup: ready ($("$VENV/bin/python" -c 'import torch, sys; print("python", sys.version.split()[0], "torch", torch.__version__)'))"

@@ -35,6 +35,9 @@ wan_line_mbit = 0.0      # the WAN line's rate for that decision (0: unknown, me
 [decode]
 max_batch = 32; capacity = 8; catch_up_below_load = 0.5; slice_tokens = 64
 
+[membership]             # optional: announce this sidecar in etcd (docs/topology.md); needs tls_dir
+etcd = "10.0.0.9:2379"; cluster = "prod"; datacenter = "dc-b"; ttl_s = 5
+
 Beside vLLM the same program serves vLLM's ``PddlinkConnector`` (``sidecar.vllm_kv``): the file says
 ``engine = "vllm"`` at the top (instead of an ``[engine]`` table, which means the reference engine;
 ``engine = "reference"`` says so explicitly) and has a ``[vllm]`` table; vLLM itself runs with its
@@ -60,6 +63,7 @@ from typing import Any
 
 from pddlink.errors import ConfigError, InvalidInput
 from pddlink.listen_policy import check_open_http, check_plaintext_exposure
+from pddlink.membership.config import MembershipConfig
 from pddlink.roles import SIDECAR_ROLES
 from pddlink.topology import Topology, load_topology
 from pddlink.transport import PeerIdentity
@@ -223,10 +227,12 @@ class SidecarConfig:
     peers: PeersConfig = field(default_factory=PeersConfig)
     data_plane: DataPlaneConfig = field(default_factory=DataPlaneConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
+    membership: MembershipConfig = field(default_factory=MembershipConfig)  # announce in etcd; off: ""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ConfigError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        self.membership.check_for(f"sidecar {self.role}", tls=bool(self.tls_dir), sidecar=True)
         for f in ("grpc_port", "kv_port", "admin_port"):
             if not 0 <= getattr(self, f) < 65536:
                 raise ConfigError(f"{f} must be in [0, 65535]")
@@ -275,6 +281,7 @@ _SECTIONS: dict[str, type[Any]] = {
     "peers": PeersConfig,
     "data_plane": DataPlaneConfig,
     "decode": DecodeConfig,
+    "membership": MembershipConfig,
 }
 
 

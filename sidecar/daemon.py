@@ -4,7 +4,8 @@ Lifecycle: ``run(cfg)`` builds the engine (worker thread), the role's parts, the
 server (RLD, MD), the gRPC Sidecar service (TLS 1.3, mutual, when ``tls_dir`` is set: see
 ``pddlink.serving.grpc_tls``) and the admin HTTP server; prints one ``READY {json}``
 line on stdout (ports, identity) once every listener is up; serves until SIGTERM/SIGINT; then
-closes listeners, peers and the engine in that order.
+drains (``[membership]``: announced ``draining``; the requests it holds end, within
+``DRAIN_BOUND_S``), leaves the membership, and closes listeners, peers and the engine in that order.
 
 Engine: ``engine.mode = "thread"`` runs it in a worker thread of this process; ``"process"`` starts
 ``pddlink engine`` as a child that attaches over the engine link (``sidecar.engine_process``) before
@@ -64,6 +65,7 @@ from sidecar.decoder import Decoder
 from sidecar.drc_host import DrcHost
 from sidecar.engine_loop import EngineLoop
 from sidecar.kv_admission import KvAdmission
+from sidecar.membership import SidecarMembership
 from sidecar.peers import DecoderPeer, KVPeer, KVPeerPool
 from sidecar.prefill import Prefiller
 from sidecar.service import SidecarService
@@ -72,6 +74,7 @@ from sidecar.wan_codec import WanCodec
 from sidecar.wan_silence import SILENCE_MIN_S
 
 ENGINE_DEAD_LINGER_S = 1.0  # streams end with their typed reason before the sidecar goes
+DRAIN_BOUND_S = 30.0  # SIGTERM: what runs here may take this long to end (a request's default deadline)
 
 
 class EngineDied(Unavailable):
@@ -116,6 +119,7 @@ class Sidecar:
         self.caller_check: CallerCheck | None = None
         self.sweeper: Sweeper | None = None
         self._stop: asyncio.Event | None = None
+        self.membership: SidecarMembership | None = None  # [membership]: announced in etcd
 
     def _options(self, wan: bool) -> LinkOptions:
         dp = self.cfg.data_plane
@@ -202,6 +206,52 @@ class Sidecar:
             if m.instance.kv_address and m.instance.address
         ]
 
+    def busy(self) -> int:
+        """Requests this sidecar holds now: prefills (P), sequences being decoded (RLD, MD)."""
+        held = self.prefiller.in_flight if self.prefiller is not None else 0
+        if self.decoder is not None:
+            held += int(self.decoder.status()["requests"])
+        return held
+
+    async def drain(self, bound_s: float) -> None:
+        """SIGTERM: announce ``draining`` (membership: routers place nothing new here), then let
+        what runs here end, within ``bound_s``; the listeners stay up meanwhile."""
+        if self.membership is not None:
+            await self.membership.draining()
+        loop = asyncio.get_running_loop()
+        until = loop.time() + bound_s
+        while self.busy() and loop.time() < until:
+            await asyncio.sleep(0.05)
+        if self.busy():
+            sys.stderr.write(f"sidecar: stopping with {self.busy()} request(s) held after {bound_s:.0f} s\n")
+
+    def add_peer(self, who: PeerIdentity, grpc_addr: str, kv_addr: str, *, moved: bool = False) -> bool:
+        """A peer that announced itself (``sidecar.membership``) becomes one by identity, as the
+        topology file's are: P ships to an MD and relays through an RLD, RLD hands over to an MD.
+        ``moved``: it announced new addresses (a restart elsewhere): the new ones replace the old.
+        False when this sidecar has no use for it or knows it already."""
+        name, role = who.common_name, Role(who.role)
+        if moved and self.prefiller is not None:
+            self.prefiller.md_routes.pop(name, None)
+            self.prefiller.rld_routes.pop(name, None)
+        if moved and self.decoder is not None and self.cfg.role == "rld":
+            self.decoder.relay.send_to.pop(name, None)
+        if self.prefiller is not None and role is Role.MD and name not in self.prefiller.md_routes:
+            pool, dec = self.prefiller.md_routes[name] = self._md_route(grpc_addr, kv_addr, who)
+            self.peers += [*pool.links, dec]
+            return True
+        if self.prefiller is not None and role is Role.RLD and name not in self.prefiller.rld_routes:
+            kv, dec = self.prefiller.rld_routes[name] = self._rld_route(grpc_addr, kv_addr, who)
+            self.peers += [kv, dec]
+            return True
+        relay = self.decoder.relay if self.decoder is not None and self.cfg.role == "rld" else None
+        if relay is not None and role is Role.MD and name not in relay.send_to:
+            md = DecoderPeer(grpc_addr, tls=self.tls, expected=who)
+            relay.send_to[name] = _handoff_sender(md)
+            self.peers.append(md)
+            return True
+        return False
+
     def _md_route(self, grpc_addr: str, kv_addr: str, who: PeerIdentity) -> tuple[KVPeerPool, DecoderPeer]:
         """An MD's WAN connection pool (``wan_links`` links) and its Sidecar service."""
         links = [
@@ -284,6 +334,8 @@ class Sidecar:
         }
         if self.fast_path is not None:
             out["fast_path"] = {"kind": self.fast_path.name, "reason": self.fast_path.reason}
+        if self.membership is not None:
+            out["membership"] = self.membership.status()
         if self.decoder is not None:
             out["pipelines"] = self.decoder.status()
         if self.admission is not None:
@@ -426,12 +478,19 @@ class Sidecar:
             admin += await serve_http(self.admin, unix=cfg.admin_unix)
             os.chmod(cfg.admin_unix, 0o600)
         ports["admin_port"] = cfg.admin_port
+        if cfg.membership.enabled:  # announced once it serves; the router may place here from then on
+            self.membership = SidecarMembership(self)
+            self.membership.start(ports)
         sys.stdout.write("READY " + json.dumps(ports) + "\n")
         sys.stdout.flush()
         freeze_startup()  # full GC collections walk only what serving makes (pddlink.serving.malloc_trim)
         try:
             await stop.wait()
+            if not self._engine_dead():
+                await self.drain(DRAIN_BOUND_S)
         finally:
+            if self.membership is not None:  # leave first: routers stop placing here at once
+                await self.membership.close()
             await self.sweeper.close()
             for s in admin:
                 s.close()

@@ -62,6 +62,14 @@ import click
     help="TPOT SLO (mean time per output token after the first; the tiny engine decodes one in ~8 ms "
     "here); on wan-overload the bounded PDD run's decode-speed bound.",
 )
+@click.option(
+    "--routers",
+    default=1,
+    show_default=True,
+    type=click.IntRange(1, 8),
+    help="--topology: N > 1 replays the workload through one router, then through N routers behind "
+    "HAProxy (routers as replicas; --placement's first policy).",
+)
 @click.option("--seed", default=1, show_default=True, help="Workload seed.")
 @click.option("--line-mbit", default=16.0, show_default=True, help="WAN line rate.")
 @click.option("--rtt-ms", default=20.0, show_default=True, help="WAN round-trip time.")
@@ -115,6 +123,7 @@ def command(
     placements: str,
     slo_ttft_ms: float,
     slo_tpot_ms: float,
+    routers: int,
     seed: int,
     line_mbit: float,
     rtt_ms: float,
@@ -153,6 +162,9 @@ def command(
             engine_args=engine_args,
             concurrent=concurrent,
         )
+        return
+    if topology_path is not None and routers > 1:
+        _replicas(topology_path, placements, routers, requests, rate_rps, workload, json_path, seed, warmup)
         return
     if topology_path is not None:
         _pools(topology_path, placements, requests, rate_rps, workload, json_path, plot_path, seed, warmup)
@@ -233,4 +245,46 @@ def _pools(
         seed=seed,
         warmup=warmup,
         policies=policies,
+    )
+
+
+def _replicas(
+    topology_path: str,
+    placements: str,
+    routers: int,
+    requests: int,
+    rate_rps: float,
+    workload: str | None,
+    json_path: str | None,
+    seed: int,
+    warmup: int,
+) -> None:
+    """``--topology F --routers N``: routers as replicas (``harness.demo_replicas``)."""
+    from harness.demo_replicas import main
+    from harness.lb import LoadBalancerMissing, haproxy_binary
+    from pddlink.cli.preflight import check_output_file
+    from pddlink.errors import InvalidInput
+    from pddlink.topology import load_topology
+
+    try:
+        topology = load_topology(Path(topology_path))
+    except InvalidInput as e:
+        raise click.BadParameter(e.message, param_hint="--topology") from None
+    try:
+        haproxy_binary()
+    except LoadBalancerMissing as e:
+        raise click.ClickException(str(e)) from None
+    placement = next((p.strip() for p in placements.split(",") if p.strip()), "prefix_aware")
+    check_output_file(json_path, "demo --json")
+    main(
+        topology=topology,
+        topology_path=topology_path,
+        routers=routers,
+        requests=requests,
+        rate_rps=rate_rps,
+        workload=workload,
+        json_path=json_path,
+        seed=seed,
+        warmup=warmup,
+        placement=placement,
     )

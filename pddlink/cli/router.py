@@ -102,6 +102,26 @@ def _vllm(section: Any) -> Any:
     return VllmEngineConfig(**kwargs)
 
 
+def _membership(section: Any) -> Any:
+    """The ``[membership]`` table (``pddlink.membership.config.MembershipConfig``)."""
+    from pddlink.membership.config import MembershipConfig
+
+    if not isinstance(section, dict):
+        raise ConfigError("router config: [membership] must be a table")
+    fields = MembershipConfig.__dataclass_fields__
+    unknown = set(section) - set(fields) | ({"datacenter", "ttl_s"} & set(section))
+    if unknown:
+        raise ConfigError(f"router config [membership]: unknown key(s) {', '.join(sorted(unknown))}")
+    kinds: dict[str, Any] = {"str": str, "float": (int, float)}
+    for key, value in section.items():
+        want = str(fields[key].type)
+        if not isinstance(value, kinds[want]) or isinstance(value, bool):
+            raise ConfigError(f"router config [membership]: {key} must be {want}, got {value!r}")
+    floats = {k for k in section if str(fields[k].type) == "float"}
+    kwargs: dict[str, Any] = {k: float(v) if k in floats else v for k, v in section.items()}
+    return MembershipConfig(**kwargs)
+
+
 def _load(config_path: str | None, flags: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     cfg, serve, _ = load_router_config(config_path, flags)
     return cfg, serve
@@ -136,6 +156,8 @@ def _load_table(
         table["vllm"] = _vllm(table["vllm"])
     if "topology" in table:
         table["topology"] = _topology(table["topology"], base)
+    if "membership" in table:
+        table["membership"] = _membership(table["membership"])
     known = set(RouterConfig.__dataclass_fields__)
     unknown = set(table) - known
     if unknown:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,9 +88,12 @@ async def follow_pool_backlog(
     status_request: Any,
     links: Sequence[tuple[LinkModel, Collection[str]]],
     interval_s: float,
+    on_pending: Callable[[int, frozenset[str]], None] | None = None,
 ) -> None:
     """A pool: poll every P's status and give each link model what every P has queued toward the
-    MDs behind that link (``links``: each model with its MDs' identities)."""
+    MDs behind that link (``links``: each model with its MDs' identities). ``on_pending``: told,
+    per P (its index in ``p_stubs``), the request keys it holds before shipping (prefilling or
+    reserving), whichever router sent them: what the other routers have queued there."""
     while True:
         replies = await asyncio.gather(
             *(p.Status(status_request, timeout=max(interval_s * 5, 1.0)) for p in p_stubs),
@@ -98,13 +101,17 @@ async def follow_pool_backlog(
         )
         now = time.monotonic()
         docs = []
-        for reply in replies:
+        for k, reply in enumerate(replies):
             if isinstance(reply, BaseException):
                 continue  # that P restarting: the models count the router's own flows for it
             try:
-                docs.append(json.loads(reply.json))
+                doc = json.loads(reply.json)
             except ValueError:
                 continue
+            docs.append(doc)
+            if on_pending is not None:
+                wan = (doc.get("transfers") or {}).get("wan") or {}
+                on_pending(k, frozenset(str(r) for r in wan.get("pending", [])))
         for link, mds in links:
             reports = [r for doc in docs if (r := report_from_status(doc, now, mds)) is not None]
             if reports:
