@@ -133,66 +133,75 @@ class Sidecar:
         return self.cfg.data_plane.fast_transport
 
     def _build_role(self) -> None:
-        cfg, peers = self.cfg, self.cfg.peers
-        policy = RoutingPolicy(
-            catch_up_below_load=cfg.decode.catch_up_below_load, catch_up_slice_tokens=cfg.decode.slice_tokens
-        )
+        cfg = self.cfg
         role = Role(cfg.role)
         if role is Role.MD:
             self.drc = DrcHost(self.engine, capacity_blocks=max(1, cfg.engine.num_blocks * 3 // 4))
         if role in DECODER_ROLES:
-            send = None
-            send_to: dict[str, Callable[[bytes, float], Awaitable[int]]] = {}
-            if role is Role.RLD:
-                self.admission = KvAdmission(cfg.engine.num_blocks, cfg.engine.block_size)
-                fleet_mds = self._fleet_peers(Role.MD)
-                md_by_id = {i: DecoderPeer(g, tls=self.tls, expected=i) for i, g, _ in fleet_mds}
-                if peers.md_grpc:
-                    md_by_id[peers.md] = DecoderPeer(peers.md_grpc, tls=self.tls, expected=peers.md)
-                self.peers += list(md_by_id.values())
-                send_to = {i.common_name: _handoff_sender(md) for i, md in md_by_id.items()}
-                default = send_to.get(peers.md.common_name) if peers.md_grpc else None
-                send = default or next(iter(send_to.values()), None)
-
-            self.decoder = Decoder(
-                cfg.role,
-                self.loop,
-                drc=self.drc,
-                capacity=cfg.decode.capacity,
-                policy=policy,
-                send_handoff=send,
-                send_handoff_to=send_to if role is Role.RLD else None,
-            )
+            self._build_decoder(role)
         if role is Role.P:
-            mds, rlds = self._fleet_peers(Role.MD), self._fleet_peers(Role.RLD)
-            md_routes = {i.common_name: self._md_route(g, kv, i) for i, g, kv in mds}
-            rld_routes = {i.common_name: self._rld_route(g, kv, i) for i, g, kv in rlds}
-            if peers.md_grpc and peers.md_kv:
-                md_routes[peers.md.common_name] = self._md_route(peers.md_grpc, peers.md_kv, peers.md)
-            if peers.rld_kv and peers.rld_grpc:
-                rld_routes[peers.rld.common_name] = self._rld_route(peers.rld_grpc, peers.rld_kv, peers.rld)
-            md_kv, md = md_routes[peers.md.common_name] if peers.md_kv else next(iter(md_routes.values()))
-            no_rld: tuple[KVPeer | None, DecoderPeer | None] = (None, None)
-            rld_kv, rld = rld_routes.get(peers.rld.common_name, no_rld) if peers.rld_kv else no_rld
-            for pool, dec in md_routes.values():
-                self.peers += [*pool.links, dec]
-            self.peers += [p for route in rld_routes.values() for p in route]
-            self.prefiller = Prefiller(
-                self.loop,
-                md_kv=md_kv,
-                md=md,
-                rld_kv=rld_kv,
-                rld=rld,
-                chunk_bytes=cfg.data_plane.chunk_bytes,
-                lease_s=cfg.data_plane.reserve_lease_s,
-                wan_codec=WanCodec(
-                    cfg.data_plane.wan_codec,
-                    line_mbit=cfg.data_plane.wan_line_mbit,
-                    pool_size=cfg.data_plane.wan_links,
-                ),
-                md_routes=md_routes,
-                rld_routes=rld_routes,
-            )
+            self._build_prefiller()
+
+    def _build_decoder(self, role: Role) -> None:
+        """RLD and MD: the decoder; RLD also its KV admission and the MDs it hands requests over to."""
+        cfg, peers = self.cfg, self.cfg.peers
+        policy = RoutingPolicy(
+            catch_up_below_load=cfg.decode.catch_up_below_load, catch_up_slice_tokens=cfg.decode.slice_tokens
+        )
+        send = None
+        send_to: dict[str, Callable[[bytes, float], Awaitable[int]]] = {}
+        if role is Role.RLD:
+            self.admission = KvAdmission(cfg.engine.num_blocks, cfg.engine.block_size)
+            fleet_mds = self._fleet_peers(Role.MD)
+            md_by_id = {i: DecoderPeer(g, tls=self.tls, expected=i) for i, g, _ in fleet_mds}
+            if peers.md_grpc:
+                md_by_id[peers.md] = DecoderPeer(peers.md_grpc, tls=self.tls, expected=peers.md)
+            self.peers += list(md_by_id.values())
+            send_to = {i.common_name: _handoff_sender(md) for i, md in md_by_id.items()}
+            default = send_to.get(peers.md.common_name) if peers.md_grpc else None
+            send = default or next(iter(send_to.values()), None)
+        self.decoder = Decoder(
+            cfg.role,
+            self.loop,
+            drc=self.drc,
+            capacity=cfg.decode.capacity,
+            policy=policy,
+            send_handoff=send,
+            send_handoff_to=send_to if role is Role.RLD else None,
+        )
+
+    def _build_prefiller(self) -> None:
+        """P: the routes to every MD (WAN pool) and RLD (fast path) it may ship to, and the prefiller."""
+        cfg, peers = self.cfg, self.cfg.peers
+        mds, rlds = self._fleet_peers(Role.MD), self._fleet_peers(Role.RLD)
+        md_routes = {i.common_name: self._md_route(g, kv, i) for i, g, kv in mds}
+        rld_routes = {i.common_name: self._rld_route(g, kv, i) for i, g, kv in rlds}
+        if peers.md_grpc and peers.md_kv:
+            md_routes[peers.md.common_name] = self._md_route(peers.md_grpc, peers.md_kv, peers.md)
+        if peers.rld_kv and peers.rld_grpc:
+            rld_routes[peers.rld.common_name] = self._rld_route(peers.rld_grpc, peers.rld_kv, peers.rld)
+        md_kv, md = md_routes[peers.md.common_name] if peers.md_kv else next(iter(md_routes.values()))
+        no_rld: tuple[KVPeer | None, DecoderPeer | None] = (None, None)
+        rld_kv, rld = rld_routes.get(peers.rld.common_name, no_rld) if peers.rld_kv else no_rld
+        for pool, dec in md_routes.values():
+            self.peers += [*pool.links, dec]
+        self.peers += [p for route in rld_routes.values() for p in route]
+        self.prefiller = Prefiller(
+            self.loop,
+            md_kv=md_kv,
+            md=md,
+            rld_kv=rld_kv,
+            rld=rld,
+            chunk_bytes=cfg.data_plane.chunk_bytes,
+            lease_s=cfg.data_plane.reserve_lease_s,
+            wan_codec=WanCodec(
+                cfg.data_plane.wan_codec,
+                line_mbit=cfg.data_plane.wan_line_mbit,
+                pool_size=cfg.data_plane.wan_links,
+            ),
+            md_routes=md_routes,
+            rld_routes=rld_routes,
+        )
 
     def _fleet_peers(self, role: Role) -> list[tuple[PeerIdentity, str, str]]:
         """(identity, gRPC address, KV address) of each ``role`` instance of ``peers.topology``
@@ -432,22 +441,48 @@ class Sidecar:
             "model_id": self.engine.layout.model_id,
         }
         if Role(cfg.role) in DECODER_ROLES:
-            wan = Role(cfg.role) is Role.MD
-            transport = cfg.data_plane.wan_transport if wan else self._fast_transport()
-            self.kv_server = await KVServer.start(
-                cfg.host,
-                cfg.kv_port,
-                identity=self.identity,
-                tls=self.tls,
-                transport=transport,
-                on_transfer=self._on_transfer,
-                on_message=self._on_message,
-                on_transfer_failed=self._on_transfer_failed,
-                options=self._options(wan=wan),
-            )
-            ports["kv_port"] = self.kv_server.port
+            ports["kv_port"] = await self._start_kv_server()
         if self.prefiller is not None:  # open the WAN pools and the fast paths before traffic arrives
             await self._connect_peers(self.prefiller)
+        server = await self._start_grpc(ports)
+        admin = await self._start_admin()
+        ports["admin_port"] = cfg.admin_port
+        if cfg.membership.enabled:  # announced once it serves; the router may place here from then on
+            self.membership = SidecarMembership(self)
+            self.membership.start(ports)
+        sys.stdout.write("READY " + json.dumps(ports) + "\n")
+        sys.stdout.flush()
+        freeze_startup()  # full GC collections walk only what serving makes (pddlink.serving.malloc_trim)
+        try:
+            await stop.wait()
+            if not self._engine_dead():
+                await self.drain(DRAIN_BOUND_S)
+        finally:
+            await self._shut_down(server, admin)
+        if self.sweeper.engine_dead:
+            raise EngineDied(f"sidecar {cfg.role}/{cfg.name} stopped: {self.sweeper.engine_dead}")
+
+    async def _start_kv_server(self) -> int:
+        """RLD and MD: the KV data plane (MD's across the WAN, RLD's the fast path); its port."""
+        cfg = self.cfg
+        wan = Role(cfg.role) is Role.MD
+        transport = cfg.data_plane.wan_transport if wan else self._fast_transport()
+        self.kv_server = await KVServer.start(
+            cfg.host,
+            cfg.kv_port,
+            identity=self.identity,
+            tls=self.tls,
+            transport=transport,
+            on_transfer=self._on_transfer,
+            on_message=self._on_message,
+            on_transfer_failed=self._on_transfer_failed,
+            options=self._options(wan=wan),
+        )
+        return self.kv_server.port
+
+    async def _start_grpc(self, ports: dict[str, Any]) -> Any:
+        """The Sidecar gRPC service (mTLS unless plaintext was asked for); its port into ``ports``."""
+        cfg = self.cfg
         _, pb2_grpc = stubs()
         server, self.caller_check = new_server(
             self.tls, callers=SIDECAR_CALLERS, options=[("grpc.max_receive_message_length", 64 << 20)]
@@ -470,6 +505,10 @@ class Sidecar:
         if self.tls is None:
             sys.stderr.write("sidecar: plaintext gRPC and KV data plane (tls_dir ''): tests and labs only\n")
         await server.start()
+        return server
+
+    async def _start_admin(self) -> list[asyncio.Server]:
+        cfg = self.cfg
         admin: list[asyncio.Server] = []
         if cfg.admin_port:  # TCP: bearer keys (pddlink.serving.admin_access)
             tcp = guarded(self.admin, self.admin_keys)
@@ -477,33 +516,25 @@ class Sidecar:
         if cfg.admin_unix:  # keyless, owner only (the CLI's umask already made it so; this says it exactly)
             admin += await serve_http(self.admin, unix=cfg.admin_unix)
             os.chmod(cfg.admin_unix, 0o600)
-        ports["admin_port"] = cfg.admin_port
-        if cfg.membership.enabled:  # announced once it serves; the router may place here from then on
-            self.membership = SidecarMembership(self)
-            self.membership.start(ports)
-        sys.stdout.write("READY " + json.dumps(ports) + "\n")
-        sys.stdout.flush()
-        freeze_startup()  # full GC collections walk only what serving makes (pddlink.serving.malloc_trim)
-        try:
-            await stop.wait()
-            if not self._engine_dead():
-                await self.drain(DRAIN_BOUND_S)
-        finally:
-            if self.membership is not None:  # leave first: routers stop placing here at once
-                await self.membership.close()
+        return admin
+
+    async def _shut_down(self, server: Any, admin: list[asyncio.Server]) -> None:
+        """Leaves the membership first (routers stop placing here at once), then closes every
+        listener and peer, each within a bound, and the engine loop."""
+        if self.membership is not None:
+            await self.membership.close()
+        if self.sweeper is not None:
             await self.sweeper.close()
-            for s in admin:
-                s.close()
-            await server.stop(grace=0.5)
-            if self.kv_server is not None:
-                with contextlib.suppress(TimeoutError, OSError, PddlinkError):
-                    await asyncio.wait_for(self.kv_server.close(), 2.0)
-            for p in self.peers:
-                with contextlib.suppress(TimeoutError, OSError, PddlinkError):
-                    await asyncio.wait_for(p.drop() if isinstance(p, KVPeer) else p.close(), 2.0)
-            await self.loop.close()
-        if self.sweeper.engine_dead:
-            raise EngineDied(f"sidecar {cfg.role}/{cfg.name} stopped: {self.sweeper.engine_dead}")
+        for s in admin:
+            s.close()
+        await server.stop(grace=0.5)
+        if self.kv_server is not None:
+            with contextlib.suppress(TimeoutError, OSError, PddlinkError):
+                await asyncio.wait_for(self.kv_server.close(), 2.0)
+        for p in self.peers:
+            with contextlib.suppress(TimeoutError, OSError, PddlinkError):
+                await asyncio.wait_for(p.drop() if isinstance(p, KVPeer) else p.close(), 2.0)
+        await self.loop.close()
 
 
 async def _main(cfg: SidecarConfig) -> None:
