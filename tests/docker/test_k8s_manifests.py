@@ -112,7 +112,7 @@ def test_each_vllm_engine_runs_beside_a_vllm_sidecar_with_the_arguments_it_print
         at = engine["args"].index(words[0])
         assert engine["args"][at : at + len(words)] == words
         assert {k: v for k, v in engine["env"][0].items() if k == "name"} == {"name": "VLLM_API_KEY"}
-        # the connector refuses vLLM's engine in processes of its own (connector_config)
+        # the connector refuses vLLM's default VLLM_ENABLE_V1_MULTIPROCESSING=1 (connector_config)
         env = {e["name"]: e.get("value") for e in engine["env"]}
         require_in_process_engine({k: v for k, v in env.items() if v is not None})
     router = tomllib.loads(data["router.toml"])

