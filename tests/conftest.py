@@ -37,9 +37,6 @@ PAIR_MD_BLOCKS = 160  # 5120 tokens: a few 1000-token prompts evict each other
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     _shared_servers_last(items)
     _skip_root(items)
-    for item in items:
-        if item.nodeid.startswith("tests/sim/"):
-            item.add_marker(pytest.mark.sim)  # scripts/test.sh: beside the processes' tests
 
 
 def _skip_root(items: list[pytest.Item]) -> None:

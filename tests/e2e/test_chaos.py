@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.e2e, pytest.mark.netlab, pytest.mark.timeout(600)]
+# `fleet`: minutes of fault schedule; `make test-fleet` runs it, CI does not (checks/chaos: the default size)
+pytestmark = [pytest.mark.fleet, pytest.mark.e2e, pytest.mark.netlab, pytest.mark.timeout(600)]
 KEYS = {"requests", "finished", "failed", "refused", "hung", "token_mismatches", "gaps", "duplicates"}
 
 

@@ -26,7 +26,7 @@ from harness.cluster import Cluster, ClusterSpec, NoWan, free_port
 from harness.demo_load import RequestResult, replay
 from harness.demo_workload import DemoRequest
 
-pytestmark = [pytest.mark.e2e, pytest.mark.process, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.fleet, pytest.mark.e2e, pytest.mark.process, pytest.mark.timeout(900)]
 
 PAIRS = 120
 WAVE = 6  # pairs sent at once (12 requests in flight over 2 routers)

@@ -25,7 +25,8 @@ from typing import Any
 
 import pytest
 
-pytestmark = [pytest.mark.vllm, pytest.mark.netlab, pytest.mark.timeout(600)]
+# `fleet`: the vLLM trio (three servers) and its restarts; `make test-fleet` runs it, CI does not
+pytestmark = [pytest.mark.fleet, pytest.mark.vllm, pytest.mark.netlab, pytest.mark.timeout(600)]
 N = 12  # tokens per request
 
 

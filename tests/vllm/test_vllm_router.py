@@ -146,7 +146,10 @@ def slow_rld_url(pair: Any) -> Iterator[str]:
         lab.down()
 
 
-@pytest.mark.parametrize(("capacity", "mode"), [(1, "one_shot"), (8, "catch_up")])
+@pytest.mark.parametrize(
+    ("capacity", "mode"),
+    [(1, "one_shot"), pytest.param(8, "catch_up", marks=pytest.mark.fleet)],  # catch-up: `make test-fleet`
+)
 def test_relay_hands_off_by_token_ids_and_merges_exactly(
     pair: Any, slow_rld_url: str, capacity: int, mode: str
 ) -> None:

@@ -196,6 +196,7 @@ def test_mirror_never_answers_longer_than_what_it_saw() -> None:
     assert m.matched_tokens(prompt) == 0 and m.status()["resets"] == 2
 
 
+@pytest.mark.fleet  # the vLLM trio: `make test-fleet`
 def test_mirror_follows_md_prefix_cache_and_forgets_evicted_blocks(trio: Any) -> None:
     from engines_adapter import SamplingParams
     from router import Router
@@ -254,6 +255,7 @@ def test_mirror_follows_md_prefix_cache_and_forgets_evicted_blocks(trio: Any) ->
     assert _released(trio) == NOTHING
 
 
+@pytest.mark.fleet  # the vLLM trio: `make test-fleet`
 def test_wan_outage_past_deadline_relay_finishes_on_rld_p_md_fails_in_time(trio: Any) -> None:
     from engines_adapter import SamplingParams
     from router import Router
@@ -297,6 +299,7 @@ def test_wan_outage_past_deadline_relay_finishes_on_rld_p_md_fails_in_time(trio:
     assert _released(trio) == NOTHING
 
 
+@pytest.mark.fleet  # the vLLM trio: `make test-fleet`
 def test_md_killed_mid_request_then_avoided_and_used_again_once_restarted(trio: Any) -> None:
     from engines_adapter import SamplingParams
     from router import Router
@@ -364,6 +367,7 @@ def test_md_killed_mid_request_then_avoided_and_used_again_once_restarted(trio: 
     assert _released(trio) == NOTHING
 
 
+@pytest.mark.fleet  # the vLLM trio: `make test-fleet`
 def test_rld_killed_mid_stream_request_ends_in_time(trio: Any) -> None:
     """Runs last: RLD's vLLM is gone afterwards."""
     from engines_adapter import SamplingParams
