@@ -173,6 +173,7 @@ def test_wan_cut_longer_than_the_deadline(cut_lab: Lab, tmp_path: Path) -> None:
         assert r.trace.get("fallbacks") or r.reason, r.trace
 
 
+@pytest.mark.fleet  # a deployment of its own killed mid-stream: `make test-fleet` (the chaos check kills too)
 def test_kill_md_mid_stream(lab: Lab, tmp_path: Path) -> None:
     # long enough (1024 tokens) that MD is still streaming at the kill: on warm engines 150 tokens
     # ended in 0.8 s, before the kill at 1.2 s (no fault seen, no fallback to assert)
@@ -190,6 +191,7 @@ def test_kill_md_mid_stream(lab: Lab, tmp_path: Path) -> None:
     assert any(r.outcome == "finished" and r.trace["fallbacks"] for r in results)
 
 
+@pytest.mark.fleet  # as above
 def test_kill_rld_mid_stream(lab: Lab, tmp_path: Path) -> None:
     reqs = requests(3, max_tokens=150, seed=3, prompt_tokens=(900, 1000))  # ~1.9 MB: ~1 s on the WAN
     deadline_s = 20.0

@@ -149,6 +149,7 @@ def _stop_string_cancels(auth: str) -> None:
     pytest.fail("no stop string met in three prompts")
 
 
+@pytest.mark.fleet  # the same steps as above across namespaces: `make test-fleet`
 @pytest.mark.root
 @pytest.mark.netlab
 @pytest.mark.timeout(400)
