@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -214,19 +215,8 @@ def _pools(
     """``--topology``: the pools demo (``harness.demo_pools``)."""
     from harness.demo_pools import main
     from pddlink.cli.preflight import check_output_file
-    from pddlink.errors import InvalidInput
-    from pddlink.routing import PlacementPolicy
-    from pddlink.topology import load_topology
 
-    try:
-        topology = load_topology(Path(topology_path))
-    except InvalidInput as e:
-        raise click.BadParameter(e.message, param_hint="--topology") from None
-    policies = [p.strip() for p in placements.split(",") if p.strip()]
-    allowed = [p.value for p in PlacementPolicy if p is not PlacementPolicy.ORACLE]
-    for p in policies:
-        if p not in allowed:
-            raise click.BadParameter(f"{p!r}: use {', '.join(allowed)}", param_hint="--placement")
+    topology, policies = _topology_and_policies(topology_path, placements)
     if plot_path is None:
         plot = (
             Path(json_path).with_suffix(".png") if json_path else Path("out") / "pddlink-demo-pools-ttft.png"
@@ -248,6 +238,24 @@ def _pools(
     )
 
 
+def _topology_and_policies(topology_path: str, placements: str) -> tuple[Any, list[str]]:
+    """``--topology`` loaded and ``--placement`` checked, as click errors naming the option."""
+    from pddlink.errors import InvalidInput
+    from pddlink.routing import PlacementPolicy
+    from pddlink.topology import load_topology
+
+    try:
+        topology = load_topology(Path(topology_path))
+    except InvalidInput as e:
+        raise click.BadParameter(e.message, param_hint="--topology") from None
+    policies = [p.strip() for p in placements.split(",") if p.strip()]
+    allowed = [p.value for p in PlacementPolicy if p is not PlacementPolicy.ORACLE]
+    for p in policies:
+        if p not in allowed:
+            raise click.BadParameter(f"{p!r}: use {', '.join(allowed)}", param_hint="--placement")
+    return topology, policies
+
+
 def _replicas(
     topology_path: str,
     placements: str,
@@ -263,18 +271,13 @@ def _replicas(
     from harness.demo_replicas import main
     from harness.lb import LoadBalancerMissing, haproxy_binary
     from pddlink.cli.preflight import check_output_file
-    from pddlink.errors import InvalidInput
-    from pddlink.topology import load_topology
 
-    try:
-        topology = load_topology(Path(topology_path))
-    except InvalidInput as e:
-        raise click.BadParameter(e.message, param_hint="--topology") from None
+    topology, policies = _topology_and_policies(topology_path, placements)
     try:
         haproxy_binary()
     except LoadBalancerMissing as e:
         raise click.ClickException(str(e)) from None
-    placement = next((p.strip() for p in placements.split(",") if p.strip()), "prefix_aware")
+    placement = policies[0] if policies else "prefix_aware"
     check_output_file(json_path, "demo --json")
     main(
         topology=topology,
