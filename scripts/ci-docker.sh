@@ -6,20 +6,35 @@
 # measured inside it, an outage, `down` leaving nothing behind). Where no container engine can run
 # (not root, no apt) it says why and the tests skip with their reasons. The main test run skips
 # these tests in CI (CI=true) and runs the offline ones (compose file, Kubernetes manifests).
+#
+# `scripts/ci-docker.sh prepare` does only the slow first half that needs no project environment:
+# installs the engine and makes the base image (debootstrap) with the system's Python; CI runs it
+# beside the set-up, whose pip install keeps one core busy and leaves the other idle.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 VENV=${PDDLINK_VENV:-.venv}
-[ -x "$VENV/bin/pddlink" ] || scripts/setup.sh >/dev/null  # (CI's `make test` has set it up already)
-if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-  if ! command -v dockerd >/dev/null || ! command -v docker-compose >/dev/null || ! command -v debootstrap >/dev/null; then
-    echo "ci-docker: installing docker.io docker-compose debootstrap"
-    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker.io docker-compose debootstrap >/dev/null) \
-      || echo "ci-docker: could not install the container engine; the container tests will skip"
+install_engine() {
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    if ! command -v dockerd >/dev/null || ! command -v docker-compose >/dev/null || ! command -v debootstrap >/dev/null; then
+      echo "ci-docker: installing docker.io docker-compose debootstrap"
+      # the lock timeout: the set-up may be installing its own packages at the same time
+      (apt-get -o DPkg::Lock::Timeout=600 update -qq \
+        && DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq docker.io docker-compose debootstrap >/dev/null) \
+        || echo "ci-docker: could not install the container engine; the container tests will skip"
+    fi
+  else
+    echo "ci-docker: not root or no apt-get: no container engine here; the container tests will skip"
   fi
-else
-  echo "ci-docker: not root or no apt-get: no container engine here; the container tests will skip"
+}
+install_engine
+if [ "${1:-}" = prepare ]; then
+  if [ "$(id -u)" = 0 ] && command -v dockerd >/dev/null && command -v debootstrap >/dev/null; then
+    PYTHONPATH=. timeout 900 python3 -m netlab.compose.images
+  fi
+  exit 0
 fi
+[ -x "$VENV/bin/pddlink" ] || scripts/setup.sh >/dev/null  # (CI's `make test` has set it up already)
 export PDDLINK_CI_DOCKER=1
 if [ "$(id -u)" = 0 ] && command -v dockerd >/dev/null && command -v debootstrap >/dev/null; then
   timeout 900 "$VENV/bin/pddlink" lab compose build --json

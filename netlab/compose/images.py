@@ -28,10 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from packaging.requirements import Requirement
-from packaging.utils import canonicalize_name
-
-from netlab.compose.engine import DATA_ROOT, INSTALL_HINT, Engine
+from netlab.compose.engine import DATA_ROOT, INSTALL_HINT, Engine, ensure_engine, stop_engine
 from pddlink.errors import LocalError, Unavailable
 
 REPO = Path(__file__).resolve().parents[2]
@@ -136,6 +133,11 @@ def pinned_requirements(repo: Path = REPO) -> list[str]:
     """``name==version`` for the closure of the checkout's dependencies (with ``EXTRAS``), as installed.
 
     torch is pinned to a CPU build (``+cpu``) whatever this environment has."""
+    # imported here: the base image (``python3 -m netlab.compose.images``) is made by the system's
+    # Python, without the project's environment, while CI's set-up still fills that environment
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
     project = tomllib.loads((repo / "pyproject.toml").read_text())["project"]
     todo = [Requirement(r) for r in project["dependencies"]]
     for extra in EXTRAS:
@@ -269,3 +271,24 @@ def build(engine: Engine, log: Log, repo: Path = REPO) -> BuildResult:
     engine.docker(["build", "--build-arg", f"DEPS={deps}", "-t", IMAGE, str(ctx)], timeout_s=600)
     image_id = engine.docker(["image", "inspect", "-f", "{{.Id}}", IMAGE]).stdout.decode().strip()
     return BuildResult(base, deps, IMAGE, image_id, time.monotonic() - t0, base_made, wheels_made)
+
+
+def _main() -> int:
+    """``python3 -m netlab.compose.images``: the container engine started and the base image made,
+    with the standard library only (CI runs it beside the set-up, before the environment exists)."""
+    try:
+        engine = ensure_engine()
+        try:
+            tag, made = ensure_base(engine, lambda line: print(f"images: {line}", flush=True))
+        finally:
+            if engine.own:  # as ``pddlink lab compose build`` does: nothing of the engine's stays running
+                stop_engine()
+    except (LocalError, Unavailable) as exc:
+        print(f"images: no base image: {exc}", file=sys.stderr)
+        return 1
+    print(f"images: base image {tag} {'made' if made else 'was there'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())
