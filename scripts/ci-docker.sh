@@ -18,9 +18,7 @@ install_engine() {
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     if ! command -v dockerd >/dev/null || ! command -v docker-compose >/dev/null || ! command -v debootstrap >/dev/null; then
       echo "ci-docker: installing docker.io docker-compose debootstrap"
-      # the lock timeout: the set-up may be installing its own packages at the same time
-      (apt-get -o DPkg::Lock::Timeout=600 update -qq \
-        && DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq docker.io docker-compose debootstrap >/dev/null) \
+      scripts/apt-install.sh docker.io docker-compose debootstrap \
         || echo "ci-docker: could not install the container engine; the container tests will skip"
     fi
   else

@@ -29,8 +29,7 @@ apt_job=""
 if [ ${#apt_pkgs[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     echo "setup: installing ${apt_pkgs[*]} (apt, in the background)"
-    apt_() { apt-get -o DPkg::Lock::Timeout=600 "$@"; }  # CI's container step may be installing too
-    (apt_ update -qq && DEBIAN_FRONTEND=noninteractive apt_ install -y -qq "${apt_pkgs[@]}" >/dev/null) &
+    scripts/apt-install.sh "${apt_pkgs[@]}" &  # (CI's container step may be installing beside it)
     apt_job=$!
   else
     echo "setup: not root or no apt-get: ${apt_pkgs[*]} not installed; what needs them skips or says so"
