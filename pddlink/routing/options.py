@@ -35,12 +35,20 @@ recomputes (those running, ``md_running``, and those that join during the prefil
 Recompute costs them MD's prefill time: a blocking prefill stalls one step for the whole prompt
 (and what is queued before it); chunked prefill (``MdPrefill.chunk_tokens``, a per-step token
 budget) lengthens each step by ``chunk / tokens_per_s`` while it lasts, and the prompt rides on
-one decode step per chunk. Spread over ``md_output_tokens`` (the output length of the short
-requests, whose mean TPOT a stall hurts most), that is ``work / md_output_tokens`` per token,
-chunked at most ``chunk / tokens_per_s`` (``MdPrefill.tpot_cost_s``; the work counts MD's queue,
-so recompute stops once MD's queue is long). An option that breaks the bound is not chosen while
-another meets every bound; a request whose every option meets the deadlines only by breaking it
-is rejected as ``TPOT_UNREACHABLE``. Shipping and a handoff's extend step are not charged to MD's
+one decode step per chunk. Spread over ``md_output_tokens`` (the token-weighted output length of
+the requests MD finished lately, ``OutputBook``: a stall of ``w`` costs a request of ``n`` tokens
+``w / n`` per token, and the output speed users compare is a per-token figure), that is
+``work / md_output_tokens`` per token, chunked at most ``chunk / tokens_per_s``
+(``MdPrefill.tpot_cost_s``; the work counts MD's queue, so recompute stops once MD's queue is long).
+A quantile of short outputs instead (8 tokens in the demo) charged a 700-token recompute as a
+30 ms stall per token: every low-hit prompt went to RelayDecode, which then decoded most tokens.
+MD's running requests pass while their TPOT stays within ``BATCH_TPOT_SHARE`` of the bound, or
+while the stall alone fits in the rest of it (a few-token recompute costs less than a step).
+An option that breaks the bound is not chosen while another meets every bound; a request whose
+every option meets the deadlines only by breaking it is rejected as ``TPOT_UNREACHABLE``. What the
+bound moves off MD lands on RelayDecode, so relay options are open only while RLD's share of the
+tokens lately produced (``rld_token_share``) is under ``RoutingPolicy.rld_token_budget``: RLD
+stays a small tier however slow MD looks. Shipping and a handoff's extend step are not charged to MD's
 batch (importing KV and extending a few hundred token ids fit in a step).
 
 Without recompute and without a deadline this is exactly ``choose_pipeline``; without a TPOT bound it
@@ -49,7 +57,6 @@ is what it was before the bound existed. Pure: the router and the simulator call
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections import deque
 from collections.abc import Callable
@@ -67,7 +74,9 @@ from pddlink.routing.policy import (
 
 # Recompute is planned to keep MD's batch within this share of the TPOT bound: the step time it is
 # judged by is now's, the batch grows while the prefill runs, and a plan at the bound itself breaks
-# it for about half of the requests MD decodes meanwhile (the simulator shows it).
+# it for about half of the requests MD decodes meanwhile (the simulator shows it). A stall within
+# the rest of the bound passes whatever MD's speed: it moves no request across the bound that MD's
+# own step time does not already carry over it (and a few-token recompute costs less than a step).
 BATCH_TPOT_SHARE = 0.9
 
 
@@ -186,9 +195,10 @@ class OptionInputs:
     ``extend_s``: MD's extend step at a token-id handoff.
     ``tpot_bound_s``: the SLO's time per output token (None: no decode-speed bound, as before it
     existed). ``md_running``: sequences MD is decoding now (a chunked prefill rides on their decode
-    steps); ``md_output_tokens``: the output length a stall is spread over; pass the short ones' (a
-    low quantile of the output bounds of the requests MD decodes), since a stall hurts a short
-    request's mean TPOT most (1 when unknown: a stall then counts in full against one token).
+    steps); ``md_output_tokens``: the output length a stall is spread over, the token-weighted
+    mean of what requests produced lately (``OutputBook.tokens``; 1 when unknown: a stall then
+    counts in full against one token). ``rld_token_share``: RelayDecode's share of the output
+    tokens produced lately (``OutputBook.rld_share``), against ``RoutingPolicy.rld_token_budget``.
     """
 
     routing: RoutingInputs
@@ -202,12 +212,14 @@ class OptionInputs:
     tpot_bound_s: float | None = None
     md_running: int = 0
     md_output_tokens: float = 1.0
+    rld_token_share: float = 0.0
 
     def __post_init__(self) -> None:
         _require(self.deadline_s is None or self.deadline_s > 0, "deadline_s must be > 0 or None")
         _require(self.tpot_bound_s is None or self.tpot_bound_s > 0, "tpot_bound_s must be > 0 or None")
         _require(self.md_running >= 0, "md_running must be >= 0")
         _require(self.md_output_tokens >= 1, "md_output_tokens must be >= 1")
+        _require(0 <= self.rld_token_share <= 1, "rld_token_share must be in [0, 1]")
         _require(self.ttft_deadline_s is None or self.ttft_deadline_s > 0, "ttft_deadline_s must be > 0")
         for name in ("p_prefill_s", "fast_s", "extend_s"):
             _require(getattr(self, name) >= 0, f"{name} must be >= 0")
@@ -225,6 +237,7 @@ class OptionEstimate:
     rld_tokens: float  # expected tokens produced on RLD
     tpot_s: float = 0.0  # this request's expected time per output token after its first
     md_batch_tpot_s: float = 0.0  # what MD's running requests get while it recomputes (0: not charged)
+    md_stall_tpot_s: float = 0.0  # of it, what the recompute's stall adds per token
 
     def meets(
         self,
@@ -241,7 +254,9 @@ class OptionEstimate:
     def meets_tpot(self, tpot_bound_s: float | None) -> bool:
         if tpot_bound_s is None:
             return True
-        return self.tpot_s <= tpot_bound_s and self.md_batch_tpot_s <= BATCH_TPOT_SHARE * tpot_bound_s
+        batch_ok = self.md_batch_tpot_s <= BATCH_TPOT_SHARE * tpot_bound_s
+        small_stall = self.md_stall_tpot_s <= (1 - BATCH_TPOT_SHARE) * tpot_bound_s
+        return self.tpot_s <= tpot_bound_s and (batch_ok or small_stall)
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,10 +279,13 @@ class OptionDecision:
 
 
 def allowed_options(inputs: OptionInputs, policy: RoutingPolicy) -> tuple[Option, ...]:
-    """The options this deployment and RLD's current load permit, before any timing."""
+    """The options this deployment, RLD's current load and its token budget permit, before any
+    timing."""
     r = inputs.routing
     recompute = policy.recompute_enabled and inputs.md_prefill is not None
     out = [Option.SHIP] + ([Option.RECOMPUTE] if recompute else [])
+    if policy.rld_token_budget < 1 and inputs.rld_token_share >= policy.rld_token_budget:
+        return tuple(out)  # RLD has had its share of the tokens: MD's options alone
     if policy.relay_enabled and r.rld_available and r.rld_load < policy.rld_max_load:
         out.append(Option.RELAY)
         if recompute:
@@ -284,13 +302,13 @@ def estimate_options(inputs: OptionInputs, policy: RoutingPolicy) -> tuple[Optio
     wan_s = r.link.transfer_s(r.wan_bytes)
     ship_ready = inputs.p_prefill_s + wan_s
     # token ids cross in half a round trip; MD prefills what its own cache lacks
-    recompute_ready, batch_tpot = math.inf, 0.0
+    recompute_ready, stall = math.inf, 0.0
     md = inputs.md_prefill
     if md is not None:
         step = inputs.md_tpot_s if inputs.md_running else 0.0
         recompute_ready = r.link.rtt_s / 2 + md.ready_s(r.missing_tokens, step)
         # charged even to an idle MD: whatever joins its batch during the prefill pays it too
-        batch_tpot = inputs.md_tpot_s + md.tpot_cost_s(r.missing_tokens, inputs.md_output_tokens)
+        stall = md.tpot_cost_s(r.missing_tokens, inputs.md_output_tokens)
     rld_first = inputs.p_prefill_s + inputs.fast_s + r.rld_tpot_s
     rld_alone = rld_first + (out_tokens - 1) * r.rld_tpot_s
     md_decode = (out_tokens - 1) * inputs.md_tpot_s
@@ -312,8 +330,9 @@ def estimate_options(inputs: OptionInputs, policy: RoutingPolicy) -> tuple[Optio
             # MD's prefill work still queued when this request starts decoding there stalls it too
             left = MdPrefill(md.tokens_per_s, max(0.0, md.queue_s - ready), md.chunk_tokens)
             own += left.tpot_cost_s(0, out_tokens) if left.queue_s > 0 else 0.0
-        charged = batch_tpot if option.recomputes else 0.0
-        estimates.append(OptionEstimate(option, first, ready, finish, on_rld, own, charged))
+        charged = inputs.md_tpot_s + stall if option.recomputes else 0.0
+        stalls = stall if option.recomputes else 0.0
+        estimates.append(OptionEstimate(option, first, ready, finish, on_rld, own, charged, stalls))
     return tuple(estimates)
 
 
@@ -406,25 +425,34 @@ def _direct_or(
     return take(Option.SINGULAR, DecisionReason.SHORT_OUTPUT)  # RLD busy for relays, singular fits
 
 
-class ShortOutputs:
-    """``OptionInputs.md_output_tokens``: the output length of the short requests among the last
-    ``window`` finished (a low ``quantile``), since a stall hurts a short request's mean TPOT most.
-    Output bounds say little (most are the API's default), so this is what requests produced. The
-    router and the simulator keep one each; sans-I/O."""
+class OutputBook:
+    """What the requests that finished lately produced, over the last ``window``: the output length
+    a recompute's stall is spread over (``tokens``: token-weighted, sum n^2 / sum n, the length of
+    the request an output token belongs to on average, since the output speed users compare is a
+    per-token figure and a stall of ``w`` costs a request of ``n`` tokens ``w / n`` per token), and
+    RelayDecode's share of their tokens (``rld_share``), which ``RoutingPolicy.rld_token_budget``
+    caps. Output bounds say little (most are the API's default), so this is what requests produced.
+    The router and the simulator keep one each; sans-I/O."""
 
-    def __init__(self, window: int = 256, quantile: float = 0.1) -> None:
-        self.window, self.quantile = window, quantile
-        self._order: deque[int] = deque()
-        self._sorted: list[int] = []
+    def __init__(self, window: int = 256) -> None:
+        if window < 1:
+            raise ConfigError(f"window must be >= 1, got {window}")
+        self.window = window
+        self._order: deque[tuple[int, int]] = deque()  # (output tokens, of them produced on RLD)
+        self._sum = self._squares = self._rld = 0
 
-    def add(self, output_tokens: int) -> None:
-        self._order.append(output_tokens)
-        bisect.insort(self._sorted, output_tokens)
+    def add(self, output_tokens: int, rld_tokens: int = 0) -> None:
+        n, rld = max(0, output_tokens), min(max(0, rld_tokens), max(0, output_tokens))
+        self._order.append((n, rld))
+        self._sum, self._squares, self._rld = self._sum + n, self._squares + n * n, self._rld + rld
         if len(self._order) > self.window:
-            old = self._order.popleft()
-            del self._sorted[bisect.bisect_left(self._sorted, old)]
+            old, old_rld = self._order.popleft()
+            self._sum, self._squares = self._sum - old, self._squares - old * old
+            self._rld -= old_rld
 
     def tokens(self) -> float:
-        if not self._sorted:
-            return 1.0
-        return float(max(1, self._sorted[int(self.quantile * (len(self._sorted) - 1))]))
+        """The token-weighted output length (1 while nothing finished: a stall then counts in full)."""
+        return max(1.0, self._squares / self._sum) if self._sum else 1.0
+
+    def rld_share(self) -> float:
+        return self._rld / self._sum if self._sum else 0.0

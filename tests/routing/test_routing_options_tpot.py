@@ -103,6 +103,42 @@ def test_every_option_breaking_the_bound_is_rejected_typed() -> None:
     assert d.retry_after_s >= 1.0 and all(e.tpot_s > BOUND for e in d.estimates)
 
 
+def test_a_stall_within_the_margin_passes_though_md_is_near_the_bound() -> None:
+    # MD decodes at 28 ms against a 30 ms bound: past the batch share (27 ms), within the bound
+    near = replace(overloaded(md_tpot_s=0.028), routing=routing(link=BUSY, matched=752))
+    d = choose_option(near, PDD_RECOMPUTE)  # 16 tokens: 2 ms of prefill, less than the 3 ms margin
+    rec = d.estimate(Option.RECOMPUTE)
+    assert rec is not None and rec.md_stall_tpot_s == pytest.approx(16 / 8000)
+    assert d.option is Option.RECOMPUTE
+    whole = choose_option(overloaded(md_tpot_s=0.028), PDD_RECOMPUTE)  # 768 tokens: 96 ms
+    assert whole.option is Option.RELAY
+
+
+def test_rlds_token_budget_closes_the_relay_options() -> None:
+    budget = replace(PDD_RECOMPUTE, rld_token_budget=0.2)
+    under = choose_option(overloaded(rld_token_share=0.19), budget)
+    assert under.option is Option.RELAY
+    over = choose_option(overloaded(rld_token_share=0.2, ttft_deadline_s=2.0), budget)
+    assert {e.option for e in over.estimates} == {Option.SHIP, Option.RECOMPUTE}
+    # the line is too slow for the first token and a blocking recompute breaks the bound
+    assert over.option is None and over.reason is RejectReason.TPOT_UNREACHABLE
+    fits = choose_option(overloaded(rld_token_share=0.2, md_output_tokens=100.0), budget)
+    assert fits.option is Option.RECOMPUTE  # a stall MD's batch can carry still recomputes
+    # no budget (1): RLD may take every token
+    assert choose_option(overloaded(rld_token_share=1.0), PDD_RECOMPUTE).option is Option.RELAY
+
+
+@settings(max_examples=300, deadline=None)
+@given(option_inputs(), policies, st.floats(0.05, 0.95), st.floats(0, 1))
+def test_no_relay_option_once_rld_has_had_its_share(
+    inputs: OptionInputs, policy: RoutingPolicy, budget: float, share: float
+) -> None:
+    d = choose_option(replace(inputs, rld_token_share=share), replace(policy, rld_token_budget=budget))
+    if share >= budget:
+        assert d.option is None or not d.option.relays
+        assert all(not e.option.relays for e in d.estimates)
+
+
 def test_deadline_rejections_keep_their_reason_under_a_bound() -> None:
     jammed = LinkEstimate(LINE, 0.02, flows_in_flight=30, backlog_bytes=200_000_000)
     inputs = OptionInputs(routing(link=jammed), deadline_s=5.0, md_prefill=None, tpot_bound_s=BOUND)
@@ -117,6 +153,10 @@ def test_bad_tpot_inputs_are_refused() -> None:
         overloaded(md_output_tokens=0.5)
     with pytest.raises(ConfigError):
         MdPrefill(8000.0, chunk_tokens=0)
+    with pytest.raises(ConfigError):
+        overloaded(rld_token_share=1.5)
+    with pytest.raises(ConfigError):
+        RoutingPolicy(rld_token_budget=0.0)
 
 
 @settings(max_examples=300, deadline=None)

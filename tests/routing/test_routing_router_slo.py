@@ -80,7 +80,7 @@ def test_long_outputs_learned_spread_the_stall_within_the_bound() -> None:
     async def body(router: Router) -> None:
         assert router.decide(tuple(PROMPT), 64, "", 30.0)[0].option is None
         for _ in range(50):  # finished requests of 400 tokens: 0.77 s over 400 tokens is 1.9 ms each
-            router.short_outputs.add(400)
+            router.outputs.add(400)
         decision, _ = router.decide(tuple(PROMPT), 64, "", 30.0)
         assert decision.option is Option.RECOMPUTE
         est = decision.estimate(Option.RECOMPUTE)
@@ -152,7 +152,7 @@ def test_tpot_books_learn_each_instance_from_the_requests_it_alone_decoded() -> 
 def test_an_md_too_slow_for_the_bound_takes_requests_again_once_idle() -> None:
     async def body(router: Router) -> None:
         for _ in range(30):
-            router.short_outputs.add(400)
+            router.outputs.add(400)
             router.md_tpot.observe(
                 {
                     "outcome": "finished",
