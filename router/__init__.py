@@ -481,7 +481,7 @@ class Router:
                 "md_tokens_per_s": self.md_book.tokens_per_s,
                 "md_queued_tokens": self.md_book.queued_tokens,
                 "md_tpot_s": self.md_tpot.tpot_s,
-                "md_output_tokens": self.outputs.tokens(),  # the TPOT bound's spread (token-weighted)
+                "md_output_tokens": self.outputs.tokens(),  # token-weighted mean of recent outputs
                 "rld_token_share": self.outputs.rld_share(),  # against rld_token_budget
                 "rld_tpot_s": self.rld_tpot.tpot_s,
             },
