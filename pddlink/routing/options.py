@@ -43,7 +43,7 @@ short is the share of output *tokens* that belong to such requests (``OutputLeng
 requests produced lately). Recompute keeps the bound while the requests it is expected to push
 over (that share of ``md_running``, at least one: whatever joins during the prefill) stay under
 ``PUSHED_OVER_LIMIT`` (0.1) while a relay option keeps every bound, else under
-``PUSHED_OVER_LIMIT_WITHOUT_RELAY`` (0.5: serving this request is worth more than what it costs
+``PUSHED_OVER_LIMIT_WITHOUT_RELAY`` (1: serving this request is worth at least what it costs
 the others). A
 mean output length instead undercounts the short requests a stall breaks, and a low quantile of
 outputs (8 tokens in the demo) refused every low-hit prompt, which RelayDecode then decoded.
@@ -83,9 +83,9 @@ from pddlink.routing.policy import (
 BATCH_TPOT_SHARE = 0.9
 # How many of MD's running requests (expected) a recompute may push over the bound: while a relay
 # option keeps every bound, hardly any (RLD serves the request without harming anyone); without
-# one, fewer than the one request it serves (the alternative is refusing it).
+# one, no more than the one request it serves (the alternative is refusing it).
 PUSHED_OVER_LIMIT = 0.1
-PUSHED_OVER_LIMIT_WITHOUT_RELAY = 0.5
+PUSHED_OVER_LIMIT_WITHOUT_RELAY = 1.0
 
 
 class Option(StrEnum):
