@@ -126,13 +126,13 @@ def test_every_option_breaking_the_bound_is_rejected_typed() -> None:
     assert d.retry_after_s >= 1.0 and all(e.tpot_s > BOUND for e in d.estimates)
 
 
-def test_without_a_relay_recompute_may_push_over_fewer_than_the_one_request_it_serves() -> None:
+def test_without_a_relay_recompute_may_push_over_up_to_the_one_request_it_serves() -> None:
     lengths = OutputLengths.of([10] * 30 + [700])  # 30% of the tokens in requests of 10 tokens
-    two = overloaded(md_outputs=lengths, md_running=1, ttft_deadline_s=2.0)  # 0.3 expected
-    assert choose_option(two, PDD_RECOMPUTE).option is Option.RELAY
+    three = overloaded(md_outputs=lengths, md_running=3, ttft_deadline_s=2.0)  # 0.9 expected
+    assert choose_option(three, PDD_RECOMPUTE).option is Option.RELAY
     no_relay = replace(PDD_RECOMPUTE, relay_enabled=False)
-    assert choose_option(two, no_relay).option is Option.RECOMPUTE  # 0.3 < 0.5: worth it
-    four = replace(two, md_running=2)  # 0.6 expected: costs more than it serves
+    assert choose_option(three, no_relay).option is Option.RECOMPUTE  # 0.9 <= 1: worth it
+    four = replace(three, md_running=4)  # 1.2 expected: costs more than it serves
     d = choose_option(four, no_relay)
     assert d.option is None and d.reason is RejectReason.TPOT_UNREACHABLE
 
