@@ -37,7 +37,8 @@ Recompute costs them MD's prefill time: a blocking prefill stalls one step for t
 output tokens; chunked prefill (``MdPrefill.chunk_tokens``, a per-step token budget) lengthens
 each step by ``chunk / tokens_per_s`` while it lasts, so at most that. Either way a request is
 pushed over the bound when it is shorter than ``work / slack`` (``MdPrefill.pushed_over_below``;
-``slack``: ``BATCH_TPOT_SHARE`` of the bound less MD's time per token now). The requests MD is
+``slack``: ``BATCH_TPOT_SHARE`` of the bound less MD's time per token now; a prefill no longer
+than one decode step pushes nobody over, whatever the slack). The requests MD is
 decoding are length-biased (a request runs as long as its output), so the share of them that
 short is the share of output *tokens* that belong to such requests (``OutputLengths``, from what
 requests produced lately). Recompute keeps the bound while the requests it is expected to push
@@ -182,12 +183,14 @@ class MdPrefill:
             ready += math.ceil(tokens / self.chunk_tokens) * step_s
         return ready
 
-    def pushed_over_below(self, tokens: int, slack_s: float) -> float:
+    def pushed_over_below(self, tokens: int, slack_s: float, step_s: float = 0.0) -> float:
         """The output length under which a request MD decodes meanwhile gets more than ``slack_s``
         added to its mean TPOT by prefilling ``tokens`` (after MD's queue): ``work / slack``, or 0
-        when chunks are short enough to fit in the slack at every step (inf: no slack at all)."""
+        when chunks are short enough to fit in the slack at every step, or when the work is no
+        longer than one decode step ``step_s`` (it costs a running request what one more token in
+        the batch does, within the step time's own spread); inf: no slack at all."""
         work = self.queue_s + max(0, tokens) / self.tokens_per_s
-        if work <= 0:
+        if work <= step_s:
             return 0.0
         if slack_s <= 0:
             return math.inf
@@ -332,7 +335,8 @@ def estimate_options(inputs: OptionInputs, policy: RoutingPolicy) -> tuple[Optio
         batch_tpot = inputs.md_tpot_s + md.tpot_cost_s(r.missing_tokens, lengths.token_weighted_mean())
         if inputs.tpot_bound_s is not None:
             slack = BATCH_TPOT_SHARE * inputs.tpot_bound_s - inputs.md_tpot_s
-            shorter = lengths.token_share_below(md.pushed_over_below(r.missing_tokens, slack))
+            below = md.pushed_over_below(r.missing_tokens, slack, inputs.md_tpot_s)
+            shorter = lengths.token_share_below(below)
             pushed = max(1, inputs.md_running) * shorter
     rld_first = inputs.p_prefill_s + inputs.fast_s + r.rld_tpot_s
     rld_alone = rld_first + (out_tokens - 1) * r.rld_tpot_s
