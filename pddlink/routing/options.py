@@ -44,7 +44,7 @@ short is the share of output *tokens* that belong to such requests (``OutputLeng
 requests produced lately). Recompute keeps the bound while the requests it is expected to push
 over (that share of ``md_running``, at least one: whatever joins during the prefill) stay under
 ``PUSHED_OVER_LIMIT`` (0.1) while a relay option keeps every bound, else under
-``PUSHED_OVER_LIMIT_WITHOUT_RELAY`` (1: serving this request is worth at least what it costs
+``PUSHED_OVER_LIMIT_WITHOUT_RELAY`` (1: serving this request is worth more than what it costs
 the others). A
 mean output length instead undercounts the short requests a stall breaks, and a low quantile of
 outputs (8 tokens in the demo) refused every low-hit prompt, which RelayDecode then decoded.
@@ -84,7 +84,7 @@ from pddlink.routing.policy import (
 BATCH_TPOT_SHARE = 0.9
 # How many of MD's running requests (expected) a recompute may push over the bound: while a relay
 # option keeps every bound, hardly any (RLD serves the request without harming anyone); without
-# one, no more than the one request it serves (the alternative is refusing it).
+# one, fewer than the one request it serves (the alternative is refusing it).
 PUSHED_OVER_LIMIT = 0.1
 PUSHED_OVER_LIMIT_WITHOUT_RELAY = 1.0
 
@@ -270,8 +270,8 @@ class OptionEstimate:
         pushed_over_limit: float = PUSHED_OVER_LIMIT,
     ) -> bool:
         """Ends by the deadline, has its first token out by the TTFT one and keeps this request's
-        TPOT within the bound and MD's running requests' too (pushing at most ``pushed_over_limit``
-        of them over it), each where one is given."""
+        TPOT within the bound and MD's running requests' too (pushing fewer than
+        ``pushed_over_limit`` of them over it), each where one is given."""
         ends = deadline_s is None or self.finish_s <= deadline_s
         first = ttft_deadline_s is None or self.ttft_s <= ttft_deadline_s
         return ends and first and self.meets_tpot(tpot_bound_s, pushed_over_limit)
@@ -279,7 +279,7 @@ class OptionEstimate:
     def meets_tpot(self, tpot_bound_s: float | None, pushed_over_limit: float = PUSHED_OVER_LIMIT) -> bool:
         if tpot_bound_s is None:
             return True
-        return self.tpot_s <= tpot_bound_s and self.md_pushed_over <= pushed_over_limit
+        return self.tpot_s <= tpot_bound_s and self.md_pushed_over < pushed_over_limit
 
 
 @dataclass(frozen=True, slots=True)
