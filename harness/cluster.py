@@ -52,6 +52,7 @@ class ClusterSpec:
     md_tpot_s: float = 0.0  # the router's starting figure for MD's time per token (0: its default)
     slo_ttft_ms: float = 0.0  # the router's SLO (``RouterConfig.slo_ttft_ms``; 0: none)
     slo_tpot_ms: float = 0.0  # its decode-speed bound (``RouterConfig.slo_tpot_ms``; 0: none)
+    rld_token_budget: float = 1.0  # RLD's share of the output tokens (``RouterConfig``; 1: no budget)
     deadline_s: float = 30.0
     tls: bool = True
     start_timeout_s: float = 120.0
@@ -224,6 +225,7 @@ class Cluster:
             ("--md-tpot-s", s.md_tpot_s),
             ("--slo-ttft-ms", s.slo_ttft_ms),
             ("--slo-tpot-ms", s.slo_tpot_ms),
+            ("--rld-token-budget", s.rld_token_budget if s.rld_token_budget < 1 else 0.0),
         )
         for flag, value in optional:
             argv += [flag, str(value)] if value else []

@@ -93,6 +93,8 @@ MEANINGS: dict[str, str] = {
     "router.relay_min_wan_s": "relay through RLD when the WAN estimate for the missing KV is longer",
     "router.rld_capacity": "requests at which RLD's load is 1.0",
     "router.rld_max_load": "no new relay above this RLD load",
+    "router.rld_token_budget": "no new relay while RLD produced this share of the recent requests' output"
+    " tokens (1: no budget)",
     "router.rld_tpot_s": "RLD's time per output token, for the singular test",
     "router.singular_max_tokens": "only outputs this short may end on RLD (singular pipeline)",
     "router.line_mbit": "WAN line rate for the link model until transfers measure it",

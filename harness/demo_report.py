@@ -165,11 +165,11 @@ def document(
     base: dict[str, Any],
     pdd: dict[str, Any],
     setting: dict[str, Any],
-    bounded: dict[str, Any] | None = None,
+    other: tuple[str, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """The ``--json`` document: the acceptance keys first, then detail per run (``bounded``: PDD
-    whose router holds the SLO, the wan-overload scenario's third run)."""
-    runs = {"baseline": base, "pdd": pdd, **({"bounded": bounded} if bounded else {})}
+    """The ``--json`` document: the acceptance keys first, then detail per run (``other``: a third
+    run under its key, the wan-overload scenario's ``unbounded``: PDD recomputing without the SLO)."""
+    runs = {"baseline": base, "pdd": pdd, **(dict([other]) if other else {})}
     return {
         "requests": pdd["requests"],
         "failed": base["failed"] + pdd["failed"],
@@ -218,12 +218,12 @@ _ROWS: tuple[tuple[str, Callable[[dict[str, Any]], object]], ...] = (
     ("failed", lambda r: r["failed"]),
     ("token mismatches vs one engine alone", lambda r: r["token_mismatches"]),
 )
-COLUMNS = {"baseline": "P->MD baseline", "pdd": "PDD", "bounded": "PDD bounded"}
+COLUMNS = {"baseline": "P->MD baseline", "pdd": "PDD", "unbounded": "PDD unbounded", "bounded": "PDD bounded"}
 
 
 def table(doc: dict[str, Any]) -> str:
     runs = [(title, doc[name]) for name, title in COLUMNS.items() if name in doc]
-    if "bounded" in doc:
+    if "bounded" in doc:  # the layout before the bounded policy became the default
         runs[1] = ("PDD unbounded", doc["pdd"])
     cells = [[str(fn(r)) for _, r in runs] for _, fn in _ROWS]
     w = max(len(name) for name, _ in _ROWS)
@@ -245,7 +245,7 @@ def _kv(d: dict[str, int]) -> str:
 
 
 def plot(
-    base: dict[str, Any], pdd: dict[str, Any], path: Path, bounded: dict[str, Any] | None = None
+    base: dict[str, Any], pdd: dict[str, Any], path: Path, other: tuple[str, dict[str, Any]] | None = None
 ) -> None:
     import matplotlib
 
@@ -253,8 +253,8 @@ def plot(
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    runs = [("P->MD baseline", base)]
-    runs += [("PDD unbounded", pdd), ("PDD bounded", bounded)] if bounded else [("PDD", pdd)]
+    runs = [("P->MD baseline", base), ("PDD", pdd)]
+    runs += [(COLUMNS.get(other[0], other[0]), other[1])] if other else []
     for name, run in runs:
         vals = np.sort(np.asarray(run["ttft_values"]))
         if len(vals):

@@ -48,7 +48,7 @@ from pddlink.routing import (
     RoutingPolicy,
 )
 from pddlink.routing.books import PrefillBook, TpotBook
-from pddlink.routing.options import ShortOutputs
+from pddlink.routing.options import OutputBook
 from pddlink.serving.grpc_tls import CallerCheck
 from router.admission import Overloaded
 from router.backend import EngineBackend, make_backend
@@ -84,12 +84,13 @@ class Router:
             rld_max_load=cfg.rld_max_load,
             singular_max_output_tokens=cfg.singular_max_tokens,
             recompute_enabled=cfg.recompute,
+            rld_token_budget=cfg.rld_token_budget,
         )
         self.p_book = PrefillBook(cfg.p_prefill_tokens_per_s)
         self.md_book = PrefillBook(cfg.md_prefill_tokens_per_s)
         self.md_tpot = TpotBook(cfg.md_tpot_s)
         self.rld_tpot = TpotBook(cfg.rld_tpot_s, source="rld")  # judged by it under a TPOT SLO
-        self.short_outputs = ShortOutputs()  # what the TPOT bound spreads a recompute's stall over
+        self.outputs = OutputBook()  # what the TPOT bound spreads a stall over; RLD's token share
         self.ids = itertools.count(1)
         self.in_flight: dict[str, RunDriver] = {}  # by request key
         self.labels_in_flight: set[str] = set()  # the clients' ids of those requests
@@ -330,7 +331,8 @@ class Router:
         self.md_tpot.observe(out)
         self.rld_tpot.observe(out)
         if out["outcome"] == RunOutcome.FINISHED.value:
-            self.short_outputs.add(int(out.get("output_tokens") or 0))
+            tokens = out.get("tokens") or {}
+            self.outputs.add(int(out.get("output_tokens") or 0), int(tokens.get("rld", 0)))
         return {
             "done": True,
             "request_id": label,
@@ -479,7 +481,8 @@ class Router:
                 "md_tokens_per_s": self.md_book.tokens_per_s,
                 "md_queued_tokens": self.md_book.queued_tokens,
                 "md_tpot_s": self.md_tpot.tpot_s,
-                "md_short_output_tokens": self.short_outputs.tokens(),  # the TPOT bound's spread
+                "md_output_tokens": self.outputs.tokens(),  # token-weighted mean of recent outputs
+                "rld_token_share": self.outputs.rld_share(),  # against rld_token_budget
                 "rld_tpot_s": self.rld_tpot.tpot_s,
             },
         }

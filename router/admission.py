@@ -42,10 +42,12 @@ class Overloaded(LocalError):
             f"the WAN alone needs {decision.wan_estimate_s:.1f} s for the missing KV)"
         )
         if decision.reason is RejectReason.TPOT_UNREACHABLE:
-            worst = min((max(e.tpot_s, e.md_batch_tpot_s) for e in decision.estimates), default=math.inf)
+            own = min((e.tpot_s for e in decision.estimates), default=math.inf)
+            pushed = min((e.md_pushed_over for e in decision.estimates if e.option.recomputes), default=0.0)
             message = (
-                "every option that meets the deadline breaks the TPOT SLO (its own or MD's running"
-                f" requests': at best {worst * 1e3:.1f} ms per token)"
+                "every option that meets the deadline breaks the TPOT SLO (its own, at best"
+                f" {own * 1e3:.1f} ms per token, or MD's running requests': recompute would push"
+                f" {pushed:.2f} of them over it)"
             )
         metrics.REJECTED.labels(reason=decision.reason.value).inc()
         return cls(decision.reason, decision.retry_after_s, message)

@@ -63,6 +63,7 @@ class RouterConfig:
     relay_min_wan_s: float = 0.15
     rld_capacity: int = 8
     rld_max_load: float = 1.0
+    rld_token_budget: float = 1.0  # no relay while RLD made this share of the recent output tokens (1: none)
     rld_tpot_s: float = 0.02
     singular_max_tokens: int = 4  # singular only for very short outputs (published: 3-4% of requests)
     line_mbit: float = 100.0
@@ -124,6 +125,8 @@ class RouterConfig:
             or min(self.p_prefill_tokens_per_s, self.md_prefill_tokens_per_s, self.md_tpot_s) <= 0
         ):
             raise InvalidInput("router: prefill speeds and md_tpot_s must be > 0")
+        if not 0 < self.rld_token_budget <= 1:
+            raise InvalidInput(f"router: rld_token_budget must be in (0, 1], got {self.rld_token_budget}")
         if self.slo_ttft_ms < 0 or self.slo_tpot_ms < 0:
             raise InvalidInput("router: slo_ttft_ms and slo_tpot_ms must be >= 0 (0: no bound)")
         for ident in (self.p_identity, self.rld_identity, self.md_identity):

@@ -9,9 +9,10 @@ request still has time for a fallback.
 
 The SLO (``slo_ttft_ms``, ``slo_tpot_ms``; 0: none) bounds the choice too: the TTFT half as the
 option's first-token deadline, the TPOT half as the decode-speed bound recompute is charged against,
-with the requests MD runs now (``md_running``) and the output length of the short ones among those
-that finished lately (``ShortOutputs``), over which a recompute's stall is spread; MD's and RLD's
-time per token are what the requests each finished saw (``TpotBook``). A request no
+with the requests MD runs now (``md_running``) and the output lengths of those that finished lately
+(``OutputBook``), by which a recompute's stall is judged; MD's and RLD's time per
+token are what the requests each finished saw (``TpotBook``), and RLD's share of their tokens is
+held under ``rld_token_budget`` (``RoutingPolicy``). A request no
 option serves within the SLO is refused at once (``router.admission.Overloaded``, reason
 ``tpot_unreachable`` or ``deadline_unreachable``), as one that misses its deadline is.
 """
@@ -31,7 +32,7 @@ from pddlink.routing import (
 )
 from pddlink.routing.books import PrefillBook, TpotBook
 from pddlink.routing.link import WAN_SHARE_OF_DEADLINE
-from pddlink.routing.options import Option, ShortOutputs
+from pddlink.routing.options import Option, OutputBook
 
 FAST_PATH_BYTES_S = 1e9  # the fast path to RLD (RDMA, or TCP inside datacenter A): ~8 Gbit/s
 EXTEND_S = 0.02  # MD's extend step for a handoff's token ids (reference engine, tiny model)
@@ -42,7 +43,7 @@ class RouterState(Protocol):
     p_book: PrefillBook
     md_book: PrefillBook
     md_tpot: TpotBook
-    short_outputs: ShortOutputs
+    outputs: OutputBook
 
     @property
     def cfg(self) -> Any: ...
@@ -71,7 +72,8 @@ def option_inputs(
         extend_s=EXTEND_S,
         tpot_bound_s=cfg.slo_tpot_ms / 1e3 if cfg.slo_tpot_ms else None,
         md_running=md_running,
-        md_output_tokens=router.short_outputs.tokens(),
+        md_outputs=router.outputs.lengths(),
+        rld_token_share=router.outputs.rld_share(),
     )
 
 
@@ -104,6 +106,7 @@ def option_trace(decision: OptionDecision) -> dict[str, Any]:
                 "rld_tokens": round(e.rld_tokens, 1),
                 "tpot_s": round(e.tpot_s, 4),
                 "md_batch_tpot_s": round(e.md_batch_tpot_s, 4),
+                "md_pushed_over": round(e.md_pushed_over, 3),
             }
             for e in decision.estimates
         },

@@ -235,6 +235,11 @@ def _preflight(cfg: Any, serve: dict[str, Any]) -> None:
     help="TPOT SLO: recompute on MD only within it for MD's running requests and this one [0: none].",
 )
 @click.option("--rld-capacity", type=int, help="Requests at which RLD's load is 1.0 [8].")
+@click.option(
+    "--rld-token-budget",
+    type=click.FloatRange(min=0, max=1, min_open=True),
+    help="No new relay while RLD made this share of the recent output tokens [1: no budget].",
+)
 @click.option("--rld-tpot-s", type=float, help="RLD's time per output token, for the singular test [0.02].")
 @click.option("--singular-max-tokens", type=int, help="Only outputs this short may end on RLD [4].")
 @click.option("--line-mbit", type=float, help="WAN line rate for the link model [100].")

@@ -33,14 +33,26 @@ A decode-speed bound (``OptionInputs.tpot_bound_s``, the SLO's time per output t
 half to "meets": this request's own expected TPOT, and the TPOT of the requests MD decodes while it
 recomputes (those running, ``md_running``, and those that join during the prefill), stay within it.
 Recompute costs them MD's prefill time: a blocking prefill stalls one step for the whole prompt
-(and what is queued before it); chunked prefill (``MdPrefill.chunk_tokens``, a per-step token
-budget) lengthens each step by ``chunk / tokens_per_s`` while it lasts, and the prompt rides on
-one decode step per chunk. Spread over ``md_output_tokens`` (the output length of the short
-requests, whose mean TPOT a stall hurts most), that is ``work / md_output_tokens`` per token,
-chunked at most ``chunk / tokens_per_s`` (``MdPrefill.tpot_cost_s``; the work counts MD's queue,
-so recompute stops once MD's queue is long). An option that breaks the bound is not chosen while
-another meets every bound; a request whose every option meets the deadlines only by breaking it
-is rejected as ``TPOT_UNREACHABLE``. Shipping and a handoff's extend step are not charged to MD's
+(and what is queued before it), adding ``work / n`` to the mean TPOT of a running request of ``n``
+output tokens; chunked prefill (``MdPrefill.chunk_tokens``, a per-step token budget) lengthens
+each step by ``chunk / tokens_per_s`` while it lasts, so at most that. Either way a request is
+pushed over the bound when it is shorter than ``work / slack`` (``MdPrefill.pushed_over_below``;
+``slack``: ``BATCH_TPOT_SHARE`` of the bound less MD's time per token now; a prefill no longer
+than one decode step pushes nobody over, whatever the slack). The requests MD is
+decoding are length-biased (a request runs as long as its output), so the share of them that
+short is the share of output *tokens* that belong to such requests (``OutputLengths``, from what
+requests produced lately). Recompute keeps the bound while the requests it is expected to push
+over (that share of ``md_running``, at least one: whatever joins during the prefill) stay under
+``PUSHED_OVER_LIMIT`` (0.1) while a relay option keeps every bound, else under
+``PUSHED_OVER_LIMIT_WITHOUT_RELAY`` (1: serving this request is worth more than what it costs
+the others). A
+mean output length instead undercounts the short requests a stall breaks, and a low quantile of
+outputs (8 tokens in the demo) refused every low-hit prompt, which RelayDecode then decoded.
+An option that breaks the bound is not chosen while another meets every bound; a request whose
+every option meets the deadlines only by breaking it is rejected as ``TPOT_UNREACHABLE``. What the
+bound moves off MD lands on RelayDecode, so relay options are open only while RLD's share of the
+tokens lately produced (``rld_token_share``) is under ``RoutingPolicy.rld_token_budget``: RLD
+stays a small tier however slow MD looks. Shipping and a handoff's extend step are not charged to MD's
 batch (importing KV and extending a few hundred token ids fit in a step).
 
 Without recompute and without a deadline this is exactly ``choose_pipeline``; without a TPOT bound it
@@ -50,10 +62,11 @@ is what it was before the bound existed. Pure: the router and the simulator call
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from enum import IntEnum, StrEnum
 
 from pddlink.errors import ConfigError
@@ -69,6 +82,11 @@ from pddlink.routing.policy import (
 # judged by is now's, the batch grows while the prefill runs, and a plan at the bound itself breaks
 # it for about half of the requests MD decodes meanwhile (the simulator shows it).
 BATCH_TPOT_SHARE = 0.9
+# How many of MD's running requests (expected) a recompute may push over the bound: while a relay
+# option keeps every bound, hardly any (RLD serves the request without harming anyone); without
+# one, fewer than the one request it serves (the alternative is refusing it).
+PUSHED_OVER_LIMIT = 0.1
+PUSHED_OVER_LIMIT_WITHOUT_RELAY = 1.0
 
 
 class Option(StrEnum):
@@ -165,6 +183,21 @@ class MdPrefill:
             ready += math.ceil(tokens / self.chunk_tokens) * step_s
         return ready
 
+    def pushed_over_below(self, tokens: int, slack_s: float, step_s: float = 0.0) -> float:
+        """The output length under which a request MD decodes meanwhile gets more than ``slack_s``
+        added to its mean TPOT by prefilling ``tokens`` (after MD's queue): ``work / slack``, or 0
+        when chunks are short enough to fit in the slack at every step, or when the work is no
+        longer than one decode step ``step_s`` (it costs a running request what one more token in
+        the batch does, within the step time's own spread); inf: no slack at all."""
+        work = self.queue_s + max(0, tokens) / self.tokens_per_s
+        if work <= step_s:
+            return 0.0
+        if slack_s <= 0:
+            return math.inf
+        if self.chunk_tokens is not None and self.chunk_tokens / self.tokens_per_s <= slack_s:
+            return 0.0
+        return work / slack_s
+
     def tpot_cost_s(self, tokens: int, over_tokens: float) -> float:
         """What prefilling ``tokens`` adds to the time per output token of a request of
         ``over_tokens`` output tokens MD decodes meanwhile: the prefill and what is queued before it
@@ -186,9 +219,10 @@ class OptionInputs:
     ``extend_s``: MD's extend step at a token-id handoff.
     ``tpot_bound_s``: the SLO's time per output token (None: no decode-speed bound, as before it
     existed). ``md_running``: sequences MD is decoding now (a chunked prefill rides on their decode
-    steps); ``md_output_tokens``: the output length a stall is spread over; pass the short ones' (a
-    low quantile of the output bounds of the requests MD decodes), since a stall hurts a short
-    request's mean TPOT most (1 when unknown: a stall then counts in full against one token).
+    steps); ``md_outputs``: the output lengths of the requests that finished lately
+    (``OutputBook.lengths``; none known: every stall is charged in full). ``rld_token_share``:
+    RelayDecode's share of the output tokens produced lately (``OutputBook.rld_share``), against
+    ``RoutingPolicy.rld_token_budget``.
     """
 
     routing: RoutingInputs
@@ -201,13 +235,14 @@ class OptionInputs:
     extend_s: float = 0.0
     tpot_bound_s: float | None = None
     md_running: int = 0
-    md_output_tokens: float = 1.0
+    md_outputs: OutputLengths = field(default_factory=lambda: OutputLengths())
+    rld_token_share: float = 0.0
 
     def __post_init__(self) -> None:
         _require(self.deadline_s is None or self.deadline_s > 0, "deadline_s must be > 0 or None")
         _require(self.tpot_bound_s is None or self.tpot_bound_s > 0, "tpot_bound_s must be > 0 or None")
         _require(self.md_running >= 0, "md_running must be >= 0")
-        _require(self.md_output_tokens >= 1, "md_output_tokens must be >= 1")
+        _require(0 <= self.rld_token_share <= 1, "rld_token_share must be in [0, 1]")
         _require(self.ttft_deadline_s is None or self.ttft_deadline_s > 0, "ttft_deadline_s must be > 0")
         for name in ("p_prefill_s", "fast_s", "extend_s"):
             _require(getattr(self, name) >= 0, f"{name} must be >= 0")
@@ -224,24 +259,27 @@ class OptionEstimate:
     finish_s: float
     rld_tokens: float  # expected tokens produced on RLD
     tpot_s: float = 0.0  # this request's expected time per output token after its first
-    md_batch_tpot_s: float = 0.0  # what MD's running requests get while it recomputes (0: not charged)
+    md_batch_tpot_s: float = 0.0  # what MD's running requests get while it recomputes, on average
+    md_pushed_over: float = 0.0  # of them, how many it is expected to push over the TPOT bound
 
     def meets(
         self,
         deadline_s: float | None,
         ttft_deadline_s: float | None = None,
         tpot_bound_s: float | None = None,
+        pushed_over_limit: float = PUSHED_OVER_LIMIT,
     ) -> bool:
         """Ends by the deadline, has its first token out by the TTFT one and keeps this request's
-        and MD's running requests' TPOT within the bound, each where one is given."""
+        TPOT within the bound and MD's running requests' too (pushing fewer than
+        ``pushed_over_limit`` of them over it), each where one is given."""
         ends = deadline_s is None or self.finish_s <= deadline_s
         first = ttft_deadline_s is None or self.ttft_s <= ttft_deadline_s
-        return ends and first and self.meets_tpot(tpot_bound_s)
+        return ends and first and self.meets_tpot(tpot_bound_s, pushed_over_limit)
 
-    def meets_tpot(self, tpot_bound_s: float | None) -> bool:
+    def meets_tpot(self, tpot_bound_s: float | None, pushed_over_limit: float = PUSHED_OVER_LIMIT) -> bool:
         if tpot_bound_s is None:
             return True
-        return self.tpot_s <= tpot_bound_s and self.md_batch_tpot_s <= BATCH_TPOT_SHARE * tpot_bound_s
+        return self.tpot_s <= tpot_bound_s and self.md_pushed_over < pushed_over_limit
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,10 +302,13 @@ class OptionDecision:
 
 
 def allowed_options(inputs: OptionInputs, policy: RoutingPolicy) -> tuple[Option, ...]:
-    """The options this deployment and RLD's current load permit, before any timing."""
+    """The options this deployment, RLD's current load and its token budget permit, before any
+    timing."""
     r = inputs.routing
     recompute = policy.recompute_enabled and inputs.md_prefill is not None
     out = [Option.SHIP] + ([Option.RECOMPUTE] if recompute else [])
+    if policy.rld_token_budget < 1 and inputs.rld_token_share >= policy.rld_token_budget:
+        return tuple(out)  # RLD has had its share of the tokens: MD's options alone
     if policy.relay_enabled and r.rld_available and r.rld_load < policy.rld_max_load:
         out.append(Option.RELAY)
         if recompute:
@@ -284,13 +325,19 @@ def estimate_options(inputs: OptionInputs, policy: RoutingPolicy) -> tuple[Optio
     wan_s = r.link.transfer_s(r.wan_bytes)
     ship_ready = inputs.p_prefill_s + wan_s
     # token ids cross in half a round trip; MD prefills what its own cache lacks
-    recompute_ready, batch_tpot = math.inf, 0.0
+    recompute_ready, batch_tpot, pushed = math.inf, 0.0, 0.0
     md = inputs.md_prefill
     if md is not None:
         step = inputs.md_tpot_s if inputs.md_running else 0.0
         recompute_ready = r.link.rtt_s / 2 + md.ready_s(r.missing_tokens, step)
         # charged even to an idle MD: whatever joins its batch during the prefill pays it too
-        batch_tpot = inputs.md_tpot_s + md.tpot_cost_s(r.missing_tokens, inputs.md_output_tokens)
+        lengths = inputs.md_outputs
+        batch_tpot = inputs.md_tpot_s + md.tpot_cost_s(r.missing_tokens, lengths.token_weighted_mean())
+        if inputs.tpot_bound_s is not None:
+            slack = BATCH_TPOT_SHARE * inputs.tpot_bound_s - inputs.md_tpot_s
+            below = md.pushed_over_below(r.missing_tokens, slack, inputs.md_tpot_s)
+            shorter = lengths.token_share_below(below)
+            pushed = max(1, inputs.md_running) * shorter
     rld_first = inputs.p_prefill_s + inputs.fast_s + r.rld_tpot_s
     rld_alone = rld_first + (out_tokens - 1) * r.rld_tpot_s
     md_decode = (out_tokens - 1) * inputs.md_tpot_s
@@ -312,8 +359,8 @@ def estimate_options(inputs: OptionInputs, policy: RoutingPolicy) -> tuple[Optio
             # MD's prefill work still queued when this request starts decoding there stalls it too
             left = MdPrefill(md.tokens_per_s, max(0.0, md.queue_s - ready), md.chunk_tokens)
             own += left.tpot_cost_s(0, out_tokens) if left.queue_s > 0 else 0.0
-        charged = batch_tpot if option.recomputes else 0.0
-        estimates.append(OptionEstimate(option, first, ready, finish, on_rld, own, charged))
+        charged, over = (batch_tpot, pushed) if option.recomputes else (0.0, 0.0)
+        estimates.append(OptionEstimate(option, first, ready, finish, on_rld, own, charged, over))
     return tuple(estimates)
 
 
@@ -324,6 +371,11 @@ def choose_option(inputs: OptionInputs, policy: RoutingPolicy) -> OptionDecision
     every = estimate_options(inputs, policy)
     bound = inputs.tpot_bound_s
     fits = {e.option: e for e in every if e.meets(inputs.deadline_s, inputs.ttft_deadline_s, bound)}
+    if not any(o.relays for o in fits):  # no relay keeps the bounds: recompute may cost a little more
+        loose = PUSHED_OVER_LIMIT_WITHOUT_RELAY
+        fits = {
+            e.option: e for e in every if e.meets(inputs.deadline_s, inputs.ttft_deadline_s, bound, loose)
+        }
 
     def take(option: Option, reason: DecisionReason) -> OptionDecision:
         shipped = r.wan_bytes if option.ships_kv else 0
@@ -379,7 +431,7 @@ def _overshoot_s(e: OptionEstimate, inputs: OptionInputs) -> float:
     if inputs.ttft_deadline_s is not None:
         over = max(over, e.ttft_s - inputs.ttft_deadline_s)
     if inputs.tpot_bound_s is not None:
-        worst = max(e.tpot_s, e.md_batch_tpot_s) - inputs.tpot_bound_s
+        worst = e.tpot_s - inputs.tpot_bound_s
         over = max(over, worst * inputs.routing.max_output_tokens)
     return over
 
@@ -406,25 +458,68 @@ def _direct_or(
     return take(Option.SINGULAR, DecisionReason.SHORT_OUTPUT)  # RLD busy for relays, singular fits
 
 
-class ShortOutputs:
-    """``OptionInputs.md_output_tokens``: the output length of the short requests among the last
-    ``window`` finished (a low ``quantile``), since a stall hurts a short request's mean TPOT most.
-    Output bounds say little (most are the API's default), so this is what requests produced. The
-    router and the simulator keep one each; sans-I/O."""
+@dataclass(frozen=True, slots=True)
+class OutputLengths:
+    """Output lengths of requests that finished lately, sorted: which share of their output tokens
+    belongs to requests shorter than ``n`` (the share of MD's running requests that short, since a
+    request runs as long as its output). None known: every share is 1 (a stall counts in full)."""
 
-    def __init__(self, window: int = 256, quantile: float = 0.1) -> None:
-        self.window, self.quantile = window, quantile
-        self._order: deque[int] = deque()
-        self._sorted: list[int] = []
+    sorted_tokens: tuple[int, ...] = ()
+    cumulative: tuple[int, ...] = ()  # cumulative[i]: tokens of the i shortest
 
-    def add(self, output_tokens: int) -> None:
-        self._order.append(output_tokens)
-        bisect.insort(self._sorted, output_tokens)
+    @classmethod
+    def of(cls, tokens: Iterable[int]) -> OutputLengths:
+        ordered = tuple(sorted(max(0, n) for n in tokens))
+        return cls(ordered, tuple(itertools.accumulate(ordered, initial=0)))
+
+    def token_share_below(self, n: float) -> float:
+        if n <= 1:  # no request is shorter than one token
+            return 0.0
+        total = self.cumulative[-1] if self.cumulative else 0
+        if not total:
+            return 1.0
+        return self.cumulative[bisect.bisect_left(self.sorted_tokens, n)] / total
+
+    def token_weighted_mean(self) -> float:
+        """sum n^2 / sum n: the output length of the request an output token belongs to (1: none)."""
+        total = self.cumulative[-1] if self.cumulative else 0
+        return max(1.0, sum(n * n for n in self.sorted_tokens) / total) if total else 1.0
+
+
+class OutputBook:
+    """What the requests that finished lately produced, over the last ``window``: their output
+    lengths (``lengths``, what the TPOT bound judges a recompute's stall by; ``tokens``: their
+    token-weighted mean) and RelayDecode's share of their tokens (``rld_share``), which
+    ``RoutingPolicy.rld_token_budget`` caps. Output bounds say little (most are the API's
+    default), so this is what requests produced. The router and the simulator keep one each;
+    sans-I/O."""
+
+    def __init__(self, window: int = 256) -> None:
+        if window < 1:
+            raise ConfigError(f"window must be >= 1, got {window}")
+        self.window = window
+        self._order: deque[tuple[int, int]] = deque()  # (output tokens, of them produced on RLD)
+        self._sum = self._squares = self._rld = 0
+        self._lengths: OutputLengths | None = None  # built on demand, until the next add
+
+    def add(self, output_tokens: int, rld_tokens: int = 0) -> None:
+        n, rld = max(0, output_tokens), min(max(0, rld_tokens), max(0, output_tokens))
+        self._lengths = None
+        self._order.append((n, rld))
+        self._sum, self._squares, self._rld = self._sum + n, self._squares + n * n, self._rld + rld
         if len(self._order) > self.window:
-            old = self._order.popleft()
-            del self._sorted[bisect.bisect_left(self._sorted, old)]
+            old, old_rld = self._order.popleft()
+            self._sum, self._squares = self._sum - old, self._squares - old * old
+            self._rld -= old_rld
 
     def tokens(self) -> float:
-        if not self._sorted:
-            return 1.0
-        return float(max(1, self._sorted[int(self.quantile * (len(self._sorted) - 1))]))
+        """The token-weighted output length (1 while nothing finished: a stall then counts in full)."""
+        return max(1.0, self._squares / self._sum) if self._sum else 1.0
+
+    def lengths(self) -> OutputLengths:
+        if self._lengths is None:
+            self._lengths = OutputLengths.of(n for n, _ in self._order)
+        return self._lengths
+
+    def rld_share(self) -> float:
+        return self._rld / self._sum if self._sum else 0.0

@@ -64,6 +64,9 @@ class RoutingPolicy:
     value above 1 forces catch-up). ``singular_max_output_tokens``: only requests whose output bound is
     at most this may end on RLD (None: the "RLD finishes first" test alone decides).
     ``recompute_enabled``: ``choose_option`` may let MD prefill the missing suffix from token ids.
+    ``rld_token_budget``: ``choose_option`` opens no relay option while RLD's share of the output
+    tokens produced lately is at or above it (1: no budget), so a decode-speed bound that finds MD
+    slow cannot move most of the decoding onto RLD.
     """
 
     relay_enabled: bool = True
@@ -74,12 +77,14 @@ class RoutingPolicy:
     catch_up_slice_tokens: int = 64
     singular_max_output_tokens: int | None = None
     recompute_enabled: bool = False  # MD may prefill the missing suffix itself (``choose_option``)
+    rld_token_budget: float = 1.0
 
     def __post_init__(self) -> None:
         _require(self.relay_min_wan_s >= 0, f"relay_min_wan_s must be >= 0, got {self.relay_min_wan_s}")
         _require(0 <= self.rld_max_load <= 1, f"rld_max_load must be in [0, 1], got {self.rld_max_load}")
         _require(self.catch_up_below_load >= 0, "catch_up_below_load must be >= 0")
         _require(self.catch_up_slice_tokens >= 1, "catch_up_slice_tokens must be >= 1")
+        _require(0 < self.rld_token_budget <= 1, "rld_token_budget must be in (0, 1]")
         _require(
             self.singular_max_output_tokens is None or self.singular_max_output_tokens >= 1,
             f"singular_max_output_tokens must be >= 1 or None, got {self.singular_max_output_tokens}",

@@ -52,7 +52,7 @@ from pddlink.routing import (
     choose_rld,
     place,
 )
-from pddlink.routing.options import ShortOutputs
+from pddlink.routing.options import OutputBook
 from pddlink.sim.cache import DecodeCache
 from pddlink.sim.deploy import Deployment, Kind, Link
 from pddlink.sim.md_lane import MdPrefillLane
@@ -134,7 +134,8 @@ class Simulation:
         ]
         self.line = self.lines[0]
         self.records = RunRecords()
-        self.short_outputs = ShortOutputs()  # what the TPOT bound spreads a recompute's stall over
+        self.outputs = OutputBook()  # the output lengths the TPOT bound judges a recompute's stall by
+        self.finished = OutputBook()  # RLD's share of the tokens of finished requests (its token budget)
         self.crosses_wan = d.crosses_wan
         self.back_s = [x.link.rtt_s / 2 if d.crosses_wan else 0.0 for x in sites]  # MD's tokens back to A
         self.placement = PlacementConfig(d.placement, BALANCE_QUEUE, d.balance_tpot_s)
@@ -229,7 +230,7 @@ class Simulation:
         option = self._choose(r, matched, now, i, p.backlog_s(now))
         rec = Record(r.arrival_s, r.output_tokens, Pipeline.P_MD, measured=r.arrival_s >= warmup_s)
         if self.d.tpot_bound_s is not None:  # the router learns the same from finished requests
-            self.short_outputs.add(r.output_tokens)
+            self.outputs.add(r.output_tokens)
         rec.hit = matched / r.prompt_tokens
         rec.decode = placed.md
         rec.missing_tokens = r.prompt_tokens - matched
@@ -295,7 +296,8 @@ class Simulation:
             extend_s=md.model.extend_s(16),
             tpot_bound_s=d.tpot_bound_s,
             md_running=md.running,
-            md_output_tokens=self.short_outputs.tokens(),
+            md_outputs=self.outputs.lengths(),
+            rld_token_share=self.finished.rld_share(),
         )
         return choose_option(inputs, policy).option
 
@@ -378,6 +380,7 @@ class Simulation:
         rec = req.record
         rec.finish_s = now + req.back_s
         rec.md_tokens = req.trace.output_tokens - rec.rld_tokens
+        self.finished.add(req.trace.output_tokens, rec.rld_tokens)
         self._release(req)
 
     def _land(self, now: float, req: _Req) -> None:
@@ -418,6 +421,7 @@ class Simulation:
         req.rld_done = True
         rec.rld_tokens = req.trace.output_tokens
         rec.finish_s = now
+        self.finished.add(req.trace.output_tokens, rec.rld_tokens)
         if req.pipeline is Pipeline.SINGULAR:
             return
         if rec.kv_transfer_s >= 0 or req.md_ready:  # catch-up was under way; MD already has the KV

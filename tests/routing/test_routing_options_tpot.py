@@ -21,7 +21,7 @@ from pddlink.routing import (
     choose_option,
     estimate_options,
 )
-from pddlink.routing.options import BATCH_TPOT_SHARE
+from pddlink.routing.options import BATCH_TPOT_SHARE, PUSHED_OVER_LIMIT_WITHOUT_RELAY, OutputLengths
 from tests.routing.test_routing_options import LINE, PDD_RECOMPUTE, option_inputs, policies, routing
 
 BUSY = LinkEstimate(LINE, 0.02, flows_in_flight=10, backlog_bytes=40_000_000)
@@ -68,12 +68,35 @@ def test_a_plan_at_the_bound_itself_is_not_taken() -> None:
     assert d.option is Option.RELAY and BATCH_TPOT_SHARE < 1
 
 
-def test_a_stall_spread_over_the_tokens_left_fits_unless_mds_queue_is_long() -> None:
-    long_outputs = overloaded(md_output_tokens=100.0)  # 96 ms over 100 tokens: ~1 ms each
-    assert choose_option(long_outputs, PDD_RECOMPUTE).option is Option.RECOMPUTE
-    queued = overloaded(MdPrefill(8000.0, queue_s=2.0), md_output_tokens=100.0)  # 21 ms more each
+LONG = OutputLengths.of([100] * 50)  # every request lately produced 100 tokens
+
+
+def test_a_stall_no_running_request_is_short_enough_to_feel_fits_unless_mds_queue_is_long() -> None:
+    long_outputs = overloaded(md_outputs=LONG)  # 96 ms with 7 ms of slack: under 14 tokens only
+    d = choose_option(long_outputs, PDD_RECOMPUTE)
+    rec = d.estimate(Option.RECOMPUTE)
+    assert d.option is Option.RECOMPUTE and rec is not None and rec.md_pushed_over == 0.0
+    assert rec.md_batch_tpot_s == pytest.approx(0.02 + 0.096 / 100)  # the token-weighted mean
+    queued = overloaded(MdPrefill(8000.0, queue_s=2.0), md_outputs=LONG)  # 2.1 s: all 20 of them
     d = choose_option(queued, PDD_RECOMPUTE)
     assert d.option is not Option.RECOMPUTE and d.option is not Option.RELAY_RECOMPUTE
+    rec = d.estimate(Option.RECOMPUTE)
+    assert rec is not None and rec.md_pushed_over == pytest.approx(20.0)
+
+
+def test_the_share_of_running_requests_pushed_over_is_the_share_of_tokens_in_short_ones() -> None:
+    lengths = OutputLengths.of([10] * 9 + [910])  # 90 tokens of 1000 in requests of 10 tokens
+    assert lengths.token_share_below(11) == pytest.approx(0.09)
+    assert lengths.token_share_below(10) == 0.0 and lengths.token_share_below(911) == 1.0
+    assert lengths.token_weighted_mean() == pytest.approx((9 * 100 + 910**2) / 1000)
+    assert OutputLengths().token_share_below(2) == 1.0 and OutputLengths().token_share_below(1) == 0.0
+    # 96 ms of prefill against 7 ms of slack breaks requests under 13.7 tokens: 9% of the tokens
+    d = choose_option(overloaded(md_outputs=lengths, md_running=1), PDD_RECOMPUTE)
+    rec = d.estimate(Option.RECOMPUTE)
+    assert rec is not None and rec.md_pushed_over == pytest.approx(0.09)
+    assert d.option is Option.RECOMPUTE  # under PUSHED_OVER_LIMIT, 0.1
+    d = choose_option(overloaded(md_outputs=lengths, md_running=2), PDD_RECOMPUTE)
+    assert d.option is Option.RELAY  # 0.18 expected: RLD serves it without harming anyone
 
 
 def test_an_idle_md_still_charges_what_joins_it_but_no_interleaved_steps() -> None:
@@ -103,6 +126,42 @@ def test_every_option_breaking_the_bound_is_rejected_typed() -> None:
     assert d.retry_after_s >= 1.0 and all(e.tpot_s > BOUND for e in d.estimates)
 
 
+def test_without_a_relay_recompute_may_push_over_up_to_the_one_request_it_serves() -> None:
+    lengths = OutputLengths.of([10] * 30 + [700])  # 30% of the tokens in requests of 10 tokens
+    three = overloaded(md_outputs=lengths, md_running=3, ttft_deadline_s=2.0)  # 0.9 expected
+    assert choose_option(three, PDD_RECOMPUTE).option is Option.RELAY
+    no_relay = replace(PDD_RECOMPUTE, relay_enabled=False)
+    assert choose_option(three, no_relay).option is Option.RECOMPUTE  # 0.9 <= 1: worth it
+    four = replace(three, md_running=4)  # 1.2 expected: costs more than it serves
+    d = choose_option(four, no_relay)
+    assert d.option is None and d.reason is RejectReason.TPOT_UNREACHABLE
+
+
+def test_rlds_token_budget_closes_the_relay_options() -> None:
+    budget = replace(PDD_RECOMPUTE, rld_token_budget=0.2)
+    under = choose_option(overloaded(rld_token_share=0.19), budget)
+    assert under.option is Option.RELAY
+    over = choose_option(overloaded(rld_token_share=0.2, ttft_deadline_s=2.0), budget)
+    assert {e.option for e in over.estimates} == {Option.SHIP, Option.RECOMPUTE}
+    # the line is too slow for the first token and a blocking recompute breaks the bound
+    assert over.option is None and over.reason is RejectReason.TPOT_UNREACHABLE
+    fits = choose_option(overloaded(rld_token_share=0.2, md_outputs=LONG), budget)
+    assert fits.option is Option.RECOMPUTE  # a stall MD's batch can carry still recomputes
+    # no budget (1): RLD may take every token
+    assert choose_option(overloaded(rld_token_share=1.0), PDD_RECOMPUTE).option is Option.RELAY
+
+
+@settings(max_examples=300, deadline=None)
+@given(option_inputs(), policies, st.floats(0.05, 0.95), st.floats(0, 1))
+def test_no_relay_option_once_rld_has_had_its_share(
+    inputs: OptionInputs, policy: RoutingPolicy, budget: float, share: float
+) -> None:
+    d = choose_option(replace(inputs, rld_token_share=share), replace(policy, rld_token_budget=budget))
+    if share >= budget:
+        assert d.option is None or not d.option.relays
+        assert all(not e.option.relays for e in d.estimates)
+
+
 def test_deadline_rejections_keep_their_reason_under_a_bound() -> None:
     jammed = LinkEstimate(LINE, 0.02, flows_in_flight=30, backlog_bytes=200_000_000)
     inputs = OptionInputs(routing(link=jammed), deadline_s=5.0, md_prefill=None, tpot_bound_s=BOUND)
@@ -114,9 +173,11 @@ def test_bad_tpot_inputs_are_refused() -> None:
     with pytest.raises(ConfigError):
         overloaded(tpot_bound_s=0.0)
     with pytest.raises(ConfigError):
-        overloaded(md_output_tokens=0.5)
-    with pytest.raises(ConfigError):
         MdPrefill(8000.0, chunk_tokens=0)
+    with pytest.raises(ConfigError):
+        overloaded(rld_token_share=1.5)
+    with pytest.raises(ConfigError):
+        RoutingPolicy(rld_token_budget=0.0)
 
 
 @settings(max_examples=300, deadline=None)
@@ -125,7 +186,7 @@ def test_bad_tpot_inputs_are_refused() -> None:
     policies,
     st.floats(0.001, 0.3),
     st.integers(0, 64),
-    st.floats(1, 1000),
+    st.lists(st.integers(0, 2000), max_size=20),
     st.none() | st.integers(1, 4096),
 )
 def test_never_breaks_the_bound_when_an_option_keeps_it(
@@ -133,16 +194,20 @@ def test_never_breaks_the_bound_when_an_option_keeps_it(
     policy: RoutingPolicy,
     bound: float,
     running: int,
-    left: float,
+    outputs: list[int],
     chunk: int | None,
 ) -> None:
     md = inputs.md_prefill and replace(inputs.md_prefill, chunk_tokens=chunk)
-    bounded = replace(inputs, tpot_bound_s=bound, md_running=running, md_output_tokens=left, md_prefill=md)
+    lengths = OutputLengths.of(outputs)
+    bounded = replace(inputs, tpot_bound_s=bound, md_running=running, md_outputs=lengths, md_prefill=md)
     d = choose_option(bounded, policy)
     every = estimate_options(bounded, policy)
-    if any(e.meets(bounded.deadline_s, bounded.ttft_deadline_s, bound) for e in every):
-        chosen = d.estimate(d.option) if d.option is not None else None
-        assert chosen is not None and chosen.meets(bounded.deadline_s, bounded.ttft_deadline_s, bound)
+    deadlines = (bounded.deadline_s, bounded.ttft_deadline_s)
+    chosen = d.estimate(d.option) if d.option is not None else None
+    if any(e.option.relays and e.meets(*deadlines, bound) for e in every):  # recompute: nearly free
+        assert chosen is not None and chosen.meets(*deadlines, bound)
+    elif any(e.meets(*deadlines, bound, PUSHED_OVER_LIMIT_WITHOUT_RELAY) for e in every):
+        assert chosen is not None and chosen.meets(*deadlines, bound, PUSHED_OVER_LIMIT_WITHOUT_RELAY)
     elif any(e.meets(bounded.deadline_s, bounded.ttft_deadline_s) for e in every):
         assert d.option is None and d.reason is RejectReason.TPOT_UNREACHABLE
     else:

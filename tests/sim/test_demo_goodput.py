@@ -55,26 +55,26 @@ def run(results: list[RequestResult]) -> dict[str, Any]:
 
 def test_the_wan_overload_document_has_three_runs_side_by_side() -> None:
     base = run([result(i, 8.0, 9.0, 10) for i in range(3)] + [result(3, None, 30.0, 0, "failed")] * 3)
-    pdd = run([result(i, 0.1, 0.1 + 9 * 0.05, 10) for i in range(6)])  # recompute, no bound
-    bounded = run(RESULTS)
+    pdd = run(RESULTS)  # the router holds the SLO
+    unbounded = run([result(i, 0.1, 0.1 + 9 * 0.05, 10) for i in range(6)])  # recompute, no bound
     setting = {"slo": {"ttft_ms": 500.0, "tpot_ms": 20.0}, "scenario": "wan-overload"}
-    doc = json.loads(json.dumps(document(base, pdd, setting, bounded)))  # what --json writes
-    assert set(doc["ttft_s"]) == {"baseline", "pdd", "bounded"}
-    assert doc["goodput_rps"] == {"baseline": 0.0, "pdd": 0.0, "bounded": 0.5}
-    assert doc["bounded"]["goodput_rps"] == 0.5 and doc["bounded"]["failed"] == 1
-    assert doc["bounded"]["rejected"] == 1
-    assert doc["pdd"]["tokens_per_s_per_request"] == pytest.approx(20.0)
+    doc = json.loads(json.dumps(document(base, pdd, setting, ("unbounded", unbounded))))  # --json
+    assert set(doc["ttft_s"]) == {"baseline", "pdd", "unbounded"}
+    assert doc["goodput_rps"] == {"baseline": 0.0, "pdd": 0.5, "unbounded": 0.0}
+    assert doc["pdd"]["goodput_rps"] == 0.5 and doc["pdd"]["failed"] == 1
+    assert doc["pdd"]["rejected"] == 1
+    assert doc["unbounded"]["tokens_per_s_per_request"] == pytest.approx(20.0)
     assert doc["baseline"]["tokens_per_s_per_request"] == pytest.approx(9.0)
-    assert doc["slo"] == setting["slo"] and "ttft_values" not in doc["bounded"]
+    assert doc["slo"] == setting["slo"] and "ttft_values" not in doc["unbounded"]
     text = table(doc)
     header = text.splitlines()[0]
-    assert header.index("P->MD baseline") < header.index("PDD unbounded") < header.index("PDD bounded")
+    assert header.index("P->MD baseline") < header.index("PDD ") < header.index("PDD unbounded")
     assert "goodput (req/s in SLO)" in text and "TTFT <= 500 ms and TPOT <= 20 ms" in text
 
 
 def test_the_default_demo_document_has_two_runs_and_goodput() -> None:
     doc = document(run(RESULTS), run(RESULTS), {"slo": {"ttft_ms": 500.0, "tpot_ms": 20.0}})
-    assert "bounded" not in doc and set(doc["goodput_rps"]) == {"baseline", "pdd"}
+    assert "unbounded" not in doc and set(doc["goodput_rps"]) == {"baseline", "pdd"}
     assert table(doc).splitlines()[0].rstrip().endswith("PDD")
 
 

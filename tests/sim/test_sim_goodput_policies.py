@@ -10,7 +10,7 @@ import pytest
 
 from pddlink.errors import ConfigError
 from pddlink.routing import Pipeline
-from pddlink.routing.options import ShortOutputs
+from pddlink.routing.options import OutputBook
 from pddlink.sim.bathtub import hit_band, valley
 from pddlink.sim.goodput import bounded_lead
 from pddlink.sim.hardware import CHIP_E, AFigures, InstanceModel
@@ -44,17 +44,19 @@ def test_chunked_lane_adds_one_chunk_to_every_step_while_the_prompt_runs() -> No
     assert md.tpot_s() == pytest.approx(step)
 
 
-def test_short_outputs_is_a_low_quantile_over_a_window() -> None:
-    short = ShortOutputs(window=10, quantile=0.1)
-    assert short.tokens() == 1.0
-    for n in (500, 20, 300, 400, 600, 700, 800, 900, 1000, 1100):
-        short.add(n)
-    assert short.tokens() == 20.0
-    short.add(1200)  # 500 leaves the window; 20 stays the shortest
-    assert short.tokens() == 20.0
-    for n in range(11):
-        short.add(1000 + n)
-    assert short.tokens() == 1001.0  # the last ten: 1001..1010
+def test_output_book_is_token_weighted_over_a_window_with_rlds_share() -> None:
+    book = OutputBook(window=3)
+    assert book.tokens() == 1.0 and book.rld_share() == 0.0
+    book.add(10)
+    book.add(30, rld_tokens=30)
+    assert book.tokens() == pytest.approx((100 + 900) / 40)  # a token's request: 25 tokens long
+    assert book.rld_share() == pytest.approx(0.75)
+    book.add(60, rld_tokens=6)
+    book.add(20)  # 10 leaves the window
+    assert book.tokens() == pytest.approx((900 + 3600 + 400) / 110)
+    assert book.rld_share() == pytest.approx(36 / 110)
+    book.add(5, rld_tokens=99)  # never more RLD tokens than the request produced
+    assert book.rld_share() == pytest.approx((6 + 5) / 85)
 
 
 def test_output_speed_and_slo_are_in_the_summary() -> None:
