@@ -60,7 +60,7 @@ from pddlink.topology import Topology
 LEAD_S = 8.0  # steady load before the first restart
 GAP_S = 2.0  # between one process serving again and the next SIGTERM
 TAIL_S = 8.0  # load after the last process serves again
-ROLLING_BUDGET_S = 900.0  # requests generated for at most this long a rolling restart
+ROLLING_BUDGET_S = 600.0  # requests generated for at most this long a rolling restart
 OUTAGE_MARGIN_S = 10.0  # load before and after etcd's outage
 JOINED_MD = "md-joined0"  # the MD only etcd knows (``--etcd-outage-s``)
 
