@@ -6,6 +6,7 @@ where a process was away (SIGTERM until serving again) or etcd was down.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,7 @@ def outage_doc(
             "requests": len(during),
             "failed": sum(t.outcome != "finished" for t in during),
             "on_joined_md": sum(t.where.get("md") == joined_md for t in during),
+            "by_md": dict(sorted(Counter(t.where.get("md", "?") for t in during).items())),
         },
         "joined_md": joined_md,
         **facts,
@@ -94,14 +96,18 @@ def table_outage(doc: dict[str, Any]) -> str:
             f"{name:>9}  {f['requests']:>8} {f['finished']:>8} {f['failed']:>6} {f['hung']:>4} "
             f"{f['token_mismatches']:>5}  {reasons}"
         )
-    d = doc["during_outage"]
+    d, joined = doc["during_outage"], doc["joined_md"]
     stale = ", ".join(f"{k} {v:.0%}" for k, v in doc.get("stale_seen", {}).items())
-    lines.append(
+    kept = [r for r, view in doc.get("in_placement_during", {}).items() if view.get(joined)]
+    by_md = ", ".join(f"{md} {n}" for md, n in d.get("by_md", {}).items())
+    lines += [
         f"etcd down {doc.get('down_s', 0):.1f}-{doc.get('up_s', 0):.1f} s: {d['requests']} requests ran, "
-        f"{d['failed']} failed, {d['on_joined_md']} on {doc['joined_md']} (known from etcd only); "
-        f"routers said stale: {stale}; fresh again {doc.get('fresh_after_s')} s after etcd was back; "
-        f"failed beyond the baseline: {doc['extra_failed']}; timeline {doc['plot']}"
-    )
+        f"{d['failed']} failed; placed on {by_md}",
+        f"  routers said stale: {stale}; {joined} (known from etcd only) still in placement at "
+        f"{len(kept)}/{len(doc.get('in_placement_during', {}))} routers, {d['on_joined_md']} requests on it; "
+        f"fresh again {doc.get('fresh_after_s')} s after etcd was back",
+        f"  failed beyond the baseline: {doc['extra_failed']}; timeline {doc['plot']}",
+    ]
     return "\n".join(lines)
 
 
@@ -119,6 +125,8 @@ def plot_timeline(
     for y, t in enumerate(sorted(load, key=lambda t: t.sent_s)):
         color = "black" if t.hung else colors.get(t.outcome, "tab:red")
         top.plot([t.sent_s, t.ended_s], [y, y], color=color, lw=0.8 if t.outcome == "finished" else 1.6)
+        if t.outcome != "finished":
+            top.scatter([t.ended_s], [y], color=color, marker="x", zorder=3)
     end = max((t.ended_s for t in load), default=1.0)
     for k, (name, a, b) in enumerate(spans):
         for ax in (top, bottom):

@@ -62,7 +62,7 @@ def test_the_tables_and_the_timeline_render(tmp_path: Path) -> None:
     )
     doc = {"restarts": [step_figures(STEP, load)], "load": figures, "span_s": 11.0, "plot": "x.png"}
     assert "md-b0" in table_rolling(doc) and "1x MD lost" in table_rolling(doc)
-    during = {"requests": 1, "failed": 0, "on_joined_md": 1}
+    during = {"requests": 1, "failed": 0, "on_joined_md": 1, "by_md": {"md-joined0": 1}}
     outage = {
         "baseline": figures, "outage": figures, "during_outage": during, "joined_md": "md-joined0",
         "stale_seen": {"router": 1.0}, "extra_failed": 0, "plot": "y.png",
