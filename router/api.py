@@ -104,6 +104,7 @@ class RouterApi:
         self.workers = TextWorkers(self.api.tokenizer_workers)  # large bodies parse off the loop
         self.stopping = False  # SIGTERM: /readyz 503, every answer closes its connection
         self.refusing = False  # SIGTERM + ``LB_NOTICE_S``: new requests get 503 (retried elsewhere)
+        self.admitting = 0  # requests read but not yet running (parsed, admitted): not in ``in_flight``
 
     def http_limits(self) -> HttpLimits:
         a = self.api
@@ -166,7 +167,11 @@ class RouterApi:
         if endpoint is not None:
             if req.method != "POST":
                 return _error(405, f"use POST for {req.path}", "MethodNotAllowed")
-            return await self._generate(req, endpoint, client)
+            self.admitting += 1  # a stop waits for it (``_stop_gracefully``) before the router closes
+            try:
+                return await self._generate(req, endpoint, client)
+            finally:
+                self.admitting -= 1
         return _error(404, f"no such endpoint: {req.method} {req.path}", "NotFoundError")
 
     def _drain(self, req: Request) -> Response:
@@ -524,7 +529,7 @@ async def _stop_gracefully(
     until = loop.time() + bound_s
     await asyncio.sleep(min(LB_NOTICE_S, bound_s))
     rapi.refusing = True
-    while router.in_flight and loop.time() < until:
+    while (router.in_flight or rapi.admitting) and loop.time() < until:
         await asyncio.sleep(0.05)
     await asyncio.sleep(0.2)  # the last events of the streams that just ended reach their clients
     left = len(router.in_flight)
