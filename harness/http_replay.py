@@ -20,6 +20,8 @@ import httpx
 from harness.demo_load import RequestResult
 from harness.demo_workload import DemoRequest
 
+UNTIL_EVERY_S = 0.25  # how often a paced replay looks at its ``until``
+
 
 def completion_body(req: DemoRequest, deadline_s: float, pipeline: str) -> dict[str, Any]:
     s = req.sampling
@@ -93,18 +95,30 @@ async def replay_http(
     deadline_s: float,
     pipeline: str = "",
     on_done: Callable[[RequestResult], None] | None = None,
+    on_sent: Callable[[DemoRequest], None] | None = None,
+    until: Callable[[], bool] | None = None,
 ) -> list[RequestResult]:
-    """Every request of ``requests`` at its arrival time to ``url`` (a router or a load balancer)."""
+    """Every request of ``requests`` at its arrival time to ``url`` (a router or a load balancer).
+    ``until``: checked while waiting for the next arrival; once it answers True no further request
+    is sent (a steady load for as long as something else runs), those sent still end."""
     limits = httpx.Limits(max_connections=512, max_keepalive_connections=64)
     timeout = httpx.Timeout(deadline_s + 10.0, connect=5.0)
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
         start = time.monotonic()
 
-        async def at_arrival(req: DemoRequest) -> RequestResult:
-            await asyncio.sleep(max(0.0, start + req.arrival_s - time.monotonic()))
+        async def sent(req: DemoRequest) -> RequestResult:
             res = await one(client, url, req, deadline_s, pipeline)
             if on_done is not None:
                 on_done(res)
             return res
 
-        return list(await asyncio.gather(*(at_arrival(r) for r in requests)))
+        tasks: list[asyncio.Task[RequestResult]] = []
+        for req in sorted(requests, key=lambda r: r.arrival_s):
+            while (wait_s := start + req.arrival_s - time.monotonic()) > 0 and not (until and until()):
+                await asyncio.sleep(min(wait_s, UNTIL_EVERY_S))
+            if until is not None and until():
+                break
+            if on_sent is not None:
+                on_sent(req)
+            tasks.append(asyncio.create_task(sent(req)))
+        return list(await asyncio.gather(*tasks))

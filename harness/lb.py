@@ -52,8 +52,11 @@ def haproxy_config(
         "global",
         "    maxconn 4096",
         f"    stats socket {stats_socket} mode 600 level user",
+        "    log stderr format raw local0 info",  # one line per request into haproxy.log
         "defaults",
         "    mode http",
+        "    log global",
+        "    option httplog",  # the log line says which server answered, after how many retries
         "    option http-keep-alive",
         "    timeout connect 2s",
         f"    timeout client {t}",

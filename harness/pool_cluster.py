@@ -5,6 +5,7 @@ router over them all (the pools demo, the pool tests).
     with PoolCluster(spec, wan=LoopbackWan.up(topology)) as pools:
         channel = grpc.aio.insecure_channel(pools.router_target)      # the Router gRPC service
         pools.kill("md-b0"); pools.restart("md-b0")                    # a fault, for tests
+        pools.terminate("md-b0", 40.0); pools.start_again("md-b0")     # a graceful restart
 
 Every instance runs on 127.0.0.1 on fresh ports (the topology gives names, datacenters, links;
 its addresses are replaced). ``run_dir/fleet.toml`` is the topology as the processes see it: P and
@@ -274,6 +275,23 @@ class PoolCluster:
 
     def restart(self, name: str) -> None:
         self.kill(name)
+        self.start_again(name)
+
+    def terminate(self, name: str, timeout_s: float) -> int | None:
+        """SIGTERM to ``name`` (a graceful stop: a router finishes its streams, a sidecar drains);
+        its exit status, or None when it was still there after ``timeout_s`` and was killed."""
+        proc = self.procs[name]
+        if proc.poll() is not None:
+            return proc.returncode
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            return proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill(name)
+            return None
+
+    def start_again(self, name: str) -> None:
+        """``name`` (stopped) starts again with its file, on its ports; returns once it is READY."""
         old = self.logs.pop(name, None)
         if old is not None:
             old.close()

@@ -61,6 +61,11 @@ from router.openai_text import TextCodec, TextWorkers
 pb2, pb2_grpc = stubs()
 
 PATHS = {"/v1/completions": Endpoint.COMPLETIONS, "/v1/chat/completions": Endpoint.CHAT}
+# SIGTERM: how long a stopping router still answers requests on connections opened before; a load
+# balancer whose health checks see it gone within this (HAProxy's ``inter 1s fall 2``: at most
+# about 2 s) sends it nothing after, so none of its requests is refused (a refused one is replayed
+# only when it fits HAProxy's buffer: a long prompt would reach the client as a 503)
+LB_NOTICE_S = 3.0
 
 
 def limits_of(cfg: RouterConfig, api: ApiConfig | None = None) -> Limits:
@@ -97,7 +102,9 @@ class RouterApi:
         self.eos = codec.eos_token_id if codec is not None else None
         self.created = int(time.time())
         self.workers = TextWorkers(self.api.tokenizer_workers)  # large bodies parse off the loop
-        self.stopping = False  # SIGTERM: new requests get 503 (the load balancer retries elsewhere)
+        self.stopping = False  # SIGTERM: /readyz 503, every answer closes its connection
+        self.refusing = False  # SIGTERM + ``LB_NOTICE_S``: new requests get 503 (retried elsewhere)
+        self.admitting = 0  # requests read but not yet running (parsed, admitted): not in ``in_flight``
 
     def http_limits(self) -> HttpLimits:
         a = self.api
@@ -118,6 +125,14 @@ class RouterApi:
         return _Gate(self.guard)
 
     async def http(self, req: Request) -> Response:
+        resp = await self._answer(req)
+        if not self.stopping:
+            return resp
+        # stopping: the connection ends with this answer, so a load balancer's pool drops it
+        return Response(resp.status, resp.body, resp.content_type, (*resp.headers, ("connection", "close")),
+                        resp.send_by)  # fmt: skip
+
+    async def _answer(self, req: Request) -> Response:
         if req.method == "GET" and req.path == "/healthz":
             return json_response(200, {"ok": True})
         if req.method == "GET" and req.path == "/readyz":
@@ -146,13 +161,17 @@ class RouterApi:
                 models_body(self.api.model, root, cfg.max_prompt_tokens + cfg.max_tokens_limit, self.created),
             )
         endpoint = PATHS.get(req.path)
-        if endpoint is not None and self.stopping:  # on a connection opened before SIGTERM
+        if endpoint is not None and self.refusing:  # on a connection opened before SIGTERM
             why = "the router is stopping; send the request to another"
             return _error(503, why, "ServiceUnavailableError", retry_after_s=1)
         if endpoint is not None:
             if req.method != "POST":
                 return _error(405, f"use POST for {req.path}", "MethodNotAllowed")
-            return await self._generate(req, endpoint, client)
+            self.admitting += 1  # a stop waits for it (``_stop_gracefully``) before the router closes
+            try:
+                return await self._generate(req, endpoint, client)
+            finally:
+                self.admitting -= 1
         return _error(404, f"no such endpoint: {req.method} {req.path}", "NotFoundError")
 
     def _drain(self, req: Request) -> Response:
@@ -496,16 +515,21 @@ async def serve_router(
 async def _stop_gracefully(
     router: Router, rapi: RouterApi, server: grpc.aio.Server, http: list[asyncio.Server], bound_s: float
 ) -> None:
-    """SIGTERM: stop accepting (listeners closed; a request on a connection opened before gets 503,
-    /readyz 503), let the requests in flight end, within ``bound_s`` (the default request deadline;
-    each request ends by its own), then return: the caller closes what is left."""
+    """SIGTERM: stop accepting (listeners closed, /readyz 503, gRPC refuses new calls); for
+    ``LB_NOTICE_S`` still answer what comes on connections opened before (a load balancer's pooled
+    ones), each answer closing its connection, while the balancer's health checks take this
+    router out; then refuse those too (503); let the requests in flight end, within ``bound_s``
+    (the default request deadline; each request ends by its own), then return: the caller closes
+    what is left."""
     rapi.stopping = True
     for s in http:
         s.close()
     loop = asyncio.get_running_loop()
     grpc_done = loop.create_task(server.stop(grace=bound_s))  # refuses new RPCs, lets the running end
     until = loop.time() + bound_s
-    while router.in_flight and loop.time() < until:
+    await asyncio.sleep(min(LB_NOTICE_S, bound_s))
+    rapi.refusing = True
+    while (router.in_flight or rapi.admitting) and loop.time() < until:
         await asyncio.sleep(0.05)
     await asyncio.sleep(0.2)  # the last events of the streams that just ended reach their clients
     left = len(router.in_flight)

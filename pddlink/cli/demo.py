@@ -71,6 +71,18 @@ import click
     help="--topology: N > 1 replays the workload through one router, then through N routers behind "
     "HAProxy (routers as replicas; --placement's first policy).",
 )
+@click.option(
+    "--rolling-restart",
+    is_flag=True,
+    help="--topology: behind HAProxy with etcd membership, restart every process one at a time "
+    "(SIGTERM, start again, wait until it serves) under a steady --rate load (harness.demo_rolling).",
+)
+@click.option(
+    "--etcd-outage-s",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    help="--topology: the same load twice behind HAProxy, the second time with etcd stopped this long.",
+)
 @click.option("--seed", default=1, show_default=True, help="Workload seed.")
 @click.option("--line-mbit", default=16.0, show_default=True, help="WAN line rate.")
 @click.option("--rtt-ms", default=20.0, show_default=True, help="WAN round-trip time.")
@@ -125,6 +137,8 @@ def command(
     slo_ttft_ms: float,
     slo_tpot_ms: float,
     routers: int,
+    rolling_restart: bool,
+    etcd_outage_s: float,
     seed: int,
     line_mbit: float,
     rtt_ms: float,
@@ -163,6 +177,12 @@ def command(
             engine_args=engine_args,
             concurrent=concurrent,
         )
+        return
+    if topology_path is not None and (rolling_restart or etcd_outage_s):
+        from harness.demo_rolling import Scenario
+
+        what = Scenario(routers, rolling_restart, etcd_outage_s, rate_rps)
+        _rolling(topology_path, placements, what, workload, json_path, plot_path, seed, warmup)
         return
     if topology_path is not None and routers > 1:
         _replicas(topology_path, placements, routers, requests, rate_rps, workload, json_path, seed, warmup)
@@ -291,3 +311,33 @@ def _replicas(
         warmup=warmup,
         placement=placement,
     )
+
+
+def _rolling(
+    topology_path: str,
+    placements: str,
+    scenario: Any,
+    workload: str | None,
+    json_path: str | None,
+    plot_path: str | None,
+    seed: int,
+    warmup: int,
+) -> None:
+    """``--rolling-restart`` / ``--etcd-outage-s``: a fleet that does not stop (``harness.demo_rolling``)."""
+    from harness.demo_rolling import default_plot, main
+    from harness.etcd_server import etcd_binary
+    from harness.lb import haproxy_binary
+    from pddlink.cli.preflight import check_output_file
+    from pddlink.errors import PddlinkError
+
+    topology, policies = _topology_and_policies(topology_path, placements)
+    try:
+        haproxy_binary()
+        etcd_binary()
+    except PddlinkError as e:
+        raise click.ClickException(e.message) from None
+    check_output_file(json_path, "demo --json")
+    check_output_file(plot_path or str(default_plot(json_path)), "demo --plot")
+    main(topology=topology, topology_path=topology_path, scenario=scenario, workload=workload,
+         json_path=json_path, plot_path=plot_path, seed=seed, warmup=warmup,
+         placement=policies[0] if policies else "prefix_aware")  # fmt: skip
