@@ -145,6 +145,7 @@ def test_short_pdd_run_is_exact(shared: Cluster) -> None:
     assert sum(r.tokens != expected[r.index] for r in results) == 0
 
 
+@pytest.mark.fleet  # 1024-token outputs (31 s here): `make test-fleet`; the demo and chaos compare handoffs
 def test_relayed_requests_are_handed_off_exactly(shared: Cluster) -> None:
     # Outputs long enough that RLD cannot finish before MD holds the KV and the catch-up slices
     # level (a warm RLD decodes the tiny model at ~500 tokens/s: 256 tokens could end on RLD first,

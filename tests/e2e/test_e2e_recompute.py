@@ -34,7 +34,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         lab.down()
 
 
-@pytest.mark.parametrize("option", ["recompute", "relay_recompute"])
+# relay_recompute (1024-token outputs, 37 s here) runs in `make test-fleet`; the chaos and demo checks
+# compare every relayed request's tokens too
+@pytest.mark.parametrize("option", ["recompute", pytest.param("relay_recompute", marks=pytest.mark.fleet)])
 def test_md_recomputes_exactly(cluster: Cluster, option: str) -> None:
     long = option == "relay_recompute"  # long enough that MD is ready before RLD has finished
     reqs = requests(4, max_tokens=1024 if long else 24, seed=7 if long else 8, spacing_s=0.3)
