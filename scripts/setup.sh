@@ -10,10 +10,11 @@ TORCH_CPU_VERSION=${TORCH_CPU_VERSION:-2.13.0}
 
 "$PY" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "pddlink needs Python 3.11 or newer")'
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-# pip compiles the byte code (keep it: with PYTHONDONTWRITEBYTECODE=1, as on this machine, nothing
-# writes it later, and every test's sidecar and engine process compiled torch's modules again:
-# measured with --no-compile, the processes' tests took 620 s against 491 s)
-pip_() { "$VENV/bin/python" -m pip install --disable-pip-version-check -q "$@"; }
+# pip installs without compiling; the byte code is compiled once at the end, on every core (pip
+# compiles on one: 130 s of a 306 s set-up). It must be there: with PYTHONDONTWRITEBYTECODE=1, as
+# on this machine, nothing writes it later, and every sidecar and engine process the tests start
+# compiled torch's modules again (processes' tests 620 s against 491 s).
+pip_() { "$VENV/bin/python" -m pip install --disable-pip-version-check -q --no-compile "$@"; }
 
 # The system packages, one apt run in the background beside the pip installs (whose unpacking keeps
 # one core busy): libxxhash-dev and gcc for the optional C extension of block hashing
@@ -86,5 +87,7 @@ if [ -z "${PDDLINK_NO_VLLM:-}" ] && ! has vllm; then
   fi
 fi
 
+site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+"$VENV/bin/python" -m compileall -q -j 0 "$site" >/dev/null 2>&1 || true  # (a few files are not Python 3)
 wait_apt
 echo "setup: ready ($("$VENV/bin/python" -c 'import importlib.metadata as m, sys; print("python", sys.version.split()[0], "torch", m.version("torch"))'))"
