@@ -21,7 +21,7 @@ from pddlink.serving.rpc import stubs
 from pddlink.transport import KVClient, LinkOptions, PeerIdentity, TlsConfig, TransferResult
 from pddlink.transport.base import Message
 from pddlink.wire import TransferBegin
-from sidecar.wan_silence import LinkSilence
+from sidecar.wan_silence import CallSilence, LinkSilence
 
 T = TypeVar("T")
 
@@ -215,15 +215,24 @@ class DecoderPeer:
         self._pb2 = pb2
         self._channel = open_channel(addr, tls, expected)
         self._stub = pb2_grpc.SidecarStub(self._channel)
+        self.silence = CallSilence(addr, self._ping)  # a handoff waits no longer than a silent WAN
 
     async def handoff(self, frame: bytes, *, emit_given: bool = False, timeout_s: float) -> int:
+        """MD's level after it took ``frame``; ``Unavailable`` (``PEER_UNREACHABLE``) as soon as the
+        peer has been silent for the bound (``sidecar.wan_silence.CallSilence``)."""
+        req = self._pb2.HandoffRequest(handoff=frame, emit_given=emit_given)
+        call = self._stub.Handoff(req, timeout=timeout_s)
         try:
-            reply = await self._stub.Handoff(
-                self._pb2.HandoffRequest(handoff=frame, emit_given=emit_given), timeout=timeout_s
-            )
+            reply = await self.silence.guard("handoff", call)
         except grpc.aio.AioRpcError as exc:
             raise grpc_error(exc, self.addr) from None
         return int(reply.level_position)
+
+    async def _ping(self, timeout_s: float) -> None:
+        try:
+            await self._stub.Ping(self._pb2.PingRequest(nonce=time.monotonic_ns()), timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise grpc_error(exc, self.addr) from None
 
     async def close(self) -> None:
         await self._channel.close(None)

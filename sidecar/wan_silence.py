@@ -15,7 +15,12 @@ and the link is dialled anew on its next use. A congested but live link answers 
 smoothed RTT, queueing included, sets the bound), so it is never taken for a silent one.
 
 ``Silence`` is the sans-I/O core (time and byte counts passed in); ``LinkSilence`` the asyncio glue
-one ``sidecar.peers.KVPeer`` owns.
+one ``sidecar.peers.KVPeer`` owns. ``CallSilence`` does the same for a gRPC call to a peer across
+the WAN (RLD's token-id handoff to MD, ``sidecar.peers.DecoderPeer``): gRPC shows no byte counts,
+so the peer's own ``Ping`` answers are what is heard. Without it a one-shot handoff begun just
+before an outage held RLD's stopped request until the request's deadline: RLD had stopped decoding
+to hand over, and resumed only when the call failed (chaos: 4 of the 9 outage-stranded requests
+that failed, each with 3-4 tokens streamed).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import contextlib
 import itertools
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -124,3 +129,58 @@ class LinkSilence:
     async def _send_ping(self, client: KVClient, timeout_s: float) -> None:
         with contextlib.suppress(PddlinkError, TimeoutError, OSError):
             await client.request(Ping(next(self._nonces), time.monotonic_ns()), timeout_s=timeout_s)
+
+
+class CallSilence:
+    """Ends a call to a peer once nothing has come back from it for the silence bound: while the
+    call waits, ``ping(timeout_s)`` goes out every ``bound / PROBES_PER_BOUND`` (one at a time),
+    and each answer counts as heard (its round trip sets the bound, as a KV link's RTT does). A
+    peer that is busy but reachable answers its pings, so a slow call is never taken for a dead
+    link; only the whole deadline, the call's own timeout, ends that."""
+
+    def __init__(
+        self,
+        addr: str,
+        ping: Callable[[float], Coroutine[None, None, None]],
+        floor_s: float = SILENCE_MIN_S,
+    ) -> None:
+        self.addr, self.ping, self.floor_s = addr, ping, floor_s
+        self.rtt_s: float | None = None  # the last answered ping's round trip
+        self.silenced = 0
+
+    async def guard(self, what: str, aw: Awaitable[T]) -> T:
+        work = asyncio.ensure_future(aw)
+        state = Silence()
+        since = time.monotonic()
+        ping: asyncio.Task[None] | None = None
+
+        async def probe(timeout_s: float) -> None:
+            sent = time.monotonic()
+            with contextlib.suppress(PddlinkError, TimeoutError, OSError):
+                await self.ping(timeout_s)
+                now = time.monotonic()
+                state.heard_at, self.rtt_s = now, now - sent
+
+        try:
+            while True:
+                bound = silence_bound(self.rtt_s, self.floor_s)
+                await asyncio.wait((work,), timeout=bound / PROBES_PER_BOUND)
+                if work.done():
+                    return work.result()
+                now = time.monotonic()
+                quiet = state.silent_for(now, since)
+                if quiet >= bound:
+                    self.silenced += 1
+                    raise Unavailable(
+                        f"{what}: nothing heard from {self.addr} for {quiet:.1f} s (the WAN is silent)",
+                        code=ErrorCode.PEER_UNREACHABLE,
+                    )
+                if ping is None or ping.done():
+                    ping = asyncio.get_running_loop().create_task(probe(bound))
+        finally:
+            for task in (work, ping):
+                if task is not None and not task.done():
+                    task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, PddlinkError, TimeoutError, OSError):
+                if ping is not None:
+                    await ping

@@ -19,11 +19,14 @@ from pathlib import Path
 
 import pytest
 
+from engines_adapter import SamplingParams
 from pddlink.errors import ErrorCode, PddlinkError, Unavailable
+from pddlink.handoff import HandoffMode, HandoffSlice
+from pddlink.serving.handoff_wire import slice_to_wire
 from pddlink.transport import LinkOptions, PeerIdentity
 from pddlink.wire import Reserve, ReserveAnswer, TransferBegin
-from sidecar.peers import KVPeer
-from sidecar.wan_silence import SILENCE_MIN_S, Silence, silence_bound
+from sidecar.peers import DecoderPeer, KVPeer
+from sidecar.wan_silence import SILENCE_MIN_S, CallSilence, Silence, silence_bound
 from tests.sidecar.test_bounded_state import start_md
 from tests.sidecar.test_kv_redial import LAYOUT, kill
 
@@ -124,3 +127,62 @@ def test_without_the_watch_a_silent_md_holds_the_reservation_to_its_deadline(tmp
         asyncio.run(run())
     finally:
         kill(proc)
+
+
+def _handoff_frame(rid: str) -> bytes:
+    s = HandoffSlice(rid, 8, (5, 6), True, HandoffMode.ONE_SHOT)
+    return slice_to_wire(s, SamplingParams(max_tokens=4))
+
+
+def test_a_handoff_to_a_silent_md_ends_at_the_bound_and_an_answering_one_is_waited_for(
+    tmp_path: Path,
+) -> None:
+    """RLD's token-id handoff (gRPC) to a stopped MD: ``Unavailable`` once its pings have gone
+    unanswered for the bound, not at the call's 10 s timeout; before and after, MD's own answer
+    (it holds no such request) comes back as MD's error."""
+    proc, ready, _ = start_md(tmp_path)
+
+    async def answered(peer: DecoderPeer, rid: str) -> PddlinkError:
+        with pytest.raises(PddlinkError) as err:
+            await peer.handoff(_handoff_frame(rid), timeout_s=10.0)
+        assert "the WAN is silent" not in str(err.value), err.value  # MD's own answer
+        return err.value
+
+    async def run() -> None:
+        peer = DecoderPeer(f"127.0.0.1:{ready['grpc_port']}", tls=None, expected=PeerIdentity("md", "md0"))
+        await answered(peer, "before")
+        assert peer.silence.rtt_s is None or peer.silence.rtt_s < 1.0
+        with _stopped(proc):
+            t0 = time.monotonic()
+            with pytest.raises(Unavailable) as err:
+                await peer.handoff(_handoff_frame("silent"), timeout_s=10.0)
+            took = time.monotonic() - t0
+            assert err.value.code is ErrorCode.PEER_UNREACHABLE and "silent" in str(err.value)
+            assert SILENCE_MIN_S * 0.9 <= took < SILENCE_MIN_S + 1.5, took
+            assert peer.silence.silenced == 1
+        await answered(peer, "after")
+        await peer.close()
+
+    try:
+        asyncio.run(run())
+    finally:
+        kill(proc)
+
+
+def test_a_slow_call_to_a_peer_that_answers_its_pings_is_not_cut() -> None:
+    """``CallSilence`` against a peer whose pings come back (a busy MD): a call three bounds long
+    ends with its own result."""
+
+    async def ping(timeout_s: float) -> None:
+        await asyncio.sleep(0.01)
+
+    async def slow() -> str:
+        await asyncio.sleep(3 * 0.2)
+        return "done"
+
+    async def run() -> None:
+        guard = CallSilence("peer", ping, floor_s=0.2)
+        assert await guard.guard("slow", slow()) == "done"
+        assert guard.silenced == 0 and guard.rtt_s is not None
+
+    asyncio.run(run())
