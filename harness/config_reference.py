@@ -165,6 +165,8 @@ MEANINGS: dict[str, str] = {
     "api.header_timeout_s": "the whole request head must arrive within this",
     "api.body_timeout_s": "the whole request body must arrive within this (408 after)",
     "api.idle_timeout_s": "a keep-alive connection without a request closes after this",
+    "api.stop_notice_s": "after SIGTERM, how long requests on connections opened before are still answered"
+    " (the load balancer's health checks take the router out meanwhile); 0 = refuse at once",
     "api.first_byte_timeout_s": "a new connection that sends no byte closes after this (or idle_timeout_s,"
     " if shorter); head-less connections are also the first closed to make room at the caps",
     "api.write_stall_s": "an answer whose client takes none of its bytes this long is cut (its request"

@@ -61,11 +61,6 @@ from router.openai_text import TextCodec, TextWorkers
 pb2, pb2_grpc = stubs()
 
 PATHS = {"/v1/completions": Endpoint.COMPLETIONS, "/v1/chat/completions": Endpoint.CHAT}
-# SIGTERM: how long a stopping router still answers requests on connections opened before; a load
-# balancer whose health checks see it gone within this (HAProxy's ``inter 1s fall 2``: at most
-# about 2 s) sends it nothing after, so none of its requests is refused (a refused one is replayed
-# only when it fits HAProxy's buffer: a long prompt would reach the client as a 503)
-LB_NOTICE_S = 3.0
 
 
 def limits_of(cfg: RouterConfig, api: ApiConfig | None = None) -> Limits:
@@ -103,7 +98,7 @@ class RouterApi:
         self.created = int(time.time())
         self.workers = TextWorkers(self.api.tokenizer_workers)  # large bodies parse off the loop
         self.stopping = False  # SIGTERM: /readyz 503, every answer closes its connection
-        self.refusing = False  # SIGTERM + ``LB_NOTICE_S``: new requests get 503 (retried elsewhere)
+        self.refusing = False  # SIGTERM + ``api.stop_notice_s``: new requests get 503 (retried elsewhere)
         self.admitting = 0  # requests read but not yet running (parsed, admitted): not in ``in_flight``
 
     def http_limits(self) -> HttpLimits:
@@ -516,7 +511,7 @@ async def _stop_gracefully(
     router: Router, rapi: RouterApi, server: grpc.aio.Server, http: list[asyncio.Server], bound_s: float
 ) -> None:
     """SIGTERM: stop accepting (listeners closed, /readyz 503, gRPC refuses new calls); for
-    ``LB_NOTICE_S`` still answer what comes on connections opened before (a load balancer's pooled
+    ``api.stop_notice_s`` still answer what comes on connections opened before (a load balancer's pooled
     ones), each answer closing its connection, while the balancer's health checks take this
     router out; then refuse those too (503); let the requests in flight end, within ``bound_s``
     (the default request deadline; each request ends by its own), then return: the caller closes
@@ -527,7 +522,7 @@ async def _stop_gracefully(
     loop = asyncio.get_running_loop()
     grpc_done = loop.create_task(server.stop(grace=bound_s))  # refuses new RPCs, lets the running end
     until = loop.time() + bound_s
-    await asyncio.sleep(min(LB_NOTICE_S, bound_s))
+    await asyncio.sleep(min(rapi.api.stop_notice_s, bound_s))
     rapi.refusing = True
     while (router.in_flight or rapi.admitting) and loop.time() < until:
         await asyncio.sleep(0.05)

@@ -50,6 +50,10 @@ class ApiConfig:
     retry_after_s: int = 1  # what a 429 / 503 tells the client
     tokenizer_workers: int = 2  # threads that tokenize and detokenize large texts, off the event loop
     max_prompt_bytes: int = 0  # a text prompt's UTF-8 bytes; 0 = what max_prompt_tokens allows at most
+    # SIGTERM: how long a stopping router still answers requests on connections opened before, while
+    # the load balancer's health checks take it out (HAProxy's ``inter 1s fall 2``: about 2 s); a
+    # request refused in that time is replayed only if it fits the balancer's buffer. 0: refuse at once
+    stop_notice_s: float = 3.0
 
     def __post_init__(self) -> None:
         positive = ("max_body_bytes", "body_budget_bytes", "max_connections", "max_connections_per_client")
@@ -65,6 +69,8 @@ class ApiConfig:
                 raise ConfigError(f"api.{name} must be in (0, 3600]")
         if self.max_prompt_bytes < 0 or self.tokenizer_workers > 64:
             raise ConfigError("api.max_prompt_bytes must be >= 0, api.tokenizer_workers <= 64")
+        if not 0 <= self.stop_notice_s <= 60:
+            raise ConfigError("api.stop_notice_s must be in [0, 60]")
         if self.rate_per_client_s < 0:
             raise ConfigError("api.rate_per_client_s must be >= 0")
         if self.body_budget_bytes < self.max_body_bytes:
