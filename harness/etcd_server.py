@@ -6,13 +6,15 @@ outage (what the members' leases and the routers' watches see when etcd goes awa
         spec = PoolSpec(run_dir, topology, etcd=etcd.endpoint)
         etcd.stop(); time.sleep(30); etcd.start()
 
-Without the binary ``EtcdServer`` raises ``EtcdMissing`` naming the package. (The tests' own copy,
-``tests/_etcd_server.py``, skips instead.)
+Without the binary ``EtcdServer`` raises ``EtcdMissing`` naming the package (the tests' wrapper,
+``tests/_etcd_server.py``, skips instead). ``pause()`` / ``resume()`` freeze it with its sockets
+open (a partition, as a client sees one).
 """
 
 from __future__ import annotations
 
 import shutil
+import signal
 import subprocess
 import time
 import urllib.error
@@ -41,8 +43,8 @@ def etcd_binary() -> str:
 class EtcdServer:
     """One single-member etcd cluster; ``endpoint`` is ``127.0.0.1:<client port>``."""
 
-    def __init__(self, data_dir: Path) -> None:
-        self.binary = etcd_binary()
+    def __init__(self, data_dir: Path, binary: str | None = None) -> None:
+        self.binary = binary or etcd_binary()
         self.data_dir = data_dir
         self.client_port, self.peer_port = free_port(), free_port()
         self.log_path = data_dir.parent / f"{data_dir.name}.log"
@@ -85,12 +87,24 @@ class EtcdServer:
         except (urllib.error.URLError, OSError):
             return False
 
-    def stop(self) -> None:
-        """SIGTERM, then SIGKILL after 10 s; its ports close, its data stays."""
+    def pause(self) -> None:
+        """SIGSTOP: its sockets stay open, nothing answers."""
+        if self.proc is None:
+            raise ClusterError("etcd: not running")
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.proc is None:
+            raise ClusterError("etcd: not running")
+        self.proc.send_signal(signal.SIGCONT)
+
+    def stop(self, sig: signal.Signals = signal.SIGTERM) -> None:
+        """``sig`` (SIGTERM), then SIGKILL after 10 s; its ports close, its data stays."""
         proc, self.proc = self.proc, None
         if proc is None or proc.poll() is not None:
             return
-        proc.terminate()
+        proc.send_signal(signal.SIGCONT)  # a paused etcd cannot act on SIGTERM
+        proc.send_signal(sig)
         try:
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:

@@ -1,8 +1,9 @@
 """Membership through a real etcd with real processes (issue 29): a router and a P over a topology of
 one P and one MD, every sidecar announcing itself, mutual TLS everywhere.
 
-- an MD that only announces itself in etcd (not in the file) is placed on within 5 s, without a
-  restart of the router or of P, and its requests finish with exact tokens;
+- an MD that only announces itself in etcd (not in the file), under a steady load, gets its first
+  request within 5 s, without a restart of the router or of P, and every request finishes with
+  exact tokens;
 - a record anyone could write (an identity whose certificate the peer at that address does not
   hold) joins the membership but never placement, and no request goes there; one that repeats a
   member's address is refused outright;
@@ -16,6 +17,8 @@ import asyncio
 import json
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +74,11 @@ def _in_placement(pools: PoolCluster) -> dict[str, bool]:
     return {i["name"]: i["in_placement"] for dc in dcs for i in dc["md"]}
 
 
+def _placed(pools: PoolCluster) -> dict[str, int]:
+    dcs = _status(pools)["topology"]["datacenters"]
+    return {i["name"]: i["placed"] for dc in dcs for i in dc["md"]}
+
+
 def _until(check: Any, timeout_s: float) -> float:
     """Seconds until ``check()`` is true; AssertionError after ``timeout_s``."""
     t0 = time.monotonic()
@@ -109,10 +117,19 @@ def test_members_join_leave_and_outlive_etcd(tmp_path: Path, own_etcd: EtcdServe
     with PoolCluster(spec) as pools:
         assert _status(pools)["membership"]["stale"] is False
 
-        # an MD the file does not name announces itself: placed on within 5 s, no restart
-        pools.add_sidecar("md-b1", Role.MD, "dc-b")  # returns once it serves (and has announced itself)
-        joined = _until(lambda: _in_placement(pools).get("md-b1") is True, 10.0)
-        assert joined < 5.0, f"md-b1 joined placement {joined:.1f} s after it announced itself"
+        # an MD the file does not name announces itself under a steady load (2.5 requests/s): it
+        # receives requests within 5 s, without a restart; the load's requests all finish exactly
+        steady = [replace(_req(100 + i), arrival_s=0.4 * i) for i in range(40)]
+        with ThreadPoolExecutor(1) as pool:
+            load = pool.submit(_run, pools, steady, "s")
+            time.sleep(2.0)  # the load is under way
+            pools.add_sidecar("md-b1", Role.MD, "dc-b")  # returns once it serves (and has announced itself)
+            joined = _until(lambda: _placed(pools).get("md-b1", 0) > 0, 10.0)
+            assert joined < 5.0, f"md-b1 got its first request {joined:.1f} s after it announced itself"
+            during = load.result(timeout=120)
+        assert [r.outcome for r in during] == ["finished"] * len(steady), [r.reason for r in during]
+        assert [r.tokens for r in during] == reference(steady)
+        assert {r.trace["placement"]["md"] for r in during} == {"md-b0", "md-b1"}
         reqs = [_req(i) for i in range(4)]
         got = _run(pools, reqs, "a")
         assert [r.outcome for r in got] == ["finished"] * 4, [r.reason for r in got]
