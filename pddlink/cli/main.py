@@ -71,6 +71,10 @@ BENCH_COMMANDS: dict[str, tuple[str, str]] = {
         "pddlink.cli.bench_vllm:command",
         "The vLLM KV connector's own cost against P's prefill and vLLM's ExampleConnector.",
     ),
+    "edge": (
+        "pddlink.cli.bench_edge:command",
+        "A small request's first token at the router's edge against 1 MB prompts and 3,000 idle connections.",
+    ),
     "vllm-exact": (
         "pddlink.cli.bench_vllm_exact:command",
         "PDD on vLLM against one vLLM alone: one at a time, float32, a handoff in every request.",
