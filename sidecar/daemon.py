@@ -91,6 +91,12 @@ def build_engine(cfg: SidecarConfig) -> EngineAdapter:
     )
 
 
+def _md_decoder(addr: str, tls: TlsConfig | None, who: PeerIdentity) -> DecoderPeer:
+    """An MD's Sidecar service across the WAN: a handoff to it ends once MD has been silent for
+    the bound (``sidecar.wan_silence.CallSilence``), as a shipment to it does."""
+    return DecoderPeer(addr, tls=tls, expected=who, silence_floor_s=SILENCE_MIN_S)
+
+
 def _handoff_sender(md: DecoderPeer) -> Callable[[bytes, float], Awaitable[int]]:
     async def send(frame: bytes, timeout_s: float) -> int:
         return await md.handoff(frame, timeout_s=timeout_s)
@@ -153,9 +159,9 @@ class Sidecar:
         if role is Role.RLD:
             self.admission = KvAdmission(cfg.engine.num_blocks, cfg.engine.block_size)
             fleet_mds = self._fleet_peers(Role.MD)
-            md_by_id = {i: DecoderPeer(g, tls=self.tls, expected=i) for i, g, _ in fleet_mds}
+            md_by_id = {i: _md_decoder(g, self.tls, i) for i, g, _ in fleet_mds}
             if peers.md_grpc:
-                md_by_id[peers.md] = DecoderPeer(peers.md_grpc, tls=self.tls, expected=peers.md)
+                md_by_id[peers.md] = _md_decoder(peers.md_grpc, self.tls, peers.md)
             self.peers += list(md_by_id.values())
             send_to = {i.common_name: _handoff_sender(md) for i, md in md_by_id.items()}
             default = send_to.get(peers.md.common_name) if peers.md_grpc else None
@@ -255,7 +261,7 @@ class Sidecar:
             return True
         relay = self.decoder.relay if self.decoder is not None and self.cfg.role == "rld" else None
         if relay is not None and role is Role.MD and name not in relay.send_to:
-            md = DecoderPeer(grpc_addr, tls=self.tls, expected=who)
+            md = _md_decoder(grpc_addr, self.tls, who)
             relay.send_to[name] = _handoff_sender(md)
             self.peers.append(md)
             return True
@@ -275,7 +281,7 @@ class Sidecar:
             )
             for _ in range(self.cfg.data_plane.wan_links)
         ]
-        return KVPeerPool(links), DecoderPeer(grpc_addr, tls=self.tls, expected=who)
+        return KVPeerPool(links), _md_decoder(grpc_addr, self.tls, who)
 
     def _rld_route(self, grpc_addr: str, kv_addr: str, who: PeerIdentity) -> tuple[KVPeer, DecoderPeer]:
         """An RLD's fast path and its Sidecar service."""

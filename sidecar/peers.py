@@ -206,24 +206,34 @@ class KVPeerPool:
 
 class DecoderPeer:
     """A decoder's Sidecar service (handoffs), over mutual TLS checked against ``expected`` when
-    ``tls`` is set (plaintext otherwise)."""
+    ``tls`` is set (plaintext otherwise). ``silence_floor_s``: a peer across the WAN (MD): a
+    handoff ends once the peer has been silent that long (``CallSilence``); None (RLD, beside the
+    sender): a handoff waits for its answer, up to its timeout (a busy RLD's event loop may pause
+    for a second under load, and RLD is the only one left to decode)."""
 
-    def __init__(self, addr: str, *, tls: TlsConfig | None, expected: PeerIdentity) -> None:
+    def __init__(
+        self,
+        addr: str,
+        *,
+        tls: TlsConfig | None,
+        expected: PeerIdentity,
+        silence_floor_s: float | None = None,
+    ) -> None:
         self.addr = addr
         self.expected = expected
         pb2, pb2_grpc = stubs()
         self._pb2 = pb2
         self._channel = open_channel(addr, tls, expected)
         self._stub = pb2_grpc.SidecarStub(self._channel)
-        self.silence = CallSilence(addr, self._ping)  # a handoff waits no longer than a silent WAN
+        self.silence = CallSilence(addr, self._ping, silence_floor_s) if silence_floor_s is not None else None
 
     async def handoff(self, frame: bytes, *, emit_given: bool = False, timeout_s: float) -> int:
-        """MD's level after it took ``frame``; ``Unavailable`` (``PEER_UNREACHABLE``) as soon as the
-        peer has been silent for the bound (``sidecar.wan_silence.CallSilence``)."""
+        """The peer's level after it took ``frame``; with a silence floor, ``Unavailable``
+        (``PEER_UNREACHABLE``) as soon as the peer has been silent for the bound."""
         req = self._pb2.HandoffRequest(handoff=frame, emit_given=emit_given)
         call = self._stub.Handoff(req, timeout=timeout_s)
         try:
-            reply = await self.silence.guard("handoff", call)
+            reply = await (self.silence.guard("handoff", call) if self.silence is not None else call)
         except grpc.aio.AioRpcError as exc:
             raise grpc_error(exc, self.addr) from None
         return int(reply.level_position)

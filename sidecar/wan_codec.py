@@ -84,7 +84,8 @@ class WanCodec:
     ) -> None:
         """After a transfer: ``result`` None when it failed."""
         if self.model is not None:
-            self.model.finish_flow(flow_id, now, completed=result is not None)
+            sent = (result.bytes, result.seconds) if result is not None else None
+            self.model.finish_flow(flow_id, now, completed=result is not None, sent=sent)
             if rtt_s:
                 self.model.observe_rtt(rtt_s, now)
         if result is None:

@@ -149,9 +149,10 @@ def test_a_handoff_to_a_silent_md_ends_at_the_bound_and_an_answering_one_is_wait
         return err.value
 
     async def run() -> None:
-        peer = DecoderPeer(f"127.0.0.1:{ready['grpc_port']}", tls=None, expected=PeerIdentity("md", "md0"))
+        addr, md0 = f"127.0.0.1:{ready['grpc_port']}", PeerIdentity("md", "md0")
+        peer = DecoderPeer(addr, tls=None, expected=md0, silence_floor_s=SILENCE_MIN_S)
         await answered(peer, "before")
-        assert peer.silence.rtt_s is None or peer.silence.rtt_s < 1.0
+        assert peer.silence is not None
         with _stopped(proc):
             t0 = time.monotonic()
             with pytest.raises(Unavailable) as err:
@@ -160,6 +161,13 @@ def test_a_handoff_to_a_silent_md_ends_at_the_bound_and_an_answering_one_is_wait
             assert err.value.code is ErrorCode.PEER_UNREACHABLE and "silent" in str(err.value)
             assert SILENCE_MIN_S * 0.9 <= took < SILENCE_MIN_S + 1.5, took
             assert peer.silence.silenced == 1
+            # without a floor (RLD, beside its sender) the call waits for its own timeout
+            local = DecoderPeer(addr, tls=None, expected=md0)
+            t0 = time.monotonic()
+            with pytest.raises(PddlinkError) as err:
+                await local.handoff(_handoff_frame("local"), timeout_s=2.5)
+            assert err.value.code is ErrorCode.DEADLINE_EXCEEDED and time.monotonic() - t0 >= 2.4
+            await local.close()
         await answered(peer, "after")
         await peer.close()
 
