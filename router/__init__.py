@@ -401,7 +401,8 @@ class Router:
         trace = run.trace
         if option.ships_kv:
             with contextlib.suppress(NotFound):
-                route.link.finish_flow(sid, time.monotonic(), completed=bool(trace.wan_bytes))
+                sent = (trace.wan_bytes, trace.prefill.wan_seconds) if trace.prefill is not None else None
+                route.link.finish_flow(sid, time.monotonic(), completed=bool(trace.wan_bytes), sent=sent)
         if trace.rld_suspect and route.rld is not None:
             self.rld_down_until[route.rld.name] = time.monotonic() + RLD_COOL_DOWN_S
         if trace.md_streamed:

@@ -52,14 +52,17 @@ def test_model_tracks_flows_and_goodput() -> None:
     model.on_progress("a", 4 * 10**8, now=1.0)
     est = model.estimate(now=1.0)
     assert est.flows_in_flight == 2 and est.backlog_bytes == 16 * 10**8
-    model.finish_flow("a", now=8.0)  # shared with one other flow: 2 GB/8 s -> 0.25 GB/s seen
-    assert model.estimate(now=8.0).line_bytes_per_s < RATE
+    # the sender measured b at 1 GB in 4 s; a shared the line when b was admitted: 0.5 GB/s seen
+    model.finish_flow("b", now=8.0, sent=(10**9, 4.02))
+    assert model.estimate(now=8.0).line_bytes_per_s == pytest.approx(0.8 * RATE + 0.2 * 0.5e9, rel=1e-3)
+    model.finish_flow("a", now=8.0)
     with pytest.raises(NotFound):
         model.finish_flow("a", now=9.0)
+    model.start_flow("c", 1, now=9.0)
     with pytest.raises(InvalidInput):
-        model.start_flow("b", 1, now=9.0)
+        model.start_flow("c", 1, now=9.0)
     with pytest.raises(InvalidInput):
-        model.on_progress("b", 2 * 10**9, now=9.0)
+        model.on_progress("c", 2, now=9.0)
 
 
 def test_bad_link_config_names_the_field() -> None:
@@ -92,3 +95,32 @@ def test_backlog_makes_a_new_transfer_wait() -> None:
     idle = LinkEstimate(2e6, 0.02)
     loaded = LinkEstimate(2e6, 0.02, flows_in_flight=8, backlog_bytes=16_000_000)
     assert loaded.transfer_s(1_500_000) > 5 * idle.transfer_s(1_500_000)
+
+
+def _goodput_after(sent: tuple[int, float] | None, *, others: int = 0, finish_at: float = 5.0) -> float:
+    """One flow of 1 GB on a 1 GB/s, 20 ms line, admitted while ``others`` flows of another sender
+    were shipping (its latest report), finished at ``finish_at`` with the sender's ``sent``."""
+    from pddlink.routing import BacklogReport
+
+    m = LinkModel(line_bytes_per_s=RATE, rtt_s=0.02)
+    shipping = tuple((f"other{i}", 10**9) for i in range(others))
+    m.observe_backlog(BacklogReport(shipping, frozenset(), at_s=0.0))
+    m.start_flow("mine", 10**9, now=0.1)
+    m.finish_flow("mine", now=finish_at, sent=sent)
+    return m.estimate(now=finish_at).line_bytes_per_s
+
+
+def test_the_rate_is_learnt_from_the_transfer_and_the_flows_sharing_it() -> None:
+    slow = _goodput_after((10**9, 4.02))  # alone at 0.25 GB/s: the line is slower than configured
+    assert slow == pytest.approx(0.8 * RATE + 0.2 * 0.25e9, rel=1e-3)
+    # the same seconds while three flows of another sender shared the line: a full line, as set
+    assert _goodput_after((10**9, 4.02), others=3) == pytest.approx(RATE)
+
+
+def test_the_requests_time_and_short_transfers_teach_nothing() -> None:
+    # the request ended 100 s after its transfer began (it decoded): the transfer's 1.02 s counts
+    assert _goodput_after((10**9, 1.02), finish_at=100.0) == pytest.approx(RATE)
+    assert _goodput_after(None, finish_at=100.0) == pytest.approx(RATE)  # no measure: nothing learnt
+    # 32 KB in 0.13 s: round trips, not the line (under 4 RTTs of bytes at the line rate)
+    assert _goodput_after((32_768, 0.13)) == pytest.approx(RATE)
+    assert _goodput_after((10**9, 0.01)) == pytest.approx(RATE)  # under one RTT: nothing
