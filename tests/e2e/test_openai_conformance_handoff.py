@@ -10,7 +10,10 @@ loaded on all three, MD across a 5 ms loopback netlab WAN). Every router call is
 - the WAN from P to MD is cut for ``OUTAGE_S`` as the call starts, so MD can hold the prompt's KV
   only after RLD has streamed tokens;
 - the router reaches RLD through a lab of its own whose replies are slow (~20 tokens a second),
-  MD directly, so RLD cannot finish ``MAX_TOKENS`` before MD takes over.
+  MD directly, so RLD cannot finish ``MAX_TOKENS`` before MD takes over;
+- every call runs twice, with a router whose ``rld_capacity`` makes the handoff one-shot (RLD
+  aborted at once, MD continues from RLD's tokens) and with one that makes it catch-up (RLD streams
+  on until MD reaches its position).
 
 The answer's trace (request header ``pddlink-trace: 1``: the per-choice ``pddlink`` object, the only
 key vLLM's answers lack) must say ``handed_off`` with tokens from both RLD and MD, and every choice
@@ -261,9 +264,13 @@ def differences(want: dict[str, Any], got: dict[str, Any], *, usage: bool = True
 # -- the deployment ------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def deployment(vllm_trio: Any) -> Iterator[tuple[str, str, Any]]:
-    """(vLLM's own URL, the router's URL, the trio); the router forced through handoffs."""
+MODES = {"catch_up": 8, "one_shot": 1}  # handoff mode -> rld_capacity that makes a lone request pick it
+
+
+@pytest.fixture(scope="module", params=list(MODES))
+def deployment(vllm_trio: Any, request: pytest.FixtureRequest) -> Iterator[tuple[str, str, Any, str]]:
+    """(vLLM's own URL, the router's URL, the trio); the router forced through handoffs of one
+    mode (RLD's load picks it: one request of capacity 1 is a full RLD, one of 8 a light one)."""
     from harness.vllm.pair import free_port
     from harness.vllm_serve_bench import router_process
     from netlab import Lab
@@ -278,14 +285,15 @@ def deployment(vllm_trio: Any) -> Iterator[tuple[str, str, Any]]:
         port = free_port()
         toml = (
             f'engine = "vllm"\nhost = "127.0.0.1"\ngrpc_port = 0\nhttp_port = {port}\n'
-            "vocab_size = 1024\nmax_prompt_tokens = 1900\nrecompute = false\nrld_capacity = 8\n"
+            "vocab_size = 1024\nmax_prompt_tokens = 1900\nrecompute = false\n"
+            f"rld_capacity = {MODES[request.param]}\n"
             "deadline_s = 60\nline_mbit = 200\n"
             f'[vllm]\np_url = "{trio.p.url}"\nmd_url = "{trio.md.url}"\nrld_url = "{rld_url}"\n'
             f'model = "{model}"\nrld_gets_kv = true\nmd_kv_events = "{trio.md_kv_events}"\n'
             f'[api]\nmodel = "tiny"\ntokenizer = "{model}"\nrate_per_client_s = 0.0\n'
         )
         with router_process(work, toml, port) as router_url:
-            yield trio.p.url, router_url, trio
+            yield trio.p.url, router_url, trio, request.param
     finally:
         trio.lab.set_outage(False)
         slow.down()
@@ -330,8 +338,8 @@ RESULTS: list[dict[str, Any]] = []
 
 
 @pytest.mark.parametrize("name", _params())
-def test_through_a_forced_handoff_equals_vllm(deployment: tuple[str, str, Any], name: str) -> None:
-    vllm_url, router_url, trio = deployment
+def test_through_a_forced_handoff_equals_vllm(deployment: tuple[str, str, Any, str], name: str) -> None:
+    vllm_url, router_url, trio, mode = deployment
     path, body = CALLS[name]
     body = _resolve(vllm_url, path, body)
     first = answer(*post(vllm_url, path, body))
@@ -352,13 +360,16 @@ def test_through_a_forced_handoff_equals_vllm(deployment: tuple[str, str, Any], 
             problems.append(f"no tokens from both RLD and MD: {h}")
         elif not h["outcome"].startswith("handed_off"):
             problems.append(f"no handoff outcome in the trace: {h}")
+        elif h["mode"] != mode:
+            problems.append(f"handoff mode {h['mode']}, wanted {mode}")
     if status == 200 and not handoffs:
         problems.append("no trace in the router's answer")
     seen = {k: [p for p in problems if known(name, p) == k] for k in KNOWN}
     problems = [p for p in problems if not known(name, p)]
-    RESULTS.append({"call": name, "status": status, "differences": problems, "known": seen,
+    RESULTS.append({"call": name, "mode": mode, "status": status, "differences": problems, "known": seen,
                     "logprob_max_abs": worst, "vllm_noise_max_abs": noise, "handoffs": handoffs})  # fmt: skip
-    print(f"\n{name}: {len(problems)} differences, known {sum(map(len, seen.values()))}; handoffs {handoffs};"
+    n_known = sum(map(len, seen.values()))
+    print(f"\n{name} ({mode}): {len(problems)} differences, known {n_known}; handoffs {handoffs};"
           f" logprobs |d| {worst:.1e}, vLLM's own {noise:.1e}")  # fmt: skip
     assert not noise_problems, ("vLLM against itself", noise_problems)
     if problems:
@@ -369,7 +380,7 @@ def test_through_a_forced_handoff_equals_vllm(deployment: tuple[str, str, Any], 
     "kind",
     [pytest.param(k, marks=pytest.mark.xfail(strict=True, reason=why)) for k, (_, _, why) in KNOWN.items()],
 )
-def test_known_difference_is_gone(deployment: tuple[str, str, Any], kind: str) -> None:
+def test_known_difference_is_gone(deployment: tuple[str, str, Any, str], kind: str) -> None:
     """Runs after the calls: the calls where ``kind`` showed (none, once the router is fixed)."""
     assert any(r["call"] for r in RESULTS)
     hit = [r["call"] for r in RESULTS if r["known"][kind]]
@@ -398,7 +409,7 @@ def _handoffs(raw: Any) -> list[dict[str, Any]]:
     ]
 
 
-def test_report(deployment: tuple[str, str, Any]) -> None:
+def test_report(deployment: tuple[str, str, Any, str]) -> None:
     """Written last: every call's verdict, to ``$PDDLINK_CONFORMANCE_HANDOFF_REPORT`` when set."""
     if os.environ.get("PDDLINK_CONFORMANCE_HANDOFF_REPORT"):
         rows = [
