@@ -79,6 +79,10 @@ BENCH_COMMANDS: dict[str, tuple[str, str]] = {
         "pddlink.cli.bench_vllm_exact:command",
         "PDD on vLLM against one vLLM alone: one at a time, float32, a handoff in every request.",
     ),
+    "vllm-serve": (
+        "pddlink.cli.bench_vllm_serve:command",
+        "vllm bench serve (completions, chat) through the router on vLLM and straight at one vLLM.",
+    ),
 }
 
 TOP_COMMANDS: dict[str, tuple[str, str]] = {

@@ -15,7 +15,9 @@ is printed (``pytest -s``) and written to ``$PDDLINK_CONFORMANCE_REPORT`` when s
 The same calls run a second time against the router in front of vLLM itself
 (``engine = "vllm"``, started with ``pddlink router --config``: P and MD are vLLM servers of the
 same model beside their pddlink sidecars, the shared pair): there the models are the same, so every
-greedy call must also give vLLM's own text and token ids (``GREEDY_SAME``).
+greedy call must also give vLLM's own text and token ids (``GREEDY_SAME``). That router has no
+RelayDecode, so no answer here went through a handoff: ``test_openai_conformance_handoff.py`` holds
+every call of a P->RLD->MD pipeline with a forced handoff (one-shot and catch-up) against vLLM.
 """
 
 from __future__ import annotations
