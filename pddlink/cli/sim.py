@@ -534,22 +534,31 @@ def fallbacks_cmd(max_tokens: int, as_json: bool) -> None:
 @click.option("--rate", type=float, default=80.0, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--uniform", is_flag=True, help="The uniform 85-95%% hit contrast case.")
+@click.option(
+    "--conversation", is_flag=True,
+    help="Chat sessions whose every turn re-sends the conversation so far (``sim.conversation``).",
+)  # fmt: skip
 @click.option("--block-tokens", type=int, help="Scale: tokens per block in the written trace.")
 @click.option("--context-tokens", type=int, help="Scale: median prompt length in the written trace.")
 @click.option("--max-output-tokens", type=int, help="Scale: cap output lengths and bounds.")
 @click.option("--time-scale", type=float, default=1.0, show_default=True, help="Stretch arrival times.")
 def generate_cmd(
-    workload_path: Path, out: Path, count: int, rate: float, seed: int, uniform: bool,
+    workload_path: Path, out: Path, count: int, rate: float, seed: int, uniform: bool, conversation: bool,
     block_tokens: int | None, context_tokens: int | None, max_output_tokens: int | None, time_scale: float,
 ) -> None:  # fmt: skip
-    """Write an agentic trace (JSONL) from the workload file, optionally scaled for one machine."""
+    """Write an agentic (or ``--conversation``) trace (JSONL) from the workload file, optionally
+    scaled for one machine."""
     from pddlink.cli.preflight import check_output_file
+    from pddlink.sim.conversation import ConversationConfig, conversation_trace
 
     check_output_file(str(out), "sim generate --out")
     workload = load_workload(workload_path)
-    trace = generate_trace(
-        workload, GeneratorConfig(rate_rps=rate, requests=count, seed=seed, uniform_hits=uniform)
-    )
+    if conversation:
+        trace = conversation_trace(workload, ConversationConfig(rate_rps=rate, requests=count, seed=seed))
+    else:
+        trace = generate_trace(
+            workload, GeneratorConfig(rate_rps=rate, requests=count, seed=seed, uniform_hits=uniform)
+        )
     trace = scale_trace(
         trace, block_tokens=block_tokens, context_tokens=context_tokens, max_output_tokens=max_output_tokens,
         time_scale=time_scale,
