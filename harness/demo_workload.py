@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engines_adapter import SamplingParams
+from pddlink.sim.demo_scale import DemoKnobs, demo_output_tokens
 from pddlink.sim.generate import GeneratorConfig, generate_trace
 from pddlink.sim.trace import Trace, read_trace, scale_trace
 from pddlink.sim.workload import load_workload
@@ -64,12 +65,7 @@ def demo_requests(
     t0 = trace.requests[0].arrival_s if trace.requests else 0.0
     for i, r in enumerate(trace.requests):
         prompt = r.prompt_token_ids(trace.meta.block_tokens, vocab_size)[:max_prompt]
-        bound = r.max_tokens if r.max_tokens <= 16 else r.output_tokens
-        n = (
-            max(1, round(bound / output_divisor))
-            if r.max_tokens <= 16
-            else max(8, round(bound / output_divisor))
-        )
-        sampling = SamplingParams(seed=1000 + i, temperature=0.8, top_k=64, max_tokens=min(n, max_output))
+        n = demo_output_tokens(r, DemoKnobs(output_divisor=output_divisor, max_output=max_output))
+        sampling = SamplingParams(seed=1000 + i, temperature=0.8, top_k=64, max_tokens=n)
         out.append(DemoRequest(i, r.arrival_s - t0, tuple(prompt), sampling))
     return out

@@ -48,7 +48,13 @@ over (that share of ``md_running``, at least one: whatever joins during the pref
 the others). A
 mean output length instead undercounts the short requests a stall breaks, and a low quantile of
 outputs (8 tokens in the demo) refused every low-hit prompt, which RelayDecode then decoded.
-An option that breaks the bound is not chosen while another meets every bound; a request whose
+Under a TTFT bound (``ttft_deadline_s``), an option that ships KV meets it only if that KV holds
+the line no longer than the bound (``OptionEstimate.line_s``: its bytes over the line's rate): a
+relay's first token comes from RLD at once, but on a line too thin for its suffix its shipment
+outlives the request and every request that ships behind it misses its own first token (wan-overload:
+9-15 of 200 shipped requests at 3-7 s behind one or two relayed low-hit prompts of 1.5 MB on a 3.3
+Mbit/s line, none in the run without relays). An option that breaks the bound is not chosen while
+another meets every bound; a request whose
 every option meets the deadlines only by breaking it is rejected as ``TPOT_UNREACHABLE``. What the
 bound moves off MD lands on RelayDecode, so relay options are open only while RLD's share of the
 tokens lately produced (``rld_token_share``) is under ``RoutingPolicy.rld_token_budget``: RLD
@@ -261,6 +267,7 @@ class OptionEstimate:
     tpot_s: float = 0.0  # this request's expected time per output token after its first
     md_batch_tpot_s: float = 0.0  # what MD's running requests get while it recomputes, on average
     md_pushed_over: float = 0.0  # of them, how many it is expected to push over the TPOT bound
+    line_s: float = 0.0  # how long the KV it ships holds the whole line (0: it ships nothing)
 
     def meets(
         self,
@@ -271,9 +278,11 @@ class OptionEstimate:
     ) -> bool:
         """Ends by the deadline, has its first token out by the TTFT one and keeps this request's
         TPOT within the bound and MD's running requests' too (pushing fewer than
-        ``pushed_over_limit`` of them over it), each where one is given."""
+        ``pushed_over_limit`` of them over it), each where one is given. Under a TTFT bound the KV it
+        ships must also cross within it (``line_s``): a shipment that holds the line longer makes
+        every request shipping behind it miss its own first token, whatever this one's is."""
         ends = deadline_s is None or self.finish_s <= deadline_s
-        first = ttft_deadline_s is None or self.ttft_s <= ttft_deadline_s
+        first = ttft_deadline_s is None or max(self.ttft_s, self.line_s) <= ttft_deadline_s
         return ends and first and self.meets_tpot(tpot_bound_s, pushed_over_limit)
 
     def meets_tpot(self, tpot_bound_s: float | None, pushed_over_limit: float = PUSHED_OVER_LIMIT) -> bool:
@@ -360,7 +369,8 @@ def estimate_options(inputs: OptionInputs, policy: RoutingPolicy) -> tuple[Optio
             left = MdPrefill(md.tokens_per_s, max(0.0, md.queue_s - ready), md.chunk_tokens)
             own += left.tpot_cost_s(0, out_tokens) if left.queue_s > 0 else 0.0
         charged, over = (batch_tpot, pushed) if option.recomputes else (0.0, 0.0)
-        estimates.append(OptionEstimate(option, first, ready, finish, on_rld, own, charged, over))
+        line = r.wan_bytes / r.link.line_bytes_per_s if option.ships_kv else 0.0
+        estimates.append(OptionEstimate(option, first, ready, finish, on_rld, own, charged, over, line))
     return tuple(estimates)
 
 

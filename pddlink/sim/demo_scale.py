@@ -51,13 +51,18 @@ def demo_trace(workload: Workload, k: DemoKnobs) -> Trace:
     trace = generate_trace(workload, cfg)
 
     def shrink(r: TraceRequest) -> TraceRequest:
-        if r.max_tokens <= 16:
-            n = min(k.max_output, max(1, round(r.max_tokens / k.output_divisor)))
-        else:
-            n = min(k.max_output, max(8, round(r.output_tokens / k.output_divisor)))
+        n = demo_output_tokens(r, k)
         return replace(r, output_tokens=n, max_tokens=n)
 
     return Trace(trace.meta, tuple(shrink(r) for r in trace.requests))
+
+
+def demo_output_tokens(r: TraceRequest, k: DemoKnobs) -> int:
+    """The output length the demo asks for: the trace's divided by ``output_divisor``, at least 8
+    (singular bounds, at most 16 tokens: divided too, at least 1), at most ``max_output``."""
+    if r.max_tokens <= 16:
+        return min(k.max_output, max(1, round(r.max_tokens / k.output_divisor)))
+    return min(k.max_output, max(8, round(r.output_tokens / k.output_divisor)))
 
 
 def demo_policy() -> RoutingPolicy:
