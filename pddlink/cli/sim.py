@@ -8,10 +8,12 @@ replays the demo's traffic over a topology's pools under each placement policy (
 ``pddlink sim sweep`` varies line rate, RLD count, hit skew, or compares the goodput of P->MD, PDD,
 PDD with recompute and PDD with the TPOT-bounded policy against the offered WAN load
 (``--wan-load``) or the mean prefix hit rate (``--bathtub``); ``pddlink sim generate`` writes a
-trace for ``pddlink demo``. Goodput is requests per second meeting both SLOs: ``--slo-ttft-ms``
-(default the workload's TTFT bound, 30 s) and ``--slo-tpot-ms`` (default the workload's TPOT SLO,
-30 ms), on ``pddlink sim`` and on ``sweep``. Progress goes to stderr; ``--json`` prints exactly
-one JSON object on stdout.
+trace for ``pddlink demo`` (``--conversation``: chat sessions); ``pddlink sim demo-overload`` predicts
+``pddlink demo --scenario wan-overload`` (the three policies' goodput ranking on its requests).
+Goodput is requests per second meeting both SLOs: ``--slo-ttft-ms`` (default the workload's TTFT
+bound, 30 s; ``demo-overload``: the demo's, 2 s) and ``--slo-tpot-ms`` (default the workload's TPOT
+SLO, 30 ms; ``demo-overload``: 10 ms), on ``pddlink sim`` and on ``sweep``. Progress goes to
+stderr; ``--json`` prints exactly one JSON object on stdout.
 """
 
 from __future__ import annotations
@@ -565,6 +567,46 @@ def generate_cmd(
     )  # fmt: skip
     write_trace(out, trace)
     _log(f"wrote {len(trace.requests)} requests to {out} (block {trace.meta.block_tokens} tokens)")
+
+
+@group.command("demo-overload")
+@_workload_opt
+@click.option(
+    "--trace", "trace_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="Replay this trace as `pddlink demo --trace` does (default: agentic traffic at the demo's scale).",
+)  # fmt: skip
+@click.option("--requests", "count", type=int, default=200, show_default=True, help="Measured requests.")
+@click.option("--warmup", type=int, default=16, show_default=True, help="Requests before them (caches).")
+@click.option("--rate", type=float, default=4.0, show_default=True)
+@click.option("--seed", type=int, default=1, show_default=True)
+@click.option("--slo-ttft-ms", type=click.FloatRange(min=0, min_open=True), default=2000.0, show_default=True)
+@click.option("--slo-tpot-ms", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def demo_overload_cmd(
+    workload_path: Path, trace_path: Path | None, count: int, warmup: int, rate: float, seed: int,
+    slo_ttft_ms: float, slo_tpot_ms: float, as_json: bool,
+) -> None:  # fmt: skip
+    """Predict `pddlink demo --scenario wan-overload`: the baseline, PDD bounded and PDD unbounded on
+    the demo's requests and line (``sim.demo_overload``), ranked by goodput (the demo's SLO defaults)."""
+    from pddlink.sim.demo_overload import demo_line_mbit, predict
+    from pddlink.sim.demo_scale import replay_trace
+
+    trace = replay_trace(
+        requests=count + warmup, rate_rps=rate, seed=seed, workload=load_workload(workload_path),
+        trace_file=trace_path,
+    )  # fmt: skip
+    result = predict(trace, warmup, demo_line_mbit(trace, warmup), Sla(slo_ttft_ms / 1e3, slo_tpot_ms / 1e3))
+    result["source"] = str(trace_path) if trace_path else f"agentic seed={seed}"
+    if as_json:
+        click.echo(json.dumps(result))
+        return
+    for name, f in result["policies"].items():
+        click.echo(
+            f"{name:>10}: goodput {f['goodput_rps']:.2f} req/s, TTFT P90 {f['ttft_p90_s']:.2f} s, "
+            f"{f['tokens_per_s_per_request']:.0f} tok/s per request, {f['rejected']} refused"
+        )
+    click.echo("ranking: " + " > ".join(" = ".join(g) for g in result["ranking"]))
+    click.echo(f"line {result['line_mbit']} Mbit/s; SLO TTFT {slo_ttft_ms:g} ms, TPOT {slo_tpot_ms:g} ms")
 
 
 def main() -> None:  # pragma: no cover - for `python -m pddlink.cli.sim`

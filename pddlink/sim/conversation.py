@@ -110,7 +110,8 @@ def conversation_trace(workload: Workload, cfg: ConversationConfig) -> Trace:
         now, sid, session = heapq.heappop(due)
         n = b.output_tokens()
         tokens = len(session.blocks) * cfg.block_tokens
-        out.append(TraceRequest(len(out), now, sid, tuple(session.blocks), tokens, n, max(n, MAX_TOKENS)))
+        arrival = round(now, 6)  # as the trace format writes it
+        out.append(TraceRequest(len(out), arrival, sid, tuple(session.blocks), tokens, n, max(n, MAX_TOKENS)))
         session.turns_left -= 1
         answer_and_question = b.fresh(n) + b.fresh(b.tokens(cfg.question_tokens))
         grown = len(session.blocks) + len(answer_and_question)

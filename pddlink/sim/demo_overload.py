@@ -42,6 +42,8 @@ class OverloadKnobs:
     deadline_s: float = 30.0  # ``ClusterSpec.deadline_s``; admission uses WAN_SHARE_OF_DEADLINE of it
     rld_token_budget: float = 0.08  # ``harness.demo.RLD_TOKEN_BUDGET``
     max_prompt_tokens: int = 1500  # ``harness.demo_workload.demo_requests``' cut
+    vocab_size: int = 2048  # the tiny preset's (``harness.demo.VOCAB``)
+    load: float = 2.0  # offered suffix bytes / line rate (``harness.demo_overload.TARGET_LOAD``)
 
 
 OVERLOAD_KNOBS = OverloadKnobs()
@@ -85,6 +87,23 @@ def offered_suffix_bytes_s(
     total = sum(missing(prompt) for _, prompt in measured)
     span = max(measured[-1][0] - measured[0][0], 1.0) if measured else 1.0
     return total * kv_bytes_per_token / span
+
+
+def demo_line_mbit(trace: Trace, warmup: int, k: OverloadKnobs = OVERLOAD_KNOBS) -> float:
+    """The line ``pddlink demo --scenario wan-overload`` sizes for this trace: ``1 / load`` of what
+    the measured requests' missing suffixes offer (the first ``warmup`` only fill the cache)."""
+    b = trace.meta.block_tokens
+    prompts = [
+        (r.arrival_s, tuple(r.prompt_token_ids(b, k.vocab_size)[: k.max_prompt_tokens]))
+        for r in trace.requests
+    ]
+    warm, measured = prompts[:warmup], prompts[warmup:]
+    t0 = measured[0][0] if measured else 0.0
+    measured = [(t - t0, p) for t, p in measured]
+    suffix = offered_suffix_bytes_s(
+        [p for _, p in warm], measured, k.demo.kv_bytes_per_token, k.demo.block_tokens
+    )
+    return suffix * 8 / 1e6 / k.load
 
 
 def overload_deployments(line_mbit: float, sla: Sla, k: OverloadKnobs = OVERLOAD_KNOBS) -> list[Deployment]:
