@@ -42,12 +42,15 @@ than one decode step pushes nobody over, whatever the slack). The requests MD is
 decoding are length-biased (a request runs as long as its output), so the share of them that
 short is the share of output *tokens* that belong to such requests (``OutputLengths``, from what
 requests produced lately). Recompute keeps the bound while the requests it is expected to push
-over (that share of ``md_running``, at least one: whatever joins during the prefill) stay under
+over (that share of ``md_running``; an idle MD pushes nobody over: a request that joins during
+the prefill is judged by its own estimate, which counts MD's prefill queue) stay under
 ``PUSHED_OVER_LIMIT`` (0.1) while a relay option keeps every bound, else under
 ``PUSHED_OVER_LIMIT_WITHOUT_RELAY`` (1: serving this request is worth more than what it costs
-the others). A
-mean output length instead undercounts the short requests a stall breaks, and a low quantile of
-outputs (8 tokens in the demo) refused every low-hit prompt, which RelayDecode then decoded.
+the others). Counting one request on an idle MD, as before, refused every low-hit prompt once MD's
+own step neared the bound (slack near 0: the simulator's demo-overload at half the engine's speed
+refused 199 of 200 while recompute without the bound served 38 within the SLO). A mean output
+length instead undercounts the short requests a stall breaks, and a low quantile of outputs (8
+tokens in the demo) refused every low-hit prompt, which RelayDecode then decoded.
 Under a TTFT bound (``ttft_deadline_s``), an option that ships KV meets it only if that KV holds
 the line no longer than the bound (``OptionEstimate.line_s``: its bytes over the line's rate): a
 relay's first token comes from RLD at once, but on a line too thin for its suffix its shipment
@@ -346,7 +349,7 @@ def estimate_options(inputs: OptionInputs, policy: RoutingPolicy) -> tuple[Optio
             slack = BATCH_TPOT_SHARE * inputs.tpot_bound_s - inputs.md_tpot_s
             below = md.pushed_over_below(r.missing_tokens, slack, inputs.md_tpot_s)
             shorter = lengths.token_share_below(below)
-            pushed = max(1, inputs.md_running) * shorter
+            pushed = inputs.md_running * shorter
     rld_first = inputs.p_prefill_s + inputs.fast_s + r.rld_tpot_s
     rld_alone = rld_first + (out_tokens - 1) * r.rld_tpot_s
     md_decode = (out_tokens - 1) * inputs.md_tpot_s

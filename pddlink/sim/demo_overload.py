@@ -46,6 +46,17 @@ class OverloadKnobs:
     load: float = 2.0  # offered suffix bytes / line rate (``harness.demo_overload.TARGET_LOAD``)
 
 
+    def slowed(self, factor: float) -> OverloadKnobs:
+        """The same engine ``factor`` times slower at everything (a machine shared with other
+        work: the demo's baseline TPOT P50 ranged 5.1-9.7 ms between runs against ~4.5 ms quiet)."""
+        d = self.demo
+        slow = replace(
+            d, decode_step_s=d.decode_step_s * factor, decode_seq_s=d.decode_seq_s * factor,
+            prefill_tokens_per_s=d.prefill_tokens_per_s / factor, prefill_fixed_s=d.prefill_fixed_s * factor,
+        )  # fmt: skip
+        return replace(self, demo=slow)
+
+
 OVERLOAD_KNOBS = OverloadKnobs()
 
 

@@ -99,15 +99,32 @@ def test_the_share_of_running_requests_pushed_over_is_the_share_of_tokens_in_sho
     assert d.option is Option.RELAY  # 0.18 expected: RLD serves it without harming anyone
 
 
-def test_an_idle_md_still_charges_what_joins_it_but_no_interleaved_steps() -> None:
+def test_an_idle_md_pushes_nobody_over_and_rides_no_decode_steps() -> None:
     chunked = MdPrefill(tokens_per_s=8000.0, chunk_tokens=48)
     d = choose_option(overloaded(chunked, md_running=0), PDD_RECOMPUTE)
     rec = d.estimate(Option.RECOMPUTE)
     assert rec is not None and rec.md_batch_tpot_s == pytest.approx(0.026)
     assert rec.md_ready_s == pytest.approx(0.01 + 768 / 8000)  # no decode steps to ride on
     assert d.option is Option.RECOMPUTE  # ready in 0.1 s: MD alone, sooner than relay_min_wan_s
-    blocking = choose_option(overloaded(md_running=0), PDD_RECOMPUTE)  # 96 ms for whoever joins
-    assert blocking.option is Option.RELAY
+    # blocking, 96 ms: nobody decodes on MD to be stalled; who joins meanwhile judges MD's queue itself
+    blocking = choose_option(overloaded(md_running=0), PDD_RECOMPUTE)
+    est = blocking.estimate(Option.RECOMPUTE)
+    assert blocking.option is Option.RECOMPUTE and est is not None and est.md_pushed_over == 0.0
+    one = choose_option(overloaded(md_running=1), PDD_RECOMPUTE)  # one short request would feel it
+    assert one.option is Option.RELAY
+
+
+def test_a_request_joining_during_a_recompute_counts_mds_queue_in_its_own_tpot() -> None:
+    queued = MdPrefill(8000.0, queue_s=2.0)  # MD prefills other prompts for 2 s still
+    d = choose_option(overloaded(queued, md_running=0, md_outputs=LONG), PDD_RECOMPUTE)
+    assert d.option is not None and d.option is not Option.RECOMPUTE  # ready after the queue: relays
+    relay = d.estimate(Option.RELAY)
+    assert relay is not None and relay.md_pushed_over == 0.0
+    ship_later = replace(
+        overloaded(queued, md_running=0, md_outputs=LONG), routing=routing(link=LinkEstimate(LINE, 0.02))
+    )
+    ship = choose_option(ship_later, PDD_RECOMPUTE).estimate(Option.SHIP)
+    assert ship is not None and ship.tpot_s > 0.02  # its own decode starts behind MD's queue
 
 
 def test_relay_keeps_the_bound_when_rld_decodes_it_all_though_md_is_slow() -> None:
