@@ -45,7 +45,6 @@ class OverloadKnobs:
     vocab_size: int = 2048  # the tiny preset's (``harness.demo.VOCAB``)
     load: float = 2.0  # offered suffix bytes / line rate (``harness.demo_overload.TARGET_LOAD``)
 
-
     def slowed(self, factor: float) -> OverloadKnobs:
         """The same engine ``factor`` times slower at everything (a machine shared with other
         work: the demo's baseline TPOT P50 ranged 5.1-9.7 ms between runs against ~4.5 ms quiet)."""
