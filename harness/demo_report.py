@@ -244,6 +244,13 @@ def table(doc: dict[str, Any]) -> str:
             f"simulator on the same requests (goodput req/s): {said}; ranking {_order(sim['ranking'])}, "
             f"measured {_order(sim['measured_ranking'])}: {'agree' if sim['agrees'] else 'DIFFER'}"
         )
+        slow = sim.get("at_measured_speed")
+        if slow:
+            said = ", ".join(f"{n} {p['goodput_rps']:.2f}" for n, p in slow["policies"].items())
+            lines.append(
+                f"  at this run's engine speed ({slow['slowdown']:.2f}x slower): {said}; ranking "
+                f"{_order(slow['ranking'])}: {'agree' if slow['agrees'] else 'DIFFER'}"
+            )
     return "\n".join(lines)
 
 

@@ -581,21 +581,28 @@ def generate_cmd(
 @click.option("--seed", type=int, default=1, show_default=True)
 @click.option("--slo-ttft-ms", type=click.FloatRange(min=0, min_open=True), default=2000.0, show_default=True)
 @click.option("--slo-tpot-ms", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True)
+@click.option(
+    "--slowdown", type=click.FloatRange(min=1.0), default=1.0, show_default=True,
+    help="The tiny engine this many times slower than on a quiet machine (a run's baseline TPOT P50 "
+    "over the quiet one's, ~4.5 ms).",
+)  # fmt: skip
 @click.option("--json", "as_json", is_flag=True)
 def demo_overload_cmd(
     workload_path: Path, trace_path: Path | None, count: int, warmup: int, rate: float, seed: int,
-    slo_ttft_ms: float, slo_tpot_ms: float, as_json: bool,
+    slo_ttft_ms: float, slo_tpot_ms: float, slowdown: float, as_json: bool,
 ) -> None:  # fmt: skip
     """Predict `pddlink demo --scenario wan-overload`: the baseline, PDD bounded and PDD unbounded on
     the demo's requests and line (``sim.demo_overload``), ranked by goodput (the demo's SLO defaults)."""
-    from pddlink.sim.demo_overload import demo_line_mbit, predict
+    from pddlink.sim.demo_overload import OVERLOAD_KNOBS, demo_line_mbit, predict
     from pddlink.sim.demo_scale import replay_trace
 
     trace = replay_trace(
         requests=count + warmup, rate_rps=rate, seed=seed, workload=load_workload(workload_path),
         trace_file=trace_path,
     )  # fmt: skip
-    result = predict(trace, warmup, demo_line_mbit(trace, warmup), Sla(slo_ttft_ms / 1e3, slo_tpot_ms / 1e3))
+    sla, knobs = Sla(slo_ttft_ms / 1e3, slo_tpot_ms / 1e3), OVERLOAD_KNOBS.slowed(slowdown)
+    result = predict(trace, warmup, demo_line_mbit(trace, warmup), sla, knobs)
+    result["slowdown"] = slowdown
     result["source"] = str(trace_path) if trace_path else f"agentic seed={seed}"
     if as_json:
         click.echo(json.dumps(result))

@@ -168,7 +168,7 @@ def predict(
         name: {
             "goodput_rps": d["goodput_rps"], "ttft_p90_s": d["ttft_s"]["p90"],
             "tokens_per_s_per_request": d["tokens_per_s_per_request"], "rejected": d["rejected"],
-            "decisions": d["decisions"],
+            "decisions": d["decisions"], "tpot_p50_s": d["tpot_s"]["p50"],
         }
         for name, d in result["deployments"].items()
     }  # fmt: skip

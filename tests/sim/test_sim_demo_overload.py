@@ -112,3 +112,20 @@ def test_the_simulator_sizes_the_demos_line_from_the_trace_alone() -> None:
     measured = [replace(r, arrival_s=r.arrival_s - t0) for r in measured]
     want = overload_line_mbit(demo_suffix_bytes_s(warm, measured, 2048))
     assert demo_line_mbit(trace, 16) == pytest.approx(want)
+
+
+def test_the_demo_reports_both_predictions_and_whether_each_agrees() -> None:
+    from harness.demo import sim_prediction
+    from harness.demo_report import Slo
+
+    trace = build_trace(requests=100, rate_rps=4.0, seed=1, workload=None, trace_file=str(CONVERSATION))
+    line = demo_line_mbit(trace, 16)
+    swapped = {"baseline": 0.0, "pdd": 1.0, "unbounded": 3.0}
+    got = sim_prediction(trace, 16, line, Slo(), swapped, base_tpot_s=0.0)
+    assert got["measured_ranking"] == [["unbounded"], ["pdd"], ["baseline"]]
+    assert got["agrees"] is ranking_agrees(got["ranking"], got["measured_ranking"])
+    quiet = got["at_measured_speed"]
+    assert quiet["slowdown"] == 1.0 and quiet["policies"] == got["policies"]  # never faster than quiet
+    slow = sim_prediction(trace, 16, line, Slo(), swapped, base_tpot_s=0.0084)["at_measured_speed"]
+    assert slow["slowdown"] > 1.5
+    assert slow["policies"]["unbounded"]["tpot_p50_s"] > got["policies"]["unbounded"]["tpot_p50_s"]
