@@ -35,6 +35,9 @@ from harness.demo_workload import DemoRequest, build_trace, demo_requests
 from netlab.lab import Lab
 from netlab.profile import parse_profile
 from pddlink.serving.http import fetch
+from pddlink.sim.demo_overload import OVERLOAD_KNOBS, predict, ranking, ranking_agrees
+from pddlink.sim.records import Sla
+from pddlink.sim.trace import Trace
 
 VOCAB = 2048  # the reference engine's tiny preset
 KV_BYTES_PER_TOKEN = 2048
@@ -47,6 +50,26 @@ TINY_TPOT_S = 0.008
 # conversation's next turn finds on MD less than P holds: at 0.15 MD's DRC hit fell 4.5 to 9.3
 # points under P's (the overload check allows 5), with RLD's share at 17%
 RLD_TOKEN_BUDGET = 0.08
+
+
+def sim_prediction(
+    trace: Trace, warmup: int, line_mbit: float, slo: Slo, measured: dict[str, float], base_tpot_s: float
+) -> dict[str, Any]:
+    """The simulator on the same requests, line and SLO (``pddlink.sim.demo_overload``): its
+    goodput ranking of the three policies beside the one this run measured; the tiny engine at its
+    quiet-machine speed, and (``at_measured_speed``) slowed to the baseline TPOT P50 this run saw
+    (``base_tpot_s``: the machine is shared, and how much recompute costs follows its speed)."""
+    sla = Sla(slo.ttft_ms / 1e3, slo.tpot_ms / 1e3)
+    predicted = predict(trace, warmup, line_mbit, sla)
+    quiet_tpot_s = predicted["policies"]["baseline"]["tpot_p50_s"]
+    slowdown = max(1.0, base_tpot_s / quiet_tpot_s) if quiet_tpot_s > 0 else 1.0
+    slowed = predict(trace, warmup, line_mbit, sla, OVERLOAD_KNOBS.slowed(slowdown))
+    order = ranking(measured)
+    agrees = ranking_agrees(predicted["ranking"], order)
+    slowed["slowdown"], slowed["agrees"] = round(slowdown, 3), ranking_agrees(slowed["ranking"], order)
+    verdict = "agree" if agrees else "DIFFER"
+    say(f"simulator: goodput ranking {predicted['ranking']}, measured {order}: {verdict}")
+    return {**predicted, "measured_ranking": order, "agrees": agrees, "at_measured_speed": slowed}
 
 
 def say(msg: str) -> None:
@@ -196,12 +219,10 @@ def main(
 ) -> dict[str, Any]:
     slo = slo or Slo()
     work = Path(tempfile.mkdtemp(prefix="pddlink-demo-"))
-    every = demo_requests(
-        build_trace(
-            requests=requests + warmup, rate_rps=rate_rps, seed=seed, workload=workload, trace_file=trace
-        ),
-        vocab_size=VOCAB,
+    replayed = build_trace(
+        requests=requests + warmup, rate_rps=rate_rps, seed=seed, workload=workload, trace_file=trace
     )
+    every = demo_requests(replayed, vocab_size=VOCAB)
     warm, reqs = every[:warmup], every[warmup:]
     t_first = reqs[0].arrival_s
     reqs = [replace(r, index=i, arrival_s=r.arrival_s - t_first) for i, r in enumerate(reqs)]
@@ -288,6 +309,9 @@ def main(
     }
     other = ("unbounded", unbounded) if unbounded else None
     doc = document(base, pdd, setting, other)
+    if unbounded is not None:
+        tpot = base["tpot_s"]["p50"]
+        doc["sim_prediction"] = sim_prediction(replayed, warmup, line_mbit, slo, doc["goodput_rps"], tpot)
     print(table(doc))
     plot(base, pdd, Path(plot_path), other)
     say(f"TTFT distributions: {plot_path}; logs: {work}")

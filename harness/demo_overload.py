@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from harness.demo_workload import BLOCK_TOKENS, DemoRequest
 from pddlink.errors import ConfigError
+from pddlink.sim.demo_overload import offered_suffix_bytes_s as suffix_bytes_s
 
 TARGET_LOAD = 2.0  # offered suffix bytes / line rate (the issue asks for at least 1.8)
 
@@ -21,22 +22,9 @@ TARGET_LOAD = 2.0  # offered suffix bytes / line rate (the issue asks for at lea
 def offered_suffix_bytes_s(
     warm: Sequence[DemoRequest], measured: Sequence[DemoRequest], kv_bytes_per_token: int
 ) -> float:
-    seen: set[tuple[int, ...]] = set()
-
-    def missing(prompt: tuple[int, ...]) -> int:
-        full = len(prompt) // BLOCK_TOKENS
-        hit = 0
-        while hit < full and prompt[: (hit + 1) * BLOCK_TOKENS] in seen:
-            hit += 1
-        for i in range(1, full + 1):
-            seen.add(prompt[: i * BLOCK_TOKENS])
-        return len(prompt) - hit * BLOCK_TOKENS
-
-    for r in warm:
-        missing(r.prompt)
-    total = sum(missing(r.prompt) for r in measured)
-    span = max(measured[-1].arrival_s - measured[0].arrival_s, 1.0) if measured else 1.0
-    return total * kv_bytes_per_token / span
+    """``pddlink.sim.demo_overload.offered_suffix_bytes_s`` on the demo's token prompts."""
+    prompts = [(r.arrival_s, r.prompt) for r in measured]
+    return suffix_bytes_s([r.prompt for r in warm], prompts, kv_bytes_per_token, BLOCK_TOKENS)
 
 
 def overload_line_mbit(suffix_bytes_s: float, load: float = TARGET_LOAD) -> float:

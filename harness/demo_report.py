@@ -237,7 +237,26 @@ def table(doc: dict[str, Any]) -> str:
     ratio = doc.get("p90_ratio")
     if ratio is not None:
         lines.append(f"PDD TTFT P90 = {ratio:.2f}x baseline (published: 0.54x)")
+    sim = doc.get("sim_prediction")
+    if sim:
+        said = ", ".join(f"{n} {p['goodput_rps']:.2f}" for n, p in sim["policies"].items())
+        lines.append(
+            f"simulator on the same requests (goodput req/s): {said}; ranking {_order(sim['ranking'])}, "
+            f"measured {_order(sim['measured_ranking'])}: {'agree' if sim['agrees'] else 'DIFFER'}"
+        )
+        slow = sim.get("at_measured_speed")
+        if slow:
+            said = ", ".join(f"{n} {p['goodput_rps']:.2f}" for n, p in slow["policies"].items())
+            lines.append(
+                f"  at this run's engine speed ({slow['slowdown']:.2f}x slower): {said}; ranking "
+                f"{_order(slow['ranking'])}: {'agree' if slow['agrees'] else 'DIFFER'}"
+            )
     return "\n".join(lines)
+
+
+def _order(groups: list[list[str]]) -> str:
+    """``[["pdd"], ["unbounded", "baseline"]]`` as ``pdd > unbounded = baseline``."""
+    return " > ".join(" = ".join(g) for g in groups)
 
 
 def _kv(d: dict[str, int]) -> str:

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engines_adapter import SamplingParams
-from pddlink.sim.generate import GeneratorConfig, generate_trace
-from pddlink.sim.trace import Trace, read_trace, scale_trace
+from pddlink.sim.demo_scale import DemoKnobs, demo_output_tokens, replay_trace
+from pddlink.sim.trace import Trace
 from pddlink.sim.workload import load_workload
 
 DEFAULT_WORKLOAD = Path("/work/shared/workload/agentic-v1.json")
@@ -40,21 +40,9 @@ def _workload_path(workload: str | None) -> str | Path:
 def build_trace(
     *, requests: int, rate_rps: float, seed: int, workload: str | None, trace_file: str | None
 ) -> Trace:
-    if trace_file:
-        raw = read_trace(trace_file)
-        first = raw.requests[0].arrival_s if raw.requests else 0.0
-        span = max((raw.requests[min(requests, len(raw.requests)) - 1].arrival_s - first), 1e-9)
-        time_scale = (requests / rate_rps) / span
-        return scale_trace(raw, context_tokens=CONTEXT_TOKENS, time_scale=time_scale, limit=requests)
-    cfg = GeneratorConfig(
-        rate_rps=rate_rps,
-        requests=requests,
-        seed=seed,
-        block_tokens=BLOCK_TOKENS,
-        context_tokens=CONTEXT_TOKENS,
-        turn_gap_s=(2.0, 8.0),
-    )
-    return generate_trace(load_workload(_workload_path(workload)), cfg)
+    """``pddlink.sim.demo_scale.replay_trace`` with the workload file (default agentic-v1)."""
+    w = load_workload(_workload_path(workload))
+    return replay_trace(requests=requests, rate_rps=rate_rps, seed=seed, workload=w, trace_file=trace_file)
 
 
 def demo_requests(
@@ -64,12 +52,7 @@ def demo_requests(
     t0 = trace.requests[0].arrival_s if trace.requests else 0.0
     for i, r in enumerate(trace.requests):
         prompt = r.prompt_token_ids(trace.meta.block_tokens, vocab_size)[:max_prompt]
-        bound = r.max_tokens if r.max_tokens <= 16 else r.output_tokens
-        n = (
-            max(1, round(bound / output_divisor))
-            if r.max_tokens <= 16
-            else max(8, round(bound / output_divisor))
-        )
-        sampling = SamplingParams(seed=1000 + i, temperature=0.8, top_k=64, max_tokens=min(n, max_output))
+        n = demo_output_tokens(r, DemoKnobs(output_divisor=output_divisor, max_output=max_output))
+        sampling = SamplingParams(seed=1000 + i, temperature=0.8, top_k=64, max_tokens=n)
         out.append(DemoRequest(i, r.arrival_s - t0, tuple(prompt), sampling))
     return out

@@ -42,13 +42,22 @@ than one decode step pushes nobody over, whatever the slack). The requests MD is
 decoding are length-biased (a request runs as long as its output), so the share of them that
 short is the share of output *tokens* that belong to such requests (``OutputLengths``, from what
 requests produced lately). Recompute keeps the bound while the requests it is expected to push
-over (that share of ``md_running``, at least one: whatever joins during the prefill) stay under
+over (that share of ``md_running``; an idle MD pushes nobody over: a request that joins during
+the prefill is judged by its own estimate, which counts MD's prefill queue) stay under
 ``PUSHED_OVER_LIMIT`` (0.1) while a relay option keeps every bound, else under
 ``PUSHED_OVER_LIMIT_WITHOUT_RELAY`` (1: serving this request is worth more than what it costs
-the others). A
-mean output length instead undercounts the short requests a stall breaks, and a low quantile of
-outputs (8 tokens in the demo) refused every low-hit prompt, which RelayDecode then decoded.
-An option that breaks the bound is not chosen while another meets every bound; a request whose
+the others). Counting one request on an idle MD, as before, refused every low-hit prompt once MD's
+own step neared the bound (slack near 0: the simulator's demo-overload at half the engine's speed
+refused 199 of 200 while recompute without the bound served 38 within the SLO). A mean output
+length instead undercounts the short requests a stall breaks, and a low quantile of outputs (8
+tokens in the demo) refused every low-hit prompt, which RelayDecode then decoded.
+Under a TTFT bound (``ttft_deadline_s``), an option that ships KV meets it only if that KV holds
+the line no longer than the bound (``OptionEstimate.line_s``: its bytes over the line's rate): a
+relay's first token comes from RLD at once, but on a line too thin for its suffix its shipment
+outlives the request and every request that ships behind it misses its own first token (wan-overload:
+9-15 of 200 shipped requests at 3-7 s behind one or two relayed low-hit prompts of 1.5 MB on a 3.3
+Mbit/s line, none in the run without relays). An option that breaks the bound is not chosen while
+another meets every bound; a request whose
 every option meets the deadlines only by breaking it is rejected as ``TPOT_UNREACHABLE``. What the
 bound moves off MD lands on RelayDecode, so relay options are open only while RLD's share of the
 tokens lately produced (``rld_token_share``) is under ``RoutingPolicy.rld_token_budget``: RLD
@@ -261,6 +270,7 @@ class OptionEstimate:
     tpot_s: float = 0.0  # this request's expected time per output token after its first
     md_batch_tpot_s: float = 0.0  # what MD's running requests get while it recomputes, on average
     md_pushed_over: float = 0.0  # of them, how many it is expected to push over the TPOT bound
+    line_s: float = 0.0  # how long the KV it ships holds the whole line (0: it ships nothing)
 
     def meets(
         self,
@@ -271,9 +281,11 @@ class OptionEstimate:
     ) -> bool:
         """Ends by the deadline, has its first token out by the TTFT one and keeps this request's
         TPOT within the bound and MD's running requests' too (pushing fewer than
-        ``pushed_over_limit`` of them over it), each where one is given."""
+        ``pushed_over_limit`` of them over it), each where one is given. Under a TTFT bound the KV it
+        ships must also cross within it (``line_s``): a shipment that holds the line longer makes
+        every request shipping behind it miss its own first token, whatever this one's is."""
         ends = deadline_s is None or self.finish_s <= deadline_s
-        first = ttft_deadline_s is None or self.ttft_s <= ttft_deadline_s
+        first = ttft_deadline_s is None or max(self.ttft_s, self.line_s) <= ttft_deadline_s
         return ends and first and self.meets_tpot(tpot_bound_s, pushed_over_limit)
 
     def meets_tpot(self, tpot_bound_s: float | None, pushed_over_limit: float = PUSHED_OVER_LIMIT) -> bool:
@@ -337,7 +349,7 @@ def estimate_options(inputs: OptionInputs, policy: RoutingPolicy) -> tuple[Optio
             slack = BATCH_TPOT_SHARE * inputs.tpot_bound_s - inputs.md_tpot_s
             below = md.pushed_over_below(r.missing_tokens, slack, inputs.md_tpot_s)
             shorter = lengths.token_share_below(below)
-            pushed = max(1, inputs.md_running) * shorter
+            pushed = inputs.md_running * shorter
     rld_first = inputs.p_prefill_s + inputs.fast_s + r.rld_tpot_s
     rld_alone = rld_first + (out_tokens - 1) * r.rld_tpot_s
     md_decode = (out_tokens - 1) * inputs.md_tpot_s
@@ -360,7 +372,8 @@ def estimate_options(inputs: OptionInputs, policy: RoutingPolicy) -> tuple[Optio
             left = MdPrefill(md.tokens_per_s, max(0.0, md.queue_s - ready), md.chunk_tokens)
             own += left.tpot_cost_s(0, out_tokens) if left.queue_s > 0 else 0.0
         charged, over = (batch_tpot, pushed) if option.recomputes else (0.0, 0.0)
-        estimates.append(OptionEstimate(option, first, ready, finish, on_rld, own, charged, over))
+        line = r.wan_bytes / r.link.line_bytes_per_s if option.ships_kv else 0.0
+        estimates.append(OptionEstimate(option, first, ready, finish, on_rld, own, charged, over, line))
     return tuple(estimates)
 
 

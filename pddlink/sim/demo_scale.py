@@ -13,12 +13,13 @@ warm-up requests (the first ``warmup``) only fill the caches, as ``pddlink demo 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from pddlink.routing import RoutingPolicy
 from pddlink.sim.deploy import Deployment, Kind, Link, Pool
 from pddlink.sim.generate import GeneratorConfig, generate_trace
 from pddlink.sim.hardware import GPU_A, AFigures
-from pddlink.sim.trace import Trace, TraceRequest
+from pddlink.sim.trace import Trace, TraceRequest, read_trace, scale_trace
 from pddlink.sim.workload import Workload
 
 
@@ -51,13 +52,43 @@ def demo_trace(workload: Workload, k: DemoKnobs) -> Trace:
     trace = generate_trace(workload, cfg)
 
     def shrink(r: TraceRequest) -> TraceRequest:
-        if r.max_tokens <= 16:
-            n = min(k.max_output, max(1, round(r.max_tokens / k.output_divisor)))
-        else:
-            n = min(k.max_output, max(8, round(r.output_tokens / k.output_divisor)))
+        n = demo_output_tokens(r, k)
         return replace(r, output_tokens=n, max_tokens=n)
 
     return Trace(trace.meta, tuple(shrink(r) for r in trace.requests))
+
+
+def replay_trace(
+    *,
+    requests: int,
+    rate_rps: float,
+    seed: int,
+    workload: Workload,
+    trace_file: str | Path | None,
+    k: DemoKnobs = DemoKnobs(),
+) -> Trace:
+    """What ``pddlink demo`` replays: ``trace_file``'s first ``requests`` (scaled to ~``context_tokens``
+    prompts, arrivals stretched to ``rate_rps`` on average), else agentic traffic generated at the
+    demo's scale."""
+    if trace_file:
+        raw = read_trace(trace_file)
+        first = raw.requests[0].arrival_s if raw.requests else 0.0
+        span = max((raw.requests[min(requests, len(raw.requests)) - 1].arrival_s - first), 1e-9)
+        time_scale = (requests / rate_rps) / span
+        return scale_trace(raw, context_tokens=k.context_tokens, time_scale=time_scale, limit=requests)
+    cfg = GeneratorConfig(
+        rate_rps=rate_rps, requests=requests, seed=seed, block_tokens=k.block_tokens,
+        context_tokens=k.context_tokens, turn_gap_s=(2.0, 8.0),
+    )  # fmt: skip
+    return generate_trace(workload, cfg)
+
+
+def demo_output_tokens(r: TraceRequest, k: DemoKnobs) -> int:
+    """The output length the demo asks for: the trace's divided by ``output_divisor``, at least 8
+    (singular bounds, at most 16 tokens: divided too, at least 1), at most ``max_output``."""
+    if r.max_tokens <= 16:
+        return min(k.max_output, max(1, round(r.max_tokens / k.output_divisor)))
+    return min(k.max_output, max(8, round(r.output_tokens / k.output_divisor)))
 
 
 def demo_policy() -> RoutingPolicy:

@@ -99,15 +99,32 @@ def test_the_share_of_running_requests_pushed_over_is_the_share_of_tokens_in_sho
     assert d.option is Option.RELAY  # 0.18 expected: RLD serves it without harming anyone
 
 
-def test_an_idle_md_still_charges_what_joins_it_but_no_interleaved_steps() -> None:
+def test_an_idle_md_pushes_nobody_over_and_rides_no_decode_steps() -> None:
     chunked = MdPrefill(tokens_per_s=8000.0, chunk_tokens=48)
     d = choose_option(overloaded(chunked, md_running=0), PDD_RECOMPUTE)
     rec = d.estimate(Option.RECOMPUTE)
     assert rec is not None and rec.md_batch_tpot_s == pytest.approx(0.026)
     assert rec.md_ready_s == pytest.approx(0.01 + 768 / 8000)  # no decode steps to ride on
     assert d.option is Option.RECOMPUTE  # ready in 0.1 s: MD alone, sooner than relay_min_wan_s
-    blocking = choose_option(overloaded(md_running=0), PDD_RECOMPUTE)  # 96 ms for whoever joins
-    assert blocking.option is Option.RELAY
+    # blocking, 96 ms: nobody decodes on MD to be stalled; who joins meanwhile judges MD's queue itself
+    blocking = choose_option(overloaded(md_running=0), PDD_RECOMPUTE)
+    est = blocking.estimate(Option.RECOMPUTE)
+    assert blocking.option is Option.RECOMPUTE and est is not None and est.md_pushed_over == 0.0
+    one = choose_option(overloaded(md_running=1), PDD_RECOMPUTE)  # one short request would feel it
+    assert one.option is Option.RELAY
+
+
+def test_a_request_joining_during_a_recompute_counts_mds_queue_in_its_own_tpot() -> None:
+    queued = MdPrefill(8000.0, queue_s=2.0)  # MD prefills other prompts for 2 s still
+    d = choose_option(overloaded(queued, md_running=0, md_outputs=LONG), PDD_RECOMPUTE)
+    assert d.option is not None and d.option is not Option.RECOMPUTE  # ready after the queue: relays
+    relay = d.estimate(Option.RELAY)
+    assert relay is not None and relay.md_pushed_over == 0.0
+    ship_later = replace(
+        overloaded(queued, md_running=0, md_outputs=LONG), routing=routing(link=LinkEstimate(LINE, 0.02))
+    )
+    ship = choose_option(ship_later, PDD_RECOMPUTE).estimate(Option.SHIP)
+    assert ship is not None and ship.tpot_s > 0.02  # its own decode starts behind MD's queue
 
 
 def test_relay_keeps_the_bound_when_rld_decodes_it_all_though_md_is_slow() -> None:
@@ -223,3 +240,38 @@ def test_a_bound_nothing_reaches_decides_as_no_bound(
     loose = replace(plain, tpot_bound_s=1e9)
     a, b = choose_option(plain, policy), choose_option(loose, policy)
     assert (a.option, a.reason) == (b.option, b.reason)
+
+
+THIN = 3.3e6 / 8  # wan-overload's line: 3.3 Mbit/s
+SHORT_AND_LONG = OutputLengths.of([8] * 20 + [128] * 5)  # a fifth of the tokens in 8-token requests
+
+
+def thin_line(matched: int = 0, ttft_deadline_s: float | None = 2.0) -> OptionInputs:
+    """wan-overload's first request: a low-hit prompt on a thin line, MD decoding one request, a
+    blocking recompute expected to push 0.2 of a running request over the 10 ms bound."""
+    return OptionInputs(
+        routing(prompt=785, matched=matched, max_out=103, link=LinkEstimate(THIN, 0.02), rld_tpot_s=0.008),
+        deadline_s=18.0, ttft_deadline_s=ttft_deadline_s, md_prefill=MdPrefill(3300.0),
+        md_tpot_s=0.004, tpot_bound_s=0.010, md_running=1, md_outputs=SHORT_AND_LONG,
+    )  # fmt: skip
+
+
+def test_a_relay_whose_kv_holds_the_line_past_the_ttft_bound_is_not_taken() -> None:
+    # without a TTFT bound RLD serves it (recompute would push 0.2 over the TPOT bound)
+    assert choose_option(thin_line(ttft_deadline_s=None), PDD_RECOMPUTE).option is Option.RELAY
+    d = choose_option(thin_line(), PDD_RECOMPUTE)
+    relay, rec = d.estimate(Option.RELAY), d.estimate(Option.RECOMPUTE)
+    assert relay is not None and relay.ttft_s < 0.2  # its own first token is early ...
+    assert relay.line_s == pytest.approx(785 * 2048 / THIN)  # ... but its 1.6 MB hold the line 3.9 s
+    assert not relay.meets(18.0, 2.0, 0.010)
+    assert rec is not None and 0.1 < rec.md_pushed_over < PUSHED_OVER_LIMIT_WITHOUT_RELAY
+    # no relay keeps every bound: MD prefills it while RLD streams (only token ids on the line)
+    assert d.option is Option.RELAY_RECOMPUTE and d.wan_bytes == 0
+
+
+def test_a_relay_of_a_small_suffix_still_fits_the_ttft_bound() -> None:
+    d = choose_option(thin_line(matched=704), PDD_RECOMPUTE)  # 81 tokens: 0.4 s of line
+    relay = d.estimate(Option.RELAY)
+    assert relay is not None and relay.line_s == pytest.approx(81 * 2048 / THIN)
+    assert relay.meets(18.0, 2.0, 0.010)
+    assert d.option is Option.RECOMPUTE  # 25 ms of MD's prefill: sooner than anything else

@@ -59,10 +59,16 @@ def test_without_an_slo_the_router_recomputes_on_md() -> None:
     in_router(config(), body)
 
 
+def one_running(router: Router) -> None:
+    """MD decodes one request (an idle MD pushes nobody over the bound)."""
+    router.fleet.begin(router.fleet.place(tuple(PROMPT), time.monotonic()), relayed=False)
+
+
 @pytest.mark.timeout(30)
 def test_recompute_that_breaks_the_tpot_slo_is_refused_at_once_typed() -> None:
     async def body(router: Router) -> None:
-        inputs = option_inputs(router, *_routing(router))
+        one_running(router)
+        inputs = option_inputs(router, *_routing(router), md_running=1)
         assert (
             inputs.tpot_bound_s == pytest.approx(0.02) and inputs.md_outputs.token_share_below(2.0) == 1.0
         )  # none known
@@ -80,6 +86,8 @@ def test_recompute_that_breaks_the_tpot_slo_is_refused_at_once_typed() -> None:
 @pytest.mark.timeout(30)
 def test_long_outputs_learned_spread_the_stall_within_the_bound() -> None:
     async def body(router: Router) -> None:
+        assert router.decide(tuple(PROMPT), 64, "", 30.0)[0].option is Option.RECOMPUTE  # MD idle
+        one_running(router)
         assert router.decide(tuple(PROMPT), 64, "", 30.0)[0].option is None
         for _ in range(50):  # finished requests of 400 tokens: 0.77 s pushes none over (1.9 ms each)
             router.outputs.add(400)

@@ -122,3 +122,15 @@ def test_fallbacks_table_is_the_routers_machine() -> None:
     assert table["p_md"]["md_unreachable_rld_down"]["reason"] == "md_unreachable"
     bad = _run("fallbacks", "--max-tokens", "0")
     assert bad.returncode == 2 and "--max-tokens" in bad.stderr
+
+
+def test_generate_a_conversation_and_predict_the_demos_overload_on_it(tmp_path: Path) -> None:
+    trace = tmp_path / "c.jsonl"
+    gen = _run("generate", "--conversation", "--out", str(trace), "--requests", "120", "--rate", "2")
+    assert gen.returncode == 0, gen.stderr
+    out = _run("demo-overload", "--trace", str(trace), "--requests", "100", "--json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert set(data["policies"]) == {"baseline", "pdd", "unbounded"} and data["line_mbit"] > 0
+    assert sorted(n for g in data["ranking"] for n in g) == ["baseline", "pdd", "unbounded"]
+    assert data["ranking"][-1] == ["baseline"]
