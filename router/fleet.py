@@ -167,6 +167,13 @@ class Fleet:
             if m is not None:
                 self.running[m.name] = max(0, self.running[m.name] - 1)
 
+    def shift(self, old: Member, new: Member) -> None:
+        """A run moved from ``old`` to ``new`` (its instance of that role was lost)."""
+        self.running[old.name] = max(0, self.running[old.name] - 1)
+        self.running[new.name] += 1
+        self.placed[new.name] += 1
+        metrics.PLACED.labels(role=new.role.value, instance=new.name).inc()
+
     # -- membership that changes at run time ------------------------------------------------------
 
     def add(self, instance: Instance, datacenter: str, mirror: MirrorView | None = None) -> None:
@@ -258,12 +265,43 @@ class Fleet:
                 return size
         return DEFAULT_BLOCK_TOKENS
 
-    def place(self, prompt: tuple[int, ...], now: float) -> Route:
+    def spare(self, name: str, now: float, avoid: frozenset[str] = frozenset()) -> bool:
+        """Another instance of ``name``'s role than ``name`` (and ``avoid``) may get requests now:
+        a run that lost ``name`` can be re-placed within the role (``moved``)."""
+        m = self.members.get(name)
+        if m is None:
+            return False
+        others = (o for o in self.topology.members(m.role) if o.name != name and o.name not in avoid)
+        return any(not self.why_out(o.name, now) for o in others)
+
+    def moved(
+        self, route: Route, role: Role, prompt: tuple[int, ...], now: float, avoid: frozenset[str]
+    ) -> Route | None:
+        """``route`` with its instance of ``role`` (P or MD) replaced: placement run again with
+        ``avoid`` (the lost instance, and any a run lost before) out of it; the other roles
+        stay where they are (an RLD that is not beside a new P is replaced too). None when no
+        other instance is placeable."""
+        placed = self.place(prompt, now, avoid=avoid)
+        new = placed.md if role is Role.MD else placed.p
+        if new.name in avoid or new.role is not role or not placed.md_usable:
+            return None
+        p, md = (route.p, new) if role is Role.MD else (new, route.md)
+        rld = route.rld
+        if role is Role.P and (rld is None or rld.datacenter != p.datacenter):
+            rld = placed.rld
+        matched = {md.name: placed.matched_tokens} if md.name == placed.md.name else {}
+        return self._route(p.name, md.name, rld.name if rld else None, matched, route.reason, True)
+
+    def place(self, prompt: tuple[int, ...], now: float, avoid: frozenset[str] = frozenset()) -> Route:
+        """Where a request goes; ``avoid``: instances it must not use (a run re-placed after it
+        lost one), as if unhealthy."""
         block = self.block_tokens()
         matched = {name: min(m.matched_tokens(prompt), len(prompt)) for name, m in self.mirrors.items()}
         hashes = BlockHasher("router-placement", block).hash_blocks(list(prompt))
         request = PlacementRequest(len(prompt), block, self.kv_bytes_per_token, tuple(hashes))
         fleet = self.view(matched, block, now)
+        if avoid:
+            fleet = _without(fleet, avoid)
         placed = place(request, fleet, self.config, self.memory)
         if isinstance(placed, Placement):
             missing = len(prompt) - matched.get(placed.md, 0)
@@ -356,6 +394,16 @@ class Fleet:
             out["mirror_blocks"] = mirror.blocks()
         out["breaks"] = self.stalls[name].stalls  # stalled or failed a request
         return out
+
+
+def _without(fleet: FleetView, avoid: frozenset[str]) -> FleetView:
+    """``fleet`` with the instances in ``avoid`` marked unhealthy (never chosen)."""
+    return dataclasses.replace(
+        fleet,
+        p=tuple(dataclasses.replace(s, healthy=False) if s.name in avoid else s for s in fleet.p),
+        md=tuple(dataclasses.replace(s, healthy=False) if s.name in avoid else s for s in fleet.md),
+        rld=tuple(dataclasses.replace(s, healthy=False) if s.name in avoid else s for s in fleet.rld),
+    )
 
 
 def _with_pool(dc: Datacenter, role: Role, pool: tuple[Instance, ...]) -> Datacenter:
