@@ -1,0 +1,69 @@
+"""A request moves to another MD when its MD dies mid-stream (issue 26), as processes with mutual
+TLS per instance: two P and one RLD in dc-a, one MD in dc-b and one in dc-c. Long P->MD requests
+stream; the MD most of them run on is killed with -9; every one of them finishes, on the other MD
+(``placement.moved`` names the move), with the tokens one engine generates alone."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from engines_adapter import SamplingParams
+from harness.demo_load import replay
+from harness.demo_workload import DemoRequest
+from harness.pool_cluster import PoolCluster, PoolSpec
+from pddlink.topology import parse_topology
+from tests.e2e.test_e2e_pipeline import reference
+from tests.e2e.test_router_pools import TOPOLOGY, _instances
+
+pytestmark = [pytest.mark.e2e, pytest.mark.fleet, pytest.mark.timeout(300)]
+
+MAX_TOKENS = 160
+
+
+def _req(i: int) -> DemoRequest:
+    prompt = tuple((11 * i + 7 * j) % 2000 + 1 for j in range(48))
+    return DemoRequest(
+        i, 0.0, prompt, SamplingParams(seed=90 + i, temperature=0.8, top_k=40, max_tokens=MAX_TOKENS)
+    )
+
+
+def test_requests_whose_md_dies_mid_stream_finish_on_the_other_md_exactly(tmp_path: Path) -> None:
+    spec = PoolSpec(tmp_path, parse_topology(TOPOLOGY), placement="least_loaded", relay=False, tls=True)
+    reqs = [_req(i) for i in range(6)]
+    with PoolCluster(spec) as pools:
+        killed: list[str] = []
+
+        def kill_when_streaming() -> None:
+            until = time.monotonic() + 30.0
+            while time.monotonic() < until:
+                running = {n: i["running"] for n, i in _instances(pools).items() if n.startswith("md")}
+                if sum(running.values()) >= len(reqs):
+                    time.sleep(1.0)  # tokens flow on both MDs
+                    victim = max(running, key=lambda n: running[n])
+                    pools.kill(victim)
+                    killed.append(victim)
+                    return
+                time.sleep(0.05)
+
+        killer = threading.Thread(target=kill_when_streaming)
+        killer.start()
+        results = asyncio.run(
+            replay(pools.router_target, reqs, deadline_s=60.0, pipeline="p_md", id_prefix="m")
+        )
+        killer.join()
+    assert killed, "the requests never ran on the MDs at once"
+    dead = killed[0]
+    assert [r.outcome for r in results] == ["finished"] * len(reqs), [r.reason for r in results]
+    moved = [r for r in results if r.trace["placement"]["moved"]]
+    assert moved, "no request was on the killed MD when it died"
+    for r in moved:
+        assert r.trace["placement"]["moved"] == [
+            {"role": "md", "from": dead, "to": r.trace["placement"]["md"]}
+        ]
+        assert r.trace["placement"]["md"] != dead and "md_lost_other_md" in r.trace["fallbacks"]
+    assert [r.tokens for r in results] == reference(reqs)
