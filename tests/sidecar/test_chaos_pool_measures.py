@@ -102,3 +102,23 @@ def test_the_pool_schedule_kills_one_md_of_two_one_p_of_two_and_drains_another_m
         (FaultKind.DRAIN, "md-c0"),
     ]
     assert [f.at_share for f in faults] == sorted(f.at_share for f in faults)
+
+
+def test_cli_topology_runs_the_pools_with_their_defaults(monkeypatch: Any) -> None:
+    from click.testing import CliRunner
+
+    import harness.chaos.pools as pools
+    import harness.chaos.run as run
+    from pddlink.cli.chaos import command
+
+    got: list[dict[str, object]] = []
+    monkeypatch.setattr(pools, "main", lambda **kw: got.append(kw))
+    monkeypatch.setattr(run, "main", lambda **kw: got.append({"single": True}))
+    argv = ["--topology", str(EXAMPLE), "--plot", "/tmp/pddlink-chaos-pools-test.png"]
+    out = CliRunner().invoke(command, argv)
+    assert out.exit_code == 0, out.output
+    [kw] = got
+    assert kw["topology_path"] == str(EXAMPLE)
+    assert (kw["requests"], kw["concurrency"], kw["deadline_s"], kw["max_output"]) == (360, 32, 15.0, 32)
+    refused = CliRunner().invoke(command, [*argv, "--engine", "vllm"])
+    assert refused.exit_code == 2 and "--topology" in refused.output
