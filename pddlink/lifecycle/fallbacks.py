@@ -14,10 +14,11 @@ A guard reads a ``Situation``, the run's state at the moment of the loss. The re
   the role (``MoveOff``) and a new leg runs there from the merged position on -- P->MD on the other
   MD (RLD's stream, if any, is released: the request ends on an MD, as a normal one does); the
   same pipeline on the other P (the current leg's decoders are released, they wait for KV the dead
-  P will not send). These rows come first (a request is re-placed within its role before it
-  changes pipeline), but for a stall while RLD still streams: a stall may be the WAN line, which
-  another MD behind it shares, and RLD finishing costs nothing. With one instance of each role
-  they never match (no spare), so the single-instance router behaves as before;
+  P will not send). These rows come first: a request is re-placed within its role before it
+  changes pipeline, and a normal request ends on an MD. A stall of the WAN line silences every MD
+  behind it too: a run that stalls again there moves on (never back to an MD it lost), bounded by
+  ``MAX_LEGS`` and its deadline. With one instance of each role they never match (no spare), so
+  the single-instance router behaves as before;
 - ``FAIL``: the request fails with the loss as its reason.
 
 ``RLD_LOST`` re-runs P->MD only while RLD is *not* usable (relay disabled, or marked down after a
@@ -142,8 +143,8 @@ TABLE: dict[Loss, tuple[Row, ...]] = {
         (always,             None,                                   Recovery.FAIL),
     ),
     Loss.MD_STALLED: (
-        (rld_streaming,      Fallback.MD_STALLED_RLD_FINISHES,       Recovery.RLD_FINISHES),
         (other_md,           Fallback.MD_STALLED_OTHER_MD,           Recovery.NEW_LEG_OTHER_MD),
+        (rld_streaming,      Fallback.MD_STALLED_RLD_FINISHES,       Recovery.RLD_FINISHES),
         (rerun_on_rld,       Fallback.MD_STALLED_P_RLD,              Recovery.NEW_LEG_P_RLD),
         (always,             None,                                   Recovery.FAIL),
     ),

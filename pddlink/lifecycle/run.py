@@ -34,8 +34,8 @@ States (``RUN_TRANSITIONS``)::
     AWAITING_P_REPLY --cancel | deadline--> ENDED
 
 Pools (issue 26): ``spare(role, now)`` says whether the router has another instance of ``role``
-in placement than the one this run uses. With one, a lost MD (unreachable, lost, or stalled once
-RLD no longer streams) or a lost P (its Prefill failed before replying: ``Loss.P_LOST``) is
+in placement than the one this run uses. With one, a lost MD (unreachable, lost, stalled) or a
+lost P (its Prefill failed before replying: ``Loss.P_LOST``) is
 re-placed within its role: ``MoveOff(role)``, then a new leg from the merged position on (the
 table's ``NEW_LEG_OTHER_*`` rows). Without one (a topology of one each) nothing changes.
 

@@ -74,15 +74,20 @@ def test_md_unreachable_in_p_reply_moves_to_another_md() -> None:
     assert run.m.notes.fallbacks == [Fallback.MD_UNREACHABLE_OTHER_MD]
 
 
-def test_md_stalled_while_rld_streams_lets_rld_finish_even_with_a_spare() -> None:
-    """A stall may be the WAN line, which another MD behind it shares: RLD finishing is free."""
-    run = Run(Pipeline.P_RLD_MD, spares=MD_SPARE)
-    run.prefill()
-    run.tokens(Role.RLD, [4])
-    run.tokens(Role.MD, [5])
-    run.timer(run.now + run.m.spec.md_stall_s)
-    assert run.m.notes.fallbacks == [Fallback.MD_STALLED_RLD_FINISHES]
-    assert not run.of(MoveOff)
+def test_md_stalled_while_rld_streams_moves_to_another_md_with_a_spare_and_rld_finishes_without() -> None:
+    def stalled(spares: frozenset[Role]) -> Run:
+        run = Run(Pipeline.P_RLD_MD, spares=spares)
+        run.prefill()
+        run.tokens(Role.RLD, [4])
+        run.tokens(Role.MD, [5])
+        run.timer(run.now + run.m.spec.md_stall_s)
+        return run
+
+    moved = stalled(MD_SPARE)
+    assert moved.m.notes.fallbacks == [Fallback.MD_STALLED_OTHER_MD] and moved.of(MoveOff)
+    assert CancelStreams(Role.RLD) in moved.log
+    alone = stalled(frozenset())
+    assert alone.m.notes.fallbacks == [Fallback.MD_STALLED_RLD_FINISHES] and not alone.of(MoveOff)
 
 
 def test_p_lost_before_its_reply_moves_to_another_p_with_the_same_pipeline() -> None:
