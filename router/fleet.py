@@ -116,6 +116,7 @@ class Fleet:
         self.outs: Counter[str] = Counter()
         self._was_in: dict[str, bool] = {name: True for name in self.members}
         self.left: set[str] = set()  # instances that left the membership (``remove``)
+        self.was_unreachable: set[str] = set()  # their channel was lost; not seen back yet
         self.router_name = ""  # this router's name: what starts the request keys it mints
         self.reported_pending: dict[str, frozenset[str]] = {}  # P -> the prefills it holds (its status)
         self.mean_prompt_tokens = 0.0
@@ -233,7 +234,15 @@ class Fleet:
         if name in self.drained:
             return "drained"
         if not self.healthy(name):
+            self.was_unreachable.add(name)
             return "unreachable"
+        if name in self.was_unreachable:
+            self.was_unreachable.discard(name)
+            if len(self.topology.members(self.members[name].role)) > 1:
+                # back after its channel was lost (a restart, most often): the stalls and failures
+                # its runs reported of the old process are no reason to keep a pool's new one out
+                # (reports of one death opened the breaker many times over: tens of seconds)
+                self.stalls[name].healthy()
         if not self.stalls[name].usable(now):
             return self.broke.get(name, "stalled")
         return ""

@@ -226,3 +226,16 @@ def test_a_run_that_lost_its_md_or_p_moves_within_the_role_keeping_the_rest() ->
         before[0] + 1,
         before[1] + 1,
     )
+
+
+def test_a_pool_instance_back_after_its_channel_was_lost_is_placed_on_at_once() -> None:
+    """Its runs' reports of the old process opened the breaker many times (up to 30 s); once its
+    channel is lost and back (a restart) a pool's instance is in placement again at once."""
+    fleet, _, down = _fleet()
+    for k in range(6):
+        fleet.stalled("md-b0", now=1.0 + 0.1 * k)  # six runs saw it go
+    assert fleet.why_out("md-b0", 2.0) == "stalled" and fleet.stalls["md-b0"].down_until > 20.0
+    down.add("md-b0")
+    assert fleet.why_out("md-b0", 3.0) == "unreachable"
+    down.clear()
+    assert fleet.why_out("md-b0", 4.0) == "" and fleet.in_placement("md-b0", 4.0)
