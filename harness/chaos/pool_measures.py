@@ -7,7 +7,9 @@ re-placed from before its first token (``placement.replaced_from``: ``{"p", "md"
 
 md_kill_rescued_share  of the requests in flight when the MD was killed that had it in their
                        history and a pipeline through an MD (not singular), the share that
-                       finished with their final MD another one
+                       finished with their final MD another one; ``md_kill_finished_share``: the
+                       share that finished at all (also those RLD finished alone, the dead MD
+                       never needed)
 p_kill_rescued_share   of those in flight on the killed P, the share that finished (a request
                        whose prefill was done needs P no longer; the others must move to the other
                        P to finish: ``p_kill_moved`` counts those that did)
@@ -64,6 +66,7 @@ def kill_share(results: Sequence[StreamResult], fault: FaultRecord, role: str) -
         "finished": len(finished),
         "moved": len(moved),
         "rescued_share": round(len(rescued) / len(caught), 4) if caught else 0.0,
+        "finished_share": round(len(finished) / len(caught), 4) if caught else 0.0,
         "failed_reasons": reasons,
     }
 
@@ -97,6 +100,7 @@ def pool_measures(
         elif fault.kind == "drain":
             out["drain"] = drain_outcome(results, fault)
     out["md_kill_rescued_share"] = out.get("md_kill", {}).get("rescued_share", 0.0)
+    out["md_kill_finished_share"] = out.get("md_kill", {}).get("finished_share", 0.0)
     out["p_kill_rescued_share"] = out.get("p_kill", {}).get("rescued_share", 0.0)
     out["p_kill_moved"] = out.get("p_kill", {}).get("moved", 0)
     out["drain_failed"] = out.get("drain", {}).get("failed", 0) if "drain" in out else None

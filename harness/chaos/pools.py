@@ -9,7 +9,8 @@ of another MD until what runs on it has ended, and its undrain -> 10 s of quiet,
 process still holds -> down -> reference pass (one engine alone) -> the chaos invariants
 (``harness.chaos.invariants``) and the pool measures (``harness.chaos.pool_measures``), table,
 JSON, PNG timeline. A restarted instance's rejoin time runs from the moment it is up again
-(READY) to the first request the router places on it (its ``placed`` count in /status).
+(READY) to the first request the router places on it (its ``placed`` count in /status), watched
+beside the load that follows the fault (the next phase begins once the instance is up).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import json
 import os
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -110,6 +112,7 @@ class PoolFaults:
         self.records: list[FaultRecord] = []
         self.rejoin_s: dict[str, float | None] = {}
         self.restart_s: dict[str, float] = {}  # launch to READY
+        self.watchers: list[threading.Thread] = []
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -124,6 +127,8 @@ class PoolFaults:
         say(f"[chaos] {self.now():6.1f} s  fault {fault.name} over: {note}")
 
     def _kill(self, name: str) -> str:
+        """Kill -9, down ``KILL_DOWN_S``, start again; the fault is over once it is up (READY): its
+        rejoin is watched beside the load that follows (``rejoined``), which is what places on it."""
         self.pools.kill(name)
         time.sleep(KILL_DOWN_S)
         before = int(instances(self.pools).get(name, {}).get("placed", 0))
@@ -135,17 +140,25 @@ class PoolFaults:
             return f"restart failed: {exc.message}"
         up = time.monotonic()
         self.restart_s[name] = round(up - launched, 2)
+        self.rejoin_s[name] = None
+        watcher = threading.Thread(target=self._rejoin, args=(name, before, up), daemon=True)
+        watcher.start()
+        self.watchers.append(watcher)
+        return f"up {up - launched:.1f} s after its restart"
+
+    def _rejoin(self, name: str, before: int, up: float) -> None:
         while time.monotonic() < up + REJOIN_WAIT_S:
             if int(instances(self.pools).get(name, {}).get("placed", 0)) > before:
-                self.rejoin_s[name] = round(time.monotonic() - up, 2)
-                return (
-                    f"up {up - launched:.1f} s after its restart; placed on {self.rejoin_s[name]:.1f} s later"
-                )
+                took = self.rejoin_s[name] = round(time.monotonic() - up, 2)
+                say(f"[chaos] {self.now():6.1f} s  {name} placed on again {took:.1f} s after it was up")
+                return
             time.sleep(POLL_S)
-        self.rejoin_s[name] = None
-        return (
-            f"up {up - launched:.1f} s after its restart; no request placed on it {REJOIN_WAIT_S:g} s later"
-        )
+        say(f"[chaos] {self.now():6.1f} s  {name}: nothing placed on it {REJOIN_WAIT_S:g} s after it was up")
+
+    def rejoined(self) -> None:
+        """Wait for every rejoin watch (each ends within ``REJOIN_WAIT_S``)."""
+        for watcher in self.watchers:
+            watcher.join()
 
     def _drain(self, name: str) -> str:
         target = "unix:" + self.pools.router_unix
@@ -280,6 +293,7 @@ def main(
                               t0=time.monotonic()))  # fmt: skip
             runner = PoolFaults(pools, time.monotonic(), deadline_s)
             results = asyncio.run(load_and_faults(pools, runner, reqs, schedule, concurrency, deadline_s))
+            runner.rejoined()
             say(f"[chaos] load over; {QUIET_S:g} s of quiet, then what is still held")
             time.sleep(QUIET_S)
             held = held_now(pools)
