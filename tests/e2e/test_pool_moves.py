@@ -74,3 +74,43 @@ def test_requests_whose_md_dies_mid_stream_finish_on_the_other_md_exactly(tmp_pa
         ]
         assert r.trace["placement"]["md"] != dead and "md_lost_other_md" in r.trace["fallbacks"]
     assert [r.tokens for r in results] == reference(reqs)
+
+
+def test_an_md_killed_behind_its_wan_relay_is_placed_on_again_within_10_s_of_its_restart(
+    tmp_path: Path,
+) -> None:
+    """The MDs reached through netlab loopback relays (one per WAN link), as ``pddlink chaos
+    --topology`` runs them: after kill -9 and a restart on its ports, the router's channel through
+    the relay reconnects, the MD is back in placement and gets requests again (exact tokens)."""
+    from harness.demo_pools import LoopbackWan
+
+    topology = parse_topology(TOPOLOGY)
+    wan = LoopbackWan(topology, f"tpm{tmp_path.stat().st_ino % 10000}")
+    try:
+        spec = PoolSpec(tmp_path, topology, placement="least_loaded", relay=False, tls=True)
+        with PoolCluster(spec, wan=wan) as pools:
+            first = asyncio.run(
+                replay(pools.router_target, [_req(i) for i in range(4)], deadline_s=30.0, id_prefix="a")
+            )
+            assert [r.outcome for r in first] == ["finished"] * 4
+            pools.kill("md-b0")
+            time.sleep(2.0)
+            pools.start_again("md-b0")
+            up = time.monotonic()
+            placed: list[str] = []
+            sent: list[DemoRequest] = []
+            got: list[list[int]] = []
+            k = 10
+            while time.monotonic() < up + 10.0 and "md-b0" not in placed:
+                batch = [_req(i) for i in range(k, k + 2)]
+                done = asyncio.run(replay(pools.router_target, batch, deadline_s=30.0, id_prefix=f"b{k}"))
+                assert [r.outcome for r in done] == ["finished"] * 2, [r.reason for r in done]
+                sent += batch
+                got += [r.tokens for r in done]
+                placed += [r.trace["placement"]["md"] for r in done]
+                k += 2
+            assert "md-b0" in placed, f"md-b0 not placed on within 10 s of its restart: {placed}"
+            assert _instances(pools)["md-b0"]["in_placement"]
+        assert got == reference(sent)
+    finally:
+        wan.down()
