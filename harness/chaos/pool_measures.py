@@ -6,10 +6,13 @@ mid-request (``placement.moved``: ``{"role", "from", "to"}``) and those of the r
 re-placed from before its first token (``placement.replaced_from``: ``{"p", "md"}``).
 
 md_kill_rescued_share  of the requests in flight when the MD was killed that had it in their
-                       history and a pipeline through an MD (not singular), the share that
-                       finished with their final MD another one; ``md_kill_finished_share``: the
-                       share that finished at all (also those RLD finished alone, the dead MD
-                       never needed)
+                       history, a pipeline through an MD (not singular) and still needed it, the
+                       share that finished with their final MD another one. Not needing it: a
+                       relayed request RLD finished alone as relayed runs do when the output ends
+                       before the handoff (no MD token, no fallback, no move): the kill took
+                       nothing from it (``rld_alone``, counted apart). ``md_kill_strict_share``:
+                       the same share with those counted as not rescued;
+                       ``md_kill_finished_share``: the share that finished at all
 p_kill_rescued_share   of those in flight on the killed P, the share that finished (a request
                        whose prefill was done needs P no longer; the others must move to the other
                        P to finish: ``p_kill_moved`` counts those that did)
@@ -47,14 +50,31 @@ def final(r: StreamResult, role: str) -> str:
     return str((r.trace.get("placement") or {}).get(role) or "")
 
 
+def rld_alone(r: StreamResult) -> bool:
+    """A relayed request RLD finished alone, as it does when the output ends before the handoff:
+    no token from an MD, no fallback, no move."""
+    t = r.trace
+    placement = t.get("placement") or {}
+    return (
+        r.outcome == "finished"
+        and not r.sources.get("md")
+        and not t.get("fallbacks")
+        and not placement.get("moved")
+        and t.get("pipeline") == "p_rld_md"
+    )
+
+
 def kill_share(results: Sequence[StreamResult], fault: FaultRecord, role: str) -> dict[str, Any]:
     """The killed instance's in-flight requests and how they ended (see the module docstring)."""
     caught = [r for r in fault.in_flight(results) if placed_on(r, role, fault.target)]
+    alone: list[StreamResult] = []
     if role == "md":
         caught = [r for r in caught if r.trace.get("pipeline") != "singular"]
+        alone = [r for r in caught if rld_alone(r)]
     finished = [r for r in caught if r.outcome == "finished"]
     moved = [r for r in finished if final(r, role) != fault.target]
     rescued = moved if role == "md" else finished
+    needed = len(caught) - len(alone)
     reasons: dict[str, int] = {}
     for r in caught:
         if r.outcome != "finished":
@@ -65,7 +85,9 @@ def kill_share(results: Sequence[StreamResult], fault: FaultRecord, role: str) -
         "in_flight": len(caught),
         "finished": len(finished),
         "moved": len(moved),
-        "rescued_share": round(len(rescued) / len(caught), 4) if caught else 0.0,
+        "rld_alone": len(alone),
+        "rescued_share": round(len(rescued) / needed, 4) if needed else 0.0,
+        "strict_share": round(len(rescued) / len(caught), 4) if caught else 0.0,
         "finished_share": round(len(finished) / len(caught), 4) if caught else 0.0,
         "failed_reasons": reasons,
     }
@@ -100,6 +122,7 @@ def pool_measures(
         elif fault.kind == "drain":
             out["drain"] = drain_outcome(results, fault)
     out["md_kill_rescued_share"] = out.get("md_kill", {}).get("rescued_share", 0.0)
+    out["md_kill_strict_share"] = out.get("md_kill", {}).get("strict_share", 0.0)
     out["md_kill_finished_share"] = out.get("md_kill", {}).get("finished_share", 0.0)
     out["p_kill_rescued_share"] = out.get("p_kill", {}).get("rescued_share", 0.0)
     out["p_kill_moved"] = out.get("p_kill", {}).get("moved", 0)

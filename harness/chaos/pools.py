@@ -223,7 +223,8 @@ def table(doc: dict[str, Any]) -> str:
         if not k:
             return "-"
         failed = k["failed_reasons"] or 0
-        return f"{k['rescued_share']:.0%} of {k['in_flight']} ({k['moved']} {what}; failed: {failed})"
+        needed = k["in_flight"] - k.get("rld_alone", 0)
+        return f"{k['rescued_share']:.0%} of {needed} ({k['moved']} {what}; failed: {failed})"
 
     rows = [
         ("requests", doc["requests"]),
@@ -238,6 +239,10 @@ def table(doc: dict[str, Any]) -> str:
             f"{held['kv_blocks']}, {held['leases']}, {held['waiting']}",
         ),
         (f"MD killed ({md.get('instance', '-')}): in flight finished on another MD", share(md, "moved")),
+        (
+            "  of them RLD finished alone (no MD needed); strict share",
+            f"{md.get('rld_alone', 0)}; {md.get('strict_share', 0):.0%}",
+        ),
         (f"P killed ({p.get('instance', '-')}): in flight that finished", share(p, "moved to the other P")),
         (
             f"drain ({drain.get('instance', '-')}): failed / placed on it after the drain",

@@ -53,10 +53,13 @@ def test_a_killed_md_counts_only_its_own_md_requests_and_rescues_on_another_md()
         _r(3, 9.0, 12.0, "finished", {"p": "p0", "md": "md0"}, pipeline="singular"),  # no MD part
         _r(4, 9.0, 12.0, "failed", {"p": "p0", "md": "md2"}),  # another MD's
         _r(5, 11.0, 12.0, "finished", {"p": "p0", "md": "md0"}),  # began after the kill
+        _r(6, 9.0, 10.5, "finished", {"p": "p0", "md": "md0"}, pipeline="p_rld_md"),  # RLD alone
     ]
+    results[-1].sources = {"rld": 8}
     doc = pool_measures(results, [kill], {"md0": 1.5}, ROLES)
-    assert doc["md_kill"]["in_flight"] == 3 and doc["md_kill"]["moved"] == 1
-    assert doc["md_kill_rescued_share"] == round(1 / 3, 4)
+    assert doc["md_kill"]["in_flight"] == 4 and doc["md_kill"]["moved"] == 1
+    assert doc["md_kill"]["rld_alone"] == 1  # the kill took nothing from it: not in the share
+    assert doc["md_kill_rescued_share"] == round(1 / 3, 4) and doc["md_kill_strict_share"] == 0.25
     assert doc["md_kill"]["failed_reasons"] == {"md_lost": 1}
     assert doc["rejoin_s"] == 1.5
 
