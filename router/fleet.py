@@ -117,6 +117,7 @@ class Fleet:
         self._was_in: dict[str, bool] = {name: True for name in self.members}
         self.left: set[str] = set()  # instances that left the membership (``remove``)
         self.was_unreachable: set[str] = set()  # their channel was lost; not seen back yet
+        self.probes: list[str] = []  # MDs back in placement that get the next request (``place``)
         self.router_name = ""  # this router's name: what starts the request keys it mints
         self.reported_pending: dict[str, frozenset[str]] = {}  # P -> the prefills it holds (its status)
         self.mean_prompt_tokens = 0.0
@@ -259,6 +260,8 @@ class Fleet:
                 self.memory.forget(name)  # a restarted MD holds nothing of what was sent there
         elif not was and not why:
             log.warning("instance %s back in placement", name)
+            if self.members[name].role is Role.MD and name not in self.probes:
+                self.probes.append(name)
         self._was_in[name] = not why
         return not why
 
@@ -312,16 +315,36 @@ class Fleet:
         if avoid:
             fleet = _without(fleet, avoid)
         placed = place(request, fleet, self.config, self.memory)
+        reason = placed.reason.value
+        if isinstance(placed, Placement) and self.probes:
+            placed, reason = self._probe(request, fleet, placed, now)
         if isinstance(placed, Placement):
             missing = len(prompt) - matched.get(placed.md, 0)
             self.mean_prompt_tokens += PROMPT_EWMA * (missing - self.mean_prompt_tokens)
-            return self._route(placed.p, placed.md, placed.rld, matched, placed.reason.value, True)
+            return self._route(placed.p, placed.md, placed.rld, matched, reason, True)
         # none usable: the router's single-instance paths decide (see the module docstring)
         p = next((s.name for s in fleet.p if s.healthy and not s.draining), fleet.p[0].name)
         md_in = [s.name for s in fleet.md if s.healthy and not s.draining]
         md = md_in[0] if md_in else fleet.md[0].name
         rld = choose_rld(fleet.rld, self.members[p].datacenter)
         return self._route(p, md, rld, matched, placed.reason.value, bool(md_in))
+
+    def _probe(
+        self, request: PlacementRequest, fleet: FleetView, placed: Placement, now: float
+    ) -> tuple[Placement, str]:
+        """An MD back in placement (a restart, an undrain, a breaker's cool-down over) gets the next
+        request, once: a circuit breaker's half-open probe. Its DRC mirror is empty, so a
+        prefix-aware placement would leave it idle for as long as the others hold the common
+        prefixes and are not overloaded (chaos: a restarted MD got nothing in 13 s of load); one
+        request proves its data path (P's WAN pool to it, the KV import) and starts its cache."""
+        name = self.probes.pop(0)
+        if name == placed.md or name not in self.members or self.why_out(name, now):
+            return placed, placed.reason.value
+        others = frozenset(s.name for s in fleet.md if s.name != name)
+        probe = place(request, _without(fleet, others), self.config, self.memory)
+        if not isinstance(probe, Placement):
+            return placed, placed.reason.value
+        return probe, "rejoin_probe"
 
     def others_queued_tokens(self, p: str) -> float:
         """Tokens other routers have queued at ``p``: the prefills P reports holding (its status,

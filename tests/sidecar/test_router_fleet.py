@@ -239,3 +239,19 @@ def test_a_pool_instance_back_after_its_channel_was_lost_is_placed_on_at_once() 
     assert fleet.why_out("md-b0", 3.0) == "unreachable"
     down.clear()
     assert fleet.why_out("md-b0", 4.0) == "" and fleet.in_placement("md-b0", 4.0)
+
+
+def test_an_md_back_in_placement_gets_the_next_request_once() -> None:
+    """A restarted MD holds nothing: prefix-aware placement alone would leave it idle while the
+    others hold the prompts' prefixes; it gets the next request (a half-open probe), then
+    placement goes on as before."""
+    fleet, mirrors, down = _fleet()
+    for name in ("md-b1", "md-c0", "md-c1"):
+        mirrors[name].held = 160
+    assert fleet.place(PROMPT, 0.0).md.name != "md-b0"
+    down.add("md-b0")
+    fleet.place(PROMPT, 0.1)
+    down.clear()
+    probe = fleet.place(PROMPT, 0.2)
+    assert probe.md.name == "md-b0" and probe.reason == "rejoin_probe"
+    assert fleet.place(PROMPT, 0.3).md.name != "md-b0"  # once
