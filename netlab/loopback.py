@@ -128,11 +128,15 @@ class TcpForward:
         except OSError:
             cw.close()
             return
-        await asyncio.gather(
-            self.relay.pump(self.req_dir, cr, sw),
-            self.relay.pump(self.rep_dir, sr, cw),
-            return_exceptions=True,
-        )
+        up = asyncio.ensure_future(self.relay.pump(self.req_dir, cr, sw))
+        down = asyncio.ensure_future(self.relay.pump(self.rep_dir, sr, cw))
+        # the server's side ended (it closed, or its process died): the client's connection ends
+        # too. A real path would answer the client's next bytes with a reset; a relay that kept the
+        # client's side open left it writing into a dead upstream forever (a gRPC channel to a
+        # restarted server never reconnected)
+        await asyncio.gather(down, return_exceptions=True)
+        up.cancel()
+        await asyncio.gather(up, return_exceptions=True)
         for w in (cw, sw):
             w.close()
 

@@ -51,9 +51,10 @@ from pddlink.routing.books import PrefillBook, TpotBook
 from pddlink.routing.options import OutputBook
 from pddlink.serving.grpc_tls import CallerCheck
 from router.admission import Overloaded
-from router.backend import EngineBackend, make_backend
+from router.backend import EngineBackend, GrpcBackend, make_backend
 from router.config import RouterConfig, VllmEngineConfig
 from router.fleet import Route
+from router.legs import LegCalls
 from router.options import FORCEABLE, decide_option, forced_option, option_trace
 from router.run import RunDriver
 
@@ -94,7 +95,8 @@ class Router:
         self.ids = itertools.count(1)
         self.in_flight: dict[str, RunDriver] = {}  # by request key
         self.labels_in_flight: set[str] = set()  # the clients' ids of those requests
-        self.routes: dict[str, Route] = {}  # a run's key -> where it runs
+        self.routes: dict[str, Route] = {}  # a run's key -> where it runs (now: moves change it)
+        self.moves: dict[str, list[dict[str, str]]] = {}  # a run's key -> its moves within a role
         self.caller_check: CallerCheck | None = None  # set by the gRPC server (who calls, with TLS)
 
     @property
@@ -246,7 +248,7 @@ class Router:
         )
         stamps = {"entered": entered, "placed": time.monotonic()}  # the router's own clock (TTFT stages)
         arrived = time.monotonic() if arrived is None else arrived
-        sid, replaced_from = rid, list[dict[str, str]]()
+        sid, replaced_from, moved = rid, list[dict[str, str]](), list[dict[str, str]]()
         self.labels_in_flight.add(label)
         try:
             while True:
@@ -263,6 +265,8 @@ class Router:
                 finally:
                     await tokens.aclose()  # a client that went away: the run ends (cancelled), its legs go
                     self.in_flight.pop(rid, None)
+                    route = self.routes.get(sid, route)  # where the run ended (it may have moved)
+                    moved += self.moves.pop(sid, [])
                     self._ended(sid, run, decision, route)
                 lost = not emitted  # nothing reached the client: another route may still serve it
                 again = (
@@ -279,7 +283,7 @@ class Router:
             self.labels_in_flight.discard(label)
         origin = min(arrived, entered)  # since the request arrived (the API's clock when it passed one)
         stamps_s = {k: v - origin for k, v in stamps.items()}
-        yield self._final(run, decision, route, label, sid, replaced_from, stamps_s)
+        yield self._final(run, decision, route, label, sid, replaced_from, stamps_s, moved)
 
     def _admit(
         self,
@@ -315,6 +319,7 @@ class Router:
         sid: str,
         replaced_from: list[dict[str, str]],
         stamps_s: dict[str, float],
+        moved: list[dict[str, str]] | None = None,
     ) -> dict[str, Any]:
         """The request's last item: its outcome and the trace of its last run, with the choice, the
         placement (and the routes it left before its first token) and the router's stamps."""
@@ -326,6 +331,7 @@ class Router:
             "rld": route.rld.name if route.rld else None,
             "reason": route.reason,
             "replaced_from": replaced_from,
+            "moved": moved or [],  # mid-run moves within a role: {"role", "from", "to"}
         }
         out["stamps_s"] = stamps_s
         self.md_tpot.observe(out)
@@ -373,13 +379,19 @@ class Router:
         self.routes[sid] = route
         self.fleet.begin(route, relayed=option.pipeline is not Pipeline.P_MD)
         legs = lambda deadline: self.backend.legs(self, deadline, route)  # noqa: E731
+
+        def here() -> Route:
+            return self.routes.get(sid, route)  # a move within a role changes it
+
         run = RunDriver(
             legs,
             spec,
-            lambda now: self.rld_usable(route, now),
+            lambda now: self.rld_usable(here(), now),
             arrived=arrived,
-            on_md_stalled=lambda seconds: self.on_md_stalled(seconds, route.md.name),
-            rld_reachable=lambda now: self.rld_reachable(route, now),
+            on_md_stalled=lambda seconds: self.on_md_stalled(seconds, here().md.name),
+            rld_reachable=lambda now: self.rld_reachable(here(), now),
+            spare=lambda role, now: self.spare(sid, role, now),
+            on_move=(lambda role: self.move(sid, role, run)) if self.moves_within_role else None,
         )
         now = time.monotonic()
         if option.ships_kv:  # P reports its transfer state by request id (``pddlink.serving.backlog``)
@@ -436,6 +448,51 @@ class Router:
         log.warning("request %s: %s lost before the first token (%s); re-placed on %s, %s",
                     trace.request_id, lost, trace.reason_text, again.p.name, again.md.name)  # fmt: skip
         return decision, matched, again
+
+    @property
+    def moves_within_role(self) -> bool:
+        """A run that lost its P or MD mid-request may move to another instance of the role: the
+        reference engine's sidecars (each leg names its MD to P; vLLM's legs do not move)."""
+        return isinstance(self.backend, GrpcBackend)
+
+    def spare(self, sid: str, role: Role, now: float) -> bool:
+        """Run ``sid`` could move off its instance of ``role`` (P or MD): another one is in
+        placement (never one the run lost before)."""
+        route = self.routes.get(sid)
+        if route is None or role not in (Role.P, Role.MD):
+            return False
+        name = route.md.name if role is Role.MD else route.p.name
+        return self.fleet.spare(name, now, self._lost_by(sid))
+
+    def _lost_by(self, sid: str) -> frozenset[str]:
+        return frozenset(m["from"] for m in self.moves.get(sid, []))
+
+    def move(self, sid: str, role: Role, run: RunDriver) -> None:
+        """Run ``sid`` lost its instance of ``role``: placement again without it (nor any it lost
+        before), the other roles kept; the run's next calls go there (``LegCalls.retarget``)."""
+        route = self.routes.get(sid)
+        if route is None or not isinstance(self.backend, GrpcBackend):
+            return
+        now = time.monotonic()
+        lost = route.md if role is Role.MD else route.p
+        avoid = self._lost_by(sid) | {lost.name}
+        new = self.fleet.moved(route, role, run.spec.prompt, now, avoid)
+        if new is None:  # the spare left placement meanwhile: the next leg meets the lost one again
+            log.warning("request %s: %s lost; no other %s to move to", sid, lost.name, role.value)
+            return
+        to = new.md if role is Role.MD else new.p
+        self.fleet.shift(lost, to)
+        if role is Role.P:
+            self.fleet.p_books[lost.name].finish(sid)
+        with contextlib.suppress(NotFound):  # its shipment toward the lost instance is over
+            route.link.finish_flow(sid, now, completed=False)
+        self.routes[sid] = new
+        self.moves.setdefault(sid, []).append({"role": role.value, "from": lost.name, "to": to.name})
+        metrics.REPLACED.inc()
+        log.warning("request %s: %s lost mid-request; moved to %s", sid, lost.name, to.name)
+        calls = run.calls
+        if isinstance(calls, LegCalls):
+            calls.retarget(self.backend.route_stubs(new))
 
     def _lost(self, trace: RunTrace, route: Route, now: float) -> str | None:
         """The instance a failed run lost, now out of placement; None when none was, or when its

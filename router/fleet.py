@@ -116,6 +116,8 @@ class Fleet:
         self.outs: Counter[str] = Counter()
         self._was_in: dict[str, bool] = {name: True for name in self.members}
         self.left: set[str] = set()  # instances that left the membership (``remove``)
+        self.was_unreachable: set[str] = set()  # their channel was lost; not seen back yet
+        self.probes: list[str] = []  # MDs back in placement that get the next request (``place``)
         self.router_name = ""  # this router's name: what starts the request keys it mints
         self.reported_pending: dict[str, frozenset[str]] = {}  # P -> the prefills it holds (its status)
         self.mean_prompt_tokens = 0.0
@@ -166,6 +168,13 @@ class Fleet:
         for m in (route.p, route.md, route.rld if relayed else None):
             if m is not None:
                 self.running[m.name] = max(0, self.running[m.name] - 1)
+
+    def shift(self, old: Member, new: Member) -> None:
+        """A run moved from ``old`` to ``new`` (its instance of that role was lost)."""
+        self.running[old.name] = max(0, self.running[old.name] - 1)
+        self.running[new.name] += 1
+        self.placed[new.name] += 1
+        metrics.PLACED.labels(role=new.role.value, instance=new.name).inc()
 
     # -- membership that changes at run time ------------------------------------------------------
 
@@ -226,7 +235,15 @@ class Fleet:
         if name in self.drained:
             return "drained"
         if not self.healthy(name):
+            self.was_unreachable.add(name)
             return "unreachable"
+        if name in self.was_unreachable:
+            self.was_unreachable.discard(name)
+            if len(self.topology.members(self.members[name].role)) > 1:
+                # back after its channel was lost (a restart, most often): the stalls and failures
+                # its runs reported of the old process are no reason to keep a pool's new one out
+                # (reports of one death opened the breaker many times over: tens of seconds)
+                self.stalls[name].healthy()
         if not self.stalls[name].usable(now):
             return self.broke.get(name, "stalled")
         return ""
@@ -243,6 +260,8 @@ class Fleet:
                 self.memory.forget(name)  # a restarted MD holds nothing of what was sent there
         elif not was and not why:
             log.warning("instance %s back in placement", name)
+            if self.members[name].role is Role.MD and name not in self.probes:
+                self.probes.append(name)
         self._was_in[name] = not why
         return not why
 
@@ -258,23 +277,74 @@ class Fleet:
                 return size
         return DEFAULT_BLOCK_TOKENS
 
-    def place(self, prompt: tuple[int, ...], now: float) -> Route:
+    def spare(self, name: str, now: float, avoid: frozenset[str] = frozenset()) -> bool:
+        """Another instance of ``name``'s role than ``name`` (and ``avoid``) may get requests now:
+        a run that lost ``name`` can be re-placed within the role (``moved``)."""
+        m = self.members.get(name)
+        if m is None:
+            return False
+        others = (o for o in self.topology.members(m.role) if o.name != name and o.name not in avoid)
+        return any(not self.why_out(o.name, now) for o in others)
+
+    def moved(
+        self, route: Route, role: Role, prompt: tuple[int, ...], now: float, avoid: frozenset[str]
+    ) -> Route | None:
+        """``route`` with its instance of ``role`` (P or MD) replaced: placement run again with
+        ``avoid`` (the lost instance, and any a run lost before) out of it; the other roles
+        stay where they are (an RLD that is not beside a new P is replaced too). None when no
+        other instance is placeable."""
+        placed = self.place(prompt, now, avoid=avoid)
+        new = placed.md if role is Role.MD else placed.p
+        if new.name in avoid or new.role is not role or not placed.md_usable:
+            return None
+        p, md = (route.p, new) if role is Role.MD else (new, route.md)
+        rld = route.rld
+        if role is Role.P and (rld is None or rld.datacenter != p.datacenter):
+            rld = placed.rld
+        matched = {md.name: placed.matched_tokens} if md.name == placed.md.name else {}
+        return self._route(p.name, md.name, rld.name if rld else None, matched, route.reason, True)
+
+    def place(self, prompt: tuple[int, ...], now: float, avoid: frozenset[str] = frozenset()) -> Route:
+        """Where a request goes; ``avoid``: instances it must not use (a run re-placed after it
+        lost one), as if unhealthy."""
         block = self.block_tokens()
         matched = {name: min(m.matched_tokens(prompt), len(prompt)) for name, m in self.mirrors.items()}
         hashes = BlockHasher("router-placement", block).hash_blocks(list(prompt))
         request = PlacementRequest(len(prompt), block, self.kv_bytes_per_token, tuple(hashes))
         fleet = self.view(matched, block, now)
+        if avoid:
+            fleet = _without(fleet, avoid)
         placed = place(request, fleet, self.config, self.memory)
+        reason = placed.reason.value
+        if isinstance(placed, Placement) and self.probes:
+            placed, reason = self._probe(request, fleet, placed, now)
         if isinstance(placed, Placement):
             missing = len(prompt) - matched.get(placed.md, 0)
             self.mean_prompt_tokens += PROMPT_EWMA * (missing - self.mean_prompt_tokens)
-            return self._route(placed.p, placed.md, placed.rld, matched, placed.reason.value, True)
+            return self._route(placed.p, placed.md, placed.rld, matched, reason, True)
         # none usable: the router's single-instance paths decide (see the module docstring)
         p = next((s.name for s in fleet.p if s.healthy and not s.draining), fleet.p[0].name)
         md_in = [s.name for s in fleet.md if s.healthy and not s.draining]
         md = md_in[0] if md_in else fleet.md[0].name
         rld = choose_rld(fleet.rld, self.members[p].datacenter)
         return self._route(p, md, rld, matched, placed.reason.value, bool(md_in))
+
+    def _probe(
+        self, request: PlacementRequest, fleet: FleetView, placed: Placement, now: float
+    ) -> tuple[Placement, str]:
+        """An MD back in placement (a restart, an undrain, a breaker's cool-down over) gets the next
+        request, once: a circuit breaker's half-open probe. Its DRC mirror is empty, so a
+        prefix-aware placement would leave it idle for as long as the others hold the common
+        prefixes and are not overloaded (chaos: a restarted MD got nothing in 13 s of load); one
+        request proves its data path (P's WAN pool to it, the KV import) and starts its cache."""
+        name = self.probes.pop(0)
+        if name == placed.md or name not in self.members or self.why_out(name, now):
+            return placed, placed.reason.value
+        others = frozenset(s.name for s in fleet.md if s.name != name)
+        probe = place(request, _without(fleet, others), self.config, self.memory)
+        if not isinstance(probe, Placement):
+            return placed, placed.reason.value
+        return probe, "rejoin_probe"
 
     def others_queued_tokens(self, p: str) -> float:
         """Tokens other routers have queued at ``p``: the prefills P reports holding (its status,
@@ -356,6 +426,16 @@ class Fleet:
             out["mirror_blocks"] = mirror.blocks()
         out["breaks"] = self.stalls[name].stalls  # stalled or failed a request
         return out
+
+
+def _without(fleet: FleetView, avoid: frozenset[str]) -> FleetView:
+    """``fleet`` with the instances in ``avoid`` marked unhealthy (never chosen)."""
+    return dataclasses.replace(
+        fleet,
+        p=tuple(dataclasses.replace(s, healthy=False) if s.name in avoid else s for s in fleet.p),
+        md=tuple(dataclasses.replace(s, healthy=False) if s.name in avoid else s for s in fleet.md),
+        rld=tuple(dataclasses.replace(s, healthy=False) if s.name in avoid else s for s in fleet.rld),
+    )
 
 
 def _with_pool(dc: Datacenter, role: Role, pool: tuple[Instance, ...]) -> Datacenter:

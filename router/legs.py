@@ -115,6 +115,11 @@ class LegCalls:
     def left(self) -> float:
         return max(self.deadline - time.monotonic(), MIN_TIMEOUT_S)
 
+    def retarget(self, stubs: RouteStubs) -> None:
+        """The run moved within a role (``MoveOff``): the calls from here on go to ``stubs``; the
+        ones already under way keep theirs."""
+        self.s = stubs
+
     def execute(self, cmd: RunCommand) -> None:
         if isinstance(cmd, OpenStream):
             stub = self.s.rld if cmd.on is Role.RLD else self.s.md
@@ -127,11 +132,11 @@ class LegCalls:
             name = f"{cmd.on.value}{self._number(cmd.leg)}"
             self._spawn(name, cmd.leg.sid, self._stream(cmd.on, stub, cmd.leg))
         elif isinstance(cmd, SendPrefill):
-            self._spawn(f"p{self._number(cmd.leg)}", cmd.leg.sid, self._prefill(cmd))
+            self._spawn(f"p{self._number(cmd.leg)}", cmd.leg.sid, self._prefill(cmd, self.s))
         elif isinstance(cmd, StartHandoff):
-            self._spawn("handoff", cmd.sid, self._start_handoff(cmd.sid))
+            self._spawn("handoff", cmd.sid, self._start_handoff(cmd.sid, self.s))
         elif isinstance(cmd, TakeOver):
-            self._spawn("takeover", cmd.leg.sid, self._take_over(cmd))
+            self._spawn("takeover", cmd.leg.sid, self._take_over(cmd, self.s))
         elif isinstance(cmd, CancelStreams):
             self._cancel(cmd.on)
         elif isinstance(cmd, ReleaseRldSlot):
@@ -183,7 +188,7 @@ class LegCalls:
             raise
         await self.inbox.put(StreamEnded(leg.sid, role, closed, mode))
 
-    async def _prefill(self, cmd: SendPrefill) -> None:
+    async def _prefill(self, cmd: SendPrefill, to: RouteStubs) -> None:
         leg = cmd.leg
         req = pb2.PrefillRequest(
             request_id=leg.sid,
@@ -193,24 +198,24 @@ class LegCalls:
             ship_to_rld=cmd.ship_to_rld,
             first_token_to_md=cmd.first_token_to_md,
             deadline_s=max(self.deadline - time.monotonic() - 0.2, MIN_TIMEOUT_S),
-            md_identity=self.s.md_identity,
-            rld_identity=self.s.rld_identity if cmd.ship_to_rld else "",
+            md_identity=to.md_identity,
+            rld_identity=to.rld_identity if cmd.ship_to_rld else "",
         )
         try:
-            reply = await self.s.p.Prefill(req, timeout=self.left())
+            reply = await to.p.Prefill(req, timeout=self.left())
             self.c.on_prefilled(leg.sid, len(leg.prompt) - reply.p_cached_tokens, reply.prefill_seconds)
             await self.inbox.put(PrefillDone(leg.sid, report_from_pb(reply)))
         except grpc.aio.AioRpcError as exc:
             await self.inbox.put(PrefillFailed(leg.sid, f"{exc.code().name.lower()}: {exc.details()}"))
 
-    async def _start_handoff(self, sid: str) -> None:
-        if self.s.rld is None:
+    async def _start_handoff(self, sid: str, to: RouteStubs) -> None:
+        if to.rld is None:
             await self.inbox.put(HandoffDone(sid, HandoffResult.parse("failed:no_rld")))
             return
         try:
             deadline_s = max(self.deadline - time.monotonic() - 0.1, MIN_TIMEOUT_S)
-            r = await self.s.rld.StartHandoff(
-                pb2.HandoffStart(request_id=sid, deadline_s=deadline_s, md_identity=self.s.md_identity),
+            r = await to.rld.StartHandoff(
+                pb2.HandoffStart(request_id=sid, deadline_s=deadline_s, md_identity=to.md_identity),
                 timeout=self.left(),
             )
             mode = mode_from_text(r.mode)
@@ -218,13 +223,13 @@ class LegCalls:
         except grpc.aio.AioRpcError as exc:
             await self.inbox.put(HandoffDone(sid, HandoffResult.parse(f"failed:{exc.code().name}")))
 
-    async def _take_over(self, cmd: TakeOver) -> None:
+    async def _take_over(self, cmd: TakeOver, to: RouteStubs) -> None:
         """MD takes over from the tokens streamed so far (RLD lost)."""
         leg = cmd.leg
         s = HandoffSlice(leg.sid, cmd.first_position, cmd.token_ids, True, HandoffMode.ONE_SHOT)
         req = pb2.HandoffRequest(handoff=slice_to_wire(s, leg.sampling), emit_given=cmd.emit_given)
         try:
-            await self.s.md.Handoff(req, timeout=self.left())
+            await to.md.Handoff(req, timeout=self.left())
         except grpc.aio.AioRpcError as exc:
             await self.inbox.put(TakeoverFailed(leg.sid, exc.code().name.lower()))
 

@@ -23,12 +23,14 @@ from pddlink.lifecycle import (
     FallbackTaken,
     MdStalled,
     MdSuspected,
+    MoveOff,
     RequestRun,
     RunCommand,
     RunSpec,
     RunState,
     RunTrace,
 )
+from pddlink.roles import Role
 from router.backend import Legs
 from router.legs import Cluster
 
@@ -52,17 +54,23 @@ class RunDriver:
         arrived: float | None = None,
         on_md_stalled: Callable[[float], None] | None = None,
         rld_reachable: Callable[[float], bool] | None = None,
+        spare: Callable[[Role, float], bool] | None = None,
+        on_move: Callable[[Role], None] | None = None,
     ) -> None:
         """``legs``: the engine backend's legs for a deadline; ``arrived``: when the request reached
-        the router (its deadline counts from then); ``on_md_stalled``: told when MD stalled."""
+        the router (its deadline counts from then); ``on_md_stalled``: told when MD stalled;
+        ``spare`` / ``on_move``: the router's pools (another instance of a role in placement; move
+        this run there, before the next leg's calls)."""
         self.spec = spec
         self.on_md_stalled = on_md_stalled
+        self.on_move = on_move
         now = time.monotonic()
         self.machine = RequestRun(
             spec,
             now=now if arrived is None else min(arrived, now),
             rld_usable=rld_usable,
             rld_reachable=rld_reachable,
+            spare=spare if on_move is not None else None,
         )
         self.calls = legs(self.machine.deadline)
 
@@ -115,6 +123,9 @@ class RunDriver:
                 tokens.append(cmd.token)
             elif isinstance(cmd, FallbackTaken):
                 metrics.FALLBACKS.labels(kind=cmd.fallback.value).inc()
+            elif isinstance(cmd, MoveOff):
+                if self.on_move is not None:
+                    self.on_move(cmd.role)
             elif isinstance(cmd, MdStalled):
                 if self.on_md_stalled is not None:
                     self.on_md_stalled(cmd.seconds)

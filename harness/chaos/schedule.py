@@ -21,6 +21,9 @@ class FaultKind(Enum):
     CORRUPT = "corrupt"  # flip bits in 1% of the WAN's packets for duration_s
     BURST = "burst"  # 3 x concurrency extra requests at once (4x the usual concurrency)
     SLOW_CLIENTS = "slow_clients"  # extra HTTP streams whose clients stall or trickle (slow_clients.py)
+    # pools (``harness.chaos.pools``): ``target`` names one instance of the topology
+    KILL_INSTANCE = "kill_instance"  # SIGKILL one instance, start it again on its ports after duration_s
+    DRAIN = "drain"  # the router's /admin/drain of one instance until its requests ended, then undrain
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +40,8 @@ class Fault:
         killing = self.kind in (FaultKind.KILL_RESTART, FaultKind.KILL_ENGINE)
         if killing and self.target not in ("md", "rld", "p"):
             raise ConfigError(f"fault: {self.kind.value} needs a target md|rld|p, got {self.target!r}")
+        if self.kind in (FaultKind.KILL_INSTANCE, FaultKind.DRAIN) and not self.target:
+            raise ConfigError(f"fault: {self.kind.value} needs an instance name as its target")
 
     @property
     def name(self) -> str:

@@ -12,6 +12,9 @@ DEFAULTS: dict[str, dict[str, float]] = {
                   "line_mbit": 100.0, "rtt_ms": 20.0},
     "vllm": {"requests": 240, "concurrency": 4, "deadline_s": 20.0, "max_output": 16,
              "line_mbit": 50.0, "rtt_ms": 10.0},
+    # --topology: a sidecar per instance (8 in the example) and two WAN relays on a small machine
+    "pools": {"requests": 360, "concurrency": 32, "deadline_s": 15.0, "max_output": 32,
+              "line_mbit": 0.0, "rtt_ms": 0.0},
 }  # fmt: skip
 
 
@@ -39,6 +42,14 @@ DEFAULTS: dict[str, dict[str, float]] = {
     show_default=True,
     help="Each sidecar's engine: a child process (its kill is a fault of the schedule) or a thread.",
 )
+@click.option(
+    "--topology",
+    "topology",
+    type=click.Path(exists=True, dir_okay=False),
+    help="Run on a topology's pools (reference engine; the links' rates and RTTs are the file's): "
+    "kill -9 of one MD of two and of one P of two, a drain during the load [360 requests, 32 at "
+    "once, deadline 15 s, max output 32].",
+)
 def command(
     engine: str,
     requests: int | None,
@@ -51,6 +62,7 @@ def command(
     rtt_ms: float | None,
     max_output: int | None,
     engine_mode: str,
+    topology: str | None,
 ) -> None:
     """Bring up P, RLD, MD and the router across an emulated WAN, drive a bounded streaming load
     (mixed pipelines, greedy and seeded), and run the fault schedule meanwhile: kill -9 and restart
@@ -65,7 +77,9 @@ def command(
     sidecar held (0 of everything: it reset what it held for the dead engine)."""
     from pddlink.cli.preflight import check_output_file, check_writable
 
-    d = DEFAULTS[engine]
+    if topology is not None and engine != "reference":
+        raise click.BadParameter("--topology runs the reference engine's pools only", param_hint="--topology")
+    d = DEFAULTS["pools" if topology is not None else engine]
     requests = int(d["requests"] if requests is None else requests)
     concurrency = int(d["concurrency"] if concurrency is None else concurrency)
     deadline_s = float(d["deadline_s"] if deadline_s is None else deadline_s)
@@ -97,6 +111,20 @@ def command(
             rtt_ms=rtt_ms,
         )
         vllm_main(spec, json_path, plot_path)
+        return
+    if topology is not None:
+        from harness.chaos.pools import main as pools_main
+
+        pools_main(
+            topology_path=topology,
+            requests=requests,
+            concurrency=concurrency,
+            deadline_s=deadline_s,
+            json_path=json_path,
+            plot_path=plot_path,
+            seed=seed,
+            max_output=max_output,
+        )
         return
     from harness.chaos.run import main
 

@@ -210,6 +210,15 @@ class MdStalled:
 
 
 @dataclass(frozen=True, slots=True)
+class MoveOff:
+    """The instance of ``role`` this run uses is lost: the router re-places the run within the
+    role (another instance, never the lost one) before the next leg's commands; the legs that
+    follow go there. Issued only while ``RequestRun``'s ``spare(role, now)`` said one is there."""
+
+    role: Role
+
+
+@dataclass(frozen=True, slots=True)
 class FallbackTaken:
     fallback: Fallback
 
@@ -235,6 +244,7 @@ RunCommand = (
     | ReleaseRldSlot
     | DetachHandoff
     | MdStalled
+    | MoveOff
     | FallbackTaken
     | Emit
     | RunEnded

@@ -9,6 +9,16 @@ A guard reads a ``Situation``, the run's state at the moment of the loss. The re
 - ``NEW_LEG_P_RLD`` / ``NEW_LEG_P_MD``: a new leg from the merged position on (P re-prefills prompt +
   streamed tokens; its prefix cache makes that cheap; sampling is a function of (seed, position), so
   the continuation is the same), at most ``MAX_LEGS`` legs per request;
+- ``NEW_LEG_OTHER_MD`` / ``NEW_LEG_OTHER_P`` (pools): the lost instance's role has another
+  instance in placement (``Situation.md_spare`` / ``p_spare``): the router re-places the run within
+  the role (``MoveOff``) and a new leg runs there from the merged position on -- P->MD on the other
+  MD (RLD's stream, if any, is released: the request ends on an MD, as a normal one does); the
+  same pipeline on the other P (the current leg's decoders are released, they wait for KV the dead
+  P will not send). These rows come first: a request is re-placed within its role before it
+  changes pipeline, and a normal request ends on an MD. A stall of the WAN line silences every MD
+  behind it too: a run that stalls again there moves on (never back to an MD it lost), bounded by
+  ``MAX_LEGS`` and its deadline. With one instance of each role they never match (no spare), so
+  the single-instance router behaves as before;
 - ``FAIL``: the request fails with the loss as its reason.
 
 ``RLD_LOST`` re-runs P->MD only while RLD is *not* usable (relay disabled, or marked down after a
@@ -34,6 +44,8 @@ class Recovery(Enum):
     WAIT_FOR_P = "wait_for_p"
     NEW_LEG_P_RLD = "new_leg_p_rld"
     NEW_LEG_P_MD = "new_leg_p_md"
+    NEW_LEG_OTHER_MD = "new_leg_other_md"
+    NEW_LEG_OTHER_P = "new_leg_other_p"
     FAIL = "fail"
 
 
@@ -48,6 +60,8 @@ class Situation:
     rld_usable: bool  # the router may send requests to RLD now
     rld_reachable: bool  # RLD can take a rescue (its channel is up), cool-down or not
     legs: int  # legs started so far
+    md_spare: bool = False  # another MD than this run's is in placement (pools)
+    p_spare: bool = False  # another P than this run's is in placement (pools)
 
     @property
     def may_add_leg(self) -> bool:
@@ -79,6 +93,14 @@ def rerun_on_md(s: Situation) -> bool:
     return not s.rld_usable and s.may_add_leg
 
 
+def other_md(s: Situation) -> bool:
+    return s.md_spare and s.may_add_leg
+
+
+def other_p(s: Situation) -> bool:
+    return s.p_spare and s.may_add_leg
+
+
 def md_holds_kv(s: Situation) -> bool:
     return s.md_alive and s.md_ok is True
 
@@ -94,6 +116,7 @@ def rld_streaming(s: Situation) -> bool:
 # fmt: off
 TABLE: dict[Loss, tuple[Row, ...]] = {
     Loss.MD_UNREACHABLE: (
+        (other_md,           Fallback.MD_UNREACHABLE_OTHER_MD,       Recovery.NEW_LEG_OTHER_MD),
         (relayed_rld_has_kv, Fallback.MD_UNREACHABLE_RLD_FINISHES,   Recovery.RLD_FINISHES),
         (rerun_on_rld,       Fallback.MD_UNREACHABLE_P_RLD,          Recovery.NEW_LEG_P_RLD),
         (always,             None,                                   Recovery.FAIL),
@@ -114,13 +137,19 @@ TABLE: dict[Loss, tuple[Row, ...]] = {
         (always,             None,                                   Recovery.FAIL),
     ),
     Loss.MD_LOST: (
+        (other_md,           Fallback.MD_LOST_OTHER_MD,              Recovery.NEW_LEG_OTHER_MD),
         (rld_streaming,      Fallback.MD_LOST_RLD_FINISHES,          Recovery.RLD_FINISHES),
         (rerun_on_rld,       Fallback.MD_LOST_P_RLD,                 Recovery.NEW_LEG_P_RLD),
         (always,             None,                                   Recovery.FAIL),
     ),
     Loss.MD_STALLED: (
+        (other_md,           Fallback.MD_STALLED_OTHER_MD,           Recovery.NEW_LEG_OTHER_MD),
         (rld_streaming,      Fallback.MD_STALLED_RLD_FINISHES,       Recovery.RLD_FINISHES),
         (rerun_on_rld,       Fallback.MD_STALLED_P_RLD,              Recovery.NEW_LEG_P_RLD),
+        (always,             None,                                   Recovery.FAIL),
+    ),
+    Loss.P_LOST: (
+        (other_p,            Fallback.P_LOST_OTHER_P,                Recovery.NEW_LEG_OTHER_P),
         (always,             None,                                   Recovery.FAIL),
     ),
 }

@@ -103,6 +103,11 @@ class Fallback(StrEnum):
     MD_STALLED_RLD_FINISHES = "md_stalled_rld_finishes"
     MD_STALLED_P_RLD = "md_stalled_p_rld"
     HANDOFF_FAILED_RLD_FINISHES = "handoff_failed_rld_finishes"
+    # re-placed within the role (pools): a new leg on another instance of the role that was lost
+    MD_LOST_OTHER_MD = "md_lost_other_md"
+    MD_UNREACHABLE_OTHER_MD = "md_unreachable_other_md"
+    MD_STALLED_OTHER_MD = "md_stalled_other_md"
+    P_LOST_OTHER_P = "p_lost_other_p"
 
 
 class Loss(Enum):
@@ -114,3 +119,4 @@ class Loss(Enum):
     RLD_LOST = "rld_lost"  # RLD's stream broke before the request finished
     MD_LOST = "md_lost"  # MD's stream broke, or the router's takeover handoff to MD failed
     MD_STALLED = "md_stalled"  # MD's stream is open but made no progress for the stall bound
+    P_LOST = "p_unavailable"  # P's Prefill failed before it replied (P killed, unreachable)

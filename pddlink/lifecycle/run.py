@@ -33,6 +33,12 @@ States (``RUN_TRANSITIONS``)::
     RUNNING --complete (P already replied) | failure | deadline | cancel--> ENDED
     AWAITING_P_REPLY --cancel | deadline--> ENDED
 
+Pools (issue 26): ``spare(role, now)`` says whether the router has another instance of ``role``
+in placement than the one this run uses. With one, a lost MD (unreachable, lost, stalled) or a
+lost P (its Prefill failed before replying: ``Loss.P_LOST``) is
+re-placed within its role: ``MoveOff(role)``, then a new leg from the merged position on (the
+table's ``NEW_LEG_OTHER_*`` rows). Without one (a topology of one each) nothing changes.
+
 A call of the run that raised unexpectedly (``LegCrashed``, posted by the driver when a leg's task
 dies) fails the run at once, ``leg_crashed: <task>: <exception>``; no fallback is tried.
 
@@ -59,6 +65,7 @@ from pddlink.lifecycle.events import (
     MdReady,
     MdStalled,
     MdSuspected,
+    MoveOff,
     OpenStream,
     PrefillDone,
     PrefillFailed,
@@ -115,6 +122,7 @@ _LOSS_REASON = {
     Loss.RLD_LOST: FailReason.RLD_LOST,
     Loss.MD_LOST: FailReason.MD_LOST,
     Loss.MD_STALLED: FailReason.MD_STALLED,
+    Loss.P_LOST: FailReason.P_UNAVAILABLE,
 }
 
 
@@ -124,7 +132,8 @@ class RequestRun:
     same) whether RLD can take a rescue after MD is lost: a cool-down that keeps new requests off
     RLD after one failed there must not turn a request MD has already lost into a certain failure
     (issue 16, chaos: in a long outage on a loaded host one slow fast-path transfer marked RLD down,
-    and MD's losses then failed with no fallback)."""
+    and MD's losses then failed with no fallback). ``spare(role, now)`` (default: never): another
+    instance of P or MD than the run's own is in placement, so a loss of it re-places the run."""
 
     def __init__(
         self,
@@ -133,8 +142,10 @@ class RequestRun:
         now: float,
         rld_usable: Callable[[float], bool],
         rld_reachable: Callable[[float], bool] | None = None,
+        spare: Callable[[Role, float], bool] | None = None,
     ) -> None:
         self.spec = spec
+        self.spare = spare or (lambda role, now: False)
         self.rld_usable = rld_usable
         self.rld_reachable = rld_reachable or rld_usable
         self.t_start = now
@@ -286,7 +297,7 @@ class RequestRun:
                 self._out.append(StartHandoff(self.leg.sid))
 
     def _on_prefill_failed(self, ev: PrefillFailed, now: float) -> None:
-        self._fail(FailReason.P_UNAVAILABLE, ev.detail)
+        self._loss(Loss.P_LOST, ev.detail, now)
 
     def _on_handoff(self, ev: HandoffDone, now: float) -> None:
         self.notes.handoff = ev.result
@@ -324,6 +335,8 @@ class RequestRun:
             rld_usable=self.rld_usable(now),
             rld_reachable=self.rld_reachable(now),
             legs=self.legs,
+            md_spare=self.spare(Role.MD, now),
+            p_spare=self.spare(Role.P, now),
         )
 
     def _loss(self, loss: Loss, detail: str, now: float) -> None:
@@ -369,6 +382,27 @@ class RequestRun:
 
     def _new_leg_p_md(self, loss: Loss, detail: str) -> None:
         self._start_leg(Pipeline.P_MD)
+
+    def _new_leg_other_md(self, loss: Loss, detail: str) -> None:
+        """Another MD: P->MD from the merged position (RLD's stream, if any, is released: the
+        request ends on an MD)."""
+        self._cancel(Role.MD)
+        self._cancel(Role.RLD)
+        self._out.append(DetachHandoff())  # a handoff to the lost MD in progress: no longer ours
+        self._out.append(MoveOff(Role.MD))
+        self._start_leg(Pipeline.P_MD)
+
+    def _new_leg_other_p(self, loss: Loss, detail: str) -> None:
+        """Another P: the same pipeline; the decoders of this leg wait for KV the lost P will not
+        send, so they are released and the new leg opens its own."""
+        assert self.leg is not None
+        pipeline = self.leg.pipeline
+        if pipeline in USES_MD:
+            self._cancel(Role.MD)
+        if pipeline in USES_RLD:
+            self._cancel(Role.RLD)
+        self._out.append(MoveOff(Role.P))
+        self._start_leg(pipeline)
 
     def _fail_with(self, loss: Loss, detail: str) -> None:
         self._fail(_LOSS_REASON[loss], detail)
@@ -485,5 +519,7 @@ _RECOVERIES: dict[Recovery, Callable[[RequestRun, Loss, str], None]] = {
     Recovery.WAIT_FOR_P: RequestRun._wait_for_p,
     Recovery.NEW_LEG_P_RLD: RequestRun._new_leg_p_rld,
     Recovery.NEW_LEG_P_MD: RequestRun._new_leg_p_md,
+    Recovery.NEW_LEG_OTHER_MD: RequestRun._new_leg_other_md,
+    Recovery.NEW_LEG_OTHER_P: RequestRun._new_leg_other_p,
     Recovery.FAIL: RequestRun._fail_with,
 }

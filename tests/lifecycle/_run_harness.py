@@ -44,6 +44,7 @@ class Run:
     rld_reachable: bool | None = None  # None: as rld_usable
     now: float = 100.0
     option: Option = Option.SHIP
+    spares: frozenset[Role] = frozenset()  # roles with another instance in placement (pools)
     log: list[RunCommand] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -59,7 +60,11 @@ class Run:
         )
         reachable = None if self.rld_reachable is None else (lambda now: bool(self.rld_reachable))
         self.m = RequestRun(
-            spec, now=self.now, rld_usable=lambda now: self.rld_usable, rld_reachable=reachable
+            spec,
+            now=self.now,
+            rld_usable=lambda now: self.rld_usable,
+            rld_reachable=reachable,
+            spare=lambda role, now: role in self.spares,
         )
         self.log += self.m.start(self.now)
 

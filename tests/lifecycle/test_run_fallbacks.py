@@ -362,7 +362,39 @@ def _md_stalled_p_rld() -> Run:
     return run
 
 
+def _md_lost_other_md() -> Run:
+    run = Run(Pipeline.P_RLD_MD, spares=frozenset({Role.MD}))
+    run.prefill()
+    run.tokens(Role.RLD, [4])
+    run.stream_end(Role.MD, "failed:unavailable")
+    return run
+
+
+def _md_unreachable_other_md() -> Run:
+    run = Run(Pipeline.P_RLD_MD, spares=frozenset({Role.MD}))
+    run.prefill(md_ok=False)
+    return run
+
+
+def _md_stalled_other_md() -> Run:
+    run = Run(Pipeline.P_MD, spares=frozenset({Role.MD}))
+    run.prefill()
+    run.tokens(Role.MD, [4])
+    run.timer(run.now + run.m.spec.md_stall_s)
+    return run
+
+
+def _p_lost_other_p() -> Run:
+    run = Run(Pipeline.P_MD, spares=frozenset({Role.P}))
+    run.feed(PrefillFailed("r", "unavailable: connection reset"))
+    return run
+
+
 SCENARIOS: dict[Fallback, Callable[[], Run]] = {
+    Fallback.MD_LOST_OTHER_MD: _md_lost_other_md,
+    Fallback.MD_UNREACHABLE_OTHER_MD: _md_unreachable_other_md,
+    Fallback.MD_STALLED_OTHER_MD: _md_stalled_other_md,
+    Fallback.P_LOST_OTHER_P: _p_lost_other_p,
     Fallback.MD_STALLED_RLD_FINISHES: _md_stalled_rld_finishes,
     Fallback.MD_STALLED_P_RLD: _md_stalled_p_rld,
     Fallback.MD_UNREACHABLE_RLD_FINISHES: _md_unreachable_rld_finishes,

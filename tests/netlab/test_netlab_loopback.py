@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import statistics
@@ -163,3 +164,30 @@ def test_cli_loopback_up_pins_relay_ports() -> None:
             pass  # the relay accepts on the pinned port
     finally:
         assert cli("down", "--name", "t-cli-pin").returncode == 0
+
+
+def test_tcp_forward_ends_the_clients_connection_when_the_server_goes_away(lab: Lab) -> None:
+    """A server that closed (or died) ends the client's connection through the relay too: the
+    client's next read sees the end instead of waiting on a dead upstream for ever."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve_once() -> None:
+        conn, _ = listener.accept()
+        conn.sendall(b"hello")
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        conn.close()  # a reset, as a killed process's kernel may send
+
+    thread = threading.Thread(target=serve_once)
+    thread.start()
+    host, port = lab.endpoint("dc-b", listener.getsockname()[1])
+    client = socket.create_connection((host, port), timeout=5.0)
+    try:
+        got = b""
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := client.recv(64):
+                got += chunk
+        assert got in (b"", b"hello")  # the end came (a clean end or a reset), not a timeout
+    finally:
+        client.close()
+        listener.close()
+        thread.join(2)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from pddlink.errors import NotFound
+from pddlink.roles import Role
 from pddlink.routing.placement import PlacementPolicy
 from pddlink.topology import load_topology
 from router.fleet import Fleet
@@ -198,3 +199,59 @@ def test_a_run_that_lost_its_p_or_md_before_a_token_is_placed_again_elsewhere() 
         await router.close()
 
     asyncio.run(main())
+
+
+def test_a_run_that_lost_its_md_or_p_moves_within_the_role_keeping_the_rest() -> None:
+    """``Fleet.spare`` / ``Fleet.moved`` (a run's mid-request move, issue 26): never back to the
+    lost instance (even while its channel still looks healthy), nor to one the run lost before;
+    the roles not lost stay; no spare left: no move."""
+    fleet, mirrors, down = _fleet()
+    mirrors["md-b0"].held = 160
+    route = fleet.place(PROMPT, 0.0)
+    assert route.md.name == "md-b0" and fleet.spare("md-b0", 0.0)
+    moved = fleet.moved(route, Role.MD, PROMPT, 0.1, frozenset({"md-b0"}))
+    assert moved is not None and moved.md.name != "md-b0"
+    assert (moved.p, moved.rld) == (route.p, route.rld)
+    assert moved.link is fleet.links[frozenset(("dc-a", moved.md.datacenter))]
+    other_p = fleet.moved(route, Role.P, PROMPT, 0.2, frozenset({route.p.name}))
+    assert other_p is not None and other_p.p.name != route.p.name and other_p.md == route.md
+    assert other_p.rld is not None and other_p.rld.datacenter == other_p.p.datacenter
+    down.update({"md-b1", "md-c0"})  # only md-c1 left besides the lost md-b0
+    assert fleet.spare("md-b0", 0.3) and not fleet.spare("md-b0", 0.3, frozenset({"md-c1"}))
+    assert fleet.moved(route, Role.MD, PROMPT, 0.3, frozenset({"md-b0", "md-c1"})) is None
+    before = fleet.running["md-c1"], fleet.placed["md-c1"]
+    fleet.begin(route, relayed=False)
+    fleet.shift(route.md, fleet.member("md-c1"))
+    assert fleet.running["md-b0"] == 0 and (fleet.running["md-c1"], fleet.placed["md-c1"]) == (
+        before[0] + 1,
+        before[1] + 1,
+    )
+
+
+def test_a_pool_instance_back_after_its_channel_was_lost_is_placed_on_at_once() -> None:
+    """Its runs' reports of the old process opened the breaker many times (up to 30 s); once its
+    channel is lost and back (a restart) a pool's instance is in placement again at once."""
+    fleet, _, down = _fleet()
+    for k in range(6):
+        fleet.stalled("md-b0", now=1.0 + 0.1 * k)  # six runs saw it go
+    assert fleet.why_out("md-b0", 2.0) == "stalled" and fleet.stalls["md-b0"].down_until > 20.0
+    down.add("md-b0")
+    assert fleet.why_out("md-b0", 3.0) == "unreachable"
+    down.clear()
+    assert fleet.why_out("md-b0", 4.0) == "" and fleet.in_placement("md-b0", 4.0)
+
+
+def test_an_md_back_in_placement_gets_the_next_request_once() -> None:
+    """A restarted MD holds nothing: prefix-aware placement alone would leave it idle while the
+    others hold the prompts' prefixes; it gets the next request (a half-open probe), then
+    placement goes on as before."""
+    fleet, mirrors, down = _fleet()
+    for name in ("md-b1", "md-c0", "md-c1"):
+        mirrors[name].held = 160
+    assert fleet.place(PROMPT, 0.0).md.name != "md-b0"
+    down.add("md-b0")
+    fleet.place(PROMPT, 0.1)
+    down.clear()
+    probe = fleet.place(PROMPT, 0.2)
+    assert probe.md.name == "md-b0" and probe.reason == "rejoin_probe"
+    assert fleet.place(PROMPT, 0.3).md.name != "md-b0"  # once
