@@ -76,6 +76,7 @@ def test_requests_whose_md_dies_mid_stream_finish_on_the_other_md_exactly(tmp_pa
     assert [r.tokens for r in results] == reference(reqs)
 
 
+@pytest.mark.fleet  # about 53 s: CI's processes phase is make test's long pole
 def test_an_md_killed_behind_its_wan_relay_is_placed_on_again_within_10_s_of_its_restart(
     tmp_path: Path,
 ) -> None:
