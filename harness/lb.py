@@ -58,6 +58,10 @@ def haproxy_config(
         "    log global",
         "    option httplog",  # the log line says which server answered, after how many retries
         "    option http-keep-alive",
+        # without it HAProxy sends a stream's small chunks with MSG_MORE and the kernel holds each
+        # up to 200 ms: the first token of a streamed answer came 205 ms later through HAProxy than
+        # straight (measured: 2.9 ms with it; the replicas demo's TTFT P50 0.154 s -> 0.306 s)
+        "    option http-no-delay",
         "    timeout connect 2s",
         f"    timeout client {t}",
         f"    timeout server {t}",
