@@ -90,8 +90,8 @@ def test_round_robin_per_request_streams_and_health(tmp_path: Path, backends: li
         served = lb.served()
         assert served["router0"] >= 3 and served["router1"] >= 3
 
+        t0 = time.monotonic()  # before the request: HAProxy may hold the head with the first chunk
         with client.stream("POST", lb.url + "/v1/completions", content=b"{}") as r:
-            t0 = time.monotonic()
             lines = r.iter_lines()
             first = next(lines)
             # at once: not held to the end, nor ~200 ms by HAProxy's MSG_MORE (option http-no-delay)
