@@ -53,17 +53,30 @@ def router_process(
         lines += ["[vllm]", *(f"{k} = {_toml(v)}" for k, v in vllm.items())]
     conf = tmp / f"router-{port}.toml"
     conf.write_text("\n".join(lines) + "\n")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pddlink.cli.main", "router", "--config", str(conf)],
-        stdout=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
+    with router_from_config(conf, port, env=env) as router:
+        yield router
+
+
+@contextlib.contextmanager
+def router_from_config(
+    conf: Path, port: int, *, env: dict[str, str] | None = None, log: Path | None = None
+) -> Iterator[RouterProc]:
+    """``pddlink router --config conf`` (HTTP on ``port``) until the block ends; its stderr into
+    ``log`` when given (the tail of it in the error when it does not start)."""
+    with open(log, "w") if log is not None else contextlib.nullcontext() as err:  # the child keeps its own
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pddlink.cli.main", "router", "--config", str(conf)],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            env=env,
+        )
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()
         if not line.startswith("READY"):
-            raise ClusterError(f"router did not start: {line!r}")
+            tail = log.read_text()[-2000:] if log is not None else line
+            raise ClusterError(f"router did not start: {tail!r}")
         yield RouterProc(proc, port)
     finally:
         proc.terminate()

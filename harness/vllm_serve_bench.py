@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,6 +31,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from harness.router_proc import router_from_config
 
 BACKENDS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
 METRICS = ("ttft", "tpot", "itl")
@@ -70,28 +71,8 @@ def router_process(workdir: Path, toml: str, port: int) -> Iterator[str]:
     """``pddlink router --config`` with ``toml``; its base URL until the block ends."""
     conf = workdir / f"router-{port}.toml"
     conf.write_text(toml)
-    with open(workdir / f"router-{port}.log", "w") as log:  # the child keeps its own descriptor
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "pddlink.cli.main", "router", "--config", str(conf)],
-            stdout=subprocess.PIPE,
-            stderr=log,
-            text=True,
-        )
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        if not line.startswith("READY"):
-            raise RuntimeError(
-                f"router did not start: {(workdir / f'router-{port}.log').read_text()[-2000:]}"
-            )
+    with router_from_config(conf, port, log=workdir / f"router-{port}.log"):
         yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
 
 
 def bench_once(
