@@ -23,8 +23,8 @@ from typing import Any
 
 import pytest
 
-from harness.cluster import Cluster, ClusterSpec, NoWan
-from tests.router_edge.router_proc import RouterProc, router_process
+from harness.edge_bench import deployment
+from harness.router_proc import RouterProc
 
 pytestmark = [pytest.mark.process, pytest.mark.vllm, pytest.mark.timeout(300)]
 PROMPTS = 12
@@ -33,20 +33,9 @@ PROMPTS = 12
 @pytest.fixture(scope="module")
 def router(tmp_path_factory: pytest.TempPathFactory, tiny_llama_f32: Path) -> Iterator[RouterProc]:
     tmp = tmp_path_factory.mktemp("bench")
-    spec = ClusterSpec(tmp / "cluster", relay=True, tls=True, deadline_s=30.0)
-    with Cluster(NoWan(), spec) as c:
-        p = c.ports
-        api = {"tokenizer": str(tiny_llama_f32), "model": "tiny", "rate_per_client_s": 0.0}
-        with router_process(
-            tmp,
-            api,
-            p=f"127.0.0.1:{p['p_grpc']}",
-            rld=f"127.0.0.1:{p['rld_grpc']}",
-            md=f"127.0.0.1:{p['md_grpc']}",
-            tls_dir=c.tls_dir("router"),
-            admission=False,
-        ) as r:
-            yield r
+    api = {"tokenizer": str(tiny_llama_f32), "model": "tiny", "rate_per_client_s": 0.0}
+    with deployment(tmp, api) as r:  # P, RLD and MD (reference engine, mutual TLS), a router process
+        yield r
 
 
 @pytest.mark.parametrize(
