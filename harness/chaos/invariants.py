@@ -67,13 +67,19 @@ def outage_share(
     return sum(r.outcome == "finished" for r in stranded) / len(stranded), len(stranded)
 
 
-def fault_outcomes(fault: FaultRecord, results: Sequence[StreamResult]) -> dict[str, Any]:
-    caught = fault.in_flight(results)
+def failure_reasons(results: Sequence[StreamResult]) -> dict[str, int]:
+    """How many of ``results`` did not finish, by reason (its text up to the first colon)."""
     reasons: dict[str, int] = {}
-    for r in caught:
+    for r in results:
         if r.outcome != "finished":
             key = (r.reason or "(none)").split(":")[0][:60]
             reasons[key] = reasons.get(key, 0) + 1
+    return reasons
+
+
+def fault_outcomes(fault: FaultRecord, results: Sequence[StreamResult]) -> dict[str, Any]:
+    caught = fault.in_flight(results)
+    reasons = failure_reasons(caught)
     return {
         "name": fault.name,
         "kind": fault.kind,
@@ -106,11 +112,7 @@ def evaluate(
     long_outage = next((f for f in faults if f.name == "wan_outage_long"), None)
     rld_down = [f for f in faults if f.kind == "kill_restart" and f.target == "rld"]
     share, stranded = outage_share(results, long_outage, rld_down)
-    reasons: dict[str, int] = {}
-    for r in results:
-        if r.outcome != "finished":
-            key = (r.reason or "(none)").split(":")[0][:60]
-            reasons[key] = reasons.get(key, 0) + 1
+    reasons = failure_reasons(results)
     return {
         "requests": len(results),
         "finished": len(finished),

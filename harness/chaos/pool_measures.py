@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from harness.chaos.invariants import FaultRecord
+from harness.chaos.invariants import FaultRecord, failure_reasons
 from harness.chaos.load import StreamResult
 
 DRAIN_SETTLE_S = 0.5  # a request placed this soon after the drain began was placed before it
@@ -75,11 +75,7 @@ def kill_share(results: Sequence[StreamResult], fault: FaultRecord, role: str) -
     moved = [r for r in finished if final(r, role) != fault.target]
     rescued = moved if role == "md" else finished
     needed = len(caught) - len(alone)
-    reasons: dict[str, int] = {}
-    for r in caught:
-        if r.outcome != "finished":
-            key = (r.reason or "(none)").split(":")[0][:60]
-            reasons[key] = reasons.get(key, 0) + 1
+    reasons = failure_reasons(caught)
     return {
         "instance": fault.target,
         "in_flight": len(caught),
