@@ -40,6 +40,7 @@ from netlab.profile import parse_profile
 from pddlink.roles import Role
 from pddlink.routing import PlacementPolicy
 from pddlink.serving.http import fetch
+from pddlink.sim.demo_scale import DemoKnobs
 from pddlink.topology import Topology
 
 VOCAB = 2048
@@ -104,7 +105,8 @@ def run_policy(
     with PoolCluster(spec, wan) as pools:
         say(f"[{label}] {len(pools.members)} sidecars and the router up in {time.monotonic() - t0:.1f} s")
         if warm:
-            paced = [replace(r, arrival_s=0.4 * i) for i, r in enumerate(warm)]
+            pace = DemoKnobs().warmup_pace_s  # what the simulator assumes too
+            paced = [replace(r, arrival_s=pace * i) for i, r in enumerate(warm)]
             w = asyncio.run(
                 replay(pools.router_target, paced, deadline_s=spec.deadline_s, pipeline="p_md", id_prefix="w")
             )
@@ -186,13 +188,51 @@ def figures(
 def simulate(topo: Topology, workload: str | None, requests: int, warmup: int, rate_rps: float, seed: int,
              policies: list[str]) -> dict[str, Any]:  # fmt: skip
     from harness.demo_workload import _workload_path
-    from pddlink.sim.demo_scale import DemoKnobs
     from pddlink.sim.pools import run_topology
     from pddlink.sim.workload import load_workload
 
     knobs = DemoKnobs(requests=requests, warmup=warmup, rate_rps=rate_rps, seed=seed)
     wl = load_workload(_workload_path(workload))
-    return run_topology(topo, wl, knobs, [PlacementPolicy(p) for p in policies])
+    return run_topology(topo, wl, knobs, [PlacementPolicy(p) for p in policies], per_request=True)
+
+
+def measured_rows(results: list[RequestResult]) -> list[dict[str, Any]]:
+    """Each request as ``pddlink.sim.pools.request_rows`` writes the simulator's: its MD, option,
+    the prompt's tokens MD held (``figures``' definition) and TTFT."""
+    rows = []
+    for r in results:
+        t = r.trace
+        prompt = t.get("prompt_tokens") or 0
+        rows.append(
+            {
+                "index": r.index,
+                "md": (t.get("placement") or {}).get("md"),
+                "option": t.get("option"),
+                "prompt_tokens": prompt,
+                "md_cached_tokens": t.get("md_cached_tokens", t.get("mirror_matched_tokens", 0)),
+                "ttft_s": r.ttft_s,
+            }
+        )
+    return rows
+
+
+def sim_side_by_side(
+    sim: dict[str, Any], results: dict[str, list[RequestResult]], work: Path
+) -> dict[str, Any]:
+    """Each policy's simulated requests beside the measured ones: written next to the demo's
+    ``requests.jsonl`` (``sim_requests.jsonl``) and summed up (``pddlink.sim.pools.agreement``)."""
+    from pddlink.sim.pools import agreement
+
+    out: dict[str, Any] = {}
+    for policy, f in sim["policies"].items():
+        rows = f.pop("per_request", [])
+        name = NAMES.get(policy, policy)
+        if name not in results:
+            continue
+        with open(work / name / "sim_requests.jsonl", "w") as fh:
+            fh.writelines(json.dumps(row) + "\n" for row in rows)
+        out[name] = agreement(measured_rows(results[name]), rows)
+    return out
 
 
 def table(doc: dict[str, Any]) -> str:
@@ -215,6 +255,12 @@ def table(doc: dict[str, Any]) -> str:
         lines.append(
             f"{'':>14}per MD (hit, requests): " + ", ".join(f"{md} {h:.0%} ({n_md[md]})" for md, h in per_md)
         )
+    for name, a in doc.get("sim_agreement", {}).items():
+        if a["requests"]:
+            lines.append(
+                f"{name:>12}  against the simulator, request by request: same MD {a['same_md']:.0%}, "
+                f"same option {a['same_option']:.0%}, MD hit off by {a['hit_abs_diff']:.1%} on average"
+            )
     lines.append(f"oracle MD hit rate (simulator): {doc['oracle_md_hit_rate']:.1%}")
     return "\n".join(lines)
 
@@ -282,11 +328,13 @@ def main(
 
     reference = reference_tokens(reqs, ClusterSpec(work), work)
     sim = simulate(topology, workload, requests, warmup, rate_rps, seed, policies)
+    side_by_side = sim_side_by_side(sim, results, work)
     doc: dict[str, Any] = {
         "topology": topology_path,
         "policies": {n: figures(topology, rs, counters[n], reference) for n, rs in results.items()},
         "oracle_md_hit_rate": sim["oracle_md_hit_rate"],
         "sim": {NAMES.get(p, p): f for p, f in sim["policies"].items() if p in policies},
+        "sim_agreement": side_by_side,
         "setting": {
             "requests": requests,
             "warmup": warmup,

@@ -27,11 +27,14 @@ from pddlink.sim.workload import Workload
 class DemoKnobs:
     requests: int = 200
     warmup: int = 16  # requests replayed first to warm the caches (``pddlink demo --warmup``)
+    warmup_pace_s: float = 0.4  # ``pddlink demo --topology`` sends its warm-up this far apart
     rate_rps: float = 4.0
     seed: int = 1  # ``pddlink demo --seed``
     line_mbit: float = 16.0
     rtt_s: float = 0.02
     kv_bytes_per_token: int = 2048
+    engine_blocks: int = 4096  # every engine's KV pool, in blocks (``harness.pool_cluster``: P's and MD's)
+    wan_links: int = 2  # P's WAN connections toward each MD (``harness.pool_cluster``; the router's too)
     prefill_tokens_per_s: float = 3300.0  # measured: pddlink demo's per-request prefill_seconds
     prefill_fixed_s: float = 0.017  # measured: the same fit's intercept (one batch's fixed cost)
     decode_step_s: float = 0.006
@@ -95,6 +98,16 @@ def demo_policy() -> RoutingPolicy:
     """The demo router's policy: ``pddlink router``'s defaults as ``harness.cluster`` starts it
     (relay from a 0.15 s WAN estimate, no RLD load ceiling, singular only up to 4 output tokens)."""
     return RoutingPolicy(relay_min_wan_s=0.15, rld_max_load=1.0, singular_max_output_tokens=4)
+
+
+def pools_schedule(trace: Trace, k: DemoKnobs) -> tuple[list[TraceRequest], list[TraceRequest]]:
+    """What ``pddlink demo --topology`` sends, in two phases: the first ``warmup`` requests
+    ``warmup_pace_s`` apart (forced P->MD, all finished before the next phase), then the others
+    with their arrivals counted from the first of them."""
+    warm = [replace(r, arrival_s=i * k.warmup_pace_s) for i, r in enumerate(trace.requests[: k.warmup])]
+    rest = trace.requests[k.warmup :]
+    t0 = rest[0].arrival_s if rest else 0.0
+    return warm, [replace(r, arrival_s=r.arrival_s - t0) for r in rest]
 
 
 def measured_from_s(trace: Trace, k: DemoKnobs) -> float:

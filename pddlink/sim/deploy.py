@@ -80,11 +80,15 @@ class Link:
 
 @dataclass(frozen=True, slots=True)
 class DecodeSite:
-    """Decode instances in one datacenter, and the WAN line from P's datacenter to it."""
+    """Decode instances in one datacenter, and the WAN line from P's datacenter to it. ``seen``: the
+    line the router's estimate assumes when it is not the one that carries the bytes (``pddlink
+    demo --topology``'s loopback lab shapes every connection on its own, while the router models
+    one line of the topology's rate); the router still learns the bytes in flight from P."""
 
     datacenter: str
     names: tuple[str, ...]
     link: Link
+    seen: Link | None = None
 
     def __post_init__(self) -> None:
         if not self.names or len(set(self.names)) != len(self.names):
@@ -114,6 +118,13 @@ class Deployment:
     prefill_datacenter: str = "dc-a"  # where P and RLD sit (placement's view)
     tpot_bound_s: float | None = None  # the policy's decode-speed bound (``OptionInputs.tpot_bound_s``)
     md_chunk_tokens: int | None = None  # MD's chunked-prefill budget per step (None: ``md_lane``'s headroom)
+    # each P's own prefix cache, in blocks: P prefills what it lacks itself (None: P's cache is taken
+    # to hold what the chosen decode instance holds, so P prefills MD's missing suffix)
+    p_cache_blocks: int | None = None
+    # placement counts an MD's load as the router does (its requests placed and not over yet,
+    # wherever they are: P, the WAN, RLD) instead of what runs on it
+    router_loads: bool = False
+    whole_blocks: bool = False  # P ships MD every block it lacks whole, the prompt's last partial one too
 
     def deadline_for(self, max_tokens: int) -> float | None:
         """The request's end-to-end deadline (the SLA's TTFT bound plus its TPOT bound per token)."""
@@ -124,6 +135,8 @@ class Deployment:
             raise ConfigError(f"deployment {self.name}: PDD needs a relay (RLD) pool")
         if self.md_chunk_tokens is not None and self.md_chunk_tokens < 1:
             raise ConfigError(f"deployment {self.name}: md_chunk_tokens must be >= 1 or None")
+        if self.p_cache_blocks is not None and self.p_cache_blocks < 1:
+            raise ConfigError(f"deployment {self.name}: p_cache_blocks must be >= 1 or None")
         if self.kv_bytes_per_token < 1 or self.drc_tokens_per_gpu < 1 or self.line_price < 0:
             raise ConfigError(f"deployment {self.name}: kv_bytes_per_token and drc capacity must be >= 1")
         if self.sites and sum(len(x.names) for x in self.sites) != self.decode.instances:

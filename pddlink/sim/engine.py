@@ -30,8 +30,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from pddlink.routing import (
+    BacklogReport,
     FleetView,
     HandoffMode,
+    LinkEstimate,
+    LinkModel,
     LinkView,
     MdPrefill,
     MdSnapshot,
@@ -67,6 +70,7 @@ from pddlink.sim.wan import LineStats, WanLine
 # sequence of an instance shares its step time, so one instance loaded past the TPOT bound by
 # affinity puts all of its sequences over it.
 BALANCE_QUEUE = 16
+BACKLOG_POLL_S = 0.5  # the router reads P's transfer state this often (``pddlink.serving.backlog``)
 _SHIPPING_OPTION = {
     Pipeline.P_MD: Option.SHIP,
     Pipeline.P_RLD_MD: Option.RELAY,
@@ -91,6 +95,8 @@ class _Req:
     rld: DecodeInstance | None = None
     rld_seq: DecodeSeq | None = None
     rld_done: bool = False
+    rid: str = ""  # the request's id in the router's link model (``DecodeSite.seen``)
+    p_cache: DecodeCache | None = None  # its P's own prefix cache (``Deployment.p_cache_blocks``)
     wan_start_s: float = 0.0
     landed: bool = False
     released: bool = False
@@ -142,9 +148,25 @@ class Simulation:
         self.memory = PlacementMemory()
         self._p_dc = d.prefill_datacenter
         self._p_by_name = {p.name: p for p in self.prefill}
+        self._p_index = {p.name: k for k, p in enumerate(self.prefill)}
+        self.p_caches = (
+            [] if d.p_cache_blocks is None else [DecodeCache(d.p_cache_blocks) for _ in self.prefill]
+        )
+        self._turn = 0  # placements made: P ties go round, as the router's do (``router.fleet``)
+        self._placed = [0] * len(self.decode)  # per MD, requests placed and not over (``router_loads``)
         self._p_rate = [1.0 / max(1e-12, p.model.prefill_s(4096, 0) / 4096) for p in self.prefill]
         self._decode_index = {x.name: i for i, x in enumerate(self.decode)}
         self._wan_bytes = [0] * len(sites)  # measured requests' KV bytes put on each site's line
+        # the router's view of each line the router models apart from the line itself (``_line_view``)
+        self.link_models = [
+            None
+            if x.seen is None
+            else LinkModel(x.seen.wan_bytes_s, x.seen.rtt_s, pool_size=x.seen.pool_size)
+            for x in sites
+        ]
+        self._pending: list[set[str]] = [set() for _ in sites]  # admitted, not on the line yet
+        self._report_due = [0.0] * len(sites)
+        self._flows = 0
 
     # -- arrival and routing -------------------------------------------------------------------
 
@@ -183,32 +205,80 @@ class Simulation:
         recs.wan_bytes = {x.datacenter: n for x, n in zip(self.sites, self._wan_bytes, strict=True)}
         return recs
 
+    def settle(self, requests: Iterable[TraceRequest], option: Option) -> float:
+        """Replay ``requests`` unmeasured with ``option`` forced, as a client naming the pipeline
+        does (``pddlink demo``'s warm-up: P->MD, placed by the policy), and run until every one has
+        finished. Returns the simulated time then: a later ``run`` starts from it."""
+        for r in requests:
+            self.clock.run(until=r.arrival_s)
+            self.clock.now = max(self.clock.now, r.arrival_s)
+            self._arrive(r, math.inf, option)
+        self.clock.run()
+        return self.clock.now
+
     def _place(self, r: TraceRequest, hashes: tuple[int, ...], now: float) -> Placement:
         """The router's ``place`` on this instant's state: every P's backlog, every decode
         instance's match in its own DRC, its load and step time, each site's line estimate."""
         d, cap = self.d, self.d.balance_tpot_s
-        ps = tuple(
+        ps = [
             PSnapshot(p.name, self._p_dc, p.backlog_s(now), rate)
             for p, rate in zip(self.prefill, self._p_rate, strict=True)
-        )
+        ]
+        self._turn += 1
+        k = self._turn % len(ps)
+        ps = ps[k:] + ps[:k]
         mds = []
-        for x, cache, k in zip(self.decode, self.caches, self.md_site, strict=True):
+        for x, cache, k, placed in zip(self.decode, self.caches, self.md_site, self._placed, strict=True):
             m = cache.matched_blocks(hashes)
             step = x.tpot_s() if cap is not None else 0.0
             site = self.sites[k].datacenter
-            mds.append(MdSnapshot(x.name, site, m, x.load - x.queued, x.queued, x.kv_use_fraction, step, True,
-                                  False, m))  # fmt: skip
+            running, waiting = (placed, 0) if d.router_loads else (x.load - x.queued, x.queued)
+            mds.append(MdSnapshot(x.name, site, m, running, waiting, x.kv_use_fraction, step, True, False,
+                                  m))  # fmt: skip
         links: tuple[LinkView, ...] = ()
         if d.crosses_wan:
             links = tuple(
-                LinkView(self._p_dc, x.datacenter, line.estimate(now))
-                for x, line in zip(self.sites, self.lines, strict=True)
+                LinkView(self._p_dc, x.datacenter, self._line_view(k, now)) for k, x in enumerate(self.sites)
             )
         remembered = hashes if self.placement.policy is PlacementPolicy.PREFIX_HASH else ()
         request = PlacementRequest(r.prompt_tokens, self.block_tokens, d.kv_bytes_per_token, remembered)
-        got = place(request, FleetView(ps, tuple(mds), (), links), self.placement, self.memory)
+        got = place(request, FleetView(tuple(ps), tuple(mds), (), links), self.placement, self.memory)
         assert isinstance(got, Placement), got  # every simulated instance is healthy
         return got
+
+    def _line_view(self, k: int, now: float) -> LinkEstimate:
+        """Site ``k``'s line as the router sees it: the line itself, or (``DecodeSite.seen``) the
+        router's own ``LinkModel`` of the line it assumes, fed as the router feeds it: a flow per
+        admitted request that ships KV (ended with the request, with P's measure of the transfer
+        when it was over by then) and P's transfer state (``BacklogReport``) every
+        ``BACKLOG_POLL_S``, lingering transfers of requests already over included."""
+        model = self.link_models[k]
+        if model is None:
+            return self.lines[k].estimate(now)
+        if now >= self._report_due[k]:
+            shipping = tuple((req.rid, int(n)) for req, n in self.lines[k].in_flight(now) if req.rid)
+            model.observe_backlog(BacklogReport(shipping, frozenset(self._pending[k]), now))
+            self._report_due[k] = now + BACKLOG_POLL_S
+        return model.estimate(now)
+
+    def _ended(self, t: float, req: _Req) -> None:
+        """The request is over at the router at ``t``: it leaves the router's counts and link model."""
+        if req.rid or self.d.router_loads:
+            self.clock.at(t, self._over, req)
+
+    def _over(self, now: float, req: _Req) -> None:
+        if self.d.router_loads:
+            self._placed[self._decode_index[req.decode.name]] -= 1
+        model = self.link_models[self.lines.index(req.line)]
+        if model is None or not req.rid:
+            return
+        done = req.record.kv_transfer_s >= 0  # P's reply (its transfer measure) came before the end
+        sent = (
+            (req.record.missing_tokens * self.d.kv_bytes_per_token, req.record.kv_transfer_s)
+            if done
+            else None
+        )
+        model.finish_flow(req.rid, now, completed=done, sent=sent)
 
     def _prewarm(self, r: TraceRequest) -> None:
         hashes = r.block_ids[: r.prompt_tokens // self.block_tokens]
@@ -218,7 +288,8 @@ class Simulation:
             cache = max(self.caches, key=lambda c: (c.matched_blocks(hashes), -len(c.index)))
             cache.index.insert(hashes, r.arrival_s)
 
-    def _arrive(self, r: TraceRequest, warmup_s: float) -> None:
+    def _arrive(self, r: TraceRequest, warmup_s: float, forced: Option | None = None) -> None:
+        """``forced``: the option the client named (no choice, no admission), else the policy's."""
         now = self.clock.now
         b = self.block_tokens
         hashes = r.block_ids[: r.prompt_tokens // b]
@@ -227,7 +298,7 @@ class Simulation:
         cache = self.caches[i]
         matched = placed.matched_tokens
         p = self._p_by_name[placed.p]
-        option = self._choose(r, matched, now, i, p.backlog_s(now))
+        option = forced or self._choose(r, matched, now, i, p.backlog_s(now))
         rec = Record(r.arrival_s, r.output_tokens, Pipeline.P_MD, measured=r.arrival_s >= warmup_s)
         if self.d.tpot_bound_s is not None:  # the router learns the same from finished requests
             self.outputs.add(r.output_tokens)
@@ -239,6 +310,7 @@ class Simulation:
             rec.rejected = True
             return
         rec.option, rec.pipeline = option, option.pipeline
+        self._placed[i] += 1
         tip = cache.reserve(hashes, now) if option is not Option.SINGULAR else None
         lane = self.md_lanes[i] if self.md_lanes else None
         k = self.md_site[i]
@@ -246,10 +318,20 @@ class Simulation:
             r, hashes, rec, self.decode[i], cache, tip, option.pipeline, option,
             self.lines[k], self.sites[k].link, self.back_s[k], lane,
         )  # fmt: skip
+        model = self.link_models[k]
+        if model is not None and option.ships_kv:  # the router admits the flow; P will ship it
+            self._flows += 1
+            req.rid = f"r{self._flows}"
+            model.start_flow(req.rid, rec.missing_tokens * self.d.kv_bytes_per_token, now)
+            self._pending[k].add(req.rid)
         if option.recomputes:  # the token ids cross the WAN; MD prefills what its cache lacks
             self.clock.at(now + req.back_s, self._md_recompute, req)
         if option is not Option.RECOMPUTE:
-            p.submit(rec.missing_tokens, matched, now, self._prefilled, req)
+            p_matched = matched
+            if self.p_caches:  # P prefills what its own cache lacks; it holds the prompt afterwards
+                req.p_cache = self.p_caches[self._p_index[placed.p]]
+                p_matched = min(r.prompt_tokens - 1, req.p_cache.matched_blocks(hashes) * b)
+            p.submit(r.prompt_tokens - p_matched, p_matched, now, self._prefilled, req)
 
     def _choose(self, r: TraceRequest, matched: int, now: float, i: int, p_backlog_s: float) -> Option | None:
         """The real ``choose_option`` on this instant's state: the line with its backlog, P's queue,
@@ -269,7 +351,7 @@ class Simulation:
             matched_tokens=matched,
             kv_bytes_per_token=d.kv_bytes_per_token,
             max_output_tokens=r.max_tokens,
-            link=self.lines[self.md_site[i]].estimate(now),
+            link=self._line_view(self.md_site[i], now),
             rld_available=bool(self.relay),
             rld_active=active,
             rld_capacity=max(1, self.rld_capacity),
@@ -315,6 +397,8 @@ class Simulation:
     def _prefilled(self, now: float, req: _Req) -> None:
         d, rec, r = self.d, req.record, req.trace
         rec.prefill_done_s = now
+        if req.p_cache is not None:
+            req.p_cache.index.insert(req.hashes, now)
         missing_bytes = rec.missing_tokens * d.kv_bytes_per_token
         if req.pipeline is not Pipeline.P_MD:
             req.rld = self._pick_rld()
@@ -324,17 +408,29 @@ class Simulation:
         if req.option.recomputes:
             return  # MD prefills the prompt itself (``_md_recompute``): no KV on the WAN
         if self.crosses_wan:
-            # Reservation round trip with MD, then the suffix on the line.
-            self.clock.at(now + req.link.rtt_s, self._wan_start, req)
+            # P reserved at MD when the request arrived, while it prefilled (``sidecar.prefill``):
+            # the suffix goes on the line once both the prefill and the answer are done.
+            self.clock.at(max(now, req.record.arrival_s + req.link.rtt_s), self._wan_start, req)
         else:
             self.clock.at(now + d.link.fast_s(missing_bytes), self._kv_at_decode, req)
 
     def _wan_start(self, now: float, req: _Req) -> None:
         req.wan_start_s = now
-        nbytes = req.record.missing_tokens * self.d.kv_bytes_per_token
+        if req.rid:
+            self._pending[self.lines.index(req.line)].discard(req.rid)
+        nbytes = self._payload_tokens(req) * self.d.kv_bytes_per_token
         if req.record.measured:
             self._wan_bytes[self.lines.index(req.line)] += nbytes
         req.line.send(nbytes, now, self._wan_done, req)
+
+    def _payload_tokens(self, req: _Req) -> int:
+        """The tokens whose KV crosses to MD: the missing suffix, or (``Deployment.whole_blocks``)
+        every block of the prompt MD lacks, at full size (``sidecar.prefill`` sends whole blocks)."""
+        missing = req.record.missing_tokens
+        if not self.d.whole_blocks:
+            return missing
+        b = self.block_tokens
+        return -(-req.trace.prompt_tokens // b) * b - (req.trace.prompt_tokens - missing) // b * b
 
     def _wan_done(self, now: float, req: _Req) -> None:
         req.record.kv_transfer_s = now - req.wan_start_s
@@ -342,7 +438,9 @@ class Simulation:
         if req.pipeline is Pipeline.P_RLD_MD:
             self._handoff(now, req)
         else:
-            self._kv_at_decode(now, req)
+            # MD holds the KV; P learns it half a round trip later and hands MD the first token
+            # (``first_token_to_md``), which crosses in another half: MD starts then.
+            self.clock.at(now + req.link.rtt_s, self._kv_at_decode, req)
 
     # -- recompute on MD -------------------------------------------------------------------------
 
@@ -379,6 +477,7 @@ class Simulation:
     def _decode_done(self, now: float, req: _Req) -> None:
         rec = req.record
         rec.finish_s = now + req.back_s
+        self._ended(rec.finish_s, req)
         rec.md_tokens = req.trace.output_tokens - rec.rld_tokens
         self.finished.add(req.trace.output_tokens, rec.rld_tokens)
         self._release(req)
@@ -421,6 +520,7 @@ class Simulation:
         req.rld_done = True
         rec.rld_tokens = req.trace.output_tokens
         rec.finish_s = now
+        self._ended(now, req)
         self.finished.add(req.trace.output_tokens, rec.rld_tokens)
         if req.pipeline is Pipeline.SINGULAR:
             return
@@ -458,6 +558,7 @@ class Simulation:
         rest = req.trace.output_tokens - produced
         if rest <= 0:
             rec.finish_s = t
+            self._ended(t, req)
             self._release(req)
             return
         self.clock.at(t, lambda now, r: self._kv_at_decode(now, r, rest), req)

@@ -165,6 +165,12 @@ class WanLine:
         for _, _, done, arg in finished:
             done(now + self.rtt_s / 2, arg)  # the completion notice crosses back
 
+    def in_flight(self, now: float) -> list[tuple[Any, float]]:
+        """Each transfer on the line (sending or waiting): its ``arg`` and the bytes it has left."""
+        self._advance(now)
+        out = [(arg, max(0.0, finish - self._served)) for finish, _, _, arg in self._active]
+        return out + [(arg, float(n)) for n, _, _, arg in self._waiting]
+
     def estimate(self, now: float) -> LinkEstimate:
         """What the router sees. Multiplexed, nobody waits for a connection, so the pool the policy
         is told about always has room; FIFO, the waiting transfers count as in flight."""
