@@ -6,16 +6,21 @@ Lifecycle of a request (DESIGN.md, "Roles and one request's path"), as simulated
    real ``pddlink.drc.PrefixIndex``; the sim's mirror is always fresh) and places the request with
    the router's own ``pddlink.routing.place`` (the deployment's placement policy; by default the
    least estimated TTFT among the not-overloaded instances, each behind its own site's WAN line:
-   the best match on one shared line), P going to the least backlogged. It then calls the real
-   ``pddlink.routing.choose_option`` with that MD's line state (its backlog included), P's queue, MD's
-   recompute lane and RLD's load: ship, relay, recompute, relay + recompute or singular, or - when
-   the deployment has deadlines and none meets them - rejected at once (counted apart).
+   the best match on one shared line), P going to the least backlogged (ties go round, as the
+   router's do). It then calls the real ``pddlink.routing.choose_option`` with that MD's line
+   state (its backlog included; or, with ``DecodeSite.seen``, the router's own ``LinkModel`` of the
+   line), P's queue, MD's recompute lane and RLD's load: ship, relay, recompute, relay + recompute
+   or singular, or - when the deployment has deadlines and none meets them - rejected at once
+   (counted apart). ``settle`` replays requests with the option forced (a warm-up).
 2. P prefills the missing suffix (P's own prefix cache is taken to be aligned with the chosen decode
-   instance's, which is what "a normal request always ends on MD" preserves), then ships KV: the
-   missing suffix over the fast path (intra-datacenter) or the WAN (after a reservation round trip),
-   and for a relayed or singular request the whole KV to RLD over the fast path. On recompute the
-   token ids cross instead and MD prefills the suffix on its own lane (``sim.md_lane``: MD's
-   prefill speed, on the TPOT headroom its decoding leaves).
+   instance's, which is what "a normal request always ends on MD" preserves; with
+   ``Deployment.p_cache_blocks`` each P keeps its own and prefills what it lacks), then ships KV:
+   the missing suffix over the fast path (intra-datacenter) or the WAN (once both its prefill and
+   the reservation round trip it started at arrival are done; MD starts a P->MD request a round
+   trip after the KV lands: P's notice back, the first token forward), and for a relayed or
+   singular request the whole KV to RLD over the fast path. On recompute the token ids cross
+   instead and MD prefills the suffix on its own lane (``sim.md_lane``: MD's prefill speed, on the
+   TPOT headroom its decoding leaves).
 3. RLD decodes at once. When the WAN transfer lands (or MD's recompute is done), ``choose_handoff_mode``
    (RLD's load) picks one-shot (RLD stops; MD stalls for one extend of the generated ids) or catch-up
    (RLD keeps decoding while MD extends, MD takes over after one more iteration).
