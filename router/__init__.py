@@ -221,6 +221,11 @@ class Router:
             raise InvalidInput(f"deadline_s must be in (0, 600], got {deadline_s}")
         if pipeline and pipeline not in FORCEABLE:
             raise InvalidInput(f"pipeline must be one of {', '.join(FORCEABLE)}, got {pipeline!r}")
+        unsupported = sampling.vllm_only() if cfg.engine != "vllm" else ()
+        if unsupported:
+            raise InvalidInput(
+                f'"{unsupported[0]}" is not supported by the reference engine (engine = "vllm" is)'
+            )
 
     async def generate(
         self,
@@ -261,7 +266,13 @@ class Router:
                     async for tok in tokens:
                         stamps.setdefault("first_token", time.monotonic())
                         emitted += 1
-                        yield {"position": tok.position, "token_id": tok.token_id, "source": tok.source}
+                        ev = {"position": tok.position, "token_id": tok.token_id, "source": tok.source}
+                        logprobs = getattr(
+                            run.calls, "logprobs", {}
+                        )  # vLLM's legs: (source, position) -> row
+                        if (tok.source, tok.position) in logprobs:
+                            ev["logprobs"] = logprobs[tok.source, tok.position]
+                        yield ev
                 finally:
                     await tokens.aclose()  # a client that went away: the run ends (cancelled), its legs go
                     self.in_flight.pop(rid, None)

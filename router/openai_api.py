@@ -47,7 +47,9 @@ class Choice:
     index: int
     prompt: tuple[int, ...]
     text: ChoiceText
+    sampling: SamplingParams
     tokens: list[int] = field(default_factory=list)
+    logprobs: list[dict[str, Any]] = field(default_factory=list)  # per token (``vllm_http.logprob_rows``)
     positions: list[int] = field(default_factory=list)
     sources: list[str] = field(default_factory=list)
     finish_reason: str | None = None
@@ -71,12 +73,13 @@ class Delta:
     positions: list[int]
     sources: list[str]
     done: bool = False
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
 
 
 async def run_choice(
     gen: AsyncIterator[dict[str, Any]], job: Job, choice: Choice, eos: int | None
 ) -> AsyncIterator[Delta]:
-    s = job.sampling
+    s = choice.sampling
     try:
         async for ev in gen:
             if ev.get("done"):
@@ -91,9 +94,11 @@ async def run_choice(
             choice.tokens.append(tok)
             choice.positions.append(int(ev["position"]))
             choice.sources.append(str(ev["source"]))
+            rows = [ev["logprobs"]] if "logprobs" in ev else []
+            choice.logprobs += rows
             is_stop = tok in s.stop_token_ids
             text = choice.text.push(tok, is_stop_token=is_stop)
-            delta = Delta(choice, text, [tok], [int(ev["position"])], [str(ev["source"])])
+            delta = Delta(choice, text, [tok], [int(ev["position"])], [str(ev["source"])], logprobs=rows)
             if choice.text.stopped is not None:
                 choice.finish_reason, choice.stop_reason = "stop", choice.text.stopped
                 yield delta
@@ -121,9 +126,7 @@ async def admitted(router: Generator, job: Job, choices: list[Choice]) -> list[A
     router's admission (``Overloaded``) or its own checks raise here, before any answer is sent; then
     none is left open."""
     starts = [
-        _primed(
-            router.generate(list(c.prompt), job.sampling, deadline_s=job.deadline_s, pipeline=job.pipeline)
-        )
+        _primed(router.generate(list(c.prompt), c.sampling, deadline_s=job.deadline_s, pipeline=job.pipeline))
         for c in choices
     ]
     results = await asyncio.gather(*starts, return_exceptions=True)
@@ -206,12 +209,21 @@ class Responder:
     created: int = field(default_factory=lambda: int(time.time()))
     choices: list[Choice] = field(default_factory=list)
     gens: list[AsyncIterator[dict[str, Any]]] = field(default_factory=list)
+    _offsets: dict[int, int] = field(default_factory=dict)  # per choice: a stream's next text_offset
 
     def __post_init__(self) -> None:
         j = self.job
         self.choices = [
-            Choice(i, p, ChoiceText(self.codec, j.stop, j.include_stop_str, j.skip_special_tokens))
+            Choice(
+                i * j.n + k,
+                p,
+                ChoiceText(
+                    self.codec, j.stop, j.include_stop_str, j.skip_special_tokens, j.sampling.min_tokens
+                ),
+                j.choice_sampling(k),
+            )
             for i, p in enumerate(j.prompts)
+            for k in range(j.n)
         ]
 
     @property
@@ -263,9 +275,14 @@ class Responder:
                 "function_call": None,
                 "reasoning": None,
             }
-            head: dict[str, Any] = {"index": c.index, "message": message, "logprobs": None}
+            head: dict[str, Any] = {
+                "index": c.index,
+                "message": message,
+                "logprobs": self._logprobs(c.logprobs),
+            }
         else:
-            head = {"index": c.index, "text": c.text.text if self.codec else "", "logprobs": None}
+            text = c.text.text if self.codec else ""
+            head = {"index": c.index, "text": text, "logprobs": self._logprobs(c.logprobs)}
         head.update(finish_reason=c.finish_reason, stop_reason=c.stop_reason, token_ids=ids)
         if not self.chat:
             head.update(
@@ -282,8 +299,17 @@ class Responder:
             ext.update(request_id=c.request_id, token_ids=c.tokens, trace=c.trace)
         return ext
 
+    def _logprobs(self, rows: list[dict[str, Any]], offset: int = 0) -> dict[str, Any] | None:
+        """vLLM's logprobs object for ``rows`` (a choice's, or a streamed delta's from text offset
+        ``offset``); None when the request asked for none."""
+        if not self.job.logprobs:
+            return None
+        if self.chat:
+            return chat_logprobs(rows, self.job.sampling.logprobs or 0)
+        return completion_logprobs(rows, offset)
+
     def _usage(self, full: bool) -> dict[str, Any]:
-        prompt = sum(len(c.prompt) for c in self.choices)
+        prompt = sum(len(c.prompt) for c in self.choices if c.index % self.job.n == 0)
         completion = sum(len(c.tokens) for c in self.choices)
         cached = sum(c.cached_tokens for c in self.choices)
         usage: dict[str, Any] = {
@@ -347,14 +373,19 @@ class Responder:
 
     def _stream_choice(self, c: Choice, d: Delta, first: bool) -> dict[str, Any]:
         ids = d.tokens if self.job.return_token_ids else None
+        offset = self._offsets.get(c.index, 0)
+        logprobs = self._logprobs(d.logprobs, offset) if d.logprobs or not self.chat else None
+        if logprobs is not None and not self.chat:
+            tokens = logprobs["tokens"]
+            self._offsets[c.index] = logprobs["text_offset"][-1] + len(tokens[-1]) if tokens else offset
         if self.chat:
-            out: dict[str, Any] = {"index": c.index, "delta": {"content": d.text}, "logprobs": None}
+            out: dict[str, Any] = {"index": c.index, "delta": {"content": d.text}, "logprobs": logprobs}
             out["finish_reason"] = c.finish_reason if d.done else None
             if d.done:
                 out["stop_reason"] = c.stop_reason
             out["token_ids"] = ids
         else:
-            out = {"index": c.index, "text": d.text, "logprobs": None}
+            out = {"index": c.index, "text": d.text, "logprobs": logprobs}
             out.update(
                 finish_reason=c.finish_reason if d.done else None,
                 stop_reason=c.stop_reason if d.done else None,
@@ -364,6 +395,37 @@ class Responder:
         if self.trace:
             out["pddlink"] = self._ext(c, d.positions, d.sources, final=d.done)
         return out
+
+
+def completion_logprobs(rows: list[dict[str, Any]], offset: int = 0) -> dict[str, Any]:
+    """vLLM's completions ``logprobs`` (``_create_completion_logprobs``): each token's string and
+    logprob, its top logprobs (the drawn token first), and text offsets from ``offset`` by the
+    tokens' string lengths."""
+    offsets = []
+    for r in rows:
+        offsets.append(offset)
+        offset += len(r["token"])
+    return {
+        "text_offset": offsets,
+        "token_logprobs": [r["logprob"] for r in rows],
+        "tokens": [r["token"] for r in rows],
+        "top_logprobs": [dict((str(t), v) for t, v in r["top"]) for r in rows],
+    }
+
+
+def chat_logprobs(rows: list[dict[str, Any]], top: int) -> dict[str, Any]:
+    """vLLM's chat ``logprobs`` (``_create_chat_logprobs``): per token its string, logprob, UTF-8
+    bytes, and the first ``top`` entries of its top logprobs (the drawn token first)."""
+
+    def entry(token: str, logprob: float) -> dict[str, Any]:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8", errors="replace"))}
+
+    return {
+        "content": [
+            {**entry(r["token"], r["logprob"]), "top_logprobs": [entry(str(t), v) for t, v in r["top"][:top]]}
+            for r in rows
+        ]
+    }
 
 
 def _sse(obj: dict[str, Any]) -> bytes:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Annotated, Any, Literal, Protocol
 
@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from engines_adapter import SamplingParams
 from pddlink.errors import InvalidInput
 from pddlink.routing import Pipeline
+from pddlink.sampling import MAX_LOGPROBS
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 128
@@ -41,7 +42,11 @@ MAX_PROMPTS = 16
 MAX_MESSAGES = 256
 MAX_TEXT_CHARS = 1 << 20
 MAX_DEADLINE_S = 600.0
+MAX_CHOICES = 64  # prompts x n per request
+MAX_BAD_WORDS = 64
+MAX_LOGIT_BIAS = 1024
 
+SEED_MASK = 2**63 - 1
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 
 
@@ -106,18 +111,14 @@ class _Body(BaseModel):
 # neither the schema nor this table is unknown to vLLM too, and ignored as vLLM ignores it.
 _ANY = object()  # ignored whatever its value: changes no token of the answer
 VLLM_NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "repetition_penalty": (None, 1.0),
     "echo": (None, False),  # (chat: completions declare it)
     "add_special_tokens": (None, True),  # the tokenizer's special tokens are added (chat too)
-    "min_p": (None, 0.0),
     "length_penalty": (None, 1.0),
     "use_beam_search": (None, False),
     "truncate_prompt_tokens": (None,),
     "truncation_side": (_ANY,),
-    "allowed_token_ids": (None, []),
     "prompt_logprobs": (None,),
     "logprob_token_ids": (None, []),
-    "bad_words": (None, []),
     "spaces_between_special_tokens": (None, True),
     "response_format": (None, {"type": "text"}),
     "structured_outputs": (None,),
@@ -201,16 +202,22 @@ class _Sampling(_Body):
     stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: int | None = 1
+    n: int | None = Field(1, ge=1, le=MAX_CHOICES)
     user: str | None = Field(None, max_length=256)
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
+    allowed_token_ids: list[TokenId] | None = Field(None, max_length=1 << 20)
+    bad_words: list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]] | None = Field(
+        None, max_length=MAX_BAD_WORDS
+    )
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     return_token_ids: bool | None = None
-    min_tokens: int = 0
+    min_tokens: int = Field(0, ge=0, le=1_000_000)
     # pddlink's own: the request's deadline and a forced pipeline (tests, the P->MD baseline)
     deadline_s: float | None = Field(None, gt=0.0, le=MAX_DEADLINE_S)
     pipeline: ForcedPipeline = ""
@@ -222,25 +229,12 @@ class _Sampling(_Body):
             raise ValueError("a stop string must not be empty")
         return v
 
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, v: Any) -> Any:
-        return _neutral(v, (None, 1), "n > 1 (several choices per prompt)")
-
-    @field_validator("frequency_penalty", "presence_penalty")
-    @classmethod
-    def _no_penalty(cls, v: Any) -> Any:
-        return _neutral(v, (None, 0.0), "a non-zero penalty")
-
     @field_validator("logit_bias")
     @classmethod
-    def _no_bias(cls, v: Any) -> Any:
-        return _neutral(v, (None, {}), "logit_bias")
-
-    @field_validator("min_tokens")
-    @classmethod
-    def _no_min_tokens(cls, v: Any) -> Any:
-        return _neutral(v, (0,), "min_tokens")
+    def _bias_keys(cls, v: Any) -> Any:
+        if v and not all(k.isascii() and k.isdigit() and len(k) < 10 for k in v):
+            raise ValueError("keys must be token ids")
+        return v
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -256,7 +250,7 @@ class CompletionBody(_Sampling):
     prompt: PromptText | PromptIds | list[PromptText] | list[PromptIds] = Field(union_mode="left_to_right")
     best_of: int | None = None
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
 
     @field_validator("best_of")
@@ -268,11 +262,6 @@ class CompletionBody(_Sampling):
     @classmethod
     def _no_echo(cls, v: Any) -> Any:
         return _neutral(v, (False,), "echo")
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v: Any) -> Any:
-        return _neutral(v, (None,), "logprobs (the reference engine returns none)")
 
     @field_validator("suffix")
     @classmethod
@@ -300,18 +289,8 @@ class ChatBody(_Sampling):
     messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=1, le=1_000_000)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v: Any) -> Any:
-        return _neutral(v, (None, False), "logprobs (the reference engine returns none)")
-
-    @field_validator("top_logprobs")
-    @classmethod
-    def _no_top(cls, v: Any) -> Any:
-        return _neutral(v, (None, 0), "top_logprobs")
 
 
 class GenerateBody(_Strict):
@@ -347,6 +326,17 @@ class Job:
     include_stop_str: bool = False
     skip_special_tokens: bool = True
     return_token_ids: bool = False
+    n: int = 1  # choices per prompt (vLLM's: choice i of a seeded request draws with seed + i)
+    seeded: bool = True  # the client gave a seed (else each choice draws a random one)
+    logprobs: bool = False  # the answer carries each token's logprobs (``sampling.logprobs`` of them)
+
+    def choice_sampling(self, i: int) -> SamplingParams:
+        """The sampling of a prompt's ``i``-th choice: vLLM's ``ParentRequest`` gives child ``i``
+        the seed ``seed + i`` (a request without a seed: a random one each)."""
+        if self.n == 1:
+            return self.sampling
+        seed = (self.sampling.seed + i) & SEED_MASK if self.seeded else secrets.randbelow(2**63)
+        return replace(self.sampling, seed=seed)
 
 
 def explain(exc: ValidationError) -> RequestRefused:
@@ -395,26 +385,52 @@ def _check_prompt(ids: list[int], limits: Limits, where: str) -> tuple[int, ...]
     return tuple(ids)
 
 
-def _sampling(body: _Sampling, limits: Limits, max_tokens: int | None, eos: int | None) -> SamplingParams:
+def _sampling(
+    body: _Sampling, limits: Limits, max_tokens: int | None, eos: int | None, logprobs: int | None
+) -> SamplingParams:
     max_tokens = max_tokens or 16
     if max_tokens > limits.max_tokens_limit:
         raise RequestRefused(
             f'"max_tokens": {max_tokens} exceeds the limit {limits.max_tokens_limit}', "max_tokens"
         )
-    stops = tuple(body.stop_token_ids or ())
-    if any(t >= limits.vocab_size for t in stops):
-        raise RequestRefused(f'"stop_token_ids" must be in [0, {limits.vocab_size})', "stop_token_ids")
+    if body.min_tokens > max_tokens:
+        raise RequestRefused(
+            f'"min_tokens" must be less than or equal to max_tokens={max_tokens}, got {body.min_tokens}',
+            "min_tokens",
+        )
+    stops = _ids_in_vocab(body.stop_token_ids, limits, "stop_token_ids")
     if eos is not None and not body.ignore_eos and eos not in stops:
         stops += (eos,)
+    bias = tuple((int(k), min(100.0, max(-100.0, v))) for k, v in (body.logit_bias or {}).items())
+    _ids_in_vocab([t for t, _ in bias], limits, "logit_bias")
+    temperature = 1.0 if body.temperature is None else body.temperature
+    if (body.n or 1) > 1 and temperature < 1e-5:  # vLLM's ``_verify_greedy_sampling``
+        raise RequestRefused(f'"n" must be 1 when using greedy sampling, got {body.n}', "n")
     top_k = body.top_k or 0
     return SamplingParams(
         seed=secrets.randbelow(2**63) if body.seed is None else body.seed,
-        temperature=1.0 if body.temperature is None else body.temperature,
+        temperature=temperature,
         top_k=0 if top_k < 0 or top_k >= limits.vocab_size else top_k,
         top_p=1.0 if body.top_p is None else body.top_p,
         max_tokens=max_tokens,
         stop_token_ids=stops,
+        min_p=body.min_p or 0.0,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        logit_bias=bias,
+        min_tokens=body.min_tokens,
+        allowed_token_ids=_ids_in_vocab(body.allowed_token_ids, limits, "allowed_token_ids"),
+        bad_words=tuple(body.bad_words or ()),
+        logprobs=logprobs,
     )
+
+
+def _ids_in_vocab(ids: list[int] | None, limits: Limits, field: str) -> tuple[int, ...]:
+    out = tuple(ids or ())
+    if any(t >= limits.vocab_size for t in out):
+        raise RequestRefused(f'"{field}" must be in [0, {limits.vocab_size})', field)
+    return out
 
 
 def completion_job(
@@ -431,17 +447,23 @@ def completion_job(
         text = codec.render_chat([{"role": m.role, "content": m.text()} for m in chat.messages])
         prompts = (_check_prompt(codec.encode(text), limits, "messages"),)
         parsed, max_tokens = chat, chat.max_completion_tokens or chat.max_tokens
+        if chat.top_logprobs and not chat.logprobs:
+            raise RequestRefused("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
+        logprobs = (chat.top_logprobs or 0) if chat.logprobs else None
     else:
         comp: CompletionBody = parse_body(CompletionBody, body)
         prompts = _completion_prompts(comp.prompt, limits, codec)
-        parsed, max_tokens = comp, comp.max_tokens
+        parsed, max_tokens, logprobs = comp, comp.max_tokens, comp.logprobs
+    n = parsed.n or 1
+    if n * len(prompts) > MAX_CHOICES:
+        raise RequestRefused(f'"n": at most {MAX_CHOICES} choices per request (prompts x n)', "n")
     opts = parsed.stream_options
     if opts is not None and not parsed.stream:
         raise RequestRefused('"stream_options" is only allowed with "stream": true', "stream_options")
     return Job(
         endpoint=endpoint,
         prompts=prompts,
-        sampling=_sampling(parsed, limits, max_tokens, eos),
+        sampling=_sampling(parsed, limits, max_tokens, eos, logprobs),
         stop=parsed.stop_strings(),
         stream=bool(parsed.stream),
         include_usage=bool(opts and opts.include_usage),
@@ -452,6 +474,9 @@ def completion_job(
         include_stop_str=parsed.include_stop_str_in_output,
         skip_special_tokens=parsed.skip_special_tokens,
         return_token_ids=bool(parsed.return_token_ids),
+        n=n,
+        seeded=parsed.seed is not None,
+        logprobs=logprobs is not None,
     )
 
 
