@@ -142,7 +142,7 @@ CALLS: dict[str, tuple[str, dict[str, Any]]] = {
     "seeded_stop_token_id": _c(stop_token_ids="late", **SEEDED),
     "seeded_chat": _chat(**SEEDED),
     "seeded_chat_stream": _chat(stream=True, **SEEDED),
-    # item 1's fields the router refuses today
+    # item 1's fields
     "greedy_logprobs": _c(logprobs=3, **G),
     "seeded_logprobs": _c(logprobs=3, **SEEDED),
     "greedy_logprobs_stream": _c(logprobs=2, stream=True, **G),
@@ -150,21 +150,27 @@ CALLS: dict[str, tuple[str, dict[str, Any]]] = {
     "seeded_chat_logprobs": _chat(logprobs=True, top_logprobs=3, **SEEDED),
     "greedy_presence_penalty": _c(presence_penalty=0.8, **G),
     "greedy_frequency_penalty": _c(frequency_penalty=0.8, **G),
+    "greedy_penalties_logprobs": _c(
+        presence_penalty=0.5, frequency_penalty=0.9, repetition_penalty=1.2, logprobs=2, **G
+    ),
     "greedy_repetition_penalty": _c(repetition_penalty=1.3, **G),
+    "seeded_penalties": _c(presence_penalty=0.6, frequency_penalty=0.9, repetition_penalty=1.2, **SEEDED),
+    "seeded_chat_penalties_stream": _chat(presence_penalty=1.0, frequency_penalty=0.5, stream=True, **SEEDED),
     "seeded_n_2": _c(n=2, **SEEDED),
+    "seeded_n_2_two_prompts_logprobs": _c(prompt=[IDS, IDS[5:60]], n=2, logprobs=1, **SEEDED),
+    "seeded_chat_n_2": _chat(n=2, **SEEDED),
     "greedy_echo": _c(echo=True, **G),
     "greedy_min_tokens": _c(min_tokens=40, stop_token_ids="early", **G),
+    "seeded_min_tokens_stop_string": _c(min_tokens=30, stop="early", **SEEDED),
     "greedy_logit_bias": _c(logit_bias={"17": 5.0, "23": -100.0}, **G),
     "seeded_logit_bias": _c(logit_bias={"17": 3.0}, **SEEDED),
     "greedy_min_p": _c(min_p=0.1, **G),
+    "seeded_min_p": _c(min_p=0.05, **SEEDED),
+    "greedy_allowed_token_ids": _c(allowed_token_ids=list(range(3, 400)), **G),
+    "seeded_bad_words": _c(bad_words="late", **SEEDED),
     "greedy_response_format": _chat(response_format={"type": "json_object"}, **G),
 }
-REFUSED_TODAY = {
-    "greedy_logprobs", "seeded_logprobs", "greedy_logprobs_stream", "greedy_chat_logprobs",
-    "seeded_chat_logprobs", "greedy_presence_penalty", "greedy_frequency_penalty",
-    "greedy_repetition_penalty", "seeded_n_2", "greedy_echo", "greedy_min_tokens",
-    "greedy_logit_bias", "seeded_logit_bias", "greedy_min_p", "greedy_response_format",
-}  # fmt: skip
+REFUSED_TODAY = {"greedy_echo", "greedy_response_format"}
 
 
 # -- one call, answered as JSON or as server-sent events -----------------------------------------
@@ -308,10 +314,10 @@ def deployment(vllm_trio: Any, request: pytest.FixtureRequest) -> Iterator[tuple
 
 
 def _resolve(url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
-    """A stop id or string the greedy/seeded answer meets late ("late": after the handoff) or early
-    ("early": before ``min_tokens``), read from vLLM's own answer without it."""
+    """A stop id, stop string or bad word the greedy/seeded answer meets late ("late": after the
+    handoff) or early ("early": before ``min_tokens``), read from vLLM's own answer without it."""
     body = {**body, "model": "tiny"}
-    for key in ("stop_token_ids", "stop"):
+    for key in ("stop_token_ids", "stop", "bad_words"):
         where = body.get(key)
         if where not in ("late", "early"):
             continue
