@@ -30,7 +30,7 @@ import logging
 import math
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from engines_adapter import SamplingParams
@@ -60,6 +60,9 @@ from router.run import RunDriver
 
 __all__ = ["Router", "RouterConfig", "VllmEngineConfig"]
 
+# sent into ``generate`` (``asend``) in place of reading the next token: the client needs no more
+# (a stop string); the run ends and the request's final item comes back as the answer to the send
+STOP = "stop"
 RLD_COOL_DOWN_S = 2.0  # after RLD failed a request, new requests keep off it this long
 REPLACE_MIN_LEFT_S = 1.0  # a run that lost its MD runs again elsewhere only with this much time left
 log = logging.getLogger(__name__)
@@ -237,10 +240,11 @@ class Router:
         request_id: str = "",
         arrived: float | None = None,
         request_key: str = "",
-    ) -> AsyncIterator[dict[str, Any]]:
+    ) -> AsyncGenerator[dict[str, Any], Any]:
         """Validates (``InvalidInput``, nothing changed), admits (``Overloaded``, nothing started),
-        then yields token dicts and a final trace. The deadline counts from ``arrived`` (when the
-        API got the request; default now), so time spent in the checks and queues is its own.
+        then yields token dicts and a final trace (``asend(STOP)`` at a token: the final now). The
+        deadline counts from ``arrived`` (when the API got the request; default now), so time spent
+        in the checks and queues is its own.
         ``request_key``: for an in-process caller that finds the sidecars' records by a unique key
         of its own (``router.vllm_driver``); the client APIs never pass one, the router mints it.
         The trace's ``stamps_s`` (seconds since arrival, the router's clock): ``entered`` this call,
@@ -272,7 +276,8 @@ class Router:
                         )  # vLLM's legs: (source, position) -> row
                         if (tok.source, tok.position) in logprobs:
                             ev["logprobs"] = logprobs[tok.source, tok.position]
-                        yield ev
+                        if (yield ev) == STOP:
+                            break
                 finally:
                     await tokens.aclose()  # a client that went away: the run ends (cancelled), its legs go
                     self.in_flight.pop(rid, None)
@@ -294,7 +299,11 @@ class Router:
             self.labels_in_flight.discard(label)
         origin = min(arrived, entered)  # since the request arrived (the API's clock when it passed one)
         stamps_s = {k: v - origin for k, v in stamps.items()}
-        yield self._final(run, decision, route, label, sid, replaced_from, stamps_s, moved)
+        final = self._final(run, decision, route, label, sid, replaced_from, stamps_s, moved)
+        usage = getattr(run.calls, "prompt_usage", None)  # vLLM's legs: P's prefix hit, as vLLM counts it
+        if usage is not None:
+            final["prompt_usage"] = usage
+        yield final
 
     def _admit(
         self,

@@ -14,18 +14,21 @@ cancels its router request at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from engines_adapter import SamplingParams
-from router.admission import primed
 from router.openai_schema import Endpoint, Job
 from router.openai_text import ChoiceText, TextCodec
 
 FINGERPRINT = "pddlink-0.1"
+
+
+STOP = "stop"  # ``router.STOP``: sent into the router's generator when a stop string ended a choice
 
 
 class Generator(Protocol):
@@ -37,7 +40,7 @@ class Generator(Protocol):
         deadline_s: float = 0.0,
         pipeline: str = "",
         request_id: str = "",
-    ) -> AsyncIterator[dict[str, Any]]: ...
+    ) -> AsyncGenerator[dict[str, Any], Any]: ...
 
 
 @dataclass(slots=True)
@@ -57,10 +60,20 @@ class Choice:
     error: str = ""
     request_id: str = ""
     trace: dict[str, Any] = field(default_factory=dict)
+    prompt_usage: dict[str, int] = field(default_factory=dict)  # vLLM's legs: P's prefix hit
 
     @property
     def cached_tokens(self) -> int:
-        return int(self.trace.get("p_cached_tokens", 0))
+        return int(self.prompt_usage.get("cached_tokens", self.trace.get("p_cached_tokens", 0)))
+
+    @property
+    def created_cache_tokens(self) -> int:
+        return int(self.prompt_usage.get("created_cache_tokens", len(self.prompt) - self.cached_tokens))
+
+    def ended(self, final: dict[str, Any]) -> None:
+        """The router's final item: the request's id, trace and prompt usage."""
+        self.request_id, self.trace = final["request_id"], final["trace"]
+        self.prompt_usage = final.get("prompt_usage") or {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,13 +90,13 @@ class Delta:
 
 
 async def run_choice(
-    gen: AsyncIterator[dict[str, Any]], job: Job, choice: Choice, eos: int | None
+    gen: AsyncGenerator[dict[str, Any], Any], job: Job, choice: Choice, eos: int | None
 ) -> AsyncIterator[Delta]:
     s = choice.sampling
     try:
         async for ev in gen:
             if ev.get("done"):
-                choice.request_id, choice.trace = ev["request_id"], ev["trace"]
+                choice.ended(ev)
                 if ev["outcome"] != "finished":
                     choice.error = str(ev["reason"]) or "failed"
                 else:
@@ -101,6 +114,8 @@ async def run_choice(
             delta = Delta(choice, text, [tok], [int(ev["position"])], [str(ev["source"])], logprobs=rows)
             if choice.text.stopped is not None:
                 choice.finish_reason, choice.stop_reason = "stop", choice.text.stopped
+                with contextlib.suppress(StopAsyncIteration):  # the run ends; its trace and usage
+                    choice.ended(await gen.asend(STOP))
                 yield delta
                 yield Delta(choice, "", [], [], [], done=True)
                 return
@@ -121,7 +136,9 @@ def _finish(choice: Choice, s: SamplingParams, eos: int | None) -> None:
         choice.finish_reason = "stop"
 
 
-async def admitted(router: Generator, job: Job, choices: list[Choice]) -> list[AsyncIterator[dict[str, Any]]]:
+async def admitted(
+    router: Generator, job: Job, choices: list[Choice]
+) -> list[AsyncGenerator[dict[str, Any], Any]]:
     """One router request per choice, all started at once and each run up to its first event: the
     router's admission (``Overloaded``) or its own checks raise here, before any answer is sent; then
     none is left open."""
@@ -139,23 +156,27 @@ async def admitted(router: Generator, job: Job, choices: list[Choice]) -> list[A
     return gens
 
 
-async def _primed(gen: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
-    """``gen`` with its first event taken now (``router.admission.primed``); closing the result
-    closes ``gen`` at once, which cancels the router's request (a stop string, a client gone)."""
+async def _primed(gen: AsyncGenerator[dict[str, Any], Any]) -> AsyncGenerator[dict[str, Any], Any]:
+    """``gen`` with its first event taken now (so the router's admission error surfaces here);
+    a value sent into the result goes on to ``gen`` (``STOP``); closing the result closes ``gen``
+    at once, which cancels the router's request (a client gone)."""
     try:
-        chained = await primed(gen)
+        first = await gen.__anext__()
     except BaseException:
         await _close(gen)
         raise
 
-    async def closing() -> AsyncIterator[dict[str, Any]]:
+    async def forwarding() -> AsyncGenerator[dict[str, Any], Any]:
         try:
-            async for ev in chained:
-                yield ev
+            sent = yield first
+            while True:
+                sent = yield await gen.asend(sent)
+        except StopAsyncIteration:
+            return
         finally:
             await _close(gen)
 
-    return closing()
+    return forwarding()
 
 
 async def _close(gen: AsyncIterator[Any]) -> None:
@@ -165,7 +186,7 @@ async def _close(gen: AsyncIterator[Any]) -> None:
 
 
 async def merged(
-    gens: list[AsyncIterator[dict[str, Any]]], job: Job, choices: list[Choice], eos: int | None
+    gens: list[AsyncGenerator[dict[str, Any], Any]], job: Job, choices: list[Choice], eos: int | None
 ) -> AsyncIterator[Delta]:
     """Every choice's deltas as they come (one task per choice); all cancelled if the reader leaves."""
     if len(choices) == 1:
@@ -174,7 +195,7 @@ async def merged(
         return
     queue: asyncio.Queue[Delta | None] = asyncio.Queue()
 
-    async def pump(g: AsyncIterator[dict[str, Any]], c: Choice) -> None:
+    async def pump(g: AsyncGenerator[dict[str, Any], Any], c: Choice) -> None:
         try:
             async for d in run_choice(g, job, c, eos):
                 await queue.put(d)
@@ -208,8 +229,9 @@ class Responder:
     trace: bool = False  # add the per-choice ``pddlink`` object (request id, positions, sources, trace)
     created: int = field(default_factory=lambda: int(time.time()))
     choices: list[Choice] = field(default_factory=list)
-    gens: list[AsyncIterator[dict[str, Any]]] = field(default_factory=list)
+    gens: list[AsyncGenerator[dict[str, Any], Any]] = field(default_factory=list)
     _offsets: dict[int, int] = field(default_factory=dict)  # per choice: a stream's next text_offset
+    _first_out: int | None = None  # a stream's first choice to send anything (vLLM's usage is its)
 
     def __post_init__(self) -> None:
         j = self.job
@@ -309,17 +331,25 @@ class Responder:
         return completion_logprobs(rows, offset)
 
     def _usage(self, full: bool) -> dict[str, Any]:
+        """vLLM's usage: every prompt once, every choice's tokens; the prefix hit is one prompt's
+        (vLLM's completions: the last prompt's when not streamed, else the first result's; chat
+        has one prompt), P's as vLLM counts it (``created_cache_tokens``: chat's only; None in a
+        completions body, absent from a streamed one)."""
         prompt = sum(len(c.prompt) for c in self.choices if c.index % self.job.n == 0)
         completion = sum(len(c.tokens) for c in self.choices)
-        cached = sum(c.cached_tokens for c in self.choices)
+        one = self._first_out if not full or self._first_out is None else None
+        c = self.choices[one if one is not None else (len(self.job.prompts) - 1) * self.job.n]
+        details: dict[str, Any] = {"cached_tokens": c.cached_tokens}
+        if self.chat:
+            details["created_cache_tokens"] = c.created_cache_tokens
+        elif full:
+            details["created_cache_tokens"] = None
         usage: dict[str, Any] = {
             "prompt_tokens": prompt,
             "total_tokens": prompt + completion,
             "completion_tokens": completion,
-            "prompt_tokens_details": {"cached_tokens": cached, "created_cache_tokens": prompt - cached},
+            "prompt_tokens_details": details,
         }
-        if not full and not self.chat:  # vLLM's streamed completion usage counts cached tokens only
-            del usage["prompt_tokens_details"]["created_cache_tokens"]
         if full:
             usage["prompt_tokens_details"]["multimodal_tokens"] = None
             usage["completion_tokens_details"] = None
@@ -332,6 +362,7 @@ class Responder:
         await self.admit()
         async for d in merged(self.gens, self.job, self.choices, self.eos):
             c = d.choice
+            self._first_out = c.index if self._first_out is None else self._first_out
             rid = rid or self.response_id
             if c.error:
                 yield _sse(_error(f"request failed: {c.error}", "ServiceUnavailableError", 503))

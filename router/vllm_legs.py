@@ -116,6 +116,9 @@ class VllmLegs:
         # (``vllm_http.logprob_rows``), when the request asked for logprobs: the router attaches
         # each merged token's own
         self.logprobs: dict[tuple[str, int], dict[str, Any]] = {}
+        # P's prefix hit as vLLM's usage reports it (``cached_tokens``; ``created_cache_tokens``:
+        # the prompt's whole blocks it computed and cached), once P answered the prefill
+        self.prompt_usage: dict[str, int] | None = None
 
     def left(self) -> float:
         return max(self.deadline - time.monotonic(), MIN_TIMEOUT_S)
@@ -199,6 +202,9 @@ class VllmLegs:
         cached = cached_tokens(out)
         for row in logprob_rows(out["choices"][0])[:1]:
             self.logprobs[Role.P.value, len(leg.prompt)] = row
+        if self.prompt_usage is None:  # the first leg's (a fallback leg's prompt holds output too)
+            whole = len(leg.prompt) // self.b.fleet.block_tokens() * self.b.fleet.block_tokens()
+            self.prompt_usage = {"cached_tokens": cached, "created_cache_tokens": max(0, whole - cached)}
         self.c.on_prefilled(leg.sid, len(leg.prompt) - cached, seconds)
         report = PrefillReport(
             first_token=int(out["choices"][0]["token_ids"][0]),
