@@ -32,7 +32,8 @@ class SamplingParams:
     vLLM's fields (neutral by default): ``min_p``; ``presence_penalty``, ``frequency_penalty``
     (over output tokens) and ``repetition_penalty`` (over prompt and output tokens);
     ``logit_bias`` ((token id, bias) pairs); ``min_tokens`` (stop tokens masked until then);
-    ``allowed_token_ids``; ``bad_words``; ``logprobs`` (top-N logprobs per token, None: none).
+    ``allowed_token_ids``; ``bad_words``; ``logprobs`` (top-N logprobs per token, None: none);
+    ``prompt_logprobs`` (the prompt's, from the instance that prefills it: completions' ``echo``).
     """
 
     seed: int = 0
@@ -50,6 +51,8 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] = ()
     bad_words: tuple[str, ...] = ()
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # asked of the instance that prefills (echo with logprobs)
+    structured: str = ""  # vLLM's structured-output fields, a JSON object (no handoff: see the router)
     prior_output_tokens: int = 0
 
     def __post_init__(self) -> None:
@@ -78,8 +81,10 @@ class SamplingParams:
             )
         if self.min_tokens < 0:
             raise InvalidInput(f"sampling.min_tokens must be >= 0, got {self.min_tokens}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise InvalidInput(f"sampling.logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(self, name)
+            if n is not None and not 0 <= n <= MAX_LOGPROBS:
+                raise InvalidInput(f"sampling.{name} must be in [0, {MAX_LOGPROBS}], got {n}")
         if self.prior_output_tokens < 0:
             raise InvalidInput(f"sampling.prior_output_tokens must be >= 0, got {self.prior_output_tokens}")
 

@@ -300,9 +300,9 @@ class Router:
         origin = min(arrived, entered)  # since the request arrived (the API's clock when it passed one)
         stamps_s = {k: v - origin for k, v in stamps.items()}
         final = self._final(run, decision, route, label, sid, replaced_from, stamps_s, moved)
-        usage = getattr(run.calls, "prompt_usage", None)  # vLLM's legs: P's prefix hit, as vLLM counts it
-        if usage is not None:
-            final["prompt_usage"] = usage
+        for key in ("prompt_usage", "prompt_logprobs"):  # vLLM's legs: P's prefix hit, P's logprobs
+            if getattr(run.calls, key, None) is not None:
+                final[key] = getattr(run.calls, key)
         yield final
 
     def _admit(

@@ -61,6 +61,8 @@ class Choice:
     request_id: str = ""
     trace: dict[str, Any] = field(default_factory=dict)
     prompt_usage: dict[str, int] = field(default_factory=dict)  # vLLM's legs: P's prefix hit
+    echo: str = ""  # completions' ``echo``: the prompt's text leads the answer's
+    prompt_logprobs: list[Any] | None = None  # P's, in vLLM's JSON (``echo`` with ``logprobs``)
 
     @property
     def cached_tokens(self) -> int:
@@ -74,6 +76,7 @@ class Choice:
         """The router's final item: the request's id, trace and prompt usage."""
         self.request_id, self.trace = final["request_id"], final["trace"]
         self.prompt_usage = final.get("prompt_usage") or {}
+        self.prompt_logprobs = final.get("prompt_logprobs")
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,10 +246,19 @@ class Responder:
                     self.codec, j.stop, j.include_stop_str, j.skip_special_tokens, j.sampling.min_tokens
                 ),
                 j.choice_sampling(k),
+                echo=self._echo(i),
             )
             for i, p in enumerate(j.prompts)
             for k in range(j.n)
         ]
+
+    def _echo(self, i: int) -> str:
+        """vLLM's echoed prompt text: as sent, or its ids decoded; none with ``return_token_ids``."""
+        j = self.job
+        if not j.echo or j.return_token_ids or self.codec is None:
+            return ""
+        sent = j.prompt_texts[i] if i < len(j.prompt_texts) else None
+        return sent if sent is not None else self.codec.decode(list(j.prompts[i]), skip_special_tokens=False)
 
     @property
     def chat(self) -> bool:
@@ -303,12 +315,14 @@ class Responder:
                 "logprobs": self._logprobs(c.logprobs),
             }
         else:
-            text = c.text.text if self.codec else ""
-            head = {"index": c.index, "text": text, "logprobs": self._logprobs(c.logprobs)}
+            text = c.echo + (c.text.text if self.codec else "")
+            rows = self._prompt_rows(c) + c.logprobs if self.job.echo else c.logprobs
+            head = {"index": c.index, "text": text, "logprobs": self._logprobs(rows)}
         head.update(finish_reason=c.finish_reason, stop_reason=c.stop_reason, token_ids=ids)
         if not self.chat:
             head.update(
-                prompt_logprobs=None, prompt_token_ids=list(c.prompt) if self.job.return_token_ids else None
+                prompt_logprobs=c.prompt_logprobs if self.job.echo else None,
+                prompt_token_ids=list(c.prompt) if self.job.return_token_ids else None,
             )
         head.update(routed_experts=None)
         if self.trace:
@@ -329,6 +343,25 @@ class Responder:
         if self.chat:
             return chat_logprobs(rows, self.job.sampling.logprobs or 0)
         return completion_logprobs(rows, offset)
+
+    def _prompt_rows(self, c: Choice) -> list[dict[str, Any]]:
+        """The prompt's logprobs rows (P's ``prompt_logprobs``) as vLLM's echo reports them: the
+        first token (or any without an entry) has none."""
+        if not self.job.logprobs:
+            return []
+        raw = c.prompt_logprobs or [None] * len(c.prompt)
+        return [self._prompt_row(tok, entry) for tok, entry in zip(c.prompt, raw, strict=False)]
+
+    def _prompt_row(self, tok: int, entry: dict[str, Any] | None) -> dict[str, Any]:
+        step = (entry or {}).get(str(tok))
+        if entry is None or step is None:
+            text = self.codec.decode([tok], skip_special_tokens=False) if self.codec else ""
+            return {"token": text, "logprob": None, "top": None}
+        name = step.get("decoded_token")
+        if name is None and self.codec is not None:
+            name = self.codec.decode([tok], skip_special_tokens=False)
+        top = [[e.get("decoded_token"), max(e["logprob"], -9999.0)] for e in entry.values()]
+        return {"token": name or "", "logprob": max(step["logprob"], -9999.0), "top": top}
 
     def _usage(self, full: bool) -> dict[str, Any]:
         """vLLM's usage: every prompt once, every choice's tokens; the prefix hit is one prompt's
@@ -416,7 +449,7 @@ class Responder:
                 out["stop_reason"] = c.stop_reason
             out["token_ids"] = ids
         else:
-            out = {"index": c.index, "text": d.text, "logprobs": logprobs}
+            out = {"index": c.index, "text": (c.echo if first else "") + d.text, "logprobs": logprobs}
             out.update(
                 finish_reason=c.finish_reason if d.done else None,
                 stop_reason=c.stop_reason if d.done else None,
@@ -440,7 +473,7 @@ def completion_logprobs(rows: list[dict[str, Any]], offset: int = 0) -> dict[str
         "text_offset": offsets,
         "token_logprobs": [r["logprob"] for r in rows],
         "tokens": [r["token"] for r in rows],
-        "top_logprobs": [dict((str(t), v) for t, v in r["top"]) for r in rows],
+        "top_logprobs": [None if r["top"] is None else {str(t): v for t, v in r["top"]} for r in rows],
     }
 
 

@@ -120,8 +120,6 @@ VLLM_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "prompt_logprobs": (None,),
     "logprob_token_ids": (None, []),
     "spaces_between_special_tokens": (None, True),
-    "response_format": (None, {"type": "text"}),
-    "structured_outputs": (None,),
     "priority": (None, 0),
     "request_id": (_ANY,),
     "session_id": (_ANY,),
@@ -187,6 +185,20 @@ def _neutral(value: Any, neutral: tuple[Any, ...], what: str) -> Any:
     return value
 
 
+class ResponseFormat(_Open):
+    """OpenAI's ``response_format`` as vLLM takes it (its own validation follows on the servers)."""
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: dict[str, Any] | None = None
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False, frozen=True)
+
+
+# Pipelines without a handoff: structured outputs are served there only. vLLM's grammar state is
+# built from the request's own output, so an instance continuing from prompt + another's tokens
+# would constrain its tokens as if the answer began there (stock vLLM takes no prior grammar state)
+NO_HANDOFF = ("p_md", "ship", "recompute", "singular")
+
+
 class _Sampling(_Body):
     """Fields shared by completions and chat (OpenAI's, vLLM's extensions, pddlink's)."""
 
@@ -218,6 +230,8 @@ class _Sampling(_Body):
     skip_special_tokens: bool = True
     return_token_ids: bool | None = None
     min_tokens: int = Field(0, ge=0, le=1_000_000)
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
     # pddlink's own: the request's deadline and a forced pipeline (tests, the P->MD baseline)
     deadline_s: float | None = Field(None, gt=0.0, le=MAX_DEADLINE_S)
     pipeline: ForcedPipeline = ""
@@ -257,11 +271,6 @@ class CompletionBody(_Sampling):
     @classmethod
     def _no_best_of(cls, v: Any) -> Any:
         return _neutral(v, (None, 1), "best_of > 1")
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v: Any) -> Any:
-        return _neutral(v, (False,), "echo")
 
     @field_validator("suffix")
     @classmethod
@@ -329,6 +338,8 @@ class Job:
     n: int = 1  # choices per prompt (vLLM's: choice i of a seeded request draws with seed + i)
     seeded: bool = True  # the client gave a seed (else each choice draws a random one)
     logprobs: bool = False  # the answer carries each token's logprobs (``sampling.logprobs`` of them)
+    echo: bool = False  # completions: the prompt leads the text (and the logprobs)
+    prompt_texts: tuple[str | None, ...] = ()  # per prompt: its text as sent (None: token ids)
 
     def choice_sampling(self, i: int) -> SamplingParams:
         """The sampling of a prompt's ``i``-th choice: vLLM's ``ParentRequest`` gives child ``i``
@@ -386,7 +397,7 @@ def _check_prompt(ids: list[int], limits: Limits, where: str) -> tuple[int, ...]
 
 
 def _sampling(
-    body: _Sampling, limits: Limits, max_tokens: int | None, eos: int | None, logprobs: int | None
+    body: _Sampling, limits: Limits, max_tokens: int | None, eos: int | None, logprobs: int | None, echo: bool
 ) -> SamplingParams:
     max_tokens = max_tokens or 16
     if max_tokens > limits.max_tokens_limit:
@@ -423,7 +434,32 @@ def _sampling(
         allowed_token_ids=_ids_in_vocab(body.allowed_token_ids, limits, "allowed_token_ids"),
         bad_words=tuple(body.bad_words or ()),
         logprobs=logprobs,
+        prompt_logprobs=logprobs if echo else None,  # vLLM: echo answers the prompt's logprobs too
+        structured=_structured(body),
     )
+
+
+def _structured(body: _Sampling) -> str:
+    """vLLM's structured-output fields as one JSON object ("" when there are none)."""
+    fields: dict[str, Any] = {}
+    if body.response_format is not None and body.response_format.type != "text":
+        fields["response_format"] = body.response_format.model_dump(exclude_none=True)
+    if body.structured_outputs:
+        fields["structured_outputs"] = body.structured_outputs
+    return json.dumps(fields) if fields else ""
+
+
+def _pipeline(forced: str, structured: bool) -> str:
+    """A structured-output request runs on a pipeline without a handoff (``NO_HANDOFF``)."""
+    if not structured:
+        return forced
+    if forced and forced not in NO_HANDOFF:
+        raise RequestRefused(
+            f'"response_format" / "structured_outputs" need a pipeline without a handoff '
+            f"({', '.join(NO_HANDOFF)}), not {forced!r}",
+            "response_format",
+        )
+    return forced or "p_md"
 
 
 def _ids_in_vocab(ids: list[int] | None, limits: Limits, field: str) -> tuple[int, ...]:
@@ -439,6 +475,7 @@ def completion_job(
     """A completions or chat request body, validated whole; ``RequestRefused`` else."""
     parsed: CompletionBody | ChatBody
     prompts: tuple[tuple[int, ...], ...]
+    echo, texts = False, tuple[str | None, ...]()
     if endpoint is Endpoint.CHAT:
         chat: ChatBody = parse_body(ChatBody, body)
         if codec is None:
@@ -454,21 +491,25 @@ def completion_job(
         comp: CompletionBody = parse_body(CompletionBody, body)
         prompts = _completion_prompts(comp.prompt, limits, codec)
         parsed, max_tokens, logprobs = comp, comp.max_tokens, comp.logprobs
+        echo, texts = comp.echo, _prompt_texts(comp.prompt)
+        if echo and logprobs is not None and comp.stream:
+            raise RequestRefused('"echo" with "logprobs" is not supported by pddlink when streaming', "echo")
     n = parsed.n or 1
     if n * len(prompts) > MAX_CHOICES:
         raise RequestRefused(f'"n": at most {MAX_CHOICES} choices per request (prompts x n)', "n")
     opts = parsed.stream_options
     if opts is not None and not parsed.stream:
         raise RequestRefused('"stream_options" is only allowed with "stream": true', "stream_options")
+    sampling = _sampling(parsed, limits, max_tokens, eos, logprobs, echo)
     return Job(
         endpoint=endpoint,
         prompts=prompts,
-        sampling=_sampling(parsed, limits, max_tokens, eos, logprobs),
+        sampling=sampling,
         stop=parsed.stop_strings(),
         stream=bool(parsed.stream),
         include_usage=bool(opts and opts.include_usage),
         deadline_s=parsed.deadline_s or 0.0,
-        pipeline=parsed.pipeline,
+        pipeline=_pipeline(parsed.pipeline, bool(sampling.structured)),
         model=parsed.model or "",
         ignore_eos=parsed.ignore_eos,
         include_stop_str=parsed.include_stop_str_in_output,
@@ -477,6 +518,8 @@ def completion_job(
         n=n,
         seeded=parsed.seed is not None,
         logprobs=logprobs is not None,
+        echo=echo,
+        prompt_texts=texts,
     )
 
 
@@ -491,6 +534,12 @@ def _completion_prompts(prompt: Any, limits: Limits, codec: TextCodec | None) ->
         ids = item if isinstance(item, list) else _encode(item, limits, codec)
         out.append(_check_prompt(ids, limits, "prompt"))
     return tuple(out)
+
+
+def _prompt_texts(prompt: Any) -> tuple[str | None, ...]:
+    """Each prompt's text as the client sent it (None: sent as ids), for ``echo``."""
+    items: list[Any] = [prompt] if isinstance(prompt, str) or _is_ids(prompt) else list(prompt)
+    return tuple(item if isinstance(item, str) else None for item in items)
 
 
 def _is_ids(prompt: Any) -> bool:

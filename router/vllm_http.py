@@ -5,6 +5,7 @@ generating alone as the exactness reference (``generate_alone``), and what its a
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -62,6 +63,8 @@ def _vllm_fields(s: SamplingParams) -> dict[str, Any]:
         body["logprobs"] = s.logprobs
     if s.prior_output_tokens:
         body["vllm_xargs"] = {PRIOR_OUTPUT_ARG: s.prior_output_tokens}
+    if s.structured:
+        body |= json.loads(s.structured)
     return body
 
 

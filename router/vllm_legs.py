@@ -119,6 +119,7 @@ class VllmLegs:
         # P's prefix hit as vLLM's usage reports it (``cached_tokens``; ``created_cache_tokens``:
         # the prompt's whole blocks it computed and cached), once P answered the prefill
         self.prompt_usage: dict[str, int] | None = None
+        self.prompt_logprobs: list[Any] | None = None  # P's, in vLLM's JSON (echo with logprobs)
 
     def left(self) -> float:
         return max(self.deadline - time.monotonic(), MIN_TIMEOUT_S)
@@ -187,6 +188,8 @@ class VllmLegs:
         leg = cmd.leg
         t0 = time.monotonic()
         body = self._body(leg.prompt, leg.sampling, 1)
+        if leg.sampling.prompt_logprobs is not None:  # only the prefill is asked (MD's prompt holds output)
+            body["prompt_logprobs"] = leg.sampling.prompt_logprobs
         rld_kv = cmd.ship_to_rld and self.b.v.rld_gets_kv
         if cmd.ship_to_md or rld_kv:
             body["kv_transfer_params"] = self._kv(leg.sid)
@@ -202,6 +205,8 @@ class VllmLegs:
         cached = cached_tokens(out)
         for row in logprob_rows(out["choices"][0])[:1]:
             self.logprobs[Role.P.value, len(leg.prompt)] = row
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = out["choices"][0].get("prompt_logprobs")
         if self.prompt_usage is None:  # the first leg's (a fallback leg's prompt holds output too)
             whole = len(leg.prompt) // self.b.fleet.block_tokens() * self.b.fleet.block_tokens()
             self.prompt_usage = {"cached_tokens": cached, "created_cache_tokens": max(0, whole - cached)}

@@ -72,8 +72,15 @@ class FakeRouter:
                 break
         self.made.append(made)
         usage = {"cached_tokens": 32, "created_cache_tokens": 0}
-        yield {"done": True, "request_id": "r", "outcome": "finished", "reason": "", "trace": {"t": made},
-               "prompt_usage": usage}  # fmt: skip
+        final = {"done": True, "request_id": "r", "outcome": "finished", "reason": "", "trace": {"t": made},
+                 "prompt_usage": usage}  # fmt: skip
+        if sampling.prompt_logprobs is not None:  # P's, in vLLM's JSON: none for the first token
+            final["prompt_logprobs"] = [None] + [
+                {str(t): {"logprob": -1.0, "rank": 1, "decoded_token": f"p{t}"},
+                 "7": {"logprob": float("-inf"), "rank": 2, "decoded_token": "p7"}}
+                for t in prompt[1:]
+            ]  # fmt: skip
+        yield final
 
 
 def _job(body: dict[str, Any], endpoint: Endpoint = Endpoint.COMPLETIONS) -> Any:
@@ -207,3 +214,43 @@ def test_a_stop_string_ends_the_run_at_once_and_keeps_its_trace_and_prefix_hit()
 
 def test_stop_is_the_routers() -> None:
     assert STOP == API_STOP
+
+
+def test_echo_puts_the_prompt_first_in_text_and_logprobs() -> None:
+    codec = _codec()
+    prompt = codec.encode("prefill decode")
+    out = _body(FakeRouter([40, 41]), _job({"prompt": "prefill decode", "max_tokens": 2, "echo": True}))
+    assert out["choices"][0]["text"].startswith("prefill decode")
+    ids = _body(FakeRouter([40, 41]), _job({"prompt": prompt, "max_tokens": 2, "echo": True}))
+    assert ids["choices"][0]["text"].startswith(codec.decode(prompt, skip_special_tokens=False))
+    kept = _body(
+        FakeRouter([40]), _job({"prompt": prompt, "max_tokens": 1, "echo": True, "return_token_ids": True})
+    )
+    assert not kept["choices"][0]["text"].startswith("prefill")  # vLLM: no prompt text with the ids
+    router = FakeRouter([40, 41])
+    out = _body(router, _job({"prompt": prompt, "max_tokens": 2, "echo": True, "logprobs": 1}))
+    assert router.asked[0].prompt_logprobs == 1
+    lp = out["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(prompt) + 2 and lp["token_logprobs"][0] is None
+    assert lp["top_logprobs"][0] is None and lp["tokens"][1] == f"p{prompt[1]}"
+    assert lp["top_logprobs"][1] == {f"p{prompt[1]}": -1.0, "p7": -9999.0}  # vLLM clamps -inf
+    assert lp["tokens"][-2:] == ["t40", "t41"] and out["choices"][0]["prompt_logprobs"][0] is None
+    with pytest.raises(RequestRefused, match="echo"):
+        _job({"prompt": prompt, "echo": True, "logprobs": 1, "stream": True})
+
+
+def test_structured_outputs_run_without_a_handoff() -> None:
+    msg = [{"role": "user", "content": "x"}]
+    job = _job({"messages": msg, "response_format": {"type": "json_object"}}, Endpoint.CHAT)
+    assert job.pipeline == "p_md" and json.loads(job.sampling.structured) == {
+        "response_format": {"type": "json_object"}
+    }
+    assert sampling_body(job.sampling)["response_format"] == {"type": "json_object"}
+    assert "structured" in job.sampling.vllm_only()
+    plain = _job({"messages": msg, "response_format": {"type": "text"}}, Endpoint.CHAT)
+    assert plain.pipeline == "" and not plain.sampling.structured
+    guided = _job({"prompt": [5], "structured_outputs": {"choice": ["a", "b"]}, "pipeline": "recompute"})
+    assert guided.pipeline == "recompute" and "structured_outputs" in sampling_body(guided.sampling)
+    with pytest.raises(RequestRefused, match="without a handoff") as err:
+        _job({"prompt": [5], "response_format": {"type": "json_object"}, "pipeline": "p_rld_md"})
+    assert err.value.param == "response_format"

@@ -167,7 +167,7 @@ def test_vllm_fields_at_their_neutral_value_pass_and_unknown_fields_are_ignored_
     bench |= {"stream": True, "stream_options": {"include_usage": True, "x": 1}, "temprature": 0.5}
     job = completion_job(json.dumps(bench).encode(), Endpoint.COMPLETIONS, limits, None)
     assert job.prompts == ((5, 6),) and job.sampling.temperature == 1.0 and job.include_usage
-    for field, value in (("response_format", {"type": "json_object"}), ("cache_salt", "s"), ("tools", [{}])):
+    for field, value in (("truncate_prompt_tokens", 5), ("cache_salt", "s"), ("tools", [{}])):
         body = json.dumps({"prompt": [5], field: value}).encode()
         with pytest.raises(RequestRefused, match=f'"{field}" is not supported by pddlink') as err:
             completion_job(body, Endpoint.COMPLETIONS, limits, None)
