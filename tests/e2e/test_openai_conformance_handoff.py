@@ -64,6 +64,10 @@ pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.fleet, pytest.mark.
 RLD_LINK = "[link]\ndelay_ms = 0\n[b_to_a]\nrate_mbit = 0.05\n"  # RLD's replies to the router: slow
 OUTAGE_S = 1.0
 MAX_TOKENS = 48
+# a call is made again (its answer compared each time) when the handoff did not happen: MD held the
+# KV only after RLD had finished (the P->MD transfer's recovery from the WAN cut varies: seen in
+# catch-up mode, ~1 call in 8 on a loaded 2-core machine) or before RLD's first token
+ATTEMPTS = 3
 # float32 logprobs: vLLM's own decode against a chunk prefill of the same tokens (MD's extend step)
 # differ in reduction order only (harness.vllm_exact.cache_noise measures it); the floor is far
 # below any logprob a token choice could turn on
@@ -360,12 +364,17 @@ def test_through_a_forced_handoff_equals_vllm(deployment: tuple[str, str, Any, s
     first = answer(*post(vllm_url, path, body))
     assert first["status"] == 200, ("vLLM itself", first)
     no_handoff = name in NO_HANDOFF  # the router picks a pipeline without a handoff itself
-    trio.lab.outage(OUTAGE_S, direction="a_to_b")
-    try:
-        routed = body if no_handoff else {**body, "pipeline": "p_rld_md"}
-        status, raw = post(router_url, path, routed, {"pddlink-trace": "1"})
-    finally:
-        trio.lab.set_outage(False)
+    routed = body if no_handoff else {**body, "pipeline": "p_rld_md"}
+    attempts = 0
+    while attempts < ATTEMPTS:
+        attempts += 1
+        trio.lab.outage(OUTAGE_S, direction="a_to_b")
+        try:
+            status, raw = post(router_url, path, routed, {"pddlink-trace": "1"})
+        finally:
+            trio.lab.set_outage(False)
+        if no_handoff or status != 200 or all(_both_made_tokens(h) for h in _handoffs(raw)):
+            break
     got = answer(status, raw)
     # vLLM again, its prefix cache now as P's was for the router (the prompt's whole blocks held)
     want = answer(*post(vllm_url, path, body))
@@ -387,9 +396,11 @@ def test_through_a_forced_handoff_equals_vllm(deployment: tuple[str, str, Any, s
     seen = {k: [p for p in problems if known(name, p) == k] for k in KNOWN}
     problems = [p for p in problems if not known(name, p)]
     RESULTS.append({"call": name, "mode": mode, "status": status, "differences": problems, "known": seen,
+                    "attempts": attempts,
                     "logprob_max_abs": worst, "vllm_noise_max_abs": noise, "handoffs": handoffs})  # fmt: skip
     n_known = sum(map(len, seen.values()))
-    print(f"\n{name} ({mode}): {len(problems)} differences, known {n_known}; handoffs {handoffs};"
+    print(f"\n{name} ({mode}): {len(problems)} differences, known {n_known}; attempts {attempts};"
+          f" handoffs {handoffs};"
           f" logprobs |d| {worst:.1e}, vLLM's own {noise:.1e}")  # fmt: skip
     assert not noise_problems, ("vLLM against itself", noise_problems)
     if problems:
@@ -405,6 +416,10 @@ def test_known_difference_is_gone(deployment: tuple[str, str, Any, str], kind: s
     assert any(r["call"] for r in RESULTS)
     hit = [r["call"] for r in RESULTS if r["known"][kind]]
     assert not hit, (kind, hit, [r["known"][kind][0] for r in RESULTS if r["known"][kind]][:1])
+
+
+def _both_made_tokens(h: dict[str, Any]) -> bool:
+    return h["sources"] == {"rld", "md"} and h["outcome"].startswith("handed_off")
 
 
 def _handoffs(raw: Any) -> list[dict[str, Any]]:
