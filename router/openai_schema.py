@@ -2,11 +2,16 @@
 gRPC ``Router.Generate`` request, validated by one set of pydantic models before any work starts.
 
 Every field a client may send is declared here with its type and its bounds (a bad value is
-refused: ``RequestRefused``, a 400 / ``INVALID_ARGUMENT`` naming the field). Fields of the OpenAI
-API and of vLLM's server that pddlink does not implement are accepted only at their neutral value
-(``n`` 1, no ``best_of``, ``repetition_penalty`` 1, ...: ``VLLM_NEUTRAL``), so a client that
-relies on them hears so instead of getting a silently different answer; a field vLLM does not
-know either is ignored, as vLLM ignores it (and logged). The gRPC request stays strict. Bounds
+refused: ``RequestRefused``, a 400 / ``INVALID_ARGUMENT`` naming the field). vLLM's sampling and
+output fields (penalties, ``min_p``, ``logit_bias``, ``min_tokens``, ``allowed_token_ids``,
+``bad_words``, ``logprobs``/``top_logprobs``, ``n``, ``echo``, ``response_format`` /
+``structured_outputs``) become ``SamplingParams`` and ``Job`` fields (``docs/api.md``: how each
+crosses a handoff; structured outputs run on a pipeline without one, ``NO_HANDOFF``); the
+reference engine refuses the vLLM-only ones (``Router.validate``). Fields of vLLM's server that
+pddlink does not implement are accepted only at their neutral value (no ``best_of``, no beam
+search, ...: ``VLLM_NEUTRAL``), so a client that relies on them hears so instead of getting a
+silently different answer; a field vLLM does not know either is ignored, as vLLM ignores it (and
+logged). The gRPC request stays strict. Bounds
 that depend on the deployment (vocabulary, prompt and output limits) come from ``Limits`` and are
 checked in ``completion_job`` / ``generate_job``.
 
