@@ -1,14 +1,17 @@
 """OpenAI-compatible responses at the router, shaped as vLLM's own server shapes them.
 
-``serve_job`` runs a validated ``Job`` (``router.openai_schema``): one router request per prompt,
-run concurrently, each choice's tokens turned into text (``router.openai_text.ChoiceText``); the
+``Responder`` runs a validated ``Job`` (``router.openai_schema``): one router request per choice
+(``n`` per prompt; choice i of a prompt draws with ``seed + i``, vLLM's child-seed rule), run
+concurrently, each choice's tokens turned into text (``router.openai_text.ChoiceText``); the
 answer is one JSON body or server-sent events. Fields match vLLM's (``stop_reason``, ``token_ids``
-and ``prompt_token_ids`` with ``return_token_ids``, ``usage`` with ``prompt_tokens_details``);
+and ``prompt_token_ids`` with ``return_token_ids``; ``logprobs`` in the completions or chat shape
+from each token's row, which the router's token events carry from the instance that drew it;
+``echo``; ``usage`` with ``prompt_tokens_details`` from P's prefix hit, counted as vLLM counts it);
 what pddlink adds (request id, token positions and sources, the trace) sits in one ``pddlink``
 object per choice, where vLLM puts its own per-choice extensions, only when the client asks for
 it (``Responder.trace``: the request header ``pddlink-trace: 1``): an answer carries no field
-vLLM's would not. A choice that a stop string ends
-cancels its router request at once.
+vLLM's would not. A choice that a stop string ends sends ``STOP`` into its router request, which
+ends the run at once and answers with its final item (trace, prefix hit).
 """
 
 from __future__ import annotations
