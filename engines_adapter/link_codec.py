@@ -78,7 +78,14 @@ def layout_of(msg: Any) -> KVLayout:
 
 
 def sampling_msg(s: SamplingParams) -> Any:
-    return pb2.Sampling(**s.to_dict())
+    return pb2.Sampling(
+        seed=s.seed,
+        temperature=s.temperature,
+        top_k=s.top_k,
+        top_p=s.top_p,
+        max_tokens=s.max_tokens,
+        stop_token_ids=list(s.stop_token_ids),
+    )
 
 
 def sampling_of(msg: Any) -> SamplingParams:

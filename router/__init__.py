@@ -30,7 +30,7 @@ import logging
 import math
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from engines_adapter import SamplingParams
@@ -60,6 +60,9 @@ from router.run import RunDriver
 
 __all__ = ["Router", "RouterConfig", "VllmEngineConfig"]
 
+# sent into ``generate`` (``asend``) in place of reading the next token: the client needs no more
+# (a stop string); the run ends and the request's final item comes back as the answer to the send
+STOP = "stop"
 RLD_COOL_DOWN_S = 2.0  # after RLD failed a request, new requests keep off it this long
 REPLACE_MIN_LEFT_S = 1.0  # a run that lost its MD runs again elsewhere only with this much time left
 log = logging.getLogger(__name__)
@@ -221,6 +224,11 @@ class Router:
             raise InvalidInput(f"deadline_s must be in (0, 600], got {deadline_s}")
         if pipeline and pipeline not in FORCEABLE:
             raise InvalidInput(f"pipeline must be one of {', '.join(FORCEABLE)}, got {pipeline!r}")
+        unsupported = sampling.vllm_only() if cfg.engine != "vllm" else ()
+        if unsupported:
+            raise InvalidInput(
+                f'"{unsupported[0]}" is not supported by the reference engine (engine = "vllm" is)'
+            )
 
     async def generate(
         self,
@@ -232,10 +240,11 @@ class Router:
         request_id: str = "",
         arrived: float | None = None,
         request_key: str = "",
-    ) -> AsyncIterator[dict[str, Any]]:
+    ) -> AsyncGenerator[dict[str, Any], Any]:
         """Validates (``InvalidInput``, nothing changed), admits (``Overloaded``, nothing started),
-        then yields token dicts and a final trace. The deadline counts from ``arrived`` (when the
-        API got the request; default now), so time spent in the checks and queues is its own.
+        then yields token dicts and a final trace (``asend(STOP)`` at a token: the final now). The
+        deadline counts from ``arrived`` (when the API got the request; default now), so time spent
+        in the checks and queues is its own.
         ``request_key``: for an in-process caller that finds the sidecars' records by a unique key
         of its own (``router.vllm_driver``); the client APIs never pass one, the router mints it.
         The trace's ``stamps_s`` (seconds since arrival, the router's clock): ``entered`` this call,
@@ -261,7 +270,14 @@ class Router:
                     async for tok in tokens:
                         stamps.setdefault("first_token", time.monotonic())
                         emitted += 1
-                        yield {"position": tok.position, "token_id": tok.token_id, "source": tok.source}
+                        ev = {"position": tok.position, "token_id": tok.token_id, "source": tok.source}
+                        logprobs = getattr(
+                            run.calls, "logprobs", {}
+                        )  # vLLM's legs: (source, position) -> row
+                        if (tok.source, tok.position) in logprobs:
+                            ev["logprobs"] = logprobs[tok.source, tok.position]
+                        if (yield ev) == STOP:
+                            break
                 finally:
                     await tokens.aclose()  # a client that went away: the run ends (cancelled), its legs go
                     self.in_flight.pop(rid, None)
@@ -283,7 +299,11 @@ class Router:
             self.labels_in_flight.discard(label)
         origin = min(arrived, entered)  # since the request arrived (the API's clock when it passed one)
         stamps_s = {k: v - origin for k, v in stamps.items()}
-        yield self._final(run, decision, route, label, sid, replaced_from, stamps_s, moved)
+        final = self._final(run, decision, route, label, sid, replaced_from, stamps_s, moved)
+        for key in ("prompt_usage", "prompt_logprobs"):  # vLLM's legs: P's prefix hit, P's logprobs
+            if getattr(run.calls, key, None) is not None:
+                final[key] = getattr(run.calls, key)
+        yield final
 
     def _admit(
         self,

@@ -342,7 +342,7 @@ class RouterService(pb2_grpc.RouterServicer):  # type: ignore[misc,name-defined]
                     return
                 ev = await gen.__anext__()
         finally:
-            await gen.aclose()  # type: ignore[attr-defined]  # a run not ended is cancelled everywhere
+            await gen.aclose()  # a run not ended is cancelled everywhere
             self.guard.release()
 
     async def Status(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:

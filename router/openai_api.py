@@ -1,31 +1,37 @@
 """OpenAI-compatible responses at the router, shaped as vLLM's own server shapes them.
 
-``serve_job`` runs a validated ``Job`` (``router.openai_schema``): one router request per prompt,
-run concurrently, each choice's tokens turned into text (``router.openai_text.ChoiceText``); the
+``Responder`` runs a validated ``Job`` (``router.openai_schema``): one router request per choice
+(``n`` per prompt; choice i of a prompt draws with ``seed + i``, vLLM's child-seed rule), run
+concurrently, each choice's tokens turned into text (``router.openai_text.ChoiceText``); the
 answer is one JSON body or server-sent events. Fields match vLLM's (``stop_reason``, ``token_ids``
-and ``prompt_token_ids`` with ``return_token_ids``, ``usage`` with ``prompt_tokens_details``);
+and ``prompt_token_ids`` with ``return_token_ids``; ``logprobs`` in the completions or chat shape
+from each token's row, which the router's token events carry from the instance that drew it;
+``echo``; ``usage`` with ``prompt_tokens_details`` from P's prefix hit, counted as vLLM counts it);
 what pddlink adds (request id, token positions and sources, the trace) sits in one ``pddlink``
 object per choice, where vLLM puts its own per-choice extensions, only when the client asks for
 it (``Responder.trace``: the request header ``pddlink-trace: 1``): an answer carries no field
-vLLM's would not. A choice that a stop string ends
-cancels its router request at once.
+vLLM's would not. A choice that a stop string ends sends ``STOP`` into its router request, which
+ends the run at once and answers with its final item (trace, prefix hit).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from engines_adapter import SamplingParams
-from router.admission import primed
 from router.openai_schema import Endpoint, Job
 from router.openai_text import ChoiceText, TextCodec
 
 FINGERPRINT = "pddlink-0.1"
+
+
+STOP = "stop"  # ``router.STOP``: sent into the router's generator when a stop string ended a choice
 
 
 class Generator(Protocol):
@@ -37,7 +43,7 @@ class Generator(Protocol):
         deadline_s: float = 0.0,
         pipeline: str = "",
         request_id: str = "",
-    ) -> AsyncIterator[dict[str, Any]]: ...
+    ) -> AsyncGenerator[dict[str, Any], Any]: ...
 
 
 @dataclass(slots=True)
@@ -47,7 +53,9 @@ class Choice:
     index: int
     prompt: tuple[int, ...]
     text: ChoiceText
+    sampling: SamplingParams
     tokens: list[int] = field(default_factory=list)
+    logprobs: list[dict[str, Any]] = field(default_factory=list)  # per token (``vllm_http.logprob_rows``)
     positions: list[int] = field(default_factory=list)
     sources: list[str] = field(default_factory=list)
     finish_reason: str | None = None
@@ -55,10 +63,23 @@ class Choice:
     error: str = ""
     request_id: str = ""
     trace: dict[str, Any] = field(default_factory=dict)
+    prompt_usage: dict[str, int] = field(default_factory=dict)  # vLLM's legs: P's prefix hit
+    echo: str = ""  # completions' ``echo``: the prompt's text leads the answer's
+    prompt_logprobs: list[Any] | None = None  # P's, in vLLM's JSON (``echo`` with ``logprobs``)
 
     @property
     def cached_tokens(self) -> int:
-        return int(self.trace.get("p_cached_tokens", 0))
+        return int(self.prompt_usage.get("cached_tokens", self.trace.get("p_cached_tokens", 0)))
+
+    @property
+    def created_cache_tokens(self) -> int:
+        return int(self.prompt_usage.get("created_cache_tokens", len(self.prompt) - self.cached_tokens))
+
+    def ended(self, final: dict[str, Any]) -> None:
+        """The router's final item: the request's id, trace and prompt usage."""
+        self.request_id, self.trace = final["request_id"], final["trace"]
+        self.prompt_usage = final.get("prompt_usage") or {}
+        self.prompt_logprobs = final.get("prompt_logprobs")
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,16 +92,17 @@ class Delta:
     positions: list[int]
     sources: list[str]
     done: bool = False
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
 
 
 async def run_choice(
-    gen: AsyncIterator[dict[str, Any]], job: Job, choice: Choice, eos: int | None
+    gen: AsyncGenerator[dict[str, Any], Any], job: Job, choice: Choice, eos: int | None
 ) -> AsyncIterator[Delta]:
-    s = job.sampling
+    s = choice.sampling
     try:
         async for ev in gen:
             if ev.get("done"):
-                choice.request_id, choice.trace = ev["request_id"], ev["trace"]
+                choice.ended(ev)
                 if ev["outcome"] != "finished":
                     choice.error = str(ev["reason"]) or "failed"
                 else:
@@ -91,11 +113,15 @@ async def run_choice(
             choice.tokens.append(tok)
             choice.positions.append(int(ev["position"]))
             choice.sources.append(str(ev["source"]))
+            rows = [ev["logprobs"]] if "logprobs" in ev else []
+            choice.logprobs += rows
             is_stop = tok in s.stop_token_ids
             text = choice.text.push(tok, is_stop_token=is_stop)
-            delta = Delta(choice, text, [tok], [int(ev["position"])], [str(ev["source"])])
+            delta = Delta(choice, text, [tok], [int(ev["position"])], [str(ev["source"])], logprobs=rows)
             if choice.text.stopped is not None:
                 choice.finish_reason, choice.stop_reason = "stop", choice.text.stopped
+                with contextlib.suppress(StopAsyncIteration):  # the run ends; its trace and usage
+                    choice.ended(await gen.asend(STOP))
                 yield delta
                 yield Delta(choice, "", [], [], [], done=True)
                 return
@@ -116,14 +142,14 @@ def _finish(choice: Choice, s: SamplingParams, eos: int | None) -> None:
         choice.finish_reason = "stop"
 
 
-async def admitted(router: Generator, job: Job, choices: list[Choice]) -> list[AsyncIterator[dict[str, Any]]]:
+async def admitted(
+    router: Generator, job: Job, choices: list[Choice]
+) -> list[AsyncGenerator[dict[str, Any], Any]]:
     """One router request per choice, all started at once and each run up to its first event: the
     router's admission (``Overloaded``) or its own checks raise here, before any answer is sent; then
     none is left open."""
     starts = [
-        _primed(
-            router.generate(list(c.prompt), job.sampling, deadline_s=job.deadline_s, pipeline=job.pipeline)
-        )
+        _primed(router.generate(list(c.prompt), c.sampling, deadline_s=job.deadline_s, pipeline=job.pipeline))
         for c in choices
     ]
     results = await asyncio.gather(*starts, return_exceptions=True)
@@ -136,23 +162,27 @@ async def admitted(router: Generator, job: Job, choices: list[Choice]) -> list[A
     return gens
 
 
-async def _primed(gen: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
-    """``gen`` with its first event taken now (``router.admission.primed``); closing the result
-    closes ``gen`` at once, which cancels the router's request (a stop string, a client gone)."""
+async def _primed(gen: AsyncGenerator[dict[str, Any], Any]) -> AsyncGenerator[dict[str, Any], Any]:
+    """``gen`` with its first event taken now (so the router's admission error surfaces here);
+    a value sent into the result goes on to ``gen`` (``STOP``); closing the result closes ``gen``
+    at once, which cancels the router's request (a client gone)."""
     try:
-        chained = await primed(gen)
+        first = await gen.__anext__()
     except BaseException:
         await _close(gen)
         raise
 
-    async def closing() -> AsyncIterator[dict[str, Any]]:
+    async def forwarding() -> AsyncGenerator[dict[str, Any], Any]:
         try:
-            async for ev in chained:
-                yield ev
+            sent = yield first
+            while True:
+                sent = yield await gen.asend(sent)
+        except StopAsyncIteration:
+            return
         finally:
             await _close(gen)
 
-    return closing()
+    return forwarding()
 
 
 async def _close(gen: AsyncIterator[Any]) -> None:
@@ -162,7 +192,7 @@ async def _close(gen: AsyncIterator[Any]) -> None:
 
 
 async def merged(
-    gens: list[AsyncIterator[dict[str, Any]]], job: Job, choices: list[Choice], eos: int | None
+    gens: list[AsyncGenerator[dict[str, Any], Any]], job: Job, choices: list[Choice], eos: int | None
 ) -> AsyncIterator[Delta]:
     """Every choice's deltas as they come (one task per choice); all cancelled if the reader leaves."""
     if len(choices) == 1:
@@ -171,7 +201,7 @@ async def merged(
         return
     queue: asyncio.Queue[Delta | None] = asyncio.Queue()
 
-    async def pump(g: AsyncIterator[dict[str, Any]], c: Choice) -> None:
+    async def pump(g: AsyncGenerator[dict[str, Any], Any], c: Choice) -> None:
         try:
             async for d in run_choice(g, job, c, eos):
                 await queue.put(d)
@@ -205,14 +235,33 @@ class Responder:
     trace: bool = False  # add the per-choice ``pddlink`` object (request id, positions, sources, trace)
     created: int = field(default_factory=lambda: int(time.time()))
     choices: list[Choice] = field(default_factory=list)
-    gens: list[AsyncIterator[dict[str, Any]]] = field(default_factory=list)
+    gens: list[AsyncGenerator[dict[str, Any], Any]] = field(default_factory=list)
+    _offsets: dict[int, int] = field(default_factory=dict)  # per choice: a stream's next text_offset
+    _first_out: int | None = None  # a stream's first choice to send anything (vLLM's usage is its)
 
     def __post_init__(self) -> None:
         j = self.job
         self.choices = [
-            Choice(i, p, ChoiceText(self.codec, j.stop, j.include_stop_str, j.skip_special_tokens))
+            Choice(
+                i * j.n + k,
+                p,
+                ChoiceText(
+                    self.codec, j.stop, j.include_stop_str, j.skip_special_tokens, j.sampling.min_tokens
+                ),
+                j.choice_sampling(k),
+                echo=self._echo(i),
+            )
             for i, p in enumerate(j.prompts)
+            for k in range(j.n)
         ]
+
+    def _echo(self, i: int) -> str:
+        """vLLM's echoed prompt text: as sent, or its ids decoded; none with ``return_token_ids``."""
+        j = self.job
+        if not j.echo or j.return_token_ids or self.codec is None:
+            return ""
+        sent = j.prompt_texts[i] if i < len(j.prompt_texts) else None
+        return sent if sent is not None else self.codec.decode(list(j.prompts[i]), skip_special_tokens=False)
 
     @property
     def chat(self) -> bool:
@@ -263,13 +312,20 @@ class Responder:
                 "function_call": None,
                 "reasoning": None,
             }
-            head: dict[str, Any] = {"index": c.index, "message": message, "logprobs": None}
+            head: dict[str, Any] = {
+                "index": c.index,
+                "message": message,
+                "logprobs": self._logprobs(c.logprobs),
+            }
         else:
-            head = {"index": c.index, "text": c.text.text if self.codec else "", "logprobs": None}
+            text = c.echo + (c.text.text if self.codec else "")
+            rows = self._prompt_rows(c) + c.logprobs if self.job.echo else c.logprobs
+            head = {"index": c.index, "text": text, "logprobs": self._logprobs(rows)}
         head.update(finish_reason=c.finish_reason, stop_reason=c.stop_reason, token_ids=ids)
         if not self.chat:
             head.update(
-                prompt_logprobs=None, prompt_token_ids=list(c.prompt) if self.job.return_token_ids else None
+                prompt_logprobs=c.prompt_logprobs if self.job.echo else None,
+                prompt_token_ids=list(c.prompt) if self.job.return_token_ids else None,
             )
         head.update(routed_experts=None)
         if self.trace:
@@ -282,18 +338,54 @@ class Responder:
             ext.update(request_id=c.request_id, token_ids=c.tokens, trace=c.trace)
         return ext
 
+    def _logprobs(self, rows: list[dict[str, Any]], offset: int = 0) -> dict[str, Any] | None:
+        """vLLM's logprobs object for ``rows`` (a choice's, or a streamed delta's from text offset
+        ``offset``); None when the request asked for none."""
+        if not self.job.logprobs:
+            return None
+        if self.chat:
+            return chat_logprobs(rows, self.job.sampling.logprobs or 0)
+        return completion_logprobs(rows, offset)
+
+    def _prompt_rows(self, c: Choice) -> list[dict[str, Any]]:
+        """The prompt's logprobs rows (P's ``prompt_logprobs``) as vLLM's echo reports them: the
+        first token (or any without an entry) has none."""
+        if not self.job.logprobs:
+            return []
+        raw = c.prompt_logprobs or [None] * len(c.prompt)
+        return [self._prompt_row(tok, entry) for tok, entry in zip(c.prompt, raw, strict=False)]
+
+    def _prompt_row(self, tok: int, entry: dict[str, Any] | None) -> dict[str, Any]:
+        step = (entry or {}).get(str(tok))
+        if entry is None or step is None:
+            text = self.codec.decode([tok], skip_special_tokens=False) if self.codec else ""
+            return {"token": text, "logprob": None, "top": None}
+        name = step.get("decoded_token")
+        if name is None and self.codec is not None:
+            name = self.codec.decode([tok], skip_special_tokens=False)
+        top = [[e.get("decoded_token"), max(e["logprob"], -9999.0)] for e in entry.values()]
+        return {"token": name or "", "logprob": max(step["logprob"], -9999.0), "top": top}
+
     def _usage(self, full: bool) -> dict[str, Any]:
-        prompt = sum(len(c.prompt) for c in self.choices)
+        """vLLM's usage: every prompt once, every choice's tokens; the prefix hit is one prompt's
+        (vLLM's completions: the last prompt's when not streamed, else the first result's; chat
+        has one prompt), P's as vLLM counts it (``created_cache_tokens``: chat's only; None in a
+        completions body, absent from a streamed one)."""
+        prompt = sum(len(c.prompt) for c in self.choices if c.index % self.job.n == 0)
         completion = sum(len(c.tokens) for c in self.choices)
-        cached = sum(c.cached_tokens for c in self.choices)
+        one = self._first_out if not full or self._first_out is None else None
+        c = self.choices[one if one is not None else (len(self.job.prompts) - 1) * self.job.n]
+        details: dict[str, Any] = {"cached_tokens": c.cached_tokens}
+        if self.chat:
+            details["created_cache_tokens"] = c.created_cache_tokens
+        elif full:
+            details["created_cache_tokens"] = None
         usage: dict[str, Any] = {
             "prompt_tokens": prompt,
             "total_tokens": prompt + completion,
             "completion_tokens": completion,
-            "prompt_tokens_details": {"cached_tokens": cached, "created_cache_tokens": prompt - cached},
+            "prompt_tokens_details": details,
         }
-        if not full and not self.chat:  # vLLM's streamed completion usage counts cached tokens only
-            del usage["prompt_tokens_details"]["created_cache_tokens"]
         if full:
             usage["prompt_tokens_details"]["multimodal_tokens"] = None
             usage["completion_tokens_details"] = None
@@ -306,6 +398,7 @@ class Responder:
         await self.admit()
         async for d in merged(self.gens, self.job, self.choices, self.eos):
             c = d.choice
+            self._first_out = c.index if self._first_out is None else self._first_out
             rid = rid or self.response_id
             if c.error:
                 yield _sse(_error(f"request failed: {c.error}", "ServiceUnavailableError", 503))
@@ -347,14 +440,19 @@ class Responder:
 
     def _stream_choice(self, c: Choice, d: Delta, first: bool) -> dict[str, Any]:
         ids = d.tokens if self.job.return_token_ids else None
+        offset = self._offsets.get(c.index, 0)
+        logprobs = self._logprobs(d.logprobs, offset) if d.logprobs or not self.chat else None
+        if logprobs is not None and not self.chat:
+            tokens = logprobs["tokens"]
+            self._offsets[c.index] = logprobs["text_offset"][-1] + len(tokens[-1]) if tokens else offset
         if self.chat:
-            out: dict[str, Any] = {"index": c.index, "delta": {"content": d.text}, "logprobs": None}
+            out: dict[str, Any] = {"index": c.index, "delta": {"content": d.text}, "logprobs": logprobs}
             out["finish_reason"] = c.finish_reason if d.done else None
             if d.done:
                 out["stop_reason"] = c.stop_reason
             out["token_ids"] = ids
         else:
-            out = {"index": c.index, "text": d.text, "logprobs": None}
+            out = {"index": c.index, "text": (c.echo if first else "") + d.text, "logprobs": logprobs}
             out.update(
                 finish_reason=c.finish_reason if d.done else None,
                 stop_reason=c.stop_reason if d.done else None,
@@ -364,6 +462,37 @@ class Responder:
         if self.trace:
             out["pddlink"] = self._ext(c, d.positions, d.sources, final=d.done)
         return out
+
+
+def completion_logprobs(rows: list[dict[str, Any]], offset: int = 0) -> dict[str, Any]:
+    """vLLM's completions ``logprobs`` (``_create_completion_logprobs``): each token's string and
+    logprob, its top logprobs (the drawn token first), and text offsets from ``offset`` by the
+    tokens' string lengths."""
+    offsets = []
+    for r in rows:
+        offsets.append(offset)
+        offset += len(r["token"])
+    return {
+        "text_offset": offsets,
+        "token_logprobs": [r["logprob"] for r in rows],
+        "tokens": [r["token"] for r in rows],
+        "top_logprobs": [None if r["top"] is None else {str(t): v for t, v in r["top"]} for r in rows],
+    }
+
+
+def chat_logprobs(rows: list[dict[str, Any]], top: int) -> dict[str, Any]:
+    """vLLM's chat ``logprobs`` (``_create_chat_logprobs``): per token its string, logprob, UTF-8
+    bytes, and the first ``top`` entries of its top logprobs (the drawn token first)."""
+
+    def entry(token: str, logprob: float) -> dict[str, Any]:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8", errors="replace"))}
+
+    return {
+        "content": [
+            {**entry(r["token"], r["logprob"]), "top_logprobs": [entry(str(t), v) for t, v in r["top"][:top]]}
+            for r in rows
+        ]
+    }
 
 
 def _sse(obj: dict[str, Any]) -> bytes:

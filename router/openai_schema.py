@@ -2,11 +2,16 @@
 gRPC ``Router.Generate`` request, validated by one set of pydantic models before any work starts.
 
 Every field a client may send is declared here with its type and its bounds (a bad value is
-refused: ``RequestRefused``, a 400 / ``INVALID_ARGUMENT`` naming the field). Fields of the OpenAI
-API and of vLLM's server that pddlink does not implement are accepted only at their neutral value
-(``n`` 1, no ``best_of``, ``repetition_penalty`` 1, ...: ``VLLM_NEUTRAL``), so a client that
-relies on them hears so instead of getting a silently different answer; a field vLLM does not
-know either is ignored, as vLLM ignores it (and logged). The gRPC request stays strict. Bounds
+refused: ``RequestRefused``, a 400 / ``INVALID_ARGUMENT`` naming the field). vLLM's sampling and
+output fields (penalties, ``min_p``, ``logit_bias``, ``min_tokens``, ``allowed_token_ids``,
+``bad_words``, ``logprobs``/``top_logprobs``, ``n``, ``echo``, ``response_format`` /
+``structured_outputs``) become ``SamplingParams`` and ``Job`` fields (``docs/api.md``: how each
+crosses a handoff; structured outputs run on a pipeline without one, ``NO_HANDOFF``); the
+reference engine refuses the vLLM-only ones (``Router.validate``). Fields of vLLM's server that
+pddlink does not implement are accepted only at their neutral value (no ``best_of``, no beam
+search, ...: ``VLLM_NEUTRAL``), so a client that relies on them hears so instead of getting a
+silently different answer; a field vLLM does not know either is ignored, as vLLM ignores it (and
+logged). The gRPC request stays strict. Bounds
 that depend on the deployment (vocabulary, prompt and output limits) come from ``Limits`` and are
 checked in ``completion_job`` / ``generate_job``.
 
@@ -23,7 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Annotated, Any, Literal, Protocol
 
@@ -32,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from engines_adapter import SamplingParams
 from pddlink.errors import InvalidInput
 from pddlink.routing import Pipeline
+from pddlink.sampling import MAX_LOGPROBS
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 128
@@ -41,7 +47,11 @@ MAX_PROMPTS = 16
 MAX_MESSAGES = 256
 MAX_TEXT_CHARS = 1 << 20
 MAX_DEADLINE_S = 600.0
+MAX_CHOICES = 64  # prompts x n per request
+MAX_BAD_WORDS = 64
+MAX_LOGIT_BIAS = 1024
 
+SEED_MASK = 2**63 - 1
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 
 
@@ -106,21 +116,15 @@ class _Body(BaseModel):
 # neither the schema nor this table is unknown to vLLM too, and ignored as vLLM ignores it.
 _ANY = object()  # ignored whatever its value: changes no token of the answer
 VLLM_NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "repetition_penalty": (None, 1.0),
     "echo": (None, False),  # (chat: completions declare it)
     "add_special_tokens": (None, True),  # the tokenizer's special tokens are added (chat too)
-    "min_p": (None, 0.0),
     "length_penalty": (None, 1.0),
     "use_beam_search": (None, False),
     "truncate_prompt_tokens": (None,),
     "truncation_side": (_ANY,),
-    "allowed_token_ids": (None, []),
     "prompt_logprobs": (None,),
     "logprob_token_ids": (None, []),
-    "bad_words": (None, []),
     "spaces_between_special_tokens": (None, True),
-    "response_format": (None, {"type": "text"}),
-    "structured_outputs": (None,),
     "priority": (None, 0),
     "request_id": (_ANY,),
     "session_id": (_ANY,),
@@ -186,6 +190,20 @@ def _neutral(value: Any, neutral: tuple[Any, ...], what: str) -> Any:
     return value
 
 
+class ResponseFormat(_Open):
+    """OpenAI's ``response_format`` as vLLM takes it (its own validation follows on the servers)."""
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: dict[str, Any] | None = None
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False, frozen=True)
+
+
+# Pipelines without a handoff: structured outputs are served there only. vLLM's grammar state is
+# built from the request's own output, so an instance continuing from prompt + another's tokens
+# would constrain its tokens as if the answer began there (stock vLLM takes no prior grammar state)
+NO_HANDOFF = ("p_md", "ship", "recompute", "singular")
+
+
 class _Sampling(_Body):
     """Fields shared by completions and chat (OpenAI's, vLLM's extensions, pddlink's)."""
 
@@ -201,16 +219,24 @@ class _Sampling(_Body):
     stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: int | None = 1
+    n: int | None = Field(1, ge=1, le=MAX_CHOICES)
     user: str | None = Field(None, max_length=256)
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
+    allowed_token_ids: list[TokenId] | None = Field(None, max_length=1 << 20)
+    bad_words: list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]] | None = Field(
+        None, max_length=MAX_BAD_WORDS
+    )
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     return_token_ids: bool | None = None
-    min_tokens: int = 0
+    min_tokens: int = Field(0, ge=0, le=1_000_000)
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
     # pddlink's own: the request's deadline and a forced pipeline (tests, the P->MD baseline)
     deadline_s: float | None = Field(None, gt=0.0, le=MAX_DEADLINE_S)
     pipeline: ForcedPipeline = ""
@@ -222,25 +248,12 @@ class _Sampling(_Body):
             raise ValueError("a stop string must not be empty")
         return v
 
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, v: Any) -> Any:
-        return _neutral(v, (None, 1), "n > 1 (several choices per prompt)")
-
-    @field_validator("frequency_penalty", "presence_penalty")
-    @classmethod
-    def _no_penalty(cls, v: Any) -> Any:
-        return _neutral(v, (None, 0.0), "a non-zero penalty")
-
     @field_validator("logit_bias")
     @classmethod
-    def _no_bias(cls, v: Any) -> Any:
-        return _neutral(v, (None, {}), "logit_bias")
-
-    @field_validator("min_tokens")
-    @classmethod
-    def _no_min_tokens(cls, v: Any) -> Any:
-        return _neutral(v, (0,), "min_tokens")
+    def _bias_keys(cls, v: Any) -> Any:
+        if v and not all(k.isascii() and k.isdigit() and len(k) < 10 for k in v):
+            raise ValueError("keys must be token ids")
+        return v
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -256,23 +269,13 @@ class CompletionBody(_Sampling):
     prompt: PromptText | PromptIds | list[PromptText] | list[PromptIds] = Field(union_mode="left_to_right")
     best_of: int | None = None
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
 
     @field_validator("best_of")
     @classmethod
     def _no_best_of(cls, v: Any) -> Any:
         return _neutral(v, (None, 1), "best_of > 1")
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v: Any) -> Any:
-        return _neutral(v, (False,), "echo")
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v: Any) -> Any:
-        return _neutral(v, (None,), "logprobs (the reference engine returns none)")
 
     @field_validator("suffix")
     @classmethod
@@ -300,18 +303,8 @@ class ChatBody(_Sampling):
     messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=1, le=1_000_000)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v: Any) -> Any:
-        return _neutral(v, (None, False), "logprobs (the reference engine returns none)")
-
-    @field_validator("top_logprobs")
-    @classmethod
-    def _no_top(cls, v: Any) -> Any:
-        return _neutral(v, (None, 0), "top_logprobs")
 
 
 class GenerateBody(_Strict):
@@ -347,6 +340,19 @@ class Job:
     include_stop_str: bool = False
     skip_special_tokens: bool = True
     return_token_ids: bool = False
+    n: int = 1  # choices per prompt (vLLM's: choice i of a seeded request draws with seed + i)
+    seeded: bool = True  # the client gave a seed (else each choice draws a random one)
+    logprobs: bool = False  # the answer carries each token's logprobs (``sampling.logprobs`` of them)
+    echo: bool = False  # completions: the prompt leads the text (and the logprobs)
+    prompt_texts: tuple[str | None, ...] = ()  # per prompt: its text as sent (None: token ids)
+
+    def choice_sampling(self, i: int) -> SamplingParams:
+        """The sampling of a prompt's ``i``-th choice: vLLM's ``ParentRequest`` gives child ``i``
+        the seed ``seed + i`` (a request without a seed: a random one each)."""
+        if self.n == 1:
+            return self.sampling
+        seed = (self.sampling.seed + i) & SEED_MASK if self.seeded else secrets.randbelow(2**63)
+        return replace(self.sampling, seed=seed)
 
 
 def explain(exc: ValidationError) -> RequestRefused:
@@ -395,26 +401,77 @@ def _check_prompt(ids: list[int], limits: Limits, where: str) -> tuple[int, ...]
     return tuple(ids)
 
 
-def _sampling(body: _Sampling, limits: Limits, max_tokens: int | None, eos: int | None) -> SamplingParams:
+def _sampling(
+    body: _Sampling, limits: Limits, max_tokens: int | None, eos: int | None, logprobs: int | None, echo: bool
+) -> SamplingParams:
     max_tokens = max_tokens or 16
     if max_tokens > limits.max_tokens_limit:
         raise RequestRefused(
             f'"max_tokens": {max_tokens} exceeds the limit {limits.max_tokens_limit}', "max_tokens"
         )
-    stops = tuple(body.stop_token_ids or ())
-    if any(t >= limits.vocab_size for t in stops):
-        raise RequestRefused(f'"stop_token_ids" must be in [0, {limits.vocab_size})', "stop_token_ids")
+    if body.min_tokens > max_tokens:
+        raise RequestRefused(
+            f'"min_tokens" must be less than or equal to max_tokens={max_tokens}, got {body.min_tokens}',
+            "min_tokens",
+        )
+    stops = _ids_in_vocab(body.stop_token_ids, limits, "stop_token_ids")
     if eos is not None and not body.ignore_eos and eos not in stops:
         stops += (eos,)
+    bias = tuple((int(k), min(100.0, max(-100.0, v))) for k, v in (body.logit_bias or {}).items())
+    _ids_in_vocab([t for t, _ in bias], limits, "logit_bias")
+    temperature = 1.0 if body.temperature is None else body.temperature
+    if (body.n or 1) > 1 and temperature < 1e-5:  # vLLM's ``_verify_greedy_sampling``
+        raise RequestRefused(f'"n" must be 1 when using greedy sampling, got {body.n}', "n")
     top_k = body.top_k or 0
     return SamplingParams(
         seed=secrets.randbelow(2**63) if body.seed is None else body.seed,
-        temperature=1.0 if body.temperature is None else body.temperature,
+        temperature=temperature,
         top_k=0 if top_k < 0 or top_k >= limits.vocab_size else top_k,
         top_p=1.0 if body.top_p is None else body.top_p,
         max_tokens=max_tokens,
         stop_token_ids=stops,
+        min_p=body.min_p or 0.0,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        logit_bias=bias,
+        min_tokens=body.min_tokens,
+        allowed_token_ids=_ids_in_vocab(body.allowed_token_ids, limits, "allowed_token_ids"),
+        bad_words=tuple(body.bad_words or ()),
+        logprobs=logprobs,
+        prompt_logprobs=logprobs if echo else None,  # vLLM: echo answers the prompt's logprobs too
+        structured=_structured(body),
     )
+
+
+def _structured(body: _Sampling) -> str:
+    """vLLM's structured-output fields as one JSON object ("" when there are none)."""
+    fields: dict[str, Any] = {}
+    if body.response_format is not None and body.response_format.type != "text":
+        fields["response_format"] = body.response_format.model_dump(exclude_none=True)
+    if body.structured_outputs:
+        fields["structured_outputs"] = body.structured_outputs
+    return json.dumps(fields) if fields else ""
+
+
+def _pipeline(forced: str, structured: bool) -> str:
+    """A structured-output request runs on a pipeline without a handoff (``NO_HANDOFF``)."""
+    if not structured:
+        return forced
+    if forced and forced not in NO_HANDOFF:
+        raise RequestRefused(
+            f'"response_format" / "structured_outputs" need a pipeline without a handoff '
+            f"({', '.join(NO_HANDOFF)}), not {forced!r}",
+            "response_format",
+        )
+    return forced or "p_md"
+
+
+def _ids_in_vocab(ids: list[int] | None, limits: Limits, field: str) -> tuple[int, ...]:
+    out = tuple(ids or ())
+    if any(t >= limits.vocab_size for t in out):
+        raise RequestRefused(f'"{field}" must be in [0, {limits.vocab_size})', field)
+    return out
 
 
 def completion_job(
@@ -423,6 +480,7 @@ def completion_job(
     """A completions or chat request body, validated whole; ``RequestRefused`` else."""
     parsed: CompletionBody | ChatBody
     prompts: tuple[tuple[int, ...], ...]
+    echo, texts = False, tuple[str | None, ...]()
     if endpoint is Endpoint.CHAT:
         chat: ChatBody = parse_body(ChatBody, body)
         if codec is None:
@@ -431,27 +489,42 @@ def completion_job(
         text = codec.render_chat([{"role": m.role, "content": m.text()} for m in chat.messages])
         prompts = (_check_prompt(codec.encode(text), limits, "messages"),)
         parsed, max_tokens = chat, chat.max_completion_tokens or chat.max_tokens
+        if chat.top_logprobs and not chat.logprobs:
+            raise RequestRefused("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
+        logprobs = (chat.top_logprobs or 0) if chat.logprobs else None
     else:
         comp: CompletionBody = parse_body(CompletionBody, body)
         prompts = _completion_prompts(comp.prompt, limits, codec)
-        parsed, max_tokens = comp, comp.max_tokens
+        parsed, max_tokens, logprobs = comp, comp.max_tokens, comp.logprobs
+        echo, texts = comp.echo, _prompt_texts(comp.prompt)
+        if echo and logprobs is not None and comp.stream:
+            raise RequestRefused('"echo" with "logprobs" is not supported by pddlink when streaming', "echo")
+    n = parsed.n or 1
+    if n * len(prompts) > MAX_CHOICES:
+        raise RequestRefused(f'"n": at most {MAX_CHOICES} choices per request (prompts x n)', "n")
     opts = parsed.stream_options
     if opts is not None and not parsed.stream:
         raise RequestRefused('"stream_options" is only allowed with "stream": true', "stream_options")
+    sampling = _sampling(parsed, limits, max_tokens, eos, logprobs, echo)
     return Job(
         endpoint=endpoint,
         prompts=prompts,
-        sampling=_sampling(parsed, limits, max_tokens, eos),
+        sampling=sampling,
         stop=parsed.stop_strings(),
         stream=bool(parsed.stream),
         include_usage=bool(opts and opts.include_usage),
         deadline_s=parsed.deadline_s or 0.0,
-        pipeline=parsed.pipeline,
+        pipeline=_pipeline(parsed.pipeline, bool(sampling.structured)),
         model=parsed.model or "",
         ignore_eos=parsed.ignore_eos,
         include_stop_str=parsed.include_stop_str_in_output,
         skip_special_tokens=parsed.skip_special_tokens,
         return_token_ids=bool(parsed.return_token_ids),
+        n=n,
+        seeded=parsed.seed is not None,
+        logprobs=logprobs is not None,
+        echo=echo,
+        prompt_texts=texts,
     )
 
 
@@ -466,6 +539,12 @@ def _completion_prompts(prompt: Any, limits: Limits, codec: TextCodec | None) ->
         ids = item if isinstance(item, list) else _encode(item, limits, codec)
         out.append(_check_prompt(ids, limits, "prompt"))
     return tuple(out)
+
+
+def _prompt_texts(prompt: Any) -> tuple[str | None, ...]:
+    """Each prompt's text as the client sent it (None: sent as ids), for ``echo``."""
+    items: list[Any] = [prompt] if isinstance(prompt, str) or _is_ids(prompt) else list(prompt)
+    return tuple(item if isinstance(item, str) else None for item in items)
 
 
 def _is_ids(prompt: Any) -> bool:

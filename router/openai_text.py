@@ -140,12 +140,14 @@ class ChoiceText:
     stop: tuple[str, ...] = ()
     include_stop: bool = False
     skip_special_tokens: bool = True
+    min_tokens: int = 0  # vLLM: no stop string ends a choice before this many tokens
     ids: list[int] = field(default_factory=list)
     text: str = ""  # decoded so far (with the part held back)
     emitted: int = 0  # characters of ``text`` already handed out
     stopped: str | None = None
     _prefix: int = 0
     _read: int = 0
+    _min_end: int = 0  # a stop string must end past this much text (``min_tokens``' text)
 
     def push(self, token_id: int, *, is_stop_token: bool = False) -> str:
         self.ids.append(token_id)
@@ -154,9 +156,11 @@ class ChoiceText:
         if is_stop_token and not self.include_stop:
             return self._release(final=True)
         self.text += self._delta()
-        if self.stop:
+        if len(self.ids) <= self.min_tokens:
+            self._min_end = len(self.text)
+        elif self.stop:
             for s in self.stop:
-                at = self.text.find(s, max(0, self.emitted - len(s) + 1))
+                at = self.text.find(s, max(0, self.emitted - len(s) + 1, self._min_end - len(s) + 1))
                 if at >= 0:
                     self.stopped = s
                     self.text = self.text[: at + len(s) if self.include_stop else at]

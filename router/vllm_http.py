@@ -5,6 +5,7 @@ generating alone as the exactness reference (``generate_alone``), and what its a
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -31,6 +32,39 @@ def sampling_body(sampling: SamplingParams, *, ignore_eos: bool = True) -> dict[
         body["stop_token_ids"] = list(sampling.stop_token_ids)
     if ignore_eos:
         body["ignore_eos"] = True
+    return body | _vllm_fields(sampling)
+
+
+PRIOR_OUTPUT_ARG = "pddlink_prior_output"  # ``engines_adapter.vllm.sampling`` reads it
+
+
+def _vllm_fields(s: SamplingParams) -> dict[str, Any]:
+    """vLLM's own fields, each only when set (so a plain request's body is as before). A leg whose
+    prompt ends with ``prior_output_tokens`` of the request's output tells the servers' logits
+    processor so (``vllm_xargs``): vLLM's presence and frequency penalties count output only."""
+    body: dict[str, Any] = {}
+    if s.min_p:
+        body["min_p"] = s.min_p
+    if s.presence_penalty:
+        body["presence_penalty"] = s.presence_penalty
+    if s.frequency_penalty:
+        body["frequency_penalty"] = s.frequency_penalty
+    if s.repetition_penalty != 1.0:
+        body["repetition_penalty"] = s.repetition_penalty
+    if s.logit_bias:
+        body["logit_bias"] = {str(t): b for t, b in s.logit_bias}
+    if s.min_tokens:
+        body["min_tokens"] = s.min_tokens
+    if s.allowed_token_ids:
+        body["allowed_token_ids"] = list(s.allowed_token_ids)
+    if s.bad_words:
+        body["bad_words"] = list(s.bad_words)
+    if s.logprobs is not None:
+        body["logprobs"] = s.logprobs
+    if s.prior_output_tokens:
+        body["vllm_xargs"] = {PRIOR_OUTPUT_ARG: s.prior_output_tokens}
+    if s.structured:
+        body |= json.loads(s.structured)
     return body
 
 
@@ -84,6 +118,20 @@ def error_text(chunk: dict[str, Any]) -> str:
     """The message of vLLM's streamed error chunk (``{"error": {"message": ...}}``)."""
     err = chunk["error"]
     return str(err.get("message", err)) if isinstance(err, dict) else str(err)
+
+
+def logprob_rows(choice: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per token of a completions choice (streamed or not): vLLM's logprobs entry as one row
+    ``{"token", "logprob", "top": [[token, logprob], ...]}`` (``top`` in vLLM's order: the drawn
+    token, then by rank); [] when the choice has none."""
+    lp = choice.get("logprobs")
+    if not lp:
+        return []
+    tops = lp.get("top_logprobs") or [None] * len(lp["tokens"])
+    return [
+        {"token": tok, "logprob": value, "top": [list(kv) for kv in (top or {}).items()]}
+        for tok, value, top in zip(lp["tokens"], lp["token_logprobs"], tops, strict=True)
+    ]
 
 
 def cached_tokens(out: dict[str, Any]) -> int:

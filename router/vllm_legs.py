@@ -41,6 +41,7 @@ import contextlib
 import json
 import time
 from collections.abc import Callable, Coroutine
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -84,6 +85,7 @@ from router.vllm_http import (
     cached_tokens,
     error_text,
     generate_alone,
+    logprob_rows,
     post_completion,
     sampling_body,
 )
@@ -110,6 +112,14 @@ class VllmLegs:
         self._legs: dict[str, Leg] = {}
         self.primes: dict[str, asyncio.Task[bool]] = {}  # relay legs: MD loading the prompt's KV
         self.rld_closed: dict[str, StreamClosed] = {}  # per leg: how RLD's stream ended
+        # (role, absolute position) -> vLLM's logprobs row of the token that role drew there
+        # (``vllm_http.logprob_rows``), when the request asked for logprobs: the router attaches
+        # each merged token's own
+        self.logprobs: dict[tuple[str, int], dict[str, Any]] = {}
+        # P's prefix hit as vLLM's usage reports it (``cached_tokens``; ``created_cache_tokens``:
+        # the prompt's whole blocks it computed and cached), once P answered the prefill
+        self.prompt_usage: dict[str, int] | None = None
+        self.prompt_logprobs: list[Any] | None = None  # P's, in vLLM's JSON (echo with logprobs)
 
     def left(self) -> float:
         return max(self.deadline - time.monotonic(), MIN_TIMEOUT_S)
@@ -118,13 +128,17 @@ class VllmLegs:
         share = self.b.v.wan_share * self.left()  # MD's failure report still arrives in time
         return {"pddlink": {"transfer": sid, "deadline_s": share}}
 
-    def _body(self, prompt: tuple[int, ...], sampling: SamplingParams, max_tokens: int) -> dict[str, Any]:
+    def _body(self, prompt: tuple[int, ...], sampling: SamplingParams, max_tokens: int = 0) -> dict[str, Any]:
+        """One call's body; ``max_tokens`` 0: the sampling's own (P's prefill asks for 1: its
+        ``min_tokens`` no more than that, which still masks the stop tokens at the first token)."""
+        if max_tokens and sampling.min_tokens > max_tokens:
+            sampling = replace(sampling, min_tokens=max_tokens)
         return {
             "model": self.b.v.model,
             "prompt": list(prompt),
-            "max_tokens": max_tokens,
             "return_token_ids": True,
             **sampling_body(sampling),
+            "max_tokens": max_tokens or sampling.max_tokens,
         }
 
     def execute(self, cmd: RunCommand) -> None:
@@ -174,6 +188,8 @@ class VllmLegs:
         leg = cmd.leg
         t0 = time.monotonic()
         body = self._body(leg.prompt, leg.sampling, 1)
+        if leg.sampling.prompt_logprobs is not None:  # only the prefill is asked (MD's prompt holds output)
+            body["prompt_logprobs"] = leg.sampling.prompt_logprobs
         rld_kv = cmd.ship_to_rld and self.b.v.rld_gets_kv
         if cmd.ship_to_md or rld_kv:
             body["kv_transfer_params"] = self._kv(leg.sid)
@@ -187,6 +203,13 @@ class VllmLegs:
             return
         seconds = time.monotonic() - t0
         cached = cached_tokens(out)
+        for row in logprob_rows(out["choices"][0])[:1]:
+            self.logprobs[Role.P.value, len(leg.prompt)] = row
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = out["choices"][0].get("prompt_logprobs")
+        if self.prompt_usage is None:  # the first leg's (a fallback leg's prompt holds output too)
+            whole = len(leg.prompt) // self.b.fleet.block_tokens() * self.b.fleet.block_tokens()
+            self.prompt_usage = {"cached_tokens": cached, "created_cache_tokens": max(0, whole - cached)}
         self.c.on_prefilled(leg.sid, len(leg.prompt) - cached, seconds)
         report = PrefillReport(
             first_token=int(out["choices"][0]["token_ids"][0]),
@@ -228,11 +251,14 @@ class VllmLegs:
                         return StreamClosed(StreamEnd.FAILED, f"vllm_error:{error_text(chunk)}"[:200])
                     for choice in chunk.get("choices") or []:
                         ids = [int(t) for t in choice.get("token_ids") or []]
+                        rows = logprob_rows(choice)
                         finish = choice.get("finish_reason") or finish
                         for i, tok in enumerate(ids):
                             last = bool(finish) and i == len(ids) - 1
                             if finish and finish not in FINISHED:
                                 break  # never tokens from a request vLLM failed
+                            if i < len(rows):
+                                self.logprobs[role.value, pos] = rows[i]
                             await self.inbox.put(TokenArrived(sid, role, pos, tok, last))
                             pos += 1
                             if on_token is not None:
@@ -381,7 +407,7 @@ class VllmLegs:
         """MD continues after prompt + ``given`` (the prompt's blocks from its prefix cache);
         ``reached()`` once MD's stream is at RLD's position (catch-up)."""
         prompt = leg.prompt + given
-        body = self._body(prompt, leg.sampling, leg.sampling.max_tokens - len(given))
+        body = self._body(prompt, leg.sampling.after(len(given)))
 
         def seen(pos: int, tok: int) -> None:
             if reached is not None and pos >= self.rld_pos.get(leg.sid, 0):
@@ -395,9 +421,13 @@ class VllmLegs:
         leg = cmd.leg
         if cmd.emit_given:
             for i, tok in enumerate(cmd.token_ids):
-                await self.inbox.put(TokenArrived(leg.sid, Role.MD, cmd.first_position + i, tok))
+                pos = cmd.first_position + i
+                row = self.logprobs.get((Role.RLD.value, pos))  # RLD drew it; MD sends it on
+                if row is not None:
+                    self.logprobs[Role.MD.value, pos] = row
+                await self.inbox.put(TokenArrived(leg.sid, Role.MD, pos, tok))
         prompt = leg.prompt + cmd.token_ids
-        body = self._body(prompt, leg.sampling, leg.sampling.max_tokens - len(cmd.token_ids))
+        body = self._body(prompt, leg.sampling.after(len(cmd.token_ids)))
         closed = await self._stream(Role.MD, self.b.v.md_url, leg.sid, prompt, body)
         if closed.end is not StreamEnd.FINISHED:
             await self.inbox.put(TakeoverFailed(leg.sid, closed.render()))

@@ -94,7 +94,6 @@ from pddlink.lifecycle.stall import StallWatch
 from pddlink.lifecycle.trace import RunSpec, RunTrace, TraceBuilder
 from pddlink.roles import Role
 from pddlink.routing import Pipeline, RecomputeMode, md_miss_label
-from pddlink.sampling import SamplingParams
 
 P_REPLY_GRACE_S = 1.0  # how long a finished P->MD run waits for P's reply (its trace fields)
 HANDOFF_MARGIN_S = 0.1  # relay + recompute: MD must be ready this long before the deadline
@@ -414,9 +413,7 @@ class RequestRun:
         self.legs += 1
         done = tuple(self.merger.emitted)
         s = self.spec.sampling
-        sampling = SamplingParams(
-            s.seed, s.temperature, s.top_k, s.top_p, s.max_tokens - len(done), s.stop_token_ids
-        )
+        sampling = s.after(len(done))  # every field carried: vLLM's too
         rid = self.spec.request_id
         sid = rid if self.legs == 1 else f"{rid}#{self.legs}"
         # ship or recompute: only the first leg recomputes (a fallback leg ships KV as before)

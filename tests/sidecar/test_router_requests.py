@@ -27,8 +27,12 @@ BAD_BODIES = [
     (b"[1, 2]", "must be a JSON object"),
     (
         b'{"prompt": [1, 2], "max_tokens": 4, "repetition_penalty": 1.2}',
-        '"repetition_penalty" is not supported',
+        '"repetition_penalty" is not supported by the reference engine',
     ),
+    (b'{"prompt": [1, 2], "min_p": 0.1}', '"min_p" is not supported by the reference engine'),
+    (b'{"prompt": [1, 2], "logprobs": 2}', '"logprobs" is not supported by the reference engine'),
+    (b'{"prompt": [1, 2], "max_tokens": 4, "min_tokens": 5}', '"min_tokens" must be less than or equal'),
+    (b'{"prompt": [1, 2], "logit_bias": {"x": 1}}', '"logit_bias": keys must be token ids'),
     (b'{"prompt": [], "max_tokens": 4}', "must not be empty"),
     (b'{"prompt": "", "max_tokens": 4}', "must not be empty"),
     (b'{"max_tokens": 4}', '"prompt" is required'),
@@ -46,7 +50,7 @@ BAD_BODIES = [
     (b'{"prompt": [1, 2, 3], "stop": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "recursion limit"),
     (b"[" * 100_000 + b"]" * 100_000, "recursion limit"),
     (b'{"prompt": [1, 2], "temperature": NaN}', '"temperature": Input should be a finite number'),
-    (b'{"prompt": [1, 2], "n": 2}', "n > 1"),
+    (b'{"prompt": [1, 2], "n": 2, "temperature": 0}', '"n" must be 1 when using greedy sampling'),
     (b'{"prompt": [1, 2], "best_of": 2}', "best_of"),
     (b'{"prompt": [1, 2], "stop": [' + b", ".join([b'"s"'] * 17) + b"]}", '"stop"'),
 ]
@@ -163,7 +167,7 @@ def test_vllm_fields_at_their_neutral_value_pass_and_unknown_fields_are_ignored_
     bench |= {"stream": True, "stream_options": {"include_usage": True, "x": 1}, "temprature": 0.5}
     job = completion_job(json.dumps(bench).encode(), Endpoint.COMPLETIONS, limits, None)
     assert job.prompts == ((5, 6),) and job.sampling.temperature == 1.0 and job.include_usage
-    for field, value in (("repetition_penalty", True), ("min_p", 0.1), ("cache_salt", "s"), ("tools", [{}])):
+    for field, value in (("truncate_prompt_tokens", 5), ("cache_salt", "s"), ("tools", [{}])):
         body = json.dumps({"prompt": [5], field: value}).encode()
         with pytest.raises(RequestRefused, match=f'"{field}" is not supported by pddlink') as err:
             completion_job(body, Endpoint.COMPLETIONS, limits, None)

@@ -4,7 +4,10 @@ One seeded request generated whole on instance A, against the same request split
 tokens on A, then prompt + those k tokens continued on instance B (a second vLLM engine, same
 model directory). With ``PositionSeededSampling`` loaded the tokens are identical, float32, for
 several k, temperature 0.8 / top-p 0.95 and top-k; greedy is unchanged; top-k 1 and a tiny top-p
-equal greedy (the filters hold); a stop token ends the output where it is drawn. vLLM runs in a
+equal greedy (the filters hold); a stop token ends the output where it is drawn. With penalties
+(presence, frequency, repetition) and ``min_p``, greedy and seeded, the split continues exactly when
+B is told how many of its prompt's last tokens are output (``vllm_xargs`` ``pddlink_prior_output``),
+and differs somewhere without it (vLLM counts presence/frequency over output only). vLLM runs in a
 child process (``python this_file OUT``) so its engine and environment do not leak into pytest.
 """
 
@@ -26,6 +29,13 @@ PROMPTS = [[(7 * i + 13 * j) % 1000 + 3 for j in range(n)] for i, n in enumerate
 MAX_TOKENS = 16
 SPLITS = (1, 6, 15)
 SEEDED = {"temperature": 0.8, "top_p": 0.95}
+PRIOR = "pddlink_prior_output"
+PENALISED = [
+    {"temperature": 0.0, "presence_penalty": 1.0, "frequency_penalty": 1.5},
+    {"temperature": 0.0, "presence_penalty": 0.7, "frequency_penalty": 0.9, "repetition_penalty": 1.3},
+    {"temperature": 0.8, "seed": 11, "presence_penalty": 1.0, "frequency_penalty": 1.5},
+    {"temperature": 0.8, "seed": 12, "frequency_penalty": 0.9, "repetition_penalty": 1.3, "min_p": 0.05},
+]
 
 
 def _run(out: Path) -> None:  # in the child: two vLLM engines, the runs, JSON out
@@ -72,11 +82,9 @@ def _run(out: Path) -> None:  # in the child: two vLLM engines, the runs, JSON o
     stop = result["whole"][3][10]
     result["stop_token"] = stop
     result["stopped"] = gen(a, [(PROMPTS[3], seeded(3, stop_token_ids=[stop]))])[0]
-    try:
-        gen(a, [(PROMPTS[0], {"max_tokens": 2, "seed": 1, "temperature": 0.8, "repetition_penalty": 1.2})])
-        result["penalty_refused"] = ""
-    except Exception as exc:  # VLLMValidationError (vLLM's HTTP 400)
-        result["penalty_refused"] = f"{type(exc).__name__}: {exc}"
+    pen_jobs = [(p, {**sp, "max_tokens": MAX_TOKENS}) for p in PROMPTS[1:4] for sp in PENALISED]
+    result["pen_whole"] = gen(a, pen_jobs)
+    result["pen_first"] = gen(a, [(p, {**sp, "max_tokens": k}) for p, sp in pen_jobs for k in SPLITS])
     timings["runs_a_s"] = time.monotonic() - t0
     del a
     b = engine()
@@ -85,6 +93,14 @@ def _run(out: Path) -> None:  # in the child: two vLLM engines, the runs, JSON o
     cont = [(p + next(firsts), seeded(i, MAX_TOKENS - k)) for i, p in enumerate(PROMPTS) for k in SPLITS]
     result["continued"] = gen(b, cont)
     result["greedy_b"] = gen(b, each(temperature=0.0))
+    pen_firsts = iter(result["pen_first"])
+    pen_cont = [
+        (p + (f := next(pen_firsts)), {**sp, "max_tokens": MAX_TOKENS - k}, len(f))
+        for p, sp in pen_jobs
+        for k in SPLITS
+    ]
+    result["pen_continued"] = gen(b, [(p, {**sp, "extra_args": {PRIOR: k}}) for p, sp, k in pen_cont])
+    result["pen_unaware"] = gen(b, [(p, sp) for p, sp, _ in pen_cont])
     result["timings"] = {**timings, "total_s": time.monotonic() - t0}
     out.write_text(json.dumps(result))
 
@@ -135,8 +151,19 @@ def test_stop_tokens_still_end_the_output(runs: dict[str, Any]) -> None:
     assert stopped == whole[: whole.index(stop) + 1]
 
 
-def test_penalties_with_position_keyed_sampling_are_refused(runs: dict[str, Any]) -> None:
-    assert "penalties" in runs["penalty_refused"]
+def test_penalties_continue_exactly_when_told_the_prior_output(runs: dict[str, Any]) -> None:
+    firsts, conts, unaware = iter(runs["pen_first"]), iter(runs["pen_continued"]), iter(runs["pen_unaware"])
+    differs = 0
+    for n, whole in enumerate(runs["pen_whole"]):
+        assert len(whole) == MAX_TOKENS
+        for k in SPLITS:
+            first, rest, plain = next(firsts), next(conts), next(unaware)
+            assert first == whole[:k], (n, k)
+            assert first + rest == whole, (n, k, PENALISED[n % len(PENALISED)])
+            differs += first + plain != whole
+    assert differs, "the prior output made no difference: the test shows nothing"
+    # the penalties really act (greedy with penalties is not greedy)
+    assert runs["pen_whole"][0] != runs["greedy"][1]
 
 
 if __name__ == "__main__":
