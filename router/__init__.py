@@ -98,6 +98,7 @@ class Router:
         self.ids = itertools.count(1)
         self.in_flight: dict[str, RunDriver] = {}  # by request key
         self.labels_in_flight: set[str] = set()  # the clients' ids of those requests
+        self.running_at: dict[str, tuple[int, int]] = {}  # label -> in flight on its MD, RLD when admitted
         self.routes: dict[str, Route] = {}  # a run's key -> where it runs (now: moves change it)
         self.moves: dict[str, list[dict[str, str]]] = {}  # a run's key -> its moves within a role
         self.caller_check: CallerCheck | None = None  # set by the gRPC server (who calls, with TLS)
@@ -297,9 +298,10 @@ class Router:
                 sid = mint_request_key(self.cfg.name)  # a key of its own: the sidecars may hold the first
         finally:
             self.labels_in_flight.discard(label)
+            running_at = self.running_at.pop(label, None)
         origin = min(arrived, entered)  # since the request arrived (the API's clock when it passed one)
         stamps_s = {k: v - origin for k, v in stamps.items()}
-        final = self._final(run, decision, route, label, sid, replaced_from, stamps_s, moved)
+        final = self._final(run, decision, route, label, sid, replaced_from, stamps_s, moved, running_at)
         for key in ("prompt_usage", "prompt_logprobs"):  # vLLM's legs: P's prefix hit, P's logprobs
             if getattr(run.calls, key, None) is not None:
                 final[key] = getattr(run.calls, key)
@@ -328,6 +330,9 @@ class Router:
         metrics.DECISIONS.labels(option=option.value if option else "rejected").inc()
         if option is None:
             raise Overloaded.of(decision, deadline_s)
+        # in flight on its instances when admitted: what TpotBook pairs its TPOT with
+        running = self.fleet.running
+        self.running_at[label] = (running[route.md.name], running[route.rld.name] if route.rld else 0)
         return label, rid, (decision, matched, route)
 
     def _final(
@@ -340,6 +345,7 @@ class Router:
         replaced_from: list[dict[str, str]],
         stamps_s: dict[str, float],
         moved: list[dict[str, str]] | None = None,
+        running_at: tuple[int, int] | None = None,
     ) -> dict[str, Any]:
         """The request's last item: its outcome and the trace of its last run, with the choice, the
         placement (and the routes it left before its first token) and the router's stamps."""
@@ -354,6 +360,8 @@ class Router:
             "moved": moved or [],  # mid-run moves within a role: {"role", "from", "to"}
         }
         out["stamps_s"] = stamps_s
+        if running_at is not None:  # requests in flight on its MD and RLD when it was admitted
+            out["md_running"], out["rld_running"] = running_at
         self.md_tpot.observe(out)
         self.rld_tpot.observe(out)
         if out["outcome"] == RunOutcome.FINISHED.value:

@@ -11,7 +11,8 @@ The SLO (``slo_ttft_ms``, ``slo_tpot_ms``; 0: none) bounds the choice too: the T
 option's first-token deadline, the TPOT half as the decode-speed bound recompute is charged against,
 with the requests MD runs now (``md_running``) and the output lengths of those that finished lately
 (``OutputBook``), by which a recompute's stall is judged; MD's and RLD's time per
-token are what the requests each finished saw (``TpotBook``), and RLD's share of their tokens is
+token are what the requests each finished saw, fitted against how many were in flight there when
+each was admitted and read at the count now (``TpotBook``), and RLD's share of their tokens is
 held under ``rld_token_budget`` (``RoutingPolicy``). A request no
 option serves within the SLO is refused at once (``router.admission.Overloaded``, reason
 ``tpot_unreachable`` or ``deadline_unreachable``), as one that misses its deadline is.

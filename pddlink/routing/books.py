@@ -59,6 +59,14 @@ class PrefillBook:
         return MdPrefill(self.tokens_per_s, self.queue_s())
 
 
+# The batch model's memory: each finished request weighs this much against what came before (about
+# the last 1 / BATCH_WEIGHT requests count); it fits only once this many have been seen and MD's
+# in-flight count varied among them by at least BATCH_SPREAD (its variance).
+BATCH_WEIGHT = 1 / 32
+BATCH_MIN_SAMPLES = 8
+BATCH_SPREAD = 0.25
+
+
 @dataclass(slots=True)
 class TpotBook:
     """An instance's time per output token as the router sees it: an exponentially weighted mean over
@@ -66,15 +74,25 @@ class TpotBook:
     finished; their stream's time after the first token per token), so a starved MD makes shipping
     and recompute look as slow as they are against the deadline and the TPOT bound.
 
-    ``estimate(running)``: what a new request would get. An instance running nothing decodes at its
-    unloaded speed (at most the configured ``tpot_s`` it started from), whatever the last requests
-    saw: without that, a bound that keeps every request off a slow instance would never see it
-    recover, since only finished requests teach the book."""
+    ``estimate(running)``: what a new request would get with ``running`` requests already in flight
+    there. A request's TPOT follows how many share the instance with it: in wan-overload (demo run
+    of 2026-12-04, unbounded recompute) requests that found 0 others on MD decoded at 5.4 ms per
+    token, 1-3 others 7.7-8.3 ms, 4-5 others 11.4-12.8 ms, where the mean over all was 8.5 ms; a
+    mean alone refused requests at an idle MD after a busy spell and admitted them at a full one.
+    So each finished request's trace also says how many were in flight on its instance when it was
+    admitted (``md_running``, the router's count, what ``estimate`` is asked with), and the book
+    fits ``tpot = a + b * running`` to those pairs (exponentially weighted least squares, ``b >=
+    0``); until it has enough spread to fit, the mean stands. An instance running nothing decodes
+    at its unloaded speed (at most the configured ``tpot_s`` it started from), whatever the last
+    requests saw: without that, a bound that keeps every request off a slow instance would never
+    see it recover, since only finished requests teach the book."""
 
     tpot_s: float
     ewma_weight: float = 0.2
     source: str = "md"
     idle_tpot_s: float = 0.0  # set from tpot_s on construction
+    _fit: list[float] = field(default_factory=lambda: [0.0] * 5)  # weighted n, x, y, xx, xy
+    _samples: int = 0
 
     def __post_init__(self) -> None:
         if self.tpot_s <= 0 or not 0 < self.ewma_weight <= 1 or self.source not in ("md", "rld"):
@@ -92,8 +110,34 @@ class TpotBook:
         if not (isinstance(ttft, float) and isinstance(e2e, float) and isinstance(n, int)) or n < 4:
             return
         sample = (e2e - ttft) / (n - 1)
-        if sample > 0:
-            self.tpot_s = (1 - self.ewma_weight) * self.tpot_s + self.ewma_weight * sample
+        if sample <= 0:
+            return
+        self.tpot_s = (1 - self.ewma_weight) * self.tpot_s + self.ewma_weight * sample
+        running = trace.get(f"{self.source}_running")
+        if isinstance(running, int) and running >= 0:
+            self._learn(float(running), sample)
+
+    def _learn(self, x: float, y: float) -> None:
+        keep = 1 - BATCH_WEIGHT
+        self._fit = [keep * s + v for s, v in zip(self._fit, (1.0, x, y, x * x, x * y), strict=True)]
+        self._samples += 1
+
+    def per_request_s(self) -> float | None:
+        """What one more request in flight adds to a request's TPOT there (the fitted ``b``), or
+        None until the book has seen enough spread to fit it."""
+        w, sx, _, sxx, sxy = self._fit
+        if self._samples < BATCH_MIN_SAMPLES or w <= 0:
+            return None
+        var = sxx / w - (sx / w) ** 2
+        if var < BATCH_SPREAD:
+            return None
+        return max(0.0, (sxy / w - sx / w * self._fit[2] / w) / var)
 
     def estimate(self, running: int) -> float:
-        return self.tpot_s if running > 0 else min(self.tpot_s, self.idle_tpot_s)
+        slope = self.per_request_s()
+        if slope is None:
+            tpot = self.tpot_s
+        else:
+            w, sx, sy = self._fit[:3]
+            tpot = max(1e-4, sy / w + slope * (running - sx / w))
+        return tpot if running > 0 else min(tpot, self.idle_tpot_s)

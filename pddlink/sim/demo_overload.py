@@ -36,9 +36,14 @@ TIE_RPS = 0.05
 
 @dataclass(frozen=True, slots=True)
 class OverloadKnobs:
-    # the tiny engine on a quiet machine in wan-overload: TPOT P50 4.1 ms, P90 7.4 ms with one to
-    # three sequences decoding (demo runs on 0a54087, PDD and unbounded alike)
-    demo: DemoKnobs = field(default_factory=lambda: DemoKnobs(decode_step_s=0.0035, decode_seq_s=0.0006))
+    # the tiny engine as the demo runs it: 3.5 ms per step and 1.5 ms per sequence in it. The
+    # engine's forward pass alone costs ~0.6 ms more per sequence (``pddlink bench engine --preset
+    # tiny --dtype float64``: 4.1 ms at batch 1, 8.6 ms at batch 8), but each token also crosses MD's
+    # sidecar, the router and the client, all on the same two cores: the demo of 2026-12-04 measured
+    # 178 tok/s per request for the baseline and 127 (goodput 2.77 req/s) for PDD unbounded, where
+    # 0.6 ms predicted 238 and 200 (3.83) and 1.5 ms predicts 178 and 118 (2.65). Requests that
+    # found 4-5 others on MD decoded at 11-13 ms per token, those alone at 5.4 ms.
+    demo: DemoKnobs = field(default_factory=lambda: DemoKnobs(decode_step_s=0.0035, decode_seq_s=0.0015))
     deadline_s: float = 30.0  # ``ClusterSpec.deadline_s``; admission uses WAN_SHARE_OF_DEADLINE of it
     rld_token_budget: float = 0.08  # ``harness.demo.RLD_TOKEN_BUDGET``
     max_prompt_tokens: int = 1500  # ``harness.demo_workload.demo_requests``' cut
