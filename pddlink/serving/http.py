@@ -8,8 +8,11 @@ whole body within ``body_timeout_s`` (total deadlines, not per read, so a client
 byte at a time is cut off); a body larger than ``max_body_bytes`` is refused with 413 as soon as
 its ``Content-Length`` (or the bytes read so far) say so; request bodies buffered at once over
 all connections stay under ``body_budget_bytes`` (503 with ``Retry-After`` beyond it), so many large
-slow uploads cannot grow memory without bound. A chunked body is held to the same limit as its
-chunk sizes are declared (``pddlink.serving.chunked``: a huge chunk size gets 413 at once).
+slow uploads cannot grow memory without bound. A ``Content-Length`` body is received straight into
+one buffer of its declared size (``pddlink.serving.http_inbox``: no copies or joins on the event
+loop), so it is charged to the budget whole, from its head on; a chunked body as it arrives. A
+chunked body is held to the same limit as its chunk sizes are declared (``pddlink.serving.chunked``:
+a huge chunk size gets 413 at once).
 
 A malformed request (a garbage request line, a header without a colon, a bad, repeated or
 conflicting ``Content-Length``, a bad chunk, a NUL in the target, a head over 64 KiB) is answered

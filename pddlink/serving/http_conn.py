@@ -1,8 +1,9 @@
 """One HTTP/1.1 connection of ``pddlink.serving.http``'s server: its requests read and answered one
-after another (h11 parses heads; ``Content-Length`` bodies are read straight from the stream,
-chunked ones through h11 with their declared sizes followed by ``pddlink.serving.chunked``), the
-limits of ``HttpLimits`` applied as the bytes arrive, and every refusal or malformed request
-answered in vLLM's error shape with ``Connection: close`` (``Conn.refuse``).
+after another (h11 parses heads; a ``Content-Length`` body is received into one buffer by the
+connection's protocol, ``pddlink.serving.http_inbox.Inbox``; chunked ones go through h11 with
+their declared sizes followed by ``pddlink.serving.chunked``), the limits of ``HttpLimits``
+applied as the bytes arrive, and every refusal or malformed request answered in vLLM's error shape
+with ``Connection: close`` (``Conn.refuse``).
 """
 
 from __future__ import annotations

@@ -71,9 +71,10 @@ class Inbox(asyncio.BufferedProtocol):
             self._wake()
             return
         self.pending += self._scratch[:nbytes]
-        if len(self.pending) > HIGH_WATER and not self._reading_paused and self._open():
+        transport = self._open()
+        if len(self.pending) > HIGH_WATER and not self._reading_paused and transport is not None:
             self._reading_paused = True
-            self.transport.pause_reading()  # type: ignore[union-attr]
+            transport.pause_reading()
         self._wake()
 
     def eof_received(self) -> bool:
@@ -193,10 +194,12 @@ class Inbox(asyncio.BufferedProtocol):
             self._waiter.set_result(None)
 
     def _resume_reading(self) -> None:
-        if self._reading_paused and len(self.pending) <= SCRATCH_BYTES and self._open():
+        transport = self._open()
+        if self._reading_paused and len(self.pending) <= SCRATCH_BYTES and transport is not None:
             self._reading_paused = False
-            self.transport.resume_reading()  # type: ignore[union-attr]
+            transport.resume_reading()
 
-    def _open(self) -> bool:
-        """The transport is there and not closing (uvloop's raise on a closed one)."""
-        return self.transport is not None and not self.transport.is_closing()
+    def _open(self) -> asyncio.Transport | None:
+        """The transport, unless it is closing (uvloop's raise when paused or resumed then)."""
+        t = self.transport
+        return t if t is not None and not t.is_closing() else None
