@@ -13,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import socket
+import ssl
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,6 +23,7 @@ import uvloop
 
 from pddlink.serving.http import HttpLimits, Request, Response, json_response, serve_http
 from pddlink.serving.http_inbox import HIGH_WATER, SCRATCH_BYTES, Inbox
+from pddlink.transport import PeerIdentity, load_or_create_pki
 
 
 class _Transport:
@@ -118,17 +121,31 @@ def test_a_client_leaving_mid_body_is_an_error() -> None:
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("tls", [False, True], ids=["tcp", "tls"])
 @pytest.mark.parametrize("run", [asyncio.run, uvloop.run], ids=["asyncio", "uvloop"])
-def test_large_bodies_and_a_pipelined_request_over_a_real_socket(run: Callable[[Any], None]) -> None:
+def test_large_bodies_and_a_pipelined_request_over_a_real_socket(
+    run: Callable[[Any], None], tls: bool, tmp_path: Path
+) -> None:
     """Two 1 MB bodies and a small request sent back to back on one keep-alive connection: each
-    answered with its own body's digest (on both event loops: the router runs on uvloop)."""
+    answered with its own body's digest (on both event loops, the router runs on uvloop; plain and
+    TLS, as with ``api.http_mtls``)."""
+    server_ctx: ssl.SSLContext | None = None
+    client_ctx: ssl.SSLContext | None = None
+    if tls:
+        router_id, client_id = PeerIdentity("router", "router0"), PeerIdentity("client", "c1")
+        creds = load_or_create_pki(tmp_path / "pki", [router_id, client_id])
+        server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        server_ctx.load_cert_chain(str(creds[router_id].cert_file), str(creds[router_id].key_file))
+        client_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        client_ctx.check_hostname = False
+        client_ctx.load_verify_locations(str(creds[client_id].ca_file))
 
     async def handler(req: Request) -> Response:
         return json_response(200, {"n": len(req.body), "sha": hashlib.sha256(req.body).hexdigest()})
 
     async def main() -> None:
         servers = await serve_http(
-            handler, host="127.0.0.1", port=0, limits=HttpLimits(max_body_bytes=2 << 20)
+            handler, host="127.0.0.1", port=0, limits=HttpLimits(max_body_bytes=2 << 20), tls=server_ctx
         )
         port = servers[0].sockets[0].getsockname()[1]
         bodies = [b"a" * 1_000_000, bytes(range(256)) * 4096, b"{}"]
@@ -137,7 +154,8 @@ def test_large_bodies_and_a_pipelined_request_over_a_real_socket(run: Callable[[
         )
 
         def client() -> bytes:
-            with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
+                s = client_ctx.wrap_socket(raw) if client_ctx is not None else raw
                 s.sendall(wire)
                 got = b""
                 while got.count(b'"sha"') < len(bodies):
