@@ -53,6 +53,17 @@ class Inbox(asyncio.BufferedProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
         self.task = asyncio.get_running_loop().create_task(self._on_open(self))
+        self.task.add_done_callback(self._served)
+
+    def _served(self, task: asyncio.Task[None]) -> None:
+        """A handler that failed unexpectedly: reported (as asyncio's streams do) and cut."""
+        if task.cancelled() or (exc := task.exception()) is None:
+            return
+        task.get_loop().call_exception_handler(
+            {"message": "unhandled exception serving an HTTP connection", "exception": exc, "protocol": self}
+        )
+        if self.transport is not None:
+            self.transport.abort()
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._target is not None:
