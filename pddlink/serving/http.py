@@ -8,8 +8,11 @@ whole body within ``body_timeout_s`` (total deadlines, not per read, so a client
 byte at a time is cut off); a body larger than ``max_body_bytes`` is refused with 413 as soon as
 its ``Content-Length`` (or the bytes read so far) say so; request bodies buffered at once over
 all connections stay under ``body_budget_bytes`` (503 with ``Retry-After`` beyond it), so many large
-slow uploads cannot grow memory without bound. A chunked body is held to the same limit as its
-chunk sizes are declared (``pddlink.serving.chunked``: a huge chunk size gets 413 at once).
+slow uploads cannot grow memory without bound. A ``Content-Length`` body is received straight into
+one buffer of its declared size (``pddlink.serving.http_inbox``: no copies or joins on the event
+loop), so it is charged to the budget whole, from its head on; a chunked body as it arrives. A
+chunked body is held to the same limit as its chunk sizes are declared (``pddlink.serving.chunked``:
+a huge chunk size gets 413 at once).
 
 A malformed request (a garbage request line, a header without a colon, a bad, repeated or
 conflicting ``Content-Length``, a bad chunk, a NUL in the target, a head over 64 KiB) is answered
@@ -42,6 +45,7 @@ import h11
 
 from pddlink import metrics
 from pddlink.serving.http_conn import Budget, Conn, Shared
+from pddlink.serving.http_inbox import Inbox
 from pddlink.serving.http_types import (
     ConnectionGate,
     Handler,
@@ -71,15 +75,15 @@ class _Connections:
     """The open connections of one server, by id, so that the gate's evictions can close them."""
 
     def __init__(self) -> None:
-        self.writers: dict[int, asyncio.StreamWriter] = {}
+        self.open: dict[int, Inbox] = {}
         self.ids = itertools.count(1)
 
     def evict(self, conns: tuple[int, ...]) -> None:
         for cid in conns:
-            writer = self.writers.pop(cid, None)
-            if writer is not None:
+            inbox = self.open.pop(cid, None)
+            if inbox is not None:
                 metrics.HTTP_EVICTED.inc()
-                writer.transport.abort()  # head-less or idle: nothing of a request is lost
+                inbox.abort()  # head-less or idle: nothing of a request is lost
 
 
 async def serve_http(
@@ -99,15 +103,17 @@ async def serve_http(
     shared = Shared(handler, lim, Budget(lim.body_budget_bytes), gate)
     conns = _Connections()
 
-    async def on_client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        addr = writer.get_extra_info("peername")
+    async def on_client(inbox: Inbox) -> None:
+        transport = inbox.transport
+        assert transport is not None
+        addr = transport.get_extra_info("peername")
         peer = addr[0] if isinstance(addr, tuple) else ""
-        sock = writer.get_extra_info("socket")
+        sock = transport.get_extra_info("socket")
         if sock is not None:
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, lim.send_buffer_bytes)
         cid = next(conns.ids)
-        conn = Conn(reader, writer, shared, peer, cid)
+        conn = Conn(inbox, shared, peer, cid)
         try:
             if conn.gate is not None:
                 opened = conn.gate.opened(cid, peer, time.monotonic())
@@ -115,29 +121,30 @@ async def serve_http(
                     await conn.refuse(opened)
                     return
                 conns.evict(opened)
-            conns.writers[cid] = writer
+            conns.open[cid] = inbox
             await conn.serve()
         except (TimeoutError, ConnectionError, h11.ProtocolError, ssl.SSLError):
             pass
         finally:
-            conns.writers.pop(cid, None)
+            conns.open.pop(cid, None)
             if conn.gate is not None:
                 conn.gate.closed(cid)
-            writer.close()
+            transport.close()
             with contextlib.suppress(OSError, TimeoutError, ssl.SSLError):
-                await asyncio.wait_for(writer.wait_closed(), 5.0)
-            if writer.transport.get_write_buffer_size():
-                writer.transport.abort()  # bytes the client never takes would keep the socket open
+                await asyncio.wait_for(asyncio.shield(inbox.closed), 5.0)
+            if transport.get_write_buffer_size():
+                transport.abort()  # bytes the client never takes would keep the socket open
 
+    loop = asyncio.get_running_loop()
     servers = []
     if port is not None:
         servers.append(
-            await asyncio.start_server(
-                on_client, host or None, port, limit=1 << 16, ssl=tls, backlog=LISTEN_BACKLOG
+            await loop.create_server(
+                lambda: Inbox(on_client), host or None, port, ssl=tls, backlog=LISTEN_BACKLOG
             )
         )
     if unix:
-        servers.append(await asyncio.start_unix_server(on_client, unix, limit=1 << 16))
+        servers.append(await loop.create_unix_server(lambda: Inbox(on_client), unix))
     return servers
 
 

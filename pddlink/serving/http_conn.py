@@ -1,8 +1,9 @@
 """One HTTP/1.1 connection of ``pddlink.serving.http``'s server: its requests read and answered one
-after another (h11 parses heads; ``Content-Length`` bodies are read straight from the stream,
-chunked ones through h11 with their declared sizes followed by ``pddlink.serving.chunked``), the
-limits of ``HttpLimits`` applied as the bytes arrive, and every refusal or malformed request
-answered in vLLM's error shape with ``Connection: close`` (``Conn.refuse``).
+after another (h11 parses heads; a ``Content-Length`` body is received into one buffer by the
+connection's protocol, ``pddlink.serving.http_inbox.Inbox``; chunked ones go through h11 with
+their declared sizes followed by ``pddlink.serving.chunked``), the limits of ``HttpLimits``
+applied as the bytes arrive, and every refusal or malformed request answered in vLLM's error shape
+with ``Connection: close`` (``Conn.refuse``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import h11
 
 from pddlink import metrics
 from pddlink.serving.chunked import BodyTooLarge, ChunkSizes
+from pddlink.serving.http_inbox import Inbox
 from pddlink.serving.http_types import (
     ConnectionGate,
     Handler,
@@ -110,10 +112,8 @@ class Shared:
 
 
 class Conn:
-    def __init__(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, shared: Shared, peer: str, cid: int
-    ) -> None:
-        self.reader, self.writer, self.shared = reader, writer, shared
+    def __init__(self, inbox: Inbox, shared: Shared, peer: str, cid: int) -> None:
+        self.io, self.shared = inbox, shared
         self.limits, self.handler, self.peer, self.cid = shared.limits, shared.handler, peer, cid
         self.gate = shared.gate if peer else None
         self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
@@ -123,7 +123,7 @@ class Conn:
         self.head_started = False  # a byte of the current request head has arrived
 
     async def _read(self) -> bytes:
-        data = await self.reader.read(65536)
+        data = await self.io.read()
         if self.tap is not None:
             self.tap(data)
         return data
@@ -141,13 +141,13 @@ class Conn:
             await self._write(data, bound)
 
     async def _write(self, data: bytes, bound: WriteBound | None = None) -> None:
-        self.writer.write(data)
+        self.io.write(data)
         bound = bound or WriteBound(self.limits.write_stall_s)
         try:
             async with asyncio.timeout(bound.left(time.monotonic())):
-                await self.writer.drain()
+                await self.io.drain()
         except TimeoutError:
-            self.writer.transport.abort()  # a graceful close would wait on the unread bytes
+            self.io.abort()  # a graceful close would wait on the unread bytes
             metrics.WRITES_CUT.labels(api="http").inc()
             raise WriteCut(bound.reason(time.monotonic())) from None
 
@@ -159,7 +159,7 @@ class Conn:
         self.head_started = bool(self.head_raw)
         if not self.head_started:
             wait_s = min(lim.first_byte_timeout_s, lim.idle_timeout_s) if first else lim.idle_timeout_s
-            data = await asyncio.wait_for(self.reader.read(65536), wait_s)
+            data = await asyncio.wait_for(self.io.read(), wait_s)
             self.head_started = bool(data)
             self.head_raw += data
             self.h11.receive_data(data)
@@ -205,29 +205,20 @@ class Conn:
             self.tap = None
 
     async def _sized_body(self, size: int) -> bytes:
-        """A ``Content-Length`` body, read straight from the stream, not through h11: its receive
-        buffer copies a body several times over (measured: 7 ms per MB, on the event loop). h11
-        never sees these bytes: the next request starts on a fresh h11 connection (``serve``)."""
+        """A ``Content-Length`` body, received straight into one buffer of its size
+        (``Inbox.read_body``), not through h11: its receive buffer copies a body several times over
+        (measured: 7 ms per MB, on the event loop). The budget is charged the declared size at once:
+        that buffer is held from the head on. h11 never sees these bytes: the next request starts on
+        a fresh h11 connection (``serve``)."""
         pre = self.h11.trailing_data[0]
-        parts, got = [pre[:size]], min(size, len(pre))
         self.after_body = pre[size:]
-        taken = 0
+        self._take(size)
         try:
-            self._take(got)
-            taken = got
             async with asyncio.timeout(self.limits.body_timeout_s):
-                while got < size:
-                    part = await self.reader.read(min(size - got, 1 << 20))
-                    if not part:
-                        raise ConnectionError("the client left mid-body")
-                    self._take(len(part))
-                    taken += len(part)
-                    parts.append(part)
-                    got += len(part)
+                return await self.io.read_body(size, first=pre[:size])
         except BaseException:
-            self.shared.budget.give(taken)
+            self.shared.budget.give(size)
             raise
-        return b"".join(parts)
 
     def _take(self, n: int) -> None:
         """``n`` more body bytes buffered, or 503 when the server's budget is spent."""
@@ -319,9 +310,7 @@ class Conn:
         try:
             with contextlib.suppress(TimeoutError, ConnectionError, OSError):
                 async with asyncio.timeout(DISCARD_S):
-                    left = 16 << 20
-                    while left > 0 and (data := await self.reader.read(65536)):
-                        left -= len(data)
+                    await self.io.discard(16 << 20)
         finally:
             self.shared.lingering -= 1
 
