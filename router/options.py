@@ -66,7 +66,7 @@ def option_inputs(
         routing,
         deadline_s=WAN_SHARE_OF_DEADLINE * deadline_s if cfg.admission else None,
         ttft_deadline_s=cfg.slo_ttft_ms / 1e3 if cfg.slo_ttft_ms else None,
-        p_prefill_s=p.queue_s() + routing.missing_tokens / p.tokens_per_s,
+        p_prefill_s=p.queue_s() + p.prefill_s(routing.missing_tokens),
         fast_s=routing.prompt_tokens * routing.kv_bytes_per_token / FAST_PATH_BYTES_S,
         md_prefill=router.md_book.estimate() if cfg.recompute else None,
         md_tpot_s=router.md_tpot.estimate(md_running),

@@ -7,9 +7,10 @@ decodes) or FOR_HANDOFF (``Option.RELAY_RECOMPUTE``: MD prefills while RLD strea
 follow as in any handoff). MD answers with a ``ready`` event on the Attach stream once it holds
 the prompt's KV, carrying the prefill's time and how much of the prompt its own cache supplied.
 
-``PrefillBook`` is the router's view of MD's prefill (and of P's): its speed (an exponentially weighted mean
-of what the ready events report, starting from the configured figure) and the work it has queued
-(recomputes sent and not yet ready), which ``pddlink.routing.MdPrefill`` turns into a queue time.
+``PrefillBook`` is the router's view of MD's prefill (and of P's): its cost (a fixed time plus a
+per-token rate fitted to what the ready events report, the configured rate until then) and the work
+it has queued (recomputes sent and not yet ready), which ``pddlink.routing.MdPrefill`` turns into a
+queue time.
 """
 
 from __future__ import annotations
@@ -19,17 +20,75 @@ from dataclasses import dataclass, field
 from pddlink.errors import InvalidInput
 from pddlink.routing import MdPrefill, RecomputeMode
 
-__all__ = ["PrefillBook", "RecomputeMode", "TpotBook"]
+__all__ = ["LineFit", "PrefillBook", "RecomputeMode", "TpotBook"]
+
+
+# The prefill fit's memory and its conditions: each prefill weighs PREFILL_WEIGHT against what
+# came before; ``seconds = fixed + tokens / rate`` is fitted once PREFILL_MIN_SAMPLES were seen with
+# a spread of prompt lengths of at least PREFILL_SPREAD (their variance: 64 tokens' deviation).
+PREFILL_WEIGHT = 1 / 32
+PREFILL_MIN_SAMPLES = 8
+PREFILL_SPREAD = 64.0**2
+
+
+@dataclass(slots=True)
+class LineFit:
+    """``y = a + b * x`` by exponentially weighted least squares (each sample weighs ``weight``
+    against the decayed sum of those before it), with ``b >= 0``; ``a >= 0`` too when asked
+    (``nonnegative_intercept``: the line through the origin then). None until ``min_samples`` were
+    seen with a variance of ``x`` of at least ``min_var``. Sans-I/O; what ``TpotBook`` (TPOT against
+    MD's running count) and ``PrefillBook`` (prefill seconds against tokens) both fit."""
+
+    weight: float
+    min_samples: int
+    min_var: float
+    _sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # weighted n, x, y, xx, xy
+    _samples: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.weight <= 1 or self.min_samples < 2 or self.min_var <= 0:
+            raise InvalidInput("line fit: weight in (0, 1], min_samples >= 2 and min_var > 0 required")
+
+    def add(self, x: float, y: float) -> None:
+        keep = 1 - self.weight
+        self._sums = [keep * s + v for s, v in zip(self._sums, (1.0, x, y, x * x, x * y), strict=True)]
+        self._samples += 1
+
+    def line(self, nonnegative_intercept: bool = False) -> tuple[float, float] | None:
+        """``(a, b)``, or None while the samples are too few or too alike to fit."""
+        w, sx, sy, sxx, sxy = self._sums
+        if self._samples < self.min_samples or w <= 0:
+            return None
+        mx, my = sx / w, sy / w
+        var = sxx / w - mx * mx
+        if var < self.min_var:
+            return None
+        b = max(0.0, (sxy / w - mx * my) / var)
+        a = my - b * mx
+        if nonnegative_intercept and a < 0:
+            a, b = 0.0, max(0.0, sxy / sxx)  # the constrained optimum sits on a = 0
+        return a, b
 
 
 @dataclass(slots=True)
 class PrefillBook:
     """A prefill engine's speed and queued work as the router sees them (MD's recomputes, P's
-    prefills). Sans-I/O."""
+    prefills). Sans-I/O.
+
+    A prefill's time is a fixed cost plus a per-token one: in wan-overload (2026-12-04) MD's small
+    recomputes (17-42 tokens) took 12-20 ms, large ones ~3,700 tokens/s. A mean of tokens / seconds
+    mixes the two, so the small ones pulled MD's rate to ~2,000 tokens/s and a 644-token prompt was
+    estimated at 0.30 s against 0.17 s measured. So the book fits ``seconds = fixed_s + tokens /
+    rate`` to what the replies report (``LineFit``: exponentially weighted, ``fixed_s >= 0``, rate
+    > 0); until that fit holds (enough prefills of spread lengths) ``tokens_per_s``, the exponentially
+    weighted mean of tokens / seconds starting from the configured figure, stands alone."""
 
     tokens_per_s: float
     ewma_weight: float = 0.3
-    _queued: dict[str, int] = field(default_factory=dict)  # request id -> tokens MD must prefill
+    _queued: dict[str, int] = field(default_factory=dict)  # request id -> tokens it must prefill
+    _fit: LineFit = field(
+        default_factory=lambda: LineFit(PREFILL_WEIGHT, PREFILL_MIN_SAMPLES, PREFILL_SPREAD)
+    )
 
     def __post_init__(self) -> None:
         if self.tokens_per_s <= 0 or not 0 < self.ewma_weight <= 1:
@@ -39,8 +98,11 @@ class PrefillBook:
         self._queued[request_id] = max(0, tokens)
 
     def ready(self, request_id: str, prefilled_tokens: int, seconds: float) -> None:
-        """That prefill is done (MD's ready event, P's reply); its rate updates the speed."""
+        """That prefill is done (MD's ready event, P's reply); its time teaches the fit (and its
+        rate the mean)."""
         self._queued.pop(request_id, None)
+        if prefilled_tokens >= 1 and seconds > 0:
+            self._fit.add(float(prefilled_tokens), seconds)
         if prefilled_tokens >= 16 and seconds > 0:
             w = self.ewma_weight
             self.tokens_per_s = (1 - w) * self.tokens_per_s + w * (prefilled_tokens / seconds)
@@ -48,15 +110,33 @@ class PrefillBook:
     def finish(self, request_id: str) -> None:
         self._queued.pop(request_id, None)
 
+    def cost(self) -> tuple[float, float]:
+        """``(fixed_s, tokens_per_s)``: the fit where it holds (a per-token rate > 0), else no
+        fixed cost and the mean rate."""
+        line = self._fit.line(nonnegative_intercept=True)
+        if line is None or line[1] <= 0:
+            return 0.0, self.tokens_per_s
+        return line[0], 1.0 / line[1]
+
+    def prefill_s(self, tokens: int) -> float:
+        """How long prefilling ``tokens`` takes there (0 tokens: nothing to do)."""
+        if tokens <= 0:
+            return 0.0
+        fixed, rate = self.cost()
+        return fixed + tokens / rate
+
     @property
     def queued_tokens(self) -> int:
         return sum(self._queued.values())
 
     def queue_s(self) -> float:
-        return self.queued_tokens / self.tokens_per_s
+        """The queued prefills' time, each paying the fixed cost."""
+        fixed, rate = self.cost()
+        return sum(fixed + t / rate for t in self._queued.values() if t > 0)
 
     def estimate(self) -> MdPrefill:
-        return MdPrefill(self.tokens_per_s, self.queue_s())
+        fixed, rate = self.cost()
+        return MdPrefill(rate, self.queue_s(), fixed_s=fixed)
 
 
 # The batch model's memory: each finished request weighs this much against what came before (about
@@ -91,8 +171,7 @@ class TpotBook:
     ewma_weight: float = 0.2
     source: str = "md"
     idle_tpot_s: float = 0.0  # set from tpot_s on construction
-    _fit: list[float] = field(default_factory=lambda: [0.0] * 5)  # weighted n, x, y, xx, xy
-    _samples: int = 0
+    _fit: LineFit = field(default_factory=lambda: LineFit(BATCH_WEIGHT, BATCH_MIN_SAMPLES, BATCH_SPREAD))
 
     def __post_init__(self) -> None:
         if self.tpot_s <= 0 or not 0 < self.ewma_weight <= 1 or self.source not in ("md", "rld"):
@@ -115,29 +194,15 @@ class TpotBook:
         self.tpot_s = (1 - self.ewma_weight) * self.tpot_s + self.ewma_weight * sample
         running = trace.get(f"{self.source}_running")
         if isinstance(running, int) and running >= 0:
-            self._learn(float(running), sample)
-
-    def _learn(self, x: float, y: float) -> None:
-        keep = 1 - BATCH_WEIGHT
-        self._fit = [keep * s + v for s, v in zip(self._fit, (1.0, x, y, x * x, x * y), strict=True)]
-        self._samples += 1
+            self._fit.add(float(running), sample)
 
     def per_request_s(self) -> float | None:
         """What one more request in flight adds to a request's TPOT there (the fitted ``b``), or
         None until the book has seen enough spread to fit it."""
-        w, sx, _, sxx, sxy = self._fit
-        if self._samples < BATCH_MIN_SAMPLES or w <= 0:
-            return None
-        var = sxx / w - (sx / w) ** 2
-        if var < BATCH_SPREAD:
-            return None
-        return max(0.0, (sxy / w - sx / w * self._fit[2] / w) / var)
+        line = self._fit.line()
+        return None if line is None else line[1]
 
     def estimate(self, running: int) -> float:
-        slope = self.per_request_s()
-        if slope is None:
-            tpot = self.tpot_s
-        else:
-            w, sx, sy = self._fit[:3]
-            tpot = max(1e-4, sy / w + slope * (running - sx / w))
+        line = self._fit.line()
+        tpot = self.tpot_s if line is None else max(1e-4, line[0] + line[1] * running)
         return tpot if running > 0 else min(tpot, self.idle_tpot_s)

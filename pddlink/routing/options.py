@@ -37,7 +37,7 @@ Recompute costs them MD's prefill time: a blocking prefill stalls one step for t
 output tokens; chunked prefill (``MdPrefill.chunk_tokens``, a per-step token budget) lengthens
 each step by ``chunk / tokens_per_s`` while it lasts, so at most that. Either way a request is
 pushed over the bound when it is shorter than ``work / slack`` (``MdPrefill.pushed_over_below``;
-``slack``: ``BATCH_TPOT_SHARE`` of the bound less MD's time per token now; a prefill no longer
+``slack``: the bound less MD's time per token now, ``tpot_headroom_s``; a prefill no longer
 than one decode step pushes nobody over, whatever the slack). The requests MD is
 decoding are length-biased (a request runs as long as its output), so the share of them that
 short is the share of output *tokens* that belong to such requests (``OutputLengths``, from what
@@ -87,10 +87,23 @@ from pddlink.routing.policy import (
     rld_finishes_first,
 )
 
-# Recompute is planned to keep MD's batch within this share of the TPOT bound: the step time it is
-# judged by is now's, the batch grows while the prefill runs, and a plan at the bound itself breaks
-# it for about half of the requests MD decodes meanwhile (the simulator shows it).
-BATCH_TPOT_SHARE = 0.9
+
+def tpot_headroom_s(tpot_bound_s: float, tpot_s: float) -> float:
+    """How much a stall may add to the TPOT of a request decoding at ``tpot_s`` per token before
+    it breaks ``tpot_bound_s``: the bound less its TPOT, per output token, over all of them.
+
+    A request's TPOT is its decode time over its ``n`` output tokens. With ``r`` left, having
+    decoded at ``tpot_s`` so far and going on so, a stall of ``S`` ends it at ``(n * tpot_s + S) /
+    n``: within the bound while ``S / r <= (n / r) * (bound - tpot_s)`` (the stall spread over the
+    tokens left against the bound's headroom for them, which includes what the tokens already out
+    saved), that is while ``S <= n * (bound - tpot_s)``. So a stall pushes over exactly the
+    requests shorter than ``S / (bound - tpot_s)`` (``MdPrefill.pushed_over_below``), whatever
+    their progress. ``tpot_s`` is MD's estimate with this request in its batch, so the batch's
+    growth is already in it; a margin below the bound on top (0.9 of it before) left no headroom
+    once MD's step neared 0.9 of the bound and counted every running request as pushed over."""
+    return tpot_bound_s - tpot_s
+
+
 # How many of MD's running requests (expected) a recompute may push over the bound: while a relay
 # option keeps every bound, hardly any (RLD serves the request without harming anyone); without
 # one, fewer than the one request it serves (the alternative is refusing it).
@@ -171,48 +184,58 @@ def _require(ok: bool, message: str) -> None:
 
 @dataclass(frozen=True, slots=True)
 class MdPrefill:
-    """MD's ability to recompute: its prefill speed, the prefill work already queued there, and
+    """MD's ability to recompute: its prefill speed, the prefill work already queued there,
     ``chunk_tokens``: the per-step prompt-token budget of an engine with chunked prefill (None:
-    the engine prefills a prompt in one step, stalling every sequence it decodes meanwhile)."""
+    the engine prefills a prompt in one step, stalling every sequence it decodes meanwhile), and
+    ``fixed_s``: what a prefill costs whatever its length (``PrefillBook``'s fit): a prefill of
+    ``tokens`` takes ``fixed_s + tokens / tokens_per_s``."""
 
     tokens_per_s: float
     queue_s: float = 0.0
     chunk_tokens: int | None = None
+    fixed_s: float = 0.0
 
     def __post_init__(self) -> None:
         _require(self.tokens_per_s > 0, f"tokens_per_s must be > 0, got {self.tokens_per_s}")
         _require(self.queue_s >= 0, f"queue_s must be >= 0, got {self.queue_s}")
         _require(self.chunk_tokens is None or self.chunk_tokens >= 1, "chunk_tokens must be >= 1 or None")
+        _require(self.fixed_s >= 0, f"fixed_s must be >= 0, got {self.fixed_s}")
+
+    def work_s(self, tokens: int) -> float:
+        """MD's prefill time for ``tokens`` after its queue (0 tokens: the queue alone)."""
+        own = self.fixed_s + tokens / self.tokens_per_s if tokens > 0 else 0.0
+        return self.queue_s + own
 
     def ready_s(self, tokens: int, step_s: float = 0.0) -> float:
         """When MD holds ``tokens`` prefilled: after its queue; chunked, each of the prefill's steps
         also runs one decode iteration of ``step_s`` (0 when MD decodes nothing)."""
-        ready = self.queue_s + tokens / self.tokens_per_s
+        ready = self.work_s(tokens)
         if self.chunk_tokens is not None and tokens > 0:
             ready += math.ceil(tokens / self.chunk_tokens) * step_s
         return ready
 
-    def pushed_over_below(self, tokens: int, slack_s: float, step_s: float = 0.0) -> float:
-        """The output length under which a request MD decodes meanwhile gets more than ``slack_s``
-        added to its mean TPOT by prefilling ``tokens`` (after MD's queue): ``work / slack``, or 0
-        when chunks are short enough to fit in the slack at every step, or when the work is no
-        longer than one decode step ``step_s`` (it costs a running request what one more token in
-        the batch does, within the step time's own spread); inf: no slack at all."""
-        work = self.queue_s + max(0, tokens) / self.tokens_per_s
+    def pushed_over_below(self, tokens: int, headroom_s: float, step_s: float = 0.0) -> float:
+        """The output length under which a request MD decodes meanwhile is pushed over the TPOT
+        bound by prefilling ``tokens`` (after MD's queue), given ``headroom_s`` (``tpot_headroom_s``:
+        the bound less its TPOT): ``stall / headroom``, or 0 when chunks are short enough to fit
+        in the headroom at every step, or when the work is no longer than one decode step
+        ``step_s`` (it costs a running request what one more token in the batch does, within the
+        step time's own spread); inf: no headroom at all."""
+        work = self.work_s(tokens)
         if work <= step_s:
             return 0.0
-        if slack_s <= 0:
+        if headroom_s <= 0:
             return math.inf
-        if self.chunk_tokens is not None and self.chunk_tokens / self.tokens_per_s <= slack_s:
+        if self.chunk_tokens is not None and self.chunk_tokens / self.tokens_per_s <= headroom_s:
             return 0.0
-        return work / slack_s
+        return work / headroom_s
 
     def tpot_cost_s(self, tokens: int, over_tokens: float) -> float:
         """What prefilling ``tokens`` adds to the time per output token of a request of
         ``over_tokens`` output tokens MD decodes meanwhile: the prefill and what is queued before it
         stall it (blocking: all of it; chunked: one chunk per step while it lasts, so at most one
         chunk's time per token), spread over its tokens."""
-        work = self.queue_s + max(0, tokens) / self.tokens_per_s
+        work = self.work_s(tokens)
         spread = work / max(1.0, over_tokens)
         return spread if self.chunk_tokens is None else min(self.chunk_tokens / self.tokens_per_s, spread)
 
@@ -346,8 +369,8 @@ def estimate_options(inputs: OptionInputs, policy: RoutingPolicy) -> tuple[Optio
         lengths = inputs.md_outputs
         batch_tpot = inputs.md_tpot_s + md.tpot_cost_s(r.missing_tokens, lengths.token_weighted_mean())
         if inputs.tpot_bound_s is not None:
-            slack = BATCH_TPOT_SHARE * inputs.tpot_bound_s - inputs.md_tpot_s
-            below = md.pushed_over_below(r.missing_tokens, slack, inputs.md_tpot_s)
+            headroom = tpot_headroom_s(inputs.tpot_bound_s, inputs.md_tpot_s)
+            below = md.pushed_over_below(r.missing_tokens, headroom, inputs.md_tpot_s)
             shorter = lengths.token_share_below(below)
             pushed = inputs.md_running * shorter
     rld_first = inputs.p_prefill_s + inputs.fast_s + r.rld_tpot_s

@@ -21,7 +21,7 @@ from pddlink.routing import (
     choose_option,
     estimate_options,
 )
-from pddlink.routing.options import BATCH_TPOT_SHARE, PUSHED_OVER_LIMIT_WITHOUT_RELAY, OutputLengths
+from pddlink.routing.options import PUSHED_OVER_LIMIT_WITHOUT_RELAY, OutputLengths, tpot_headroom_s
 from tests.routing.test_routing_options import LINE, PDD_RECOMPUTE, option_inputs, policies, routing
 
 BUSY = LinkEstimate(LINE, 0.02, flows_in_flight=10, backlog_bytes=40_000_000)
@@ -49,7 +49,7 @@ def test_blocking_recompute_on_a_busy_md_breaks_the_bound_so_it_relays() -> None
 
 
 def test_chunked_prefill_within_the_headroom_recomputes_and_takes_longer() -> None:
-    chunked = MdPrefill(tokens_per_s=8000.0, chunk_tokens=48)  # 6 ms per step: 26 ms <= 0.9 x 30 ms
+    chunked = MdPrefill(tokens_per_s=8000.0, chunk_tokens=48)  # 6 ms per step: 26 ms <= 30 ms
     d = choose_option(overloaded(chunked), PDD_RECOMPUTE)
     assert d.option is Option.RELAY_RECOMPUTE  # MD ready in 0.43 s: past relay_min_wan_s, RLD streams
     rec = d.estimate(Option.RECOMPUTE)
@@ -60,19 +60,23 @@ def test_chunked_prefill_within_the_headroom_recomputes_and_takes_longer() -> No
     assert choose_option(overloaded(wide), PDD_RECOMPUTE).option is Option.RELAY
 
 
-def test_a_plan_at_the_bound_itself_is_not_taken() -> None:
-    at_bound = MdPrefill(tokens_per_s=8000.0, chunk_tokens=80)  # 10 ms per step: exactly 30 ms
-    d = choose_option(overloaded(at_bound), PDD_RECOMPUTE)
+def test_chunks_within_the_headroom_are_taken_and_past_it_are_not() -> None:
+    within = MdPrefill(tokens_per_s=8000.0, chunk_tokens=79)  # 9.9 ms per step: 29.9 ms
+    d = choose_option(overloaded(within), PDD_RECOMPUTE)
     rec = d.estimate(Option.RECOMPUTE)
-    assert rec is not None and rec.md_batch_tpot_s == pytest.approx(BOUND)
-    assert d.option is Option.RELAY and BATCH_TPOT_SHARE < 1
+    assert rec is not None and rec.md_batch_tpot_s < BOUND and rec.md_pushed_over == 0.0
+    assert d.option is Option.RELAY_RECOMPUTE  # within the bound: MD recomputes while RLD streams
+    past = MdPrefill(tokens_per_s=8000.0, chunk_tokens=81)  # 10.1 ms per step: over it
+    d = choose_option(overloaded(past), PDD_RECOMPUTE)
+    rec = d.estimate(Option.RECOMPUTE)
+    assert rec is not None and rec.md_pushed_over > 0 and d.option is Option.RELAY
 
 
 LONG = OutputLengths.of([100] * 50)  # every request lately produced 100 tokens
 
 
 def test_a_stall_no_running_request_is_short_enough_to_feel_fits_unless_mds_queue_is_long() -> None:
-    long_outputs = overloaded(md_outputs=LONG)  # 96 ms with 7 ms of slack: under 14 tokens only
+    long_outputs = overloaded(md_outputs=LONG)  # 96 ms with 10 ms of headroom: under 10 tokens only
     d = choose_option(long_outputs, PDD_RECOMPUTE)
     rec = d.estimate(Option.RECOMPUTE)
     assert d.option is Option.RECOMPUTE and rec is not None and rec.md_pushed_over == 0.0
@@ -90,12 +94,12 @@ def test_the_share_of_running_requests_pushed_over_is_the_share_of_tokens_in_sho
     assert lengths.token_share_below(10) == 0.0 and lengths.token_share_below(911) == 1.0
     assert lengths.token_weighted_mean() == pytest.approx((9 * 100 + 910**2) / 1000)
     assert OutputLengths().token_share_below(2) == 1.0 and OutputLengths().token_share_below(1) == 0.0
-    # 96 ms of prefill against 7 ms of slack breaks requests under 13.7 tokens: 9% of the tokens
-    d = choose_option(overloaded(md_outputs=lengths, md_running=1), PDD_RECOMPUTE)
+    # 96 ms of prefill against 8 ms of headroom breaks requests under 12 tokens: 9% of the tokens
+    d = choose_option(overloaded(md_outputs=lengths, md_running=1, md_tpot_s=0.022), PDD_RECOMPUTE)
     rec = d.estimate(Option.RECOMPUTE)
     assert rec is not None and rec.md_pushed_over == pytest.approx(0.09)
     assert d.option is Option.RECOMPUTE  # under PUSHED_OVER_LIMIT, 0.1
-    d = choose_option(overloaded(md_outputs=lengths, md_running=2), PDD_RECOMPUTE)
+    d = choose_option(overloaded(md_outputs=lengths, md_running=2, md_tpot_s=0.022), PDD_RECOMPUTE)
     assert d.option is Option.RELAY  # 0.18 expected: RLD serves it without harming anyone
 
 
@@ -145,7 +149,8 @@ def test_every_option_breaking_the_bound_is_rejected_typed() -> None:
 
 def test_without_a_relay_recompute_may_push_over_up_to_the_one_request_it_serves() -> None:
     lengths = OutputLengths.of([10] * 30 + [700])  # 30% of the tokens in requests of 10 tokens
-    three = overloaded(md_outputs=lengths, md_running=3, ttft_deadline_s=2.0)  # 0.9 expected
+    # 96 ms against 8 ms of headroom: requests under 12 tokens are pushed over, 0.9 expected
+    three = overloaded(md_outputs=lengths, md_running=3, ttft_deadline_s=2.0, md_tpot_s=0.022)
     assert choose_option(three, PDD_RECOMPUTE).option is Option.RELAY
     no_relay = replace(PDD_RECOMPUTE, relay_enabled=False)
     assert choose_option(three, no_relay).option is Option.RECOMPUTE  # 0.9 <= 1: worth it
@@ -275,3 +280,40 @@ def test_a_relay_of_a_small_suffix_still_fits_the_ttft_bound() -> None:
     assert relay is not None and relay.line_s == pytest.approx(81 * 2048 / THIN)
     assert relay.meets(18.0, 2.0, 0.010)
     assert d.option is Option.RECOMPUTE  # 25 ms of MD's prefill: sooner than anything else
+
+
+def test_a_stall_pushes_over_exactly_the_requests_shorter_than_stall_over_headroom() -> None:
+    """A request of n tokens at t per token, stalled S, ends at (n t + S) / n: over the bound B
+    exactly when n < S / (B - t), however far it has got."""
+    bound, tpot, stall = 0.010, 0.0092, 0.1
+    headroom = tpot_headroom_s(bound, tpot)
+    assert headroom == pytest.approx(0.0008)
+    below = MdPrefill(tokens_per_s=1.0, queue_s=stall).pushed_over_below(0, headroom)
+    assert below == pytest.approx(125.0)
+    for n in (124, 126):
+        assert ((n * tpot + stall) / n > bound) is (n < below)
+
+
+def test_md_near_nine_tenths_of_the_bound_still_recomputes_for_long_running_requests() -> None:
+    """wan-overload: MD at 9.2 ms per token against a 10 ms bound. The rule with a 0.9 margin saw no
+    slack and counted every running request pushed over; 96 ms spread over requests of 300
+    tokens adds 0.32 ms each, within the 0.8 ms they have left."""
+    long_outputs = OutputLengths.of([300] * 50)
+    near = overloaded(md_outputs=long_outputs, md_running=6, md_tpot_s=0.0092, tpot_bound_s=0.010)
+    rec = choose_option(near, PDD_RECOMPUTE).estimate(Option.RECOMPUTE)
+    assert rec is not None and rec.md_pushed_over == 0.0  # the 0.9 margin: 6.0
+    assert rec.meets_tpot(0.010)
+    short_outputs = OutputLengths.of([100] * 50)  # 0.96 ms each: every one of the 6 over
+    short = replace(near, md_outputs=short_outputs)
+    rec = choose_option(short, PDD_RECOMPUTE).estimate(Option.RECOMPUTE)
+    assert rec is not None and rec.md_pushed_over == pytest.approx(6.0)
+
+
+def test_a_fixed_prefill_cost_counts_in_mds_ready_time_and_stall() -> None:
+    md = MdPrefill(tokens_per_s=4000.0, queue_s=0.05, fixed_s=0.012)
+    assert md.work_s(400) == pytest.approx(0.05 + 0.012 + 0.1)
+    assert md.work_s(0) == pytest.approx(0.05)  # nothing to prefill: no fixed cost
+    assert md.ready_s(400) == pytest.approx(0.162)
+    assert md.tpot_cost_s(400, 100) == pytest.approx(0.162 / 100)
+    with pytest.raises(ConfigError):
+        MdPrefill(tokens_per_s=4000.0, fixed_s=-0.001)
