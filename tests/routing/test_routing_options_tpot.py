@@ -21,7 +21,12 @@ from pddlink.routing import (
     choose_option,
     estimate_options,
 )
-from pddlink.routing.options import PUSHED_OVER_LIMIT_WITHOUT_RELAY, OutputLengths, tpot_headroom_s
+from pddlink.routing.options import (
+    PUSHED_OVER_LIMIT_WITHOUT_RELAY,
+    RESERVED_SHARE_OF_BOUND,
+    OutputLengths,
+    tpot_headroom_s,
+)
 from tests.routing.test_routing_options import LINE, PDD_RECOMPUTE, option_inputs, policies, routing
 
 BUSY = LinkEstimate(LINE, 0.02, flows_in_flight=10, backlog_bytes=40_000_000)
@@ -49,7 +54,9 @@ def test_blocking_recompute_on_a_busy_md_breaks_the_bound_so_it_relays() -> None
 
 
 def test_chunked_prefill_within_the_headroom_recomputes_and_takes_longer() -> None:
-    chunked = MdPrefill(tokens_per_s=8000.0, chunk_tokens=48)  # 6 ms per step: 26 ms <= 30 ms
+    chunked = MdPrefill(
+        tokens_per_s=8000.0, chunk_tokens=48
+    )  # 6 ms per step: 26 ms <= 0.9 x 30 ms (the reserve)
     d = choose_option(overloaded(chunked), PDD_RECOMPUTE)
     assert d.option is Option.RELAY_RECOMPUTE  # MD ready in 0.43 s: past relay_min_wan_s, RLD streams
     rec = d.estimate(Option.RECOMPUTE)
@@ -60,23 +67,19 @@ def test_chunked_prefill_within_the_headroom_recomputes_and_takes_longer() -> No
     assert choose_option(overloaded(wide), PDD_RECOMPUTE).option is Option.RELAY
 
 
-def test_chunks_within_the_headroom_are_taken_and_past_it_are_not() -> None:
-    within = MdPrefill(tokens_per_s=8000.0, chunk_tokens=79)  # 9.9 ms per step: 29.9 ms
-    d = choose_option(overloaded(within), PDD_RECOMPUTE)
+def test_a_plan_at_the_bound_itself_is_not_taken() -> None:
+    at_bound = MdPrefill(tokens_per_s=8000.0, chunk_tokens=80)  # 10 ms per step: exactly 30 ms
+    d = choose_option(overloaded(at_bound), PDD_RECOMPUTE)
     rec = d.estimate(Option.RECOMPUTE)
-    assert rec is not None and rec.md_batch_tpot_s < BOUND and rec.md_pushed_over == 0.0
-    assert d.option is Option.RELAY_RECOMPUTE  # within the bound: MD recomputes while RLD streams
-    past = MdPrefill(tokens_per_s=8000.0, chunk_tokens=81)  # 10.1 ms per step: over it
-    d = choose_option(overloaded(past), PDD_RECOMPUTE)
-    rec = d.estimate(Option.RECOMPUTE)
-    assert rec is not None and rec.md_pushed_over > 0 and d.option is Option.RELAY
+    assert rec is not None and rec.md_batch_tpot_s == pytest.approx(BOUND)
+    assert d.option is Option.RELAY and RESERVED_SHARE_OF_BOUND > 0
 
 
 LONG = OutputLengths.of([100] * 50)  # every request lately produced 100 tokens
 
 
 def test_a_stall_no_running_request_is_short_enough_to_feel_fits_unless_mds_queue_is_long() -> None:
-    long_outputs = overloaded(md_outputs=LONG)  # 96 ms with 10 ms of headroom: under 10 tokens only
+    long_outputs = overloaded(md_outputs=LONG)  # 96 ms with 7 ms of slack: under 14 tokens only
     d = choose_option(long_outputs, PDD_RECOMPUTE)
     rec = d.estimate(Option.RECOMPUTE)
     assert d.option is Option.RECOMPUTE and rec is not None and rec.md_pushed_over == 0.0
@@ -94,12 +97,12 @@ def test_the_share_of_running_requests_pushed_over_is_the_share_of_tokens_in_sho
     assert lengths.token_share_below(10) == 0.0 and lengths.token_share_below(911) == 1.0
     assert lengths.token_weighted_mean() == pytest.approx((9 * 100 + 910**2) / 1000)
     assert OutputLengths().token_share_below(2) == 1.0 and OutputLengths().token_share_below(1) == 0.0
-    # 96 ms of prefill against 8 ms of headroom breaks requests under 12 tokens: 9% of the tokens
-    d = choose_option(overloaded(md_outputs=lengths, md_running=1, md_tpot_s=0.022), PDD_RECOMPUTE)
+    # 96 ms of prefill against 7 ms of slack breaks requests under 13.7 tokens: 9% of the tokens
+    d = choose_option(overloaded(md_outputs=lengths, md_running=1), PDD_RECOMPUTE)
     rec = d.estimate(Option.RECOMPUTE)
     assert rec is not None and rec.md_pushed_over == pytest.approx(0.09)
     assert d.option is Option.RECOMPUTE  # under PUSHED_OVER_LIMIT, 0.1
-    d = choose_option(overloaded(md_outputs=lengths, md_running=2, md_tpot_s=0.022), PDD_RECOMPUTE)
+    d = choose_option(overloaded(md_outputs=lengths, md_running=2), PDD_RECOMPUTE)
     assert d.option is Option.RELAY  # 0.18 expected: RLD serves it without harming anyone
 
 
@@ -149,8 +152,7 @@ def test_every_option_breaking_the_bound_is_rejected_typed() -> None:
 
 def test_without_a_relay_recompute_may_push_over_up_to_the_one_request_it_serves() -> None:
     lengths = OutputLengths.of([10] * 30 + [700])  # 30% of the tokens in requests of 10 tokens
-    # 96 ms against 8 ms of headroom: requests under 12 tokens are pushed over, 0.9 expected
-    three = overloaded(md_outputs=lengths, md_running=3, ttft_deadline_s=2.0, md_tpot_s=0.022)
+    three = overloaded(md_outputs=lengths, md_running=3, ttft_deadline_s=2.0)  # 0.9 expected
     assert choose_option(three, PDD_RECOMPUTE).option is Option.RELAY
     no_relay = replace(PDD_RECOMPUTE, relay_enabled=False)
     assert choose_option(three, no_relay).option is Option.RECOMPUTE  # 0.9 <= 1: worth it
@@ -284,26 +286,40 @@ def test_a_relay_of_a_small_suffix_still_fits_the_ttft_bound() -> None:
 
 def test_a_stall_pushes_over_exactly_the_requests_shorter_than_stall_over_headroom() -> None:
     """A request of n tokens at t per token, stalled S, ends at (n t + S) / n: over the bound B
-    exactly when n < S / (B - t), however far it has got."""
+    exactly when n < S / (B - t), however far it has got; the rule's headroom is never more than
+    that (every request the stall pushes over is counted) and never nothing while t < B."""
     bound, tpot, stall = 0.010, 0.0092, 0.1
-    headroom = tpot_headroom_s(bound, tpot)
-    assert headroom == pytest.approx(0.0008)
-    below = MdPrefill(tokens_per_s=1.0, queue_s=stall).pushed_over_below(0, headroom)
-    assert below == pytest.approx(125.0)
     for n in (124, 126):
-        assert ((n * tpot + stall) / n > bound) is (n < below)
+        assert ((n * tpot + stall) / n > bound) is (n < stall / (bound - tpot))
+    headroom = tpot_headroom_s(bound, tpot)
+    assert headroom == pytest.approx(0.0004)  # half of what is left: 0.9 x 10 ms - 9.2 ms is < 0
+    below = MdPrefill(tokens_per_s=1.0, queue_s=stall).pushed_over_below(0, headroom)
+    assert below == pytest.approx(250.0) and below >= stall / (bound - tpot)
+    assert tpot_headroom_s(0.030, 0.020) == pytest.approx(0.007)  # well below: 0.9 x 30 ms - 20 ms
+    assert tpot_headroom_s(0.030, 0.031) < 0  # past the bound: none at all
+
+
+@settings(max_examples=200, deadline=None)
+@given(bound=st.floats(1e-3, 1.0), share=st.floats(0.0, 0.9999))
+def test_the_headroom_is_within_what_the_bound_leaves_and_never_nothing_below_it(
+    bound: float, share: float
+) -> None:
+    tpot = share * bound
+    headroom = tpot_headroom_s(bound, tpot)
+    assert 0.5 * (bound - tpot) * (1 - 1e-9) <= headroom <= (bound - tpot) * (1 + 1e-9)
+    assert headroom > 0
 
 
 def test_md_near_nine_tenths_of_the_bound_still_recomputes_for_long_running_requests() -> None:
     """wan-overload: MD at 9.2 ms per token against a 10 ms bound. The rule with a 0.9 margin saw no
     slack and counted every running request pushed over; 96 ms spread over requests of 300
-    tokens adds 0.32 ms each, within the 0.8 ms they have left."""
+    tokens adds 0.32 ms each, within the 0.4 ms of headroom the rule gives them."""
     long_outputs = OutputLengths.of([300] * 50)
     near = overloaded(md_outputs=long_outputs, md_running=6, md_tpot_s=0.0092, tpot_bound_s=0.010)
     rec = choose_option(near, PDD_RECOMPUTE).estimate(Option.RECOMPUTE)
     assert rec is not None and rec.md_pushed_over == 0.0  # the 0.9 margin: 6.0
     assert rec.meets_tpot(0.010)
-    short_outputs = OutputLengths.of([100] * 50)  # 0.96 ms each: every one of the 6 over
+    short_outputs = OutputLengths.of([200] * 50)  # 0.48 ms each: every one of the 6 over
     short = replace(near, md_outputs=short_outputs)
     rec = choose_option(short, PDD_RECOMPUTE).estimate(Option.RECOMPUTE)
     assert rec is not None and rec.md_pushed_over == pytest.approx(6.0)
