@@ -59,8 +59,9 @@ PREPARE_WAIT_S = 2.0  # how long an ALLOC that came before its PREPARE waits for
 
 
 @dataclass
-class Leg:
-    """One destination of a transfer: its reservation, its ship task and its result."""
+class Destination:
+    """One destination of a transfer (RLD or MD), its reservation, its ship task and its result.
+    Not the lifecycle's ``Leg`` (a sub-request on the sidecars)."""
 
     name: str
     peer: KVPeer
@@ -75,7 +76,7 @@ class Outgoing:
     hashes: list[int]
     num_tokens: int
     deadline_at: float  # wall clock
-    legs: dict[str, Leg] = field(default_factory=dict)
+    legs: dict[str, Destination] = field(default_factory=dict)
     slot: Slot | None = None
     copied_first: int = 0
     per_block: int = 0
@@ -171,7 +172,7 @@ class ProducerBridge:
             transfer, self.hasher.hash_blocks(prompt), len(prompt), cfield(msg, "deadline_at", float)
         )
         for name in names:
-            leg = out.legs[name] = Leg(name, self.peers[name])
+            leg = out.legs[name] = Destination(name, self.peers[name])
             leg.reservation = asyncio.ensure_future(self._reserve(out, leg))
         self.out[transfer] = out
         waiting = self._prepared.get(transfer)
@@ -179,7 +180,7 @@ class ProducerBridge:
             waiting.set()
         return {"legs": names}
 
-    async def _reserve(self, out: Outgoing, leg: Leg) -> int:
+    async def _reserve(self, out: Outgoing, leg: Destination) -> int:
         deadline = time.monotonic() + max(out.deadline_at - time.time(), 0.01)
         client = await leg.peer.client(deadline)
         msg = Reserve(request_id=out.transfer, block_hashes=tuple(out.hashes), lease_ms=int(LEASE_S * 1000))
@@ -194,7 +195,7 @@ class ProducerBridge:
         return int(answer.cached_blocks)
 
     @staticmethod
-    def _reserved(leg: Leg) -> int | None:
+    def _reserved(leg: Destination) -> int | None:
         r = leg.reservation
         if r is not None and r.done() and not r.cancelled() and r.exception() is None:
             return r.result()
@@ -223,7 +224,7 @@ class ProducerBridge:
         return {}
 
     async def _ship(
-        self, out: Outgoing, leg: Leg, layout: KVLayoutSpec, copied_first: int, num_blocks: int
+        self, out: Outgoing, leg: Destination, layout: KVLayoutSpec, copied_first: int, num_blocks: int
     ) -> None:
         t0 = time.perf_counter()
         try:
@@ -246,7 +247,7 @@ class ProducerBridge:
                 self._finish(out)
 
     @staticmethod
-    async def _held_at(leg: Leg) -> int:
+    async def _held_at(leg: Destination) -> int:
         """The blocks the destination holds already (its reservation's answer); 0 when it could not
         say (then everything ships)."""
         assert leg.reservation is not None
@@ -259,7 +260,7 @@ class ProducerBridge:
     async def _send(
         self,
         out: Outgoing,
-        leg: Leg,
+        leg: Destination,
         layout: KVLayoutSpec,
         copied_first: int,
         first: int,
@@ -311,7 +312,7 @@ class ProducerBridge:
         assert result is not None
         return result
 
-    def _shipped(self, leg: Leg, result: TransferResult, first: int) -> None:
+    def _shipped(self, leg: Destination, result: TransferResult, first: int) -> None:
         codec = result.codec.name.lower()
         leg.result.update(
             ok=True,
