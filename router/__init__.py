@@ -31,11 +31,13 @@ import math
 import secrets
 import time
 from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
 from typing import Any
 
 from engines_adapter import SamplingParams
 from pddlink import metrics
 from pddlink.errors import InvalidInput, NotFound
+from pddlink.handoff import MergedToken
 from pddlink.lifecycle import FailReason, RunOutcome, RunSpec, RunTrace, md_stall_bound
 from pddlink.roles import Role
 from pddlink.routing import (
@@ -51,6 +53,7 @@ from pddlink.routing.books import PrefillBook, TpotBook
 from pddlink.routing.options import OutputBook
 from pddlink.serving.grpc_tls import CallerCheck
 from router.admission import Overloaded
+from router.answer import GenerateEvent, RequestEnd, StreamedToken
 from router.backend import EngineBackend, GrpcBackend, make_backend
 from router.config import RouterConfig, VllmEngineConfig
 from router.fleet import Route
@@ -58,7 +61,7 @@ from router.legs import LegCalls
 from router.options import FORCEABLE, decide_option, forced_option, option_trace
 from router.run import RunDriver
 
-__all__ = ["Router", "RouterConfig", "VllmEngineConfig"]
+__all__ = ["RequestEnd", "Router", "RouterConfig", "StreamedToken", "VllmEngineConfig"]
 
 # sent into ``generate`` (``asend``) in place of reading the next token: the client needs no more
 # (a stop string); the run ends and the request's final item comes back as the answer to the send
@@ -72,6 +75,28 @@ def mint_request_key(router_name: str) -> str:
     """A key no other request of any router has: the name says whose (two routers may share one),
     the 128 random bits make it unique. No ``/``: vLLM's connector names files after it (tests)."""
     return f"{router_name}-{secrets.token_hex(16)}"
+
+
+@dataclass(slots=True)
+class RequestRuns:
+    """One request's runs so far (``Router.generate``): ``key`` the first run's (the one it is in
+    flight under), ``sid`` the current run's, its choice and route, the routes it left before its
+    first token, its moves within a role and the router's stamps."""
+
+    key: str
+    sid: str
+    decision: OptionDecision
+    matched: int
+    route: Route
+    stamps: dict[str, float]
+    run: RunDriver | None = None
+    replaced_from: list[dict[str, str]] = field(default_factory=list)
+    moved: list[dict[str, str]] = field(default_factory=list)
+
+
+def _streamed(run: RunDriver, tok: MergedToken) -> StreamedToken:
+    logprobs = getattr(run.calls, "logprobs", {})  # vLLM's legs: (source, position) -> row
+    return StreamedToken(tok.position, tok.token_id, tok.source, logprobs.get((tok.source, tok.position)))
 
 
 class Router:
@@ -241,11 +266,11 @@ class Router:
         request_id: str = "",
         arrived: float | None = None,
         request_key: str = "",
-    ) -> AsyncGenerator[dict[str, Any], Any]:
+    ) -> AsyncGenerator[GenerateEvent, Any]:
         """Validates (``InvalidInput``, nothing changed), admits (``Overloaded``, nothing started),
-        then yields token dicts and a final trace (``asend(STOP)`` at a token: the final now). The
-        deadline counts from ``arrived`` (when the API got the request; default now), so time spent
-        in the checks and queues is its own.
+        then yields ``StreamedToken``s and a final ``RequestEnd`` (``router.answer``; ``asend(STOP)``
+        at a token: the final now). The deadline counts from ``arrived`` (when the API got the
+        request; default now), so time spent in the checks and queues is its own.
         ``request_key``: for an in-process caller that finds the sidecars' records by a unique key
         of its own (``router.vllm_driver``); the client APIs never pass one, the router mints it.
         The trace's ``stamps_s`` (seconds since arrival, the router's clock): ``entered`` this call,
@@ -253,59 +278,60 @@ class Router:
         ``first_token`` (out of the run): the router's own part of TTFT (``harness.ttft_stages``)."""
         entered = time.monotonic()
         deadline_s = deadline_s or self.cfg.deadline_s
-        label, rid, (decision, matched, route) = self._admit(
-            prompt, sampling, deadline_s, pipeline, request_id, request_key
-        )
-        stamps = {"entered": entered, "placed": time.monotonic()}  # the router's own clock (TTFT stages)
+        label, rid, placed = self._admit(prompt, sampling, deadline_s, pipeline, request_id, request_key)
+        runs = RequestRuns(rid, rid, *placed, stamps={"entered": entered, "placed": time.monotonic()})
         arrived = time.monotonic() if arrived is None else arrived
-        sid, replaced_from, moved = rid, list[dict[str, str]](), list[dict[str, str]]()
         self.labels_in_flight.add(label)
         try:
-            while True:
-                emitted = 0
-                run = self._start(sid, prompt, sampling, deadline_s, decision, matched, route, arrived)
-                self.in_flight[rid] = run
-                tokens = run.run()
-                stamps.setdefault("sent", time.monotonic())  # the first run's calls (P's among them) go out
-                try:
-                    async for tok in tokens:
-                        stamps.setdefault("first_token", time.monotonic())
-                        emitted += 1
-                        ev = {"position": tok.position, "token_id": tok.token_id, "source": tok.source}
-                        logprobs = getattr(
-                            run.calls, "logprobs", {}
-                        )  # vLLM's legs: (source, position) -> row
-                        if (tok.source, tok.position) in logprobs:
-                            ev["logprobs"] = logprobs[tok.source, tok.position]
-                        if (yield ev) == STOP:
-                            break
-                finally:
-                    await tokens.aclose()  # a client that went away: the run ends (cancelled), its legs go
-                    self.in_flight.pop(rid, None)
-                    route = self.routes.get(sid, route)  # where the run ended (it may have moved)
-                    moved += self.moves.pop(sid, [])
-                    self._ended(sid, run, decision, route)
-                lost = not emitted  # nothing reached the client: another route may still serve it
-                again = (
-                    self.replacement(run.trace, route, prompt, sampling, deadline_s, arrived)
-                    if lost
-                    else None
-                )
-                if again is None:
-                    break
-                replaced_from.append({"p": route.p.name, "md": route.md.name})
-                decision, matched, route = again
-                sid = mint_request_key(self.cfg.name)  # a key of its own: the sidecars may hold the first
+            tokens = self._runs(runs, prompt, sampling, deadline_s, arrived)
+            try:
+                async for tok in tokens:
+                    if (yield tok) == STOP:
+                        break
+            finally:
+                await tokens.aclose()  # a client that went away (or STOP): the run ends, its legs go
         finally:
             self.labels_in_flight.discard(label)
             running_at = self.running_at.pop(label, None)
-        origin = min(arrived, entered)  # since the request arrived (the API's clock when it passed one)
-        stamps_s = {k: v - origin for k, v in stamps.items()}
-        final = self._final(run, decision, route, label, sid, replaced_from, stamps_s, moved, running_at)
-        for key in ("prompt_usage", "prompt_logprobs"):  # vLLM's legs: P's prefix hit, P's logprobs
-            if getattr(run.calls, key, None) is not None:
-                final[key] = getattr(run.calls, key)
-        yield final
+        # stamps since the request arrived (the API's clock when it passed one)
+        yield self._final(runs, label, min(arrived, entered), running_at)
+
+    async def _runs(
+        self,
+        r: RequestRuns,
+        prompt: list[int],
+        sampling: SamplingParams,
+        deadline_s: float,
+        arrived: float,
+    ) -> AsyncGenerator[StreamedToken, None]:
+        """The request's runs, their tokens as they come: the first on its route; one that lost its
+        P or MD before any token reached the client again on another route (``replacement``)."""
+        while True:
+            run = self._start(r.sid, prompt, sampling, deadline_s, r.decision, r.matched, r.route, arrived)
+            r.run = run
+            self.in_flight[r.key] = run
+            tokens = run.run()
+            r.stamps.setdefault("sent", time.monotonic())  # the first run's calls (P's among them) go out
+            emitted = 0
+            try:
+                async for tok in tokens:
+                    r.stamps.setdefault("first_token", time.monotonic())
+                    emitted += 1
+                    yield _streamed(run, tok)
+            finally:
+                await tokens.aclose()  # a client that went away: the run ends (cancelled), its legs go
+                self.in_flight.pop(r.key, None)
+                r.route = self.routes.get(r.sid, r.route)  # where the run ended (it may have moved)
+                r.moved += self.moves.pop(r.sid, [])
+                self._ended(r.sid, run, r.decision, r.route)
+            if emitted:  # once tokens reached the client the machine's own fallbacks decided
+                return
+            again = self.replacement(run.trace, r.route, prompt, sampling, deadline_s, arrived)
+            if again is None:
+                return
+            r.replaced_from.append({"p": r.route.p.name, "md": r.route.md.name})
+            r.decision, r.matched, r.route = again
+            r.sid = mint_request_key(self.cfg.name)  # a key of its own: the sidecars may hold the first
 
     def _admit(
         self,
@@ -336,45 +362,40 @@ class Router:
         return label, rid, (decision, matched, route)
 
     def _final(
-        self,
-        run: RunDriver,
-        decision: OptionDecision,
-        route: Route,
-        label: str,
-        sid: str,
-        replaced_from: list[dict[str, str]],
-        stamps_s: dict[str, float],
-        moved: list[dict[str, str]] | None = None,
-        running_at: tuple[int, int] | None = None,
-    ) -> dict[str, Any]:
+        self, r: RequestRuns, label: str, origin: float, running_at: tuple[int, int] | None = None
+    ) -> RequestEnd:
         """The request's last item: its outcome and the trace of its last run, with the choice, the
-        placement (and the routes it left before its first token) and the router's stamps."""
+        placement (and the routes it left before its first token) and the router's stamps (seconds
+        since ``origin``)."""
+        run, route = r.run, r.route
+        assert run is not None
         out = run.trace.to_dict()
-        out.update(option_trace(decision), request_id=label, request_key=sid)
+        out.update(option_trace(r.decision), request_id=label, request_key=r.sid)
         out["placement"] = {
             "p": route.p.name,
             "md": route.md.name,
             "rld": route.rld.name if route.rld else None,
             "reason": route.reason,
-            "replaced_from": replaced_from,
-            "moved": moved or [],  # mid-run moves within a role: {"role", "from", "to"}
+            "replaced_from": r.replaced_from,
+            "moved": r.moved,  # mid-run moves within a role: {"role", "from", "to"}
         }
-        out["stamps_s"] = stamps_s
+        out["stamps_s"] = {k: v - origin for k, v in r.stamps.items()}
         if running_at is not None:  # requests in flight on its MD and RLD when it was admitted
             out["md_running"], out["rld_running"] = running_at
         self.md_tpot.observe(out)
         self.rld_tpot.observe(out)
-        if out["outcome"] == RunOutcome.FINISHED.value:
+        if run.trace.outcome is RunOutcome.FINISHED:
             tokens = out.get("tokens") or {}
             self.outputs.add(int(out.get("output_tokens") or 0), int(tokens.get("rld", 0)))
-        return {
-            "done": True,
-            "request_id": label,
-            "request_key": sid,
-            "outcome": out["outcome"],
-            "reason": out["reason"],
-            "trace": out,
-        }
+        return RequestEnd(
+            label,
+            r.sid,
+            run.trace.outcome,
+            out["reason"],
+            out,
+            prompt_usage=getattr(run.calls, "prompt_usage", None),  # vLLM's legs: P's prefix hit
+            prompt_logprobs=getattr(run.calls, "prompt_logprobs", None),  # and P's logprobs
+        )
 
     def _start(
         self,

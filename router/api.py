@@ -54,6 +54,7 @@ from pddlink.serving.rpc import stubs
 from pddlink.serving.write_bound import WriteBound
 from router import Router, RouterConfig
 from router.admission import Overloaded, grpc_rejection, http_rejection
+from router.answer import GenerateEvent, RequestEnd
 from router.openai_api import Responder, error_body, models_body
 from router.openai_schema import Endpoint, Job, Limits, RequestRefused, completion_job, generate_job
 from router.openai_text import TextCodec, TextWorkers
@@ -338,7 +339,7 @@ class RouterService(pb2_grpc.RouterServicer):  # type: ignore[misc,name-defined]
             while True:
                 if not await _write(context, _event(ev), bound):
                     return  # cut: the finally below cancels the run
-                if ev.get("done"):
+                if isinstance(ev, RequestEnd):
                     return
                 ev = await gen.__anext__()
         finally:
@@ -353,12 +354,12 @@ class RouterService(pb2_grpc.RouterServicer):  # type: ignore[misc,name-defined]
         return pb2.StatusReply(json=json.dumps(self.router.status()))
 
 
-def _event(ev: dict[str, Any]) -> Any:
-    if ev.get("done"):
+def _event(ev: GenerateEvent) -> Any:
+    if isinstance(ev, RequestEnd):
         return pb2.GenerateEvent(
-            done=True, outcome=ev["outcome"], reason=ev["reason"], trace_json=json.dumps(ev["trace"])
+            done=True, outcome=ev.outcome.value, reason=ev.reason, trace_json=json.dumps(ev.trace)
         )
-    return pb2.GenerateEvent(position=ev["position"], token_id=ev["token_id"], source=ev["source"])
+    return pb2.GenerateEvent(position=ev.position, token_id=ev.token_id, source=ev.source)
 
 
 async def _write(context: grpc.aio.ServicerContext[Any, Any], msg: Any, bound: WriteBound) -> bool:

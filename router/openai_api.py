@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from engines_adapter import SamplingParams
+from router.answer import GenerateEvent, RequestEnd
 from router.openai_schema import Endpoint, Job
 from router.openai_text import ChoiceText, TextCodec
 
@@ -43,7 +44,7 @@ class Generator(Protocol):
         deadline_s: float = 0.0,
         pipeline: str = "",
         request_id: str = "",
-    ) -> AsyncGenerator[dict[str, Any], Any]: ...
+    ) -> AsyncGenerator[GenerateEvent, Any]: ...
 
 
 @dataclass(slots=True)
@@ -75,11 +76,11 @@ class Choice:
     def created_cache_tokens(self) -> int:
         return int(self.prompt_usage.get("created_cache_tokens", len(self.prompt) - self.cached_tokens))
 
-    def ended(self, final: dict[str, Any]) -> None:
+    def ended(self, final: RequestEnd) -> None:
         """The router's final item: the request's id, trace and prompt usage."""
-        self.request_id, self.trace = final["request_id"], final["trace"]
-        self.prompt_usage = final.get("prompt_usage") or {}
-        self.prompt_logprobs = final.get("prompt_logprobs")
+        self.request_id, self.trace = final.request_id, dict(final.trace)
+        self.prompt_usage = dict(final.prompt_usage or {})
+        self.prompt_logprobs = final.prompt_logprobs
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,32 +97,34 @@ class Delta:
 
 
 async def run_choice(
-    gen: AsyncGenerator[dict[str, Any], Any], job: Job, choice: Choice, eos: int | None
+    gen: AsyncGenerator[GenerateEvent, Any], job: Job, choice: Choice, eos: int | None
 ) -> AsyncIterator[Delta]:
     s = choice.sampling
     try:
         async for ev in gen:
-            if ev.get("done"):
+            if isinstance(ev, RequestEnd):
                 choice.ended(ev)
-                if ev["outcome"] != "finished":
-                    choice.error = str(ev["reason"]) or "failed"
+                if not ev.finished:
+                    choice.error = ev.reason or "failed"
                 else:
                     _finish(choice, s, eos)
                 yield Delta(choice, choice.text.finish(), [], [], [], done=True)
                 return
-            tok = int(ev["token_id"])
+            tok = ev.token_id
             choice.tokens.append(tok)
-            choice.positions.append(int(ev["position"]))
-            choice.sources.append(str(ev["source"]))
-            rows = [ev["logprobs"]] if "logprobs" in ev else []
+            choice.positions.append(ev.position)
+            choice.sources.append(ev.source)
+            rows = [ev.logprobs] if ev.logprobs is not None else []
             choice.logprobs += rows
             is_stop = tok in s.stop_token_ids
             text = choice.text.push(tok, is_stop_token=is_stop)
-            delta = Delta(choice, text, [tok], [int(ev["position"])], [str(ev["source"])], logprobs=rows)
+            delta = Delta(choice, text, [tok], [ev.position], [ev.source], logprobs=rows)
             if choice.text.stopped is not None:
                 choice.finish_reason, choice.stop_reason = "stop", choice.text.stopped
                 with contextlib.suppress(StopAsyncIteration):  # the run ends; its trace and usage
-                    choice.ended(await gen.asend(STOP))
+                    end = await gen.asend(STOP)
+                    if isinstance(end, RequestEnd):  # the answer to STOP: the final item
+                        choice.ended(end)
                 yield delta
                 yield Delta(choice, "", [], [], [], done=True)
                 return
@@ -144,7 +147,7 @@ def _finish(choice: Choice, s: SamplingParams, eos: int | None) -> None:
 
 async def admitted(
     router: Generator, job: Job, choices: list[Choice]
-) -> list[AsyncGenerator[dict[str, Any], Any]]:
+) -> list[AsyncGenerator[GenerateEvent, Any]]:
     """One router request per choice, all started at once and each run up to its first event: the
     router's admission (``Overloaded``) or its own checks raise here, before any answer is sent; then
     none is left open."""
@@ -162,7 +165,7 @@ async def admitted(
     return gens
 
 
-async def _primed(gen: AsyncGenerator[dict[str, Any], Any]) -> AsyncGenerator[dict[str, Any], Any]:
+async def _primed(gen: AsyncGenerator[GenerateEvent, Any]) -> AsyncGenerator[GenerateEvent, Any]:
     """``gen`` with its first event taken now (so the router's admission error surfaces here);
     a value sent into the result goes on to ``gen`` (``STOP``); closing the result closes ``gen``
     at once, which cancels the router's request (a client gone)."""
@@ -172,7 +175,7 @@ async def _primed(gen: AsyncGenerator[dict[str, Any], Any]) -> AsyncGenerator[di
         await _close(gen)
         raise
 
-    async def forwarding() -> AsyncGenerator[dict[str, Any], Any]:
+    async def forwarding() -> AsyncGenerator[GenerateEvent, Any]:
         try:
             sent = yield first
             while True:
@@ -192,7 +195,7 @@ async def _close(gen: AsyncIterator[Any]) -> None:
 
 
 async def merged(
-    gens: list[AsyncGenerator[dict[str, Any], Any]], job: Job, choices: list[Choice], eos: int | None
+    gens: list[AsyncGenerator[GenerateEvent, Any]], job: Job, choices: list[Choice], eos: int | None
 ) -> AsyncIterator[Delta]:
     """Every choice's deltas as they come (one task per choice); all cancelled if the reader leaves."""
     if len(choices) == 1:
@@ -201,7 +204,7 @@ async def merged(
         return
     queue: asyncio.Queue[Delta | None] = asyncio.Queue()
 
-    async def pump(g: AsyncGenerator[dict[str, Any], Any], c: Choice) -> None:
+    async def pump(g: AsyncGenerator[GenerateEvent, Any], c: Choice) -> None:
         try:
             async for d in run_choice(g, job, c, eos):
                 await queue.put(d)
@@ -235,7 +238,7 @@ class Responder:
     trace: bool = False  # add the per-choice ``pddlink`` object (request id, positions, sources, trace)
     created: int = field(default_factory=lambda: int(time.time()))
     choices: list[Choice] = field(default_factory=list)
-    gens: list[AsyncGenerator[dict[str, Any], Any]] = field(default_factory=list)
+    gens: list[AsyncGenerator[GenerateEvent, Any]] = field(default_factory=list)
     _offsets: dict[int, int] = field(default_factory=dict)  # per choice: a stream's next text_offset
     _first_out: int | None = None  # a stream's first choice to send anything (vLLM's usage is its)
 

@@ -21,6 +21,7 @@ import httpx
 from engines_adapter.base import SamplingParams
 from pddlink.errors import PddlinkError, RemoteError
 from router import Router
+from router.answer import RequestEnd
 from router.config import RouterConfig, VllmEngineConfig
 from router.vllm_legs import generate_alone
 
@@ -69,7 +70,7 @@ class VllmDriver:
         router = await self._started()
         t0 = time.monotonic()
         tokens: list[int] = []
-        final: dict[str, object] = {}
+        final: RequestEnd | None = None
         gen = router.generate(
             list(req.prompt),
             req.sampling,
@@ -79,14 +80,13 @@ class VllmDriver:
             request_key=req.request_id,  # unique (uuid4): the sidecars' records are found by it
         )
         async for ev in gen:
-            if ev.get("done"):
+            if isinstance(ev, RequestEnd):
                 final = ev
             else:
-                tokens.append(int(ev["token_id"]))
-        if final.get("outcome") != "finished":
-            raise RemoteError(f"request {req.request_id}: {final.get('reason')}")
-        trace = final["trace"]
-        assert isinstance(trace, dict)
+                tokens.append(ev.token_id)
+        if final is None or not final.finished:
+            raise RemoteError(f"request {req.request_id}: {final.reason if final else 'no final item'}")
+        trace = final.trace
         finish = "length" if len(tokens) >= req.max_tokens else "stop"
         return DriveResult(
             req.request_id, tuple(tokens), float(trace["ttft_s"]), time.monotonic() - t0, finish
