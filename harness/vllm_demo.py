@@ -82,6 +82,7 @@ from netlab import Lab
 from netlab.profile import parse_profile
 from pddlink.errors import PddlinkError
 from router import Router, RouterConfig, VllmEngineConfig
+from router.answer import RequestEnd
 from router.vllm_legs import generate_alone
 
 
@@ -196,7 +197,7 @@ async def _replay(
             rid = f"{label}-{s}-{turn}-{time.time_ns() % 10**9}"
             sampling = sampling_of(spec, s, turn)
             tokens: list[int] = []
-            final: dict[str, Any] = {}
+            final: RequestEnd | None = None
             sent = time.monotonic()
             first: float | None = None
             try:
@@ -208,23 +209,23 @@ async def _replay(
                     request_id=rid,
                     arrived=sent,
                 ):
-                    if ev.get("done"):
+                    if isinstance(ev, RequestEnd):
                         final = ev
                     else:
                         first = time.monotonic() if first is None else first
-                        tokens.append(int(ev["token_id"]))
+                        tokens.append(ev.token_id)
             except PddlinkError as exc:
                 failed.append(f"{rid}: {exc.message}")
                 continue
-            if final.get("outcome") != "finished":
-                failed.append(f"{rid}: {final.get('reason')}")
-                say(f"  request failed: {final.get('reason')}")
+            if final is None or not final.finished:
+                why = final.reason if final is not None else None
+                failed.append(f"{rid}: {why}")
+                say(f"  request failed: {why}")
                 continue
-            ttft.append(float(final["trace"]["ttft_s"]))
+            trace = dict(final.trace)
+            ttft.append(float(trace["ttft_s"]))
             client_ttft = None if first is None else first - sent
-            done.append(
-                Done(rid, tuple(history), sampling, tuple(tokens), final["trace"], sent - run_t0, client_ttft)
-            )
+            done.append(Done(rid, tuple(history), sampling, tuple(tokens), trace, sent - run_t0, client_ttft))
             history += tokens
             await asyncio.sleep(spec.think_s)
 

@@ -49,6 +49,7 @@ from engines_adapter import SamplingParams
 from harness.vllm_demo import divergence
 from harness.vllm_demo_report import Done
 from pddlink.errors import PddlinkError
+from router.answer import RequestEnd
 
 WAN_LINK = "[link]\ndelay_ms = 5\nrate_mbit = 200\nqueue_packets = 400\n"
 RLD_LINK = "[link]\ndelay_ms = 0\n[b_to_a]\nrate_mbit = 0.05\n"  # RLD's replies to the router: slow
@@ -91,13 +92,13 @@ async def _one(router: Any, prompt: tuple[int, ...], sampling: SamplingParams, d
     """(tokens, final event, positions in order without gap or duplicate)."""
     tokens: list[int] = []
     positions: list[int] = []
-    final: dict[str, Any] = {}
+    final: dict[str, Any] = {}  # the final item as a document (``RequestEnd.to_dict``)
     async for ev in router.generate(list(prompt), sampling, pipeline="p_rld_md", deadline_s=deadline_s):
-        if ev.get("done"):
-            final = ev
+        if isinstance(ev, RequestEnd):
+            final = ev.to_dict()
         else:
-            tokens.append(int(ev["token_id"]))
-            positions.append(int(ev["position"]))
+            tokens.append(ev.token_id)
+            positions.append(ev.position)
     ordered = positions == list(range(len(prompt), len(prompt) + len(tokens)))
     return tokens, final, ordered
 

@@ -51,6 +51,7 @@ from harness.demo_workload import DemoRequest
 from harness.vllm.pair import VllmPair
 from pddlink.errors import InvalidInput, PddlinkError
 from router.admission import Overloaded
+from router.answer import RequestEnd
 
 QUIET_S = 10.0
 SYSTEM_TOKENS = 256  # a system prompt every request shares (MD's and RLD's DRC hit it)
@@ -109,13 +110,13 @@ async def one(router: Any, req: DemoRequest, pipeline: str, deadline_s: float, t
         async for ev in router.generate(
             list(req.prompt), req.sampling, deadline_s=deadline_s, pipeline=pipeline
         ):
-            if ev.get("done"):
-                res.outcome, res.reason = ev["outcome"] or "failed", ev.get("reason") or ""
-                res.trace = ev.get("trace") or {}
+            if isinstance(ev, RequestEnd):
+                res.outcome, res.reason = ev.outcome.value, ev.reason
+                res.trace = dict(ev.trace)
                 return
-            res.positions.append(int(ev["position"]))
-            res.tokens.append(int(ev["token_id"]))
-            res.sources[ev["source"]] = res.sources.get(ev["source"], 0) + 1
+            res.positions.append(ev.position)
+            res.tokens.append(ev.token_id)
+            res.sources[ev.source] = res.sources.get(ev.source, 0) + 1
         res.outcome, res.reason = "failed", "stream closed without a closing event"
 
     try:

@@ -15,6 +15,7 @@ from engines_adapter import SamplingParams
 from pddlink.routing import Option, RejectReason
 from router import Router, RouterConfig
 from router.admission import Overloaded
+from router.answer import GenerateEvent
 from router.options import option_inputs
 
 PROMPT = list(range(1, 769))  # 768 tokens, nothing cached on MD: 0.77 s of MD prefill at 1000 tok/s
@@ -45,7 +46,7 @@ def in_router(cfg: RouterConfig, body: Any) -> Any:
     return asyncio.run(main())
 
 
-async def first_event(router: Router, max_tokens: int = 64) -> dict[str, Any]:
+async def first_event(router: Router, max_tokens: int = 64) -> GenerateEvent:
     gen = router.generate(PROMPT, SamplingParams(max_tokens=max_tokens), deadline_s=30.0)
     return await anext(gen)  # refused here, before any sidecar is contacted
 

@@ -17,8 +17,10 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from pddlink.errors import InvalidInput
+from pddlink.lifecycle import RunOutcome
 from pddlink.sampling import SamplingParams
 from router import STOP
+from router.answer import GenerateEvent, RequestEnd, StreamedToken
 from router.openai_api import STOP as API_STOP
 from router.openai_api import Responder
 from router.openai_schema import Endpoint, Limits, RequestRefused, completion_job
@@ -58,29 +60,27 @@ class FakeRouter:
 
     async def generate(
         self, prompt: list[int], sampling: SamplingParams, **kw: Any
-    ) -> AsyncGenerator[dict[str, Any], Any]:
+    ) -> AsyncGenerator[GenerateEvent, Any]:
         self.asked.append(sampling)
         made = 0
         for i, tok in enumerate(self.answer[: sampling.max_tokens]):
             made += 1
-            ev = {"position": len(prompt) + i, "token_id": tok, "source": "rld" if i < 2 else "md"}
-            if sampling.logprobs is not None:
-                ev["logprobs"] = _row(tok)
+            row = _row(tok) if sampling.logprobs is not None else None
+            ev = StreamedToken(len(prompt) + i, tok, "rld" if i < 2 else "md", row)
             if (yield ev) == STOP:
                 break
             if tok in sampling.stop_token_ids:
                 break
         self.made.append(made)
         usage = {"cached_tokens": 32, "created_cache_tokens": 0}
-        final = {"done": True, "request_id": "r", "outcome": "finished", "reason": "", "trace": {"t": made},
-                 "prompt_usage": usage}  # fmt: skip
+        prompt_logprobs = None
         if sampling.prompt_logprobs is not None:  # P's, in vLLM's JSON: none for the first token
-            final["prompt_logprobs"] = [None] + [
+            prompt_logprobs = [None] + [
                 {str(t): {"logprob": -1.0, "rank": 1, "decoded_token": f"p{t}"},
                  "7": {"logprob": float("-inf"), "rank": 2, "decoded_token": "p7"}}
                 for t in prompt[1:]
             ]  # fmt: skip
-        yield final
+        yield RequestEnd("r", "r", RunOutcome.FINISHED, "", {"t": made}, usage, prompt_logprobs)
 
 
 def _job(body: dict[str, Any], endpoint: Endpoint = Endpoint.COMPLETIONS) -> Any:

@@ -24,9 +24,10 @@ from typing import Any
 import pytest
 
 from engines_adapter.base import SamplingParams
-from pddlink.lifecycle import RunSpec
+from pddlink.lifecycle import RunOutcome, RunSpec
 from pddlink.routing import Pipeline
 from router import Router, RouterConfig, VllmEngineConfig
+from router.answer import RequestEnd
 from router.run import RunDriver, teardowns_pending
 
 pytestmark = [pytest.mark.timeout(60)]
@@ -57,9 +58,9 @@ def test_a_leg_that_raises_ends_the_request_at_once(monkeypatch: pytest.MonkeyPa
             gen = r.generate([1, 2, 3], SamplingParams(max_tokens=4), pipeline=pipeline)
             events, took = await asyncio.wait_for(_drain(gen), DEADLINE_S + 5)
             end = events[-1]
-            assert end["done"] and end["outcome"] == "failed"
-            assert end["reason"].startswith("leg_crashed: "), end["reason"]
-            assert "ValueError: Value out of range: -5" in end["reason"]
+            assert isinstance(end, RequestEnd) and end.outcome is RunOutcome.FAILED
+            assert end.reason.startswith("leg_crashed: "), end.reason
+            assert "ValueError: Value out of range: -5" in end.reason
             assert took < AT_ONCE_S, f"the request ended after {took:.2f} s (deadline {DEADLINE_S} s)"
             assert r.in_flight == {} and r.rld_active == 0
             await asyncio.sleep(0.5)

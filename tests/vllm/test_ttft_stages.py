@@ -26,6 +26,7 @@ from harness.ttft_stages import (
 )
 from harness.vllm_demo_report import table
 from router import Router, RouterConfig, VllmEngineConfig
+from router.answer import RequestEnd
 
 pytestmark = [pytest.mark.timeout(60)]
 
@@ -248,8 +249,8 @@ def test_router_trace_stamps_split_its_own_time_from_the_engines() -> None:
             async for ev in router.generate(
                 [1, 2, 3], SamplingParams(max_tokens=3), pipeline="p_md", arrived=sent
             ):
-                if ev.get("done"):
-                    final = ev
+                if isinstance(ev, RequestEnd):
+                    final = ev.to_dict()
                 elif first is None:
                     first = time.monotonic()
             assert first is not None

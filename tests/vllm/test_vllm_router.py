@@ -24,6 +24,8 @@ from typing import Any
 
 import pytest
 
+from router.answer import RequestEnd
+
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 
@@ -52,11 +54,11 @@ async def _one(
     positions: list[int] = []
     final: dict[str, Any] = {}
     async for ev in router.generate(list(prompt), sampling, pipeline=pipeline, deadline_s=60.0):
-        if ev.get("done"):
-            final = ev
+        if isinstance(ev, RequestEnd):
+            final = ev.to_dict()
         else:
-            tokens.append(ev["token_id"])
-            positions.append(ev["position"])
+            tokens.append(ev.token_id)
+            positions.append(ev.position)
     assert positions == list(range(len(prompt), len(prompt) + len(tokens)))  # no gap, no duplicate
     return tokens, final
 
@@ -218,6 +220,6 @@ async def _one_deadline(router: Any, prompt: tuple[int, ...]) -> tuple[list[int]
     async for ev in router.generate(
         list(prompt), SamplingParams(max_tokens=8), pipeline="p_md", deadline_s=4.0
     ):
-        if ev.get("done"):
-            final = ev
+        if isinstance(ev, RequestEnd):
+            final = ev.to_dict()
     return [], final

@@ -32,6 +32,8 @@ from typing import Any
 
 import pytest
 
+from router.answer import RequestEnd
+
 pytestmark = [pytest.mark.vllm, pytest.mark.netlab, pytest.mark.timeout(900)]
 # a request the router fails at its deadline ends when the deadline fires; its end reaches the caller
 # a moment later (measured: 8.012 s for an 8 s deadline on a loaded machine)
@@ -94,11 +96,11 @@ async def _one(
     final: dict[str, Any] = {}
     t0 = time.monotonic()
     async for ev in router.generate(list(prompt), sampling, pipeline=pipeline, deadline_s=deadline_s):
-        if ev.get("done"):
-            final = ev
+        if isinstance(ev, RequestEnd):
+            final = ev.to_dict()
         else:
-            tokens.append(ev["token_id"])
-            positions.append(ev["position"])
+            tokens.append(ev.token_id)
+            positions.append(ev.position)
     assert positions == list(range(len(prompt), len(prompt) + len(tokens)))
     return tokens, final, time.monotonic() - t0
 

@@ -23,6 +23,8 @@ from typing import Any
 
 import pytest
 
+from router.answer import RequestEnd
+
 pytestmark = [pytest.mark.fleet, pytest.mark.vllm, pytest.mark.netlab, pytest.mark.timeout(1500)]
 
 PAIRS = 100
@@ -90,10 +92,10 @@ async def _generate(
             async for ev in router.generate(
                 list(prompt), sampling, pipeline=pipeline, deadline_s=DEADLINE_S, request_id=label
             ):
-                if ev.get("done"):
-                    final = ev
+                if isinstance(ev, RequestEnd):
+                    final = ev.to_dict()
                 else:
-                    tokens.append(int(ev["token_id"]))
+                    tokens.append(ev.token_id)
     except TimeoutError:
         final = {"outcome": "failed", "reason": "client_timeout"}
     except Exception as exc:  # a refusal at the router (InvalidInput, Overloaded): typed

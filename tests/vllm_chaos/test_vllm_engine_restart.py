@@ -24,6 +24,8 @@ from typing import Any
 
 import pytest
 
+from router.answer import RequestEnd
+
 pytestmark = [
     pytest.mark.fleet,
     pytest.mark.vllm,
@@ -67,11 +69,11 @@ async def _one(
     t0 = time.monotonic()
     sampling = SamplingParams(max_tokens=max_tokens)
     async for ev in router.generate(list(prompt), sampling, deadline_s=DEADLINE_S, pipeline=pipeline):
-        if ev.get("done"):
-            final = ev
+        if isinstance(ev, RequestEnd):
+            final = ev.to_dict()
         else:
-            seen.append(ev["token_id"])
-            positions.append(ev["position"])
+            seen.append(ev.token_id)
+            positions.append(ev.position)
     assert positions == list(range(len(prompt), len(prompt) + len(seen)))  # no gap, no duplicate
     return {**final, "tokens": tuple(seen), "took_s": time.monotonic() - t0}
 
