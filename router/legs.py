@@ -28,6 +28,7 @@ from pddlink.lifecycle import (
     CancelStreams,
     DetachHandoff,
     HandoffDone,
+    HandoffOutcome,
     HandoffResult,
     Leg,
     LegCrashed,
@@ -47,11 +48,14 @@ from pddlink.lifecycle import (
     TakeoverFailed,
     TokenArrived,
 )
+from pddlink.lifecycle.stream import PromptReady, StreamClosing
 from pddlink.roles import Role
 from pddlink.serving.handoff_wire import slice_to_wire
 from pddlink.serving.pb import pb2
 from pddlink.serving.sampling_pb import sampling_to_pb
-from router.pb import mode_from_text, report_from_pb
+from pddlink.serving.stream_pb import WireVersionRefused, answer_from_pb, event_from_pb
+from pddlink.wire.frame import WIRE_VERSION
+from router.pb import report_from_pb
 
 MIN_TIMEOUT_S = 0.01
 MD_IMPORT_GRACE_S = 0.2  # MD imports right after P's transfer; release it after that
@@ -165,21 +169,24 @@ class LegCalls:
             sampling=sampling_to_pb(leg.sampling),
             deadline_s=self.left(),
             recompute=pb2.Recompute.ValueType(leg.recompute if role is Role.MD else 0),
+            wire_version=WIRE_VERSION,
         )
         closed, mode = StreamClosed(StreamEnd.FAILED, "stream_closed"), None
         try:
-            async for ev in stub.Attach(req, timeout=self.left()):
-                if ev.ready:  # MD's recompute is done: it holds the prompt's KV
-                    cached = int(ev.cached_tokens)
-                    self.c.on_md_ready(leg.sid, len(leg.prompt) - cached, ev.recompute_seconds)
-                    await self.inbox.put(MdReady(leg.sid, ev.recompute_seconds, cached))
+            async for pb in stub.Attach(req, timeout=self.left()):
+                ev = event_from_pb(pb)
+                if isinstance(ev, PromptReady):  # MD's recompute is done: it holds the prompt's KV
+                    self.c.on_md_ready(leg.sid, len(leg.prompt) - ev.cached_tokens, ev.recompute_s)
+                    await self.inbox.put(MdReady(leg.sid, ev.recompute_s, ev.cached_tokens))
                     continue
-                if ev.end:
-                    closed, mode = StreamClosed.parse(ev.end), mode_from_text(ev.handoff_mode)
+                if isinstance(ev, StreamClosing):
+                    closed, mode = ev.closed, ev.handoff_mode
                     break
                 await self.inbox.put(TokenArrived(leg.sid, role, ev.position, ev.token_id, ev.last))
         except grpc.aio.AioRpcError as exc:
             closed = StreamClosed(StreamEnd.FAILED, exc.code().name.lower())
+        except WireVersionRefused as exc:  # a sidecar of another version: refused, never misread
+            closed = StreamClosed(StreamEnd.FAILED, f"wire_version: {exc.message}")
         except asyncio.CancelledError:
             with contextlib.suppress(grpc.aio.AioRpcError, TimeoutError):
                 await asyncio.wait_for(
@@ -210,18 +217,19 @@ class LegCalls:
 
     async def _start_handoff(self, sid: str, to: RouteStubs) -> None:
         if to.rld is None:
-            await self.inbox.put(HandoffDone(sid, HandoffResult.parse("failed:no_rld")))
+            await self.inbox.put(HandoffDone(sid, HandoffResult(HandoffOutcome.FAILED, "no_rld")))
             return
         try:
             deadline_s = max(self.deadline - time.monotonic() - 0.1, MIN_TIMEOUT_S)
-            r = await to.rld.StartHandoff(
-                pb2.HandoffStart(request_id=sid, deadline_s=deadline_s, md_identity=to.md_identity),
-                timeout=self.left(),
-            )
-            mode = mode_from_text(r.mode)
-            await self.inbox.put(HandoffDone(sid, HandoffResult.parse(r.outcome), mode))
+            start = pb2.HandoffStart(request_id=sid, deadline_s=deadline_s, md_identity=to.md_identity)
+            start.wire_version = WIRE_VERSION
+            answer = answer_from_pb(await to.rld.StartHandoff(start, timeout=self.left()))
+            result, mode = answer.result, answer.mode
         except grpc.aio.AioRpcError as exc:
-            await self.inbox.put(HandoffDone(sid, HandoffResult.parse(f"failed:{exc.code().name}")))
+            result, mode = HandoffResult(HandoffOutcome.FAILED, exc.code().name), None
+        except WireVersionRefused as exc:  # an RLD of another version: refused, never misread
+            result, mode = HandoffResult(HandoffOutcome.FAILED, f"wire_version: {exc.message}"), None
+        await self.inbox.put(HandoffDone(sid, result, mode))
 
     async def _take_over(self, cmd: TakeOver, to: RouteStubs) -> None:
         """MD takes over from the tokens streamed so far (RLD lost)."""

@@ -5,15 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from pddlink.handoff import HandoffMode
 from pddlink.lifecycle import PrefillReport
+from pddlink.serving.stream_pb import mode_from_text
 
-
-def mode_from_text(text: str) -> HandoffMode | None:
-    try:
-        return HandoffMode(text) if text else None
-    except ValueError:
-        return None
+__all__ = ["mode_from_text", "report_from_pb"]
 
 
 def report_from_pb(r: Any) -> PrefillReport:

@@ -25,8 +25,10 @@ from typing import Any
 from engines_adapter import KVLayout, SamplingParams, StepOutput
 from pddlink import metrics
 from pddlink.errors import LocalError, PddlinkError
+from pddlink.handoff import HandoffMode
 from pddlink.kv.hashing import BlockHasher
 from pddlink.lifecycle import DecodeSequence, SeqState, SliceStep, StreamClosed, StreamEnd
+from pddlink.lifecycle.stream import DecodedToken, DecoderEvent, HandoffAnswer, PromptReady, StreamClosing
 from pddlink.roles import Role
 from pddlink.routing import RoutingPolicy
 from pddlink.routing.books import RecomputeMode
@@ -49,7 +51,7 @@ class DecodeSlot:
 
     seq: DecodeSequence[ReceivedTransfer]
     imported: asyncio.Event = field(default_factory=asyncio.Event)
-    events: asyncio.Queue[dict[str, Any]] = field(default_factory=asyncio.Queue)
+    events: asyncio.Queue[DecoderEvent] = field(default_factory=asyncio.Queue)
     handoff_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
@@ -109,7 +111,7 @@ class Decoder:
         sampling: SamplingParams,
         deadline_s: float,
         recompute: RecomputeMode = RecomputeMode.NONE,
-    ) -> AsyncIterator[dict[str, Any]]:
+    ) -> AsyncIterator[DecoderEvent]:
         self.check_attachable(request_id)  # before anything changes: the holder keeps its entry
         slot = self._slot(request_id)
         recomputes = recompute is not RecomputeMode.NONE
@@ -124,13 +126,10 @@ class Decoder:
                     ev = await asyncio.wait_for(slot.events.get(), timeout=left)
                 except TimeoutError:
                     await self.end(slot, StreamClosed(StreamEnd.FAILED, "deadline_exceeded"))
-                    ev = (
-                        slot.events.get_nowait()
-                        if not slot.events.empty()
-                        else {"end": slot.seq.render_end()}
-                    )
+                    late = slot.seq.closed or StreamClosed(StreamEnd.FAILED, "deadline_exceeded")
+                    ev = slot.events.get_nowait() if not slot.events.empty() else StreamClosing(late)
                 yield ev
-                if ev.get("end"):
+                if isinstance(ev, StreamClosing):
                     return
         finally:
             if not slot.seq.ended:  # the router went away: nobody wants the rest
@@ -191,7 +190,7 @@ class Decoder:
         if seq.ended:  # released while prefilling: its end() found nothing to free yet
             await decoder_engine.release_prefilled(self.loop, seq.request_id)
             return
-        slot.events.put_nowait({"ready": True, "recompute_seconds": took, "cached_tokens": cached})
+        slot.events.put_nowait(PromptReady(took, cached))
         if mode is RecomputeMode.AND_DECODE:
             self.take_step(slot, out)
             if seq.start_decoding():
@@ -235,9 +234,7 @@ class Decoder:
 
     def _emit_ids(self, slot: DecodeSlot, first: int, ids: tuple[int, ...], *, last_is_last: bool) -> None:
         for i, tok in enumerate(ids):
-            slot.events.put_nowait(
-                {"position": first + i, "token_id": tok, "last": last_is_last and i == len(ids) - 1}
-            )
+            slot.events.put_nowait(DecodedToken(first + i, tok, last_is_last and i == len(ids) - 1))
 
     def take_step(self, slot: DecodeSlot, out: StepOutput | None) -> None:
         if slot.seq.ended:
@@ -248,17 +245,21 @@ class Decoder:
             )
             return
         slot.seq.on_token(out.token_id, out.finished)
-        slot.events.put_nowait({"position": out.position, "token_id": out.token_id, "last": out.finished})
+        slot.events.put_nowait(DecodedToken(out.position, out.token_id, out.finished))
         if out.finished:
             asyncio.get_running_loop().create_task(self.end(slot, FINISHED))
 
-    async def end(self, slot: DecodeSlot, closed: StreamClosed, **extra: Any) -> None:
-        """Close the request here: out of the batch, engine released, closing event streamed."""
+    async def end(
+        self, slot: DecodeSlot, closed: StreamClosed, handoff: tuple[HandoffMode, int] | None = None
+    ) -> None:
+        """Close the request here: out of the batch, engine released, closing event streamed
+        (``handoff``: the mode and slices of a handoff that closed it)."""
         plan = slot.seq.end(closed)
         if plan is None:
             return
         await decoder_engine.release(self.loop, self.drc, slot.seq.request_id, cache_prefix=plan.cache_prefix)
-        slot.events.put_nowait({"end": closed.render(), **extra})
+        mode, slices = handoff if handoff is not None else (None, 0)
+        slot.events.put_nowait(StreamClosing(closed, mode, slices))
 
     async def release(self, request_id: str, reason: str) -> bool:
         slot = self.slots.get(request_id)
@@ -267,9 +268,7 @@ class Decoder:
         await self.end(slot, RELEASED)
         return True
 
-    async def start_handoff(
-        self, request_id: str, deadline_s: float, md_identity: str = ""
-    ) -> dict[str, Any]:
+    async def start_handoff(self, request_id: str, deadline_s: float, md_identity: str = "") -> HandoffAnswer:
         """RLD: hand the request over to MD (``md_identity``: the one the router placed it on; see
         ``sidecar.relay_handoff``)."""
         return await self.relay.start(request_id, deadline_s, md_identity)

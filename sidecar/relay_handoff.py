@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from engines_adapter import SamplingParams
 from pddlink import metrics
@@ -19,6 +19,7 @@ from pddlink.errors import PddlinkError
 from pddlink.handoff import HandoffMode, HandoffPlan
 from pddlink.lifecycle import Fallback, HandoffOutcome, HandoffResult, StreamClosed, StreamEnd
 from pddlink.lifecycle.decode import handoff_refused
+from pddlink.lifecycle.stream import HandoffAnswer
 from pddlink.routing import RoutingPolicy, choose_handoff_mode
 from pddlink.serving.handoff_wire import slice_to_wire
 
@@ -42,15 +43,15 @@ class RelayHandoff:
         self.send = send
         self.send_to = dict(send_to or {})  # the MDs of a topology, by identity
 
-    async def start(self, request_id: str, deadline_s: float, md_identity: str = "") -> dict[str, Any]:
+    async def start(self, request_id: str, deadline_s: float, md_identity: str = "") -> HandoffAnswer:
         d = self.decoder
         slot = d.slots.get(request_id)
         if slot is None or slot.seq.ended:
             how = slot.seq.render_end() if slot is not None else d.ended_recently.get(request_id, "")
-            return {"outcome": handoff_refused(how).render()}
+            return HandoffAnswer(handoff_refused(how))
         send = self.send_to.get(md_identity.removeprefix("pddlink://")) if md_identity else self.send
         if send is None:
-            return {"outcome": HandoffResult(HandoffOutcome.FAILED, "no_md_configured").render()}
+            return HandoffAnswer(HandoffResult(HandoffOutcome.FAILED, "no_md_configured"))
         decision = choose_handoff_mode(d.load, self.policy)
         mode = decision.mode
         plan = HandoffPlan(request_id, slot.seq.base, mode, slice_tokens=max(1, decision.slice_tokens or 1))
@@ -61,16 +62,15 @@ class RelayHandoff:
             if not seq.ended and not seq.finished and not d.loop.is_decoding(request_id):
                 d.loop.decode_in_batch(request_id, lambda o: d.take_step(slot, o))
             metrics.FALLBACKS.labels(kind=Fallback.HANDOFF_FAILED_RLD_FINISHES.value).inc()
-            failed = HandoffResult(HandoffOutcome.FAILED, f"{type(exc).__name__}: {exc}")
-            return {"outcome": failed.render(), "mode": mode.value}
+            return HandoffAnswer(HandoffResult(HandoffOutcome.FAILED, f"{type(exc).__name__}: {exc}"), mode)
 
     async def _run(
         self, slot: DecodeSlot, plan: HandoffPlan, deadline: float, send: SendHandoff
-    ) -> dict[str, Any]:
+    ) -> HandoffAnswer:
         seq, loop = slot.seq, self.decoder.loop
         while not plan.done:
             if seq.ended or seq.finished:  # RLD finished it first: the router releases MD's copy
-                return {"outcome": HandoffOutcome.FINISHED_ON_RLD.value, "mode": plan.mode.value}
+                return HandoffAnswer(HandoffResult(HandoffOutcome.FINISHED_ON_RLD), plan.mode)
             if plan.mode is HandoffMode.ONE_SHOT or plan.final_due(len(seq.generated)):
                 await loop.stop_decoding(seq.request_id)
             s = plan.next_slice(seq.generated)
@@ -86,10 +86,6 @@ class RelayHandoff:
             plan.on_ack(await send(frame, left))
         metrics.HANDOFFS.labels(mode=plan.mode.value).inc()
         closed = StreamClosed(StreamEnd.HANDED_OFF)
-        await self.decoder.end(slot, closed, handoff_mode=plan.mode.value, handoff_slices=plan.slices_sent)
-        return {
-            "outcome": HandoffOutcome.HANDED_OFF.value,
-            "mode": plan.mode.value,
-            "slices": plan.slices_sent,
-            "end_position": plan.sent_upto,
-        }
+        await self.decoder.end(slot, closed, handoff=(plan.mode, plan.slices_sent))
+        handed = HandoffResult(HandoffOutcome.HANDED_OFF)
+        return HandoffAnswer(handed, plan.mode, plan.slices_sent, plan.sent_upto)

@@ -16,6 +16,7 @@ from pddlink.kv.hashing import HashScheme
 from pddlink.routing.books import RecomputeMode
 from pddlink.serving.rpc import stubs
 from pddlink.serving.sampling_pb import sampling_from_pb
+from pddlink.serving.stream_pb import WireVersionRefused, answer_to_pb, check_wire_version, event_to_pb
 from pddlink.wire import WIRE_VERSION
 from sidecar.decoder import Decoder
 from sidecar.drc_host import DrcHost
@@ -32,6 +33,7 @@ _STATUS = {
     NotFound: grpc.StatusCode.NOT_FOUND,
     DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
     CapacityRefused: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    WireVersionRefused: grpc.StatusCode.FAILED_PRECONDITION,  # a router of another version
 }
 
 
@@ -93,6 +95,7 @@ class SidecarService(pb2_grpc.SidecarServicer):  # type: ignore[misc,name-define
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"role {self.role} does not decode")
         assert self.decoder is not None
         try:
+            check_wire_version(request.wire_version, "sidecar")  # before anything in it is read
             sampling = sampling_from_pb(request.sampling)
         except PddlinkError as exc:
             await _abort(context, exc)
@@ -115,7 +118,7 @@ class SidecarService(pb2_grpc.SidecarServicer):  # type: ignore[misc,name-define
                 RecomputeMode(request.recompute),
             )
             async for ev in stream:
-                yield pb2.TokenEvent(**ev)
+                yield event_to_pb(ev)
         finally:
             if booking is not None and self.admission is not None:
                 self.admission.release(booking)
@@ -124,10 +127,14 @@ class SidecarService(pb2_grpc.SidecarServicer):  # type: ignore[misc,name-define
         if self.decoder is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"role {self.role} does not decode")
         assert self.decoder is not None
+        try:
+            check_wire_version(request.wire_version, "sidecar")
+        except WireVersionRefused as exc:
+            await _abort(context, exc)
         out = await self.decoder.start_handoff(
             request.request_id, request.deadline_s or 10.0, md_identity=request.md_identity
         )
-        return pb2.HandoffStartReply(**out)
+        return answer_to_pb(out)
 
     async def Handoff(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         if self.decoder is None:

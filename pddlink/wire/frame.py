@@ -31,7 +31,9 @@ from typing import Any, ClassVar
 from pddlink.wire.fields import WireStruct
 
 MAGIC = b"PDLK"
-WIRE_VERSION = 2  # 2: block hashes big-endian, as on every other channel (pddlink.kv.hash_bytes)
+# 2: block hashes big-endian (pddlink.kv.hash_bytes); 3: the sidecar gRPC's outcomes are enums with a
+# reason field (pddlink.serving.stream_pb). One version for the sidecar protocols: frames, gRPC, records.
+WIRE_VERSION = 3
 HEADER = struct.Struct("<4sBBHQIIII")
 HEADER_BYTES = HEADER.size
 _HEADER_CRC_SPAN = HEADER_BYTES - 4

@@ -23,7 +23,7 @@ import pytest
 
 from pddlink.serving.http import fetch
 from pddlink.transport import KVClient, PeerIdentity
-from pddlink.wire import KVLayoutSpec, Reserve, ReserveAnswer, TransferBegin
+from pddlink.wire import WIRE_VERSION, KVLayoutSpec, Reserve, ReserveAnswer, TransferBegin
 from sidecar.sweep import HeldEntry, SweepPolicy, Verdict, verdict
 
 pytestmark = pytest.mark.timeout(120)
@@ -176,7 +176,9 @@ def test_a_reservation_for_a_request_that_already_ended_is_released_at_once(
     async def scenario() -> list[Any]:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{ready['grpc_port']}") as channel:
             stub = pb2_grpc.SidecarStub(channel)
-            req = pb2.AttachRequest(request_id="gone", prompt=list(range(1, 40)), deadline_s=0.3)
+            req = pb2.AttachRequest(
+                request_id="gone", prompt=list(range(1, 40)), deadline_s=0.3, wire_version=WIRE_VERSION
+            )
             req.sampling.max_tokens = 4
             events = [ev async for ev in stub.Attach(req, timeout=10.0)]  # no KV: its deadline ends it
         client = await KVClient.connect(
@@ -189,7 +191,7 @@ def test_a_reservation_for_a_request_that_already_ended_is_released_at_once(
         return events
 
     events = asyncio.run(scenario())
-    assert events and events[-1].end == "failed:deadline_exceeded"
+    assert events and events[-1].closed == pb2.STREAM_END_FAILED and events[-1].reason == "deadline_exceeded"
     t0 = time.monotonic()
     assert wait_for(lambda: status(admin)["state"]["held"]["reservations"] == 0, 10.0)
     assert time.monotonic() - t0 < 10.0 and status(admin)["state"]["swept"]["leases_of_ended"] == 1

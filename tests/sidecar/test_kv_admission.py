@@ -24,6 +24,7 @@ import pytest
 
 from pddlink.serving.grpc_tls import open_channel
 from pddlink.serving.rpc import stubs
+from pddlink.wire import WIRE_VERSION
 from router.role_health import FULL_COOL_S, RoleHealth
 from sidecar.kv_admission import CapacityRefused, KvAdmission
 
@@ -75,6 +76,7 @@ def attach(stub: Any, rid: str, tokens: int, deadline_s: float) -> Any:
             prompt=list(range(1, tokens + 1)),
             sampling=PB2.Sampling(max_tokens=20),
             deadline_s=deadline_s,
+            wire_version=WIRE_VERSION,
         ),
         timeout=deadline_s + 5.0,
     )

@@ -17,12 +17,15 @@ from engines_adapter import EngineAdapter, SamplingParams, load_engine
 from pddlink.handoff import HandoffMode, HandoffSlice
 from pddlink.kv.codec import CodecId
 from pddlink.kv.hashing import BlockHasher
+from pddlink.lifecycle import StreamClosed, StreamEnd
+from pddlink.lifecycle.stream import DecodedToken, DecoderEvent, StreamClosing
 from pddlink.roles import Role
 from pddlink.serving.handoff_wire import slice_to_wire
 from pddlink.serving.rpc import stubs
 from pddlink.serving.sampling_pb import sampling_to_pb
+from pddlink.serving.stream_pb import event_from_pb
 from pddlink.transport import PeerIdentity, ReceivedTransfer
-from pddlink.wire import KVLayoutSpec, TransferBegin
+from pddlink.wire import WIRE_VERSION, KVLayoutSpec, TransferBegin
 from router import mint_request_key
 from sidecar.decoder import Decoder, HandoffRefused
 from sidecar.engine_loop import EngineLoop
@@ -88,12 +91,14 @@ def first_slice(key: str, prompt: tuple[int, ...], first: int, sampling: Samplin
     return slice_to_wire(HandoffSlice(key, len(prompt), (first,), True, HandoffMode.ONE_SHOT), sampling)
 
 
-async def drain(stream: AsyncIterator[dict[str, Any]]) -> tuple[list[int], str]:
-    toks, end = [], ""
+async def drain(stream: AsyncIterator[DecoderEvent]) -> tuple[list[int], StreamClosed | None]:
+    toks: list[int] = []
+    end = None
     async for ev in stream:
-        if "token_id" in ev:
-            toks.append(ev["token_id"])
-        end = ev.get("end", end)
+        if isinstance(ev, DecodedToken):
+            toks.append(ev.token_id)
+        elif isinstance(ev, StreamClosing):
+            end = ev.closed
     return toks, end
 
 
@@ -130,7 +135,7 @@ def test_a_second_attach_of_a_held_key_is_refused_and_the_holder_finishes_exact(
         await md.on_transfer(kv)
         await md.handoff(first_slice(key, PROMPT_A, tok, SEEDED), emit_given=True, sender_finished=False)
         toks, end = await asyncio.wait_for(first, 30.0)
-        assert end == "finished" and toks == alone(PROMPT_A, SEEDED)
+        assert end == StreamClosed(StreamEnd.FINISHED) and toks == alone(PROMPT_A, SEEDED)
         with pytest.raises(RequestKeyInUse):  # and once it ended, the key is not taken again
             await drain(md.attach(key, PROMPT_A, SEEDED, 30.0))
         assert md.refused["key_in_use"] == 2
@@ -147,7 +152,8 @@ def test_kv_of_another_prompt_is_never_imported() -> None:
         kv_b, _ = p.ship(key, PROMPT_B, GREEDY)  # another request's KV under the held key
         await md.on_transfer(kv_b)
         toks, end = await asyncio.wait_for(stream, 10.0)
-        assert toks == [] and end.startswith("failed:kv_mismatch")
+        assert toks == [] and end is not None and end.end is StreamEnd.FAILED
+        assert end.detail.startswith("kv_mismatch"), end
         assert md.refused["kv_mismatch"] == 1
 
     asyncio.run(with_md(body))
@@ -161,7 +167,8 @@ def test_kv_that_came_first_is_checked_against_the_attach() -> None:
         kv_b, _ = p.ship(key, PROMPT_B, GREEDY)
         await md.on_transfer(kv_b)  # an orphan holding B's KV
         toks, end = await asyncio.wait_for(drain(md.attach(key, PROMPT_A, GREEDY, 30.0)), 10.0)
-        assert toks == [] and end.startswith("failed:kv_mismatch")
+        assert toks == [] and end is not None and end.end is StreamEnd.FAILED
+        assert end.detail.startswith("kv_mismatch"), end
 
     asyncio.run(with_md(body))
 
@@ -178,7 +185,7 @@ def test_a_second_kv_for_a_key_is_dropped_and_the_first_decides() -> None:
         await md.on_transfer(kv_b)
         await md.handoff(first_slice(key, PROMPT_A, tok, GREEDY), emit_given=True, sender_finished=False)
         toks, end = await asyncio.wait_for(stream, 30.0)
-        assert end == "finished" and toks == alone(PROMPT_A, GREEDY)
+        assert end == StreamClosed(StreamEnd.FINISHED) and toks == alone(PROMPT_A, GREEDY)
         assert md.refused["duplicate_kv"] == 1
 
     asyncio.run(with_md(body))
@@ -197,7 +204,7 @@ def test_a_slice_drawn_with_other_sampling_is_refused() -> None:
             await md.handoff(first_slice(key, PROMPT_A, tok, other), emit_given=True, sender_finished=False)
         await md.handoff(first_slice(key, PROMPT_A, tok, SEEDED), emit_given=True, sender_finished=False)
         toks, end = await asyncio.wait_for(stream, 30.0)
-        assert end == "finished" and toks == alone(PROMPT_A, SEEDED)
+        assert end == StreamClosed(StreamEnd.FINISHED) and toks == alone(PROMPT_A, SEEDED)
         with pytest.raises(HandoffRefused, match="already ended"):  # a slice for a key that ended here
             await md.handoff(first_slice(key, PROMPT_A, tok, SEEDED), emit_given=True, sender_finished=False)
 
@@ -260,6 +267,7 @@ def test_the_service_answers_already_exists() -> None:
                     prompt=list(PROMPT_A),
                     sampling=sampling_to_pb(GREEDY),
                     deadline_s=20,
+                    wire_version=WIRE_VERSION,
                 )
                 holder = stub.Attach(req, timeout=30)
                 for _ in range(100):
@@ -273,8 +281,8 @@ def test_the_service_answers_already_exists() -> None:
                 assert "in use" in (err.value.details() or "")
                 assert md.slots["router0/gg"].seq.prompt == PROMPT_A  # the holder is untouched
                 await stub.Release(pb2.ReleaseRequest(request_id="router0/gg", reason="test"))
-                ends = [ev.end async for ev in holder if ev.end]
-                assert ends == ["released"]
+                ends = [ev async for ev in holder if ev.closed != pb2.STREAM_END_NONE]
+                assert [event_from_pb(ev) for ev in ends] == [StreamClosing(StreamClosed(StreamEnd.RELEASED))]
         finally:
             await server.stop(None)
 

@@ -55,11 +55,11 @@ def test_matching_peers_establish_with_common_capabilities() -> None:
 
 
 def test_version_mismatch_ends_the_handshake_with_a_reason_on_both_sides() -> None:
-    a, b = pair(client=HandshakeConfig("p-a", "p", wire_version=3))
+    a, b = pair(client=HandshakeConfig("p-a", "p", wire_version=WIRE_VERSION + 1))
     exchange(a, b)
     assert a.state is b.state is HandshakeState.FAILED
     assert isinstance(a.error, HandshakeRefused) and a.error.code is ErrorCode.VERSION_MISMATCH
-    assert "wire version 3" in a.error.message
+    assert f"wire version {WIRE_VERSION + 1}" in a.error.message
     assert isinstance(b.error, HandshakeFailed) and b.error.code is ErrorCode.VERSION_MISMATCH
 
 
