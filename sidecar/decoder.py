@@ -74,7 +74,8 @@ class Decoder:
         self.capacity = capacity
         self.relay = RelayHandoff(self, policy or RoutingPolicy(), send_handoff, send_handoff_to)
         self.slots: dict[str, DecodeSlot] = {}
-        self.ended_recently: dict[str, str] = {}  # request id -> how it ended (bounded, oldest dropped)
+        # request id -> how it ended (bounded, oldest dropped; None: never closed)
+        self.ended_recently: dict[str, StreamClosed | None] = {}
         self.hasher = BlockHasher(loop.engine.layout.model_id, loop.engine.layout.block_size)
         self.refused: dict[str, int] = {"key_in_use": 0, "kv_mismatch": 0, "duplicate_kv": 0, "handoff": 0}
 
@@ -139,7 +140,7 @@ class Decoder:
     def _forget(self, request_id: str) -> None:
         gone = self.slots.pop(request_id, None)
         if gone is not None:
-            self.ended_recently[request_id] = gone.seq.render_end()
+            self.ended_recently[request_id] = gone.seq.closed
             while len(self.ended_recently) > ENDED_REMEMBERED:
                 self.ended_recently.pop(next(iter(self.ended_recently)))
 

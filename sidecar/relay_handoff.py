@@ -47,7 +47,7 @@ class RelayHandoff:
         d = self.decoder
         slot = d.slots.get(request_id)
         if slot is None or slot.seq.ended:
-            how = slot.seq.render_end() if slot is not None else d.ended_recently.get(request_id, "")
+            how = slot.seq.closed if slot is not None else d.ended_recently.get(request_id)
             return HandoffAnswer(handoff_refused(how))
         send = self.send_to.get(md_identity.removeprefix("pddlink://")) if md_identity else self.send
         if send is None:

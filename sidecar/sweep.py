@@ -126,7 +126,8 @@ class DecoderEntries:
         slot = d.slots.pop(request_id, None)
         if slot is not None:
             slot.seq.kv = None
-            d.ended_recently.setdefault(request_id, slot.seq.render_end() or "failed:deadline_exceeded")
+            late = StreamClosed(StreamEnd.FAILED, "deadline_exceeded")
+            d.ended_recently.setdefault(request_id, slot.seq.closed or late)
 
 
 RunInEngine = Callable[..., Awaitable[Any]]  # EngineLoop.call

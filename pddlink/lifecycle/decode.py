@@ -198,9 +198,10 @@ class DecodeSequence(Generic[K]):
         self.state = state
 
 
-def handoff_refused(ended_how: str) -> HandoffResult:
-    """RLD's answer to StartHandoff for a request it no longer holds (``ended_how``: how it ended
-    here, "" if unknown): finished on RLD before MD was ready, or failed."""
-    if ended_how == StreamEnd.FINISHED.value:
+def handoff_refused(ended: StreamClosed | None) -> HandoffResult:
+    """RLD's answer to StartHandoff for a request it no longer holds (``ended``: how it ended
+    here, ``None`` if unknown): finished on RLD before MD was ready, or failed (the reason: how the
+    stream ended, as its text)."""
+    if ended is not None and ended.end is StreamEnd.FINISHED:
         return HandoffResult(HandoffOutcome.FINISHED_ON_RLD)
-    return HandoffResult(HandoffOutcome.FAILED, ended_how or "unknown_request")
+    return HandoffResult(HandoffOutcome.FAILED, ended.render() if ended is not None else "unknown_request")

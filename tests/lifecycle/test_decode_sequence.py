@@ -120,9 +120,10 @@ def test_transitions_table_rejects_a_jump() -> None:
 
 
 def test_start_handoff_for_a_request_no_longer_held() -> None:
-    assert handoff_refused("finished").render() == "finished_on_rld"
-    assert handoff_refused("").render() == "failed:unknown_request"
-    assert handoff_refused("failed:deadline_exceeded").render() == "failed:failed:deadline_exceeded"
+    assert handoff_refused(StreamClosed(StreamEnd.FINISHED)).render() == "finished_on_rld"
+    assert handoff_refused(None).render() == "failed:unknown_request"
+    late = StreamClosed(StreamEnd.FAILED, "deadline_exceeded")
+    assert handoff_refused(late).render() == "failed:failed:deadline_exceeded"
 
 
 @pytest.mark.parametrize(

@@ -17,8 +17,8 @@ from engines_adapter import EngineAdapter, SamplingParams, load_engine
 from pddlink.handoff import HandoffMode, HandoffSlice
 from pddlink.kv.codec import CodecId
 from pddlink.kv.hashing import BlockHasher
-from pddlink.lifecycle import StreamClosed, StreamEnd
-from pddlink.lifecycle.stream import DecodedToken, DecoderEvent, StreamClosing
+from pddlink.lifecycle import HandoffOutcome, HandoffResult, StreamClosed, StreamEnd
+from pddlink.lifecycle.stream import DecodedToken, DecoderEvent, HandoffAnswer, StreamClosing
 from pddlink.roles import Role
 from pddlink.serving.handoff_wire import slice_to_wire
 from pddlink.serving.rpc import stubs
@@ -287,3 +287,18 @@ def test_the_service_answers_already_exists() -> None:
             await server.stop(None)
 
     asyncio.run(with_md(body))
+
+
+def test_start_handoff_of_a_request_that_ended_here_answers_how_it_ended() -> None:
+    """RLD's StartHandoff for a key it no longer holds answers typed: finished here ->
+    ``FINISHED_ON_RLD``, failed here -> ``FAILED`` with how, unknown -> ``unknown_request``."""
+
+    async def body(d: Decoder) -> list[HandoffAnswer]:
+        d.ended_recently["done"] = StreamClosed(StreamEnd.FINISHED)
+        d.ended_recently["late"] = StreamClosed(StreamEnd.FAILED, "deadline_exceeded")
+        return [await d.start_handoff(k, 1.0) for k in ("done", "late", "never")]
+
+    done, late, never = asyncio.run(with_md(body))
+    assert done == HandoffAnswer(HandoffResult(HandoffOutcome.FINISHED_ON_RLD))
+    assert late == HandoffAnswer(HandoffResult(HandoffOutcome.FAILED, "failed:deadline_exceeded"))
+    assert never == HandoffAnswer(HandoffResult(HandoffOutcome.FAILED, "unknown_request"))
