@@ -25,7 +25,7 @@ class StreamedToken:
     position: int
     token_id: int
     source: str
-    logprobs: Any = None
+    logprobs: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)
