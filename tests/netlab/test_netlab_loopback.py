@@ -191,3 +191,91 @@ def test_tcp_forward_ends_the_clients_connection_when_the_server_goes_away(lab: 
         client.close()
         listener.close()
         thread.join(2)
+
+
+@pytest.fixture
+def line8() -> Iterator[Lab]:
+    text = "[link]\ndelay_ms = 5\nrate_mbit = 8\nqueue_packets = 200\n"
+    with Lab.up(parse_profile(text), name="t-line8", mode="loopback") as lab:
+        yield lab
+
+
+def counting_sink(read: bool = True) -> tuple[socket.socket, list[tuple[float, int]], threading.Thread]:
+    """A server taking one connection: what it received and when (``read=False``: it never reads)."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if not read:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)  # fills at once
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    received: list[tuple[float, int]] = []
+
+    def sink() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            if not read:
+                conn.settimeout(15)
+                with contextlib.suppress(OSError):
+                    conn.recv(1, socket.MSG_PEEK | socket.MSG_WAITALL) and time.sleep(15)
+                return
+            while data := conn.recv(1 << 16):
+                received.append((time.monotonic(), len(data)))
+
+    thread = threading.Thread(target=sink, daemon=True)
+    thread.start()
+    return listener, received, thread
+
+
+def send_in_background(addr: tuple[str, int], nbytes: int) -> tuple[socket.socket, threading.Thread]:
+    conn = socket.create_connection(addr, timeout=30)
+
+    def send() -> None:
+        with contextlib.suppress(OSError):
+            conn.sendall(b"\0" * nbytes)
+            conn.shutdown(socket.SHUT_WR)
+
+    thread = threading.Thread(target=send, daemon=True)
+    thread.start()
+    return conn, thread
+
+
+def test_two_connections_share_one_line_rate(line8: Lab) -> None:
+    """Two connections over one 8 Mbit/s direction get the line's rate together, about half each
+    (a real line is one queue per direction: the relay does not give each connection a line)."""
+    sinks = [counting_sink() for _ in range(2)]
+    nbytes = 2_000_000
+    start = time.monotonic()
+    senders = [send_in_background(line8.endpoint("dc-b", s[0].getsockname()[1]), nbytes) for s in sinks]
+    for _, _, thread in sinks:
+        thread.join(30)
+    for conn, thread in senders:
+        thread.join(5)
+        conn.close()
+    for listener, _, _ in sinks:
+        listener.close()
+    totals = [sum(n for _, n in got) for _, got, _ in sinks]
+    assert totals == [nbytes, nbytes]  # a byte stream: nothing lost
+    elapsed = max(got[-1][0] for _, got, _ in sinks) - start
+    together_mbit = sum(totals) * 8 / elapsed / 1e6
+    assert 0.8 * 8 <= together_mbit <= 1.1 * 8, together_mbit
+    ends = [got[-1][0] - start for _, got, _ in sinks]
+    assert abs(ends[0] - ends[1]) <= 0.15 * max(ends), ends  # served in turn: they end together
+
+
+def test_a_stalled_reader_does_not_slow_the_other_connection(line8: Lab) -> None:
+    stalled, _, stalled_thread = counting_sink(read=False)
+    live, got, live_thread = counting_sink()
+    hog, hog_thread = send_in_background(line8.endpoint("dc-b", stalled.getsockname()[1]), 64 * 1024 * 1024)
+    time.sleep(2.5)  # the stalled connection has filled what the path holds for it
+    nbytes = 2_000_000
+    start = time.monotonic()
+    conn, thread = send_in_background(line8.endpoint("dc-b", live.getsockname()[1]), nbytes)
+    live_thread.join(30)
+    thread.join(5)
+    conn.close()
+    hog.close()
+    for listener in (stalled, live):
+        listener.close()
+    assert sum(n for _, n in got) == nbytes
+    mbit = nbytes * 8 / (got[-1][0] - start) / 1e6
+    assert mbit >= 0.8 * 8 * 1448 / 1500, mbit  # the whole line, less headers
+    del stalled_thread, hog_thread
