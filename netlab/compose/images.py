@@ -250,11 +250,12 @@ def _sync(src: Path, dst: Path) -> None:
 
 
 def ensure_deps(
-    engine: Engine, base: str, house: Path, log: Log, repo: Path = REPO, no_deps: bool = False
+    engine: Engine, base: str, house: Path, log: Log, repo: Path = REPO, no_deps: bool = False, tag: str = ""
 ) -> str:
-    """The dependency image for this wheelhouse (built once per set of pins); ``no_deps``: pip takes
-    the pins as the whole closure (the vLLM image, whose pins leave declared packages out)."""
-    tag = f"pddlink-deps:{house.name}"
+    """The dependency image for this wheelhouse (built once per set of pins; ``tag``: another name,
+    e.g. one that names the base too); ``no_deps``: pip takes the pins as the whole closure (the
+    vLLM image, whose pins leave declared packages out)."""
+    tag = tag or f"pddlink-deps:{house.name}"
     if image_exists(engine, tag):
         return tag
     ctx = DATA_ROOT / "context-deps"

@@ -42,7 +42,9 @@ def build_vllm(engine: Engine, log: Log) -> BuildResult:
     t0 = time.monotonic()
     base, base_made = ensure_base(engine, log, VLLM_BASE_PACKAGES)
     house, wheels_made = ensure_wheels(log, VLLM_EXTRAS, CUDA_ONLY)
-    deps = ensure_deps(engine, base, house, log, REPO, no_deps=True)
+    # the tag names the base too: a base with other packages makes another dependency image
+    tag = f"pddlink-vllm-deps:{house.name}-{base.rsplit('-', 1)[-1]}"
+    deps = ensure_deps(engine, base, house, log, REPO, no_deps=True, tag=tag)
     ctx = DATA_ROOT / "context-vllm"
     checkout = build_checkout_wheel(DATA_ROOT / "checkout-wheel", REPO)
     _sync(checkout.parent, ctx / "pddlink-wheel")
