@@ -47,6 +47,10 @@ class EngineServer:
     url: str
     port: int = ENGINE_PORT
 
+    @property
+    def spec(self) -> EngineServer:  # (``harness.vllm_demo`` reads ``server.spec.port``, as of VllmServer)
+        return self
+
 
 @dataclass(frozen=True, slots=True)
 class PairView:
