@@ -78,9 +78,15 @@ def role_configs(spec: ClusterSpec) -> dict[str, str]:
         "rld_tpot_s": spec.rld_tpot_s,
         "relay_min_wan_s": spec.relay_min_wan_s,
         "deadline_s": spec.deadline_s,
+        # the run's policy, said explicitly as ``Cluster`` passes --recompute/--no-recompute: the
+        # router's defaults (recompute and admission on) would let the P->MD baseline recompute on
+        # MD instead of shipping every prompt over the WAN
+        "recompute": spec.recompute,
+        "admission": spec.admission,
         **({"md_tpot_s": spec.md_tpot_s} if spec.md_tpot_s else {}),
         "slo_ttft_ms": spec.slo_ttft_ms,
         "slo_tpot_ms": spec.slo_tpot_ms,
+        **({"rld_token_budget": spec.rld_token_budget} if spec.rld_token_budget < 1 else {}),
     }
     return {
         "md": _toml(sidecar("md", 7440, 4096)),
@@ -101,6 +107,7 @@ def role_configs(spec: ClusterSpec) -> dict[str, str]:
                     "rld_grpc": "rld:7441",
                     "rld_kv": "rld:7451",
                 },
+                data_plane={"wan_line_mbit": spec.line_mbit},  # as Cluster's --wan-line-mbit
             )
         ),
         "router": _toml(router),

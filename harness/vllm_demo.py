@@ -56,6 +56,7 @@ Only whole blocks travel and MD recomputes the prompt's tail (< 1 block, see
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -65,7 +66,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -177,12 +178,14 @@ async def _replay(
     alone_url: str,
     label: str,
     after_sessions: Callable[[], Any] | None = None,
+    connect: Callable[[RouterConfig], Any] = Router,
 ) -> dict[str, Any]:
     """Every session's turns through the Router (``pipeline`` forced, or "" for the router's own
     choice), then every answer against ``alone_url``'s vLLM generating alone (``after_sessions``,
-    if given, runs in between: what it reads is the sessions' alone)."""
+    if given, runs in between: what it reads is the sessions' alone). ``connect``: the router for
+    ``cfg`` (in this process, or the compose lab's router container)."""
     system, users = _workload(spec)
-    router = Router(cfg)
+    router = connect(cfg)
     await router.start()
     ttft: list[float] = []
     failed: list[str] = []
@@ -366,18 +369,23 @@ def _urls(pair: VllmPair) -> dict[str, str]:
     return urls
 
 
-def _float32_runs(spec: VllmDemoSpec, root: Path, model: Path, wan: Any) -> dict[str, Any]:
+Start = Callable[[Path, Path, str, bool], Any]  # (workdir, model, dtype, relay) -> a started pair
+
+
+def _float32_runs(spec: VllmDemoSpec, root: Path, model: Path, start: Start) -> dict[str, Any]:
     """P->MD baseline, then PDD (router's own choice) on one P+RLD+MD deployment; the two runs replay
     workloads of the same shape with different tokens (so PDD does not find the baseline's prompts
     in MD's cache)."""
-    pair = _start(spec, root / "f32", model, spec.dtype, wan, relay=spec.pdd)
+    pair = start(root / "f32", model, spec.dtype, spec.pdd)
+    connect = getattr(pair, "connect_router", Router)  # the compose lab's router container
     try:
         urls = _urls(pair)
         p_url, md_url = urls["p"], urls["md"]
         rld = spec.pdd and "rld" in urls
         q0, h0 = _prefix_counters(md_url)
-        cfg = router_config(urls, str(model), spec, relay=False, rld_gets_kv=rld)
-        base = asyncio.run(_replay(cfg, spec, "p_md", p_url, "baseline"))
+        name = getattr(pair, "model_name", str(model))  # what the servers serve (their --model)
+        cfg = router_config(urls, name, spec, relay=False, rld_gets_kv=rld)
+        base = asyncio.run(_replay(cfg, spec, "p_md", p_url, "baseline", connect=connect))
         q1, h1 = _prefix_counters(md_url)
         status, shipped, ends = _records(pair)
         out: dict[str, Any] = {
@@ -388,13 +396,12 @@ def _float32_runs(spec: VllmDemoSpec, root: Path, model: Path, wan: Any) -> dict
         }
         if rld:
             pdd_spec = replace(spec, seed=spec.seed + 1)
-            cfg = router_config(urls, str(model), spec, relay=True, rld_gets_kv=True)
+            cfg = router_config(urls, name, spec, relay=True, rld_gets_kv=True)
             out["pdd_status_before"] = pair.status()
             before = _engine_readings(pair)
             after: Readings = {}
-            out["pdd"] = asyncio.run(
-                _replay(cfg, pdd_spec, "", p_url, "pdd", lambda: after.update(_engine_readings(pair)))
-            )
+            readings = lambda: after.update(_engine_readings(pair))  # noqa: E731
+            out["pdd"] = asyncio.run(_replay(cfg, pdd_spec, "", p_url, "pdd", readings, connect))
             out["pdd_status"], out["pdd_shipped"], _ = _records(pair)
             out["pdd_engine"] = _engine_side(pair, before, after)
         return out
@@ -402,15 +409,16 @@ def _float32_runs(spec: VllmDemoSpec, root: Path, model: Path, wan: Any) -> dict
         pair.close()
 
 
-def _bf16_run(spec: VllmDemoSpec, root: Path, wan: Any) -> dict[str, Any]:
+def _bf16_run(spec: VllmDemoSpec, root: Path, start: Start) -> dict[str, Any]:
     """A short bfloat16 P->MD phase: its KV crosses with the byte-plane codec."""
     model = build_tiny_llama(root / "model-bf16", TinyLlamaSpec(dtype="bfloat16"))
-    pair = _start(spec, root / "bf16", model, "bfloat16", wan, relay=False)
+    pair = start(root / "bf16", model, "bfloat16", False)
     try:
         urls = _urls(pair)
         bspec = replace(spec, sessions=spec.bf16_sessions, seed=spec.seed + 2, dtype="bfloat16")
-        cfg = router_config(urls, str(model), bspec, relay=False)
-        out = asyncio.run(_replay(cfg, bspec, "p_md", urls["p"], "bf16"))
+        cfg = router_config(urls, getattr(pair, "model_name", str(model)), bspec, relay=False)
+        connect = getattr(pair, "connect_router", Router)
+        out = asyncio.run(_replay(cfg, bspec, "p_md", urls["p"], "bf16", connect=connect))
         status, shipped, ends = _records(pair)
         return {"run": out, "records": (status, shipped, ends), "spec": bspec}
     finally:
@@ -427,27 +435,41 @@ def _stages(pdd: dict[str, Any], shipped: dict[str, dict[str, Any]], engine: Eng
     return stage_table([t for t in times if t is not None], engine)
 
 
-def run(spec: VllmDemoSpec, json_path: str | None) -> dict[str, Any]:
+@contextlib.contextmanager
+def _lab(spec: VllmDemoSpec, profile: str, kind: str, figures: dict[str, Any]) -> Iterator[Start]:
+    """The WAN and how the deployments start on it: netlab's loopback relay and processes here, or
+    the compose lab's containers (``harness.vllm_compose``)."""
+    if kind == "compose":
+        from harness.vllm_compose import compose_lab, compose_start
+
+        with compose_lab(spec, profile, say, figures) as lab:
+            yield compose_start(lab, spec)
+        return
+    with Lab.up(parse_profile(profile, name="pddlink-vllm-demo"), name=f"vdemo{os.getpid() % 100000}",
+                mode="loopback") as lab:  # fmt: skip
+        wan = lambda port: "{}:{}".format(*lab.endpoint("dc-b", port))  # noqa: E731
+        yield lambda workdir, model, dtype, relay: _start(spec, workdir, model, dtype, wan, relay)
+
+
+def run(spec: VllmDemoSpec, json_path: str | None, lab_kind: str = "loopback") -> dict[str, Any]:
+    """``lab_kind`` "compose": every role in a container of the compose lab (``harness.vllm_compose``)."""
     root = Path(tempfile.mkdtemp(prefix="pddlink-vllm-demo-"))
     model = spec.model or build_tiny_llama(root / "model", TinyLlamaSpec(dtype=spec.dtype))
     profile = (
         f'description = "pddlink vLLM demo WAN: {spec.line_mbit:g} Mbit/s, {spec.rtt_ms:g} ms RTT"\n'
         f"[link]\ndelay_ms = {spec.rtt_ms / 2}\nrate_mbit = {spec.line_mbit}\nqueue_packets = 400\n"
     )
+    lab_figures: dict[str, Any] = {}
     try:
-        with Lab.up(
-            parse_profile(profile, name="pddlink-vllm-demo"),
-            name=f"vdemo{os.getpid() % 100000}",
-            mode="loopback",
-        ) as lab:
-            wan = lambda port: "{}:{}".format(*lab.endpoint("dc-b", port))  # noqa: E731
-            f32 = _float32_runs(spec, root, Path(model), wan)
-            bf16 = _bf16_run(spec, root, wan) if spec.bf16_sessions and spec.model is None else None
+        with _lab(spec, profile, lab_kind, lab_figures) as start:
+            f32 = _float32_runs(spec, root, Path(model), start)
+            bf16 = _bf16_run(spec, root, start) if spec.bf16_sessions and spec.model is None else None
     finally:
         if not os.environ.get("PDDLINK_KEEP_WORKDIR"):
             shutil.rmtree(root, ignore_errors=True)
     status, shipped, ends = f32["records"]
     report = run_report(spec, f32["baseline"], shipped, ends, status, f32["prefix"])
+    report.update(lab_figures)  # compose: the lab, its images
     report["cores"] = f32["cores"]  # each vLLM server's cores ({} = not pinned), both float32 runs
     if "pdd" in f32:
         report.update(pdd_report(f32["baseline"], f32["pdd"], f32["pdd_status"]))

@@ -74,9 +74,10 @@ def debian_source() -> tuple[str, str]:
     return release, mirror
 
 
-def base_tag() -> str:
+def base_tag(extra: tuple[str, ...] = ()) -> str:
+    """The base image's tag; ``extra``: Debian packages beyond ``BASE_PACKAGES`` (another image)."""
     release, mirror = debian_source()
-    recipe = "\n".join([release, mirror, "minbase", *BASE_PACKAGES])
+    recipe = "\n".join([release, mirror, "minbase", *BASE_PACKAGES, *extra])
     return f"pddlink-base:{release}-{hashlib.sha256(recipe.encode()).hexdigest()[:12]}"
 
 
@@ -84,9 +85,9 @@ def image_exists(engine: Engine, ref: str) -> bool:
     return engine.docker(["image", "inspect", ref], check=False).returncode == 0
 
 
-def ensure_base(engine: Engine, log: Log) -> tuple[str, bool]:
-    """The base image's tag, and whether it was made now."""
-    tag = base_tag()
+def ensure_base(engine: Engine, log: Log, extra: tuple[str, ...] = ()) -> tuple[str, bool]:
+    """The base image's tag, and whether it was made now (with the Debian packages ``extra`` too)."""
+    tag = base_tag(extra)
     if image_exists(engine, tag):
         return tag, False
     if shutil.which("debootstrap") is None:
@@ -98,7 +99,7 @@ def ensure_base(engine: Engine, log: Log) -> tuple[str, bool]:
         argv = [
             "debootstrap",
             "--variant=minbase",
-            f"--include={','.join(BASE_PACKAGES)}",
+            f"--include={','.join((*BASE_PACKAGES, *extra))}",
             release,
             root,
             mirror,
@@ -129,8 +130,11 @@ def ensure_base(engine: Engine, log: Log) -> tuple[str, bool]:
 # ---- wheels -----------------------------------------------------------------------------------
 
 
-def pinned_requirements(repo: Path = REPO) -> list[str]:
-    """``name==version`` for the closure of the checkout's dependencies (with ``EXTRAS``), as installed.
+def pinned_requirements(
+    repo: Path = REPO, extras: tuple[str, ...] = EXTRAS, leave_out: frozenset[str] = frozenset()
+) -> list[str]:
+    """``name==version`` for the closure of the checkout's dependencies (with ``extras``), as installed,
+    without the packages ``leave_out`` names (nor what only they need).
 
     torch is pinned to a CPU build (``+cpu``) whatever this environment has."""
     # imported here: the base image (``python3 -m netlab.compose.images``) is made by the system's
@@ -140,14 +144,14 @@ def pinned_requirements(repo: Path = REPO) -> list[str]:
 
     project = tomllib.loads((repo / "pyproject.toml").read_text())["project"]
     todo = [Requirement(r) for r in project["dependencies"]]
-    for extra in EXTRAS:
+    for extra in extras:
         todo += [Requirement(r) for r in project["optional-dependencies"][extra]]
     todo = [r for r in todo if r.marker is None or r.marker.evaluate({"extra": ""})]
     pins: dict[str, str] = {}
     while todo:
         req = todo.pop()
         name = canonicalize_name(req.name)
-        if name in pins:
+        if name in pins or name in leave_out:
             continue
         try:
             dist = md.distribution(req.name)
@@ -164,9 +168,11 @@ def pinned_requirements(repo: Path = REPO) -> list[str]:
     return [f"{name}=={version}" for name, version in sorted(pins.items())]
 
 
-def ensure_wheels(log: Log) -> tuple[Path, bool]:
+def ensure_wheels(
+    log: Log, extras: tuple[str, ...] = EXTRAS, leave_out: frozenset[str] = frozenset()
+) -> tuple[Path, bool]:
     """The cached wheelhouse of the pinned closure, and whether it was filled now."""
-    pins = pinned_requirements()
+    pins = pinned_requirements(extras=extras, leave_out=leave_out)
     key = hashlib.sha256("\n".join(pins).encode()).hexdigest()[:16]
     house = DATA_ROOT / "wheels" / key
     if (house / "requirements.txt").is_file():
@@ -243,16 +249,21 @@ def _sync(src: Path, dst: Path) -> None:
             shutil.copy2(path, target)
 
 
-def ensure_deps(engine: Engine, base: str, house: Path, log: Log, repo: Path = REPO) -> str:
-    """The dependency image for this wheelhouse (built once per set of pins)."""
-    tag = f"pddlink-deps:{house.name}"
+def ensure_deps(
+    engine: Engine, base: str, house: Path, log: Log, repo: Path = REPO, no_deps: bool = False, tag: str = ""
+) -> str:
+    """The dependency image for this wheelhouse (built once per set of pins; ``tag``: another name,
+    e.g. one that names the base too); ``no_deps``: pip takes the pins as the whole closure (the
+    vLLM image, whose pins leave declared packages out)."""
+    tag = tag or f"pddlink-deps:{house.name}"
     if image_exists(engine, tag):
         return tag
     ctx = DATA_ROOT / "context-deps"
     _sync(house, ctx / "wheels")
     shutil.copy2(repo / "docker" / "Dockerfile.deps", ctx / "Dockerfile")
     log(f"dependency image {tag}: docker build on {base} (once per set of pins)")
-    engine.docker(["build", "--build-arg", f"BASE={base}", "-t", tag, str(ctx)], timeout_s=1800)
+    args = ["--build-arg", f"BASE={base}", *(["--build-arg", "NO_DEPS=1"] if no_deps else [])]
+    engine.docker(["build", *args, "-t", tag, str(ctx)], timeout_s=1800)
     return tag
 
 

@@ -50,6 +50,7 @@ COMPOSE_FILE = REPO / "docker" / "compose.yaml"
 DEFAULT_CONFIG = REPO / "docker" / "config"
 LABS = STATE_ROOT / "labs"
 ROLES = ("md", "rld", "p", "router")
+ENGINES = ("md-engine", "rld-engine", "p-engine")  # the vLLM servers beside the sidecars (deploy_vllm)
 ROLE_DC = {"p": "dc-a", "rld": "dc-a", "router": "dc-a", "md": "dc-b", "probe-a": "dc-a", "probe-b": "dc-b"}
 PROBES = ("probe-a", "probe-b")
 HOST_NUMBER = {"relay": 2, "p": 10, "rld": 11, "router": 20, "md": 10, "probe-a": 30, "probe-b": 30}
@@ -212,10 +213,60 @@ class ComposeLab:
             self._compose(["up", "-d", "--no-color", "--no-deps", "--force-recreate", *group], timeout_s=120)
             self._wait_roles(group, deadline)
 
+    def deploy_vllm(
+        self,
+        config_dir: Path,
+        run_dir: Path,
+        model_dir: Path,
+        cpus: dict[str, str],
+        engine_port: int,
+        timeout_s: float = 600.0,
+        roles: tuple[str, ...] = ("md", "rld", "p"),
+    ) -> None:
+        """The vLLM roles: P, RLD and MD sidecars (``engine = "vllm"`` configs in ``config_dir``) from
+        the vLLM image, then each role's vLLM server beside its sidecar (``<role>-engine``, serving
+        ``model_dir``/model on ``engine_port``, on ``cpus[role]``), then the router; waits until each
+        serves (``roles``: without "rld", P->MD only). ``undeploy`` removes them all."""
+        from netlab.compose.vllm_image import VLLM_IMAGE
+
+        if not image_exists(self.engine, VLLM_IMAGE):
+            raise NotFound(f"image {VLLM_IMAGE} is not built here: run `pddlink lab compose build --vllm`")
+        self._vllm = {"PDDLINK_ROLE_IMAGE": VLLM_IMAGE, "PDDLINK_MODEL_DIR": str(model_dir.resolve())}
+        self._vllm |= {f"PDDLINK_CPUS_{role.upper()}": cores for role, cores in cpus.items()}
+        self.run_dir = run_dir
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        os.chown(self.run_dir, ROLE_UID, ROLE_UID)
+        self._config_dir = config_dir.resolve()
+        deadline = time.monotonic() + timeout_s
+        sidecars = roles
+        self._compose(["up", "-d", "--no-color", "--no-deps", "--force-recreate", *sidecars], timeout_s=120)
+        self._wait_roles(sidecars, deadline)
+        engines = [f"{role}-engine" for role in sidecars]
+        self._compose(["--profile", "vllm", "up", "-d", "--no-color", "--no-deps", *engines], timeout_s=120)
+        for role in sidecars:
+            self._wait_http(f"http://{self.addr(role)}:{engine_port}/health", f"{role}-engine", deadline)
+
+    def restart_router(self, timeout_s: float = 120.0) -> None:
+        """The router container (re)started with the config directory's router.toml; waits until it serves."""
+        (self.run_dir / "router.sock").unlink(missing_ok=True)
+        (self.run_dir / "router.sock.grpc").unlink(missing_ok=True)
+        self._compose(["up", "-d", "--no-color", "--no-deps", "--force-recreate", "router"], timeout_s=120)
+        self._wait_roles(("router",), time.monotonic() + timeout_s)
+
+    def _wait_http(self, url: str, service: str, deadline: float) -> None:
+        while _http_status(url) != 200:
+            if self._exited(service):
+                raise LocalError(f"{service}'s container exited: {self._tail(service, 12)}")
+            if time.monotonic() > deadline:
+                raise DeadlineExceeded(f"{service} did not serve {url} in time: {self._tail(service)}")
+            time.sleep(0.5)
+
     def undeploy(self) -> None:
         """Stop and remove the role containers (their logs are kept in the lab's ``logs/``)."""
         self.save_logs()
-        self._compose(["rm", "-s", "-f", "-v", *ROLES], timeout_s=60, check=False)
+        self._compose(
+            ["--profile", "vllm", "rm", "-s", "-f", "-v", *ROLES, *ENGINES], timeout_s=60, check=False
+        )
 
     def down(self) -> dict[str, Any]:
         """Remove everything of this lab; stop the lab's own dockerd when no other lab is left."""
@@ -362,6 +413,7 @@ class ComposeLab:
             "PDDLINK_BRIDGE_B": r.bridge("dc-b"),
             "PDDLINK_IMAGE": IMAGE,
             "PDDLINK_RELAY_RT": f"{self.engine.relay_rt_runtime_us}us",
+            **getattr(self, "_vllm", {}),  # deploy_vllm: the roles' image, the model, the cores
         }
 
     def _compose(
@@ -409,21 +461,23 @@ class ComposeLab:
             time.sleep(0.3)
 
     def _exited(self, service: str) -> bool:
-        ids = self._compose(["ps", "-q", service], check=False).stdout.decode().split()
+        ids = self._compose(["--profile", "vllm", "ps", "-q", service], check=False).stdout.decode().split()
         if not ids:
             return False
         state = self.engine.docker(["inspect", "-f", "{{.State.Running}}", ids[0]], check=False)
         return state.stdout.decode().strip() == "false"
 
     def _tail(self, service: str, lines: int = 5) -> str:
-        out = self._compose(["logs", "--no-color", "--tail", str(lines), service], check=False)
+        out = self._compose(
+            ["--profile", "vllm", "logs", "--no-color", "--tail", str(lines), service], check=False
+        )
         return " | ".join(out.stdout.decode(errors="replace").strip().splitlines()[-lines:])
 
     def save_logs(self) -> None:
         logs = self.record.directory / "logs"
         logs.mkdir(exist_ok=True)
-        for service in ("relay", *ROLES):  # (the probes' logs are of no interest)
-            out = self._compose(["logs", "--no-color", service], check=False)
+        for service in ("relay", *ROLES, *(ENGINES if hasattr(self, "_vllm") else ())):  # (not the probes')
+            out = self._compose(["--profile", "vllm", "logs", "--no-color", service], check=False)
             (logs / f"{service}.log").write_bytes(out.stdout)
 
 
@@ -505,6 +559,20 @@ def _remove_project(engine: Engine, name: str) -> dict[str, Any]:
     if nets:
         engine.docker(["network", "rm", *nets], timeout_s=60, check=False)
     return {"containers": len(ids), "networks": len(nets)}
+
+
+def _http_status(url: str, timeout_s: float = 2.0) -> int:
+    """The status of ``GET url`` (0: nothing answers)."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:
+            return int(r.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+    except (urllib.error.URLError, OSError):
+        return 0
 
 
 def _unix_get(path: str, target: str, timeout_s: float = 2.0) -> int:

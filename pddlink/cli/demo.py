@@ -108,7 +108,8 @@ import click
     type=click.Choice(["reference", "vllm"]),
     default="reference",
     show_default=True,
-    help="reference: pddlink's own engine, P/RLD/MD/router; vllm: P and MD as vLLM servers (P->MD).",
+    help="reference: pddlink's own engine, P/RLD/MD/router; vllm: P, RLD and MD as vLLM servers beside "
+    "their sidecars (--lab compose: each in containers, with the router).",
 )
 @click.option("--model", help="vllm: a model directory to serve (default: a tiny random Llama built here).")
 @click.option(
@@ -165,7 +166,10 @@ def command(
     if engine == "vllm":
         from pddlink.cli.demo_vllm import run_vllm_demo
 
+        if lab_kind not in ("auto", "loopback", "compose"):
+            raise click.BadParameter("vllm: auto (a loopback WAN) or compose", param_hint="--lab")
         run_vllm_demo(
+            lab_kind="compose" if lab_kind == "compose" else "loopback",
             json_path=json_path,
             seed=seed,
             line_mbit=line_mbit,

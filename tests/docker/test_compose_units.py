@@ -6,6 +6,7 @@ from __future__ import annotations
 import tomllib
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -59,6 +60,27 @@ def test_demo_role_configs_carry_the_specs_knobs_with_mtls(tmp_path: Path) -> No
     assert serve["unix"] == "/run/pddlink/router.sock"
     pdd = tomllib.loads(role_configs(replace(spec, relay=True))["router"])
     assert pdd["relay_enabled"] is True
+    assert load_config(tmp_path / "p.toml").data_plane.wan_line_mbit == 16.0  # P's codec choice
+
+
+def test_demo_router_configs_carry_the_runs_policy_not_the_routers_defaults(tmp_path: Path) -> None:
+    """The baseline ships every prompt (the issue: the compose router took RouterConfig's defaults,
+    recompute and admission on, and its "P->MD baseline" recomputed 122 of 200 prompts on MD)."""
+    from pddlink.cli.router import _load
+
+    def router(spec: ClusterSpec) -> Any:
+        (tmp_path / "router.toml").write_text(role_configs(spec)["router"])
+        return _load(str(tmp_path / "router.toml"), {})[0]
+
+    base = router(ClusterSpec(tmp_path, relay=False))
+    assert (base.recompute, base.admission, base.rld_token_budget) == (False, False, 1.0)
+    overload = ClusterSpec(
+        tmp_path, recompute=True, admission=True, md_tpot_s=0.008, slo_ttft_ms=2000.0,
+        slo_tpot_ms=10.0, rld_token_budget=0.08,
+    )  # fmt: skip
+    pdd = router(overload)
+    assert (pdd.recompute, pdd.admission, pdd.rld_token_budget) == (True, True, 0.08)
+    assert (pdd.md_tpot_s, pdd.slo_ttft_ms, pdd.slo_tpot_ms) == (0.008, 2000.0, 10.0)
 
 
 @pytest.mark.root
