@@ -32,7 +32,9 @@ from harness.demo_compose import _toml
 from harness.vllm.pair import engine_cores
 from netlab.compose.lab import ComposeLab
 from netlab.profile import parse_profile
+from pddlink.lifecycle import RunOutcome
 from pddlink.serving.http import fetch
+from router.answer import GenerateEvent, RequestEnd, StreamedToken
 
 ENGINE_PORT = 8100
 MD_EVENTS_PORT = 5557
@@ -123,8 +125,8 @@ def _differs(obj: Any, f: Any) -> bool:
 
 
 class GrpcRouter:
-    """The router container's gRPC service, yielding what ``Router.generate`` yields (token events,
-    then the final one with its outcome, reason and trace)."""
+    """The router container's gRPC service, yielding what ``Router.generate`` yields
+    (``StreamedToken`` per token, then one ``RequestEnd`` with its outcome, reason and trace)."""
 
     def __init__(self, target: str) -> None:
         self.target = target
@@ -148,7 +150,7 @@ class GrpcRouter:
         pipeline: str,
         request_id: str,
         arrived: float = 0.0,
-    ) -> AsyncIterator[dict[str, Any]]:
+    ) -> AsyncIterator[GenerateEvent]:
         from pddlink.serving.sampling_pb import sampling_to_pb
 
         msg = self.pb2.GenerateRequest(
@@ -160,16 +162,19 @@ class GrpcRouter:
         )
         import grpc
 
+        position = len(prompt)
         try:
             async for ev in self.stub.Generate(msg, timeout=deadline_s + 5.0):
                 if ev.done:
                     trace = json.loads(ev.trace_json or "{}")
-                    yield {"done": True, "outcome": ev.outcome, "reason": ev.reason, "trace": trace}
+                    key = str(trace.get("request_key", ""))
+                    yield RequestEnd(request_id, key, RunOutcome(ev.outcome), ev.reason, trace)
                     return
-                yield {"token_id": ev.token_id, "source": ev.source}
+                yield StreamedToken(position, ev.token_id, ev.source)
+                position += 1
         except grpc.aio.AioRpcError as exc:  # as the in-process router's failed end
             reason = f"grpc {exc.code().name}: {exc.details()}"
-            yield {"done": True, "outcome": "failed", "reason": reason, "trace": {}}
+            yield RequestEnd(request_id, "", RunOutcome.FAILED, reason, {})
 
     async def close(self) -> None:
         if self.channel is not None:
