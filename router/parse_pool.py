@@ -23,9 +23,11 @@ import contextlib
 import multiprocessing
 import os
 import signal
+import threading
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
 
 from pddlink.errors import ErrorCode, InvalidInput, LocalError
 from router.openai_schema import Endpoint, Job, Limits, RequestRefused, completion_job
@@ -66,6 +68,14 @@ def _start_worker(schema: _Schema) -> None:
     with contextlib.suppress(OSError):
         os.setpriority(os.PRIO_PROCESS, 0, 10)  # the router's loop and the sidecars come first
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C stops the router, which stops us
+    parent = multiprocessing.parent_process()
+    if parent is not None:  # a router killed outright (SIGKILL) leaves no worker behind
+        threading.Thread(target=_exit_with, args=(parent,), name="parent-watch", daemon=True).start()
+
+
+def _exit_with(parent: BaseProcess) -> None:
+    parent.join()  # returns when the parent process has ended
+    os._exit(1)
 
 
 def _ready() -> None:

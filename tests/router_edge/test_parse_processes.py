@@ -12,6 +12,8 @@ import json
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -170,3 +172,42 @@ def test_a_worker_killed_mid_parse_gives_a_typed_503_and_the_next_request_is_par
         assert again.status == 400 and b"bytes of text" in again.body  # type: ignore[operator]
     finally:
         api.close()
+
+
+_POOL_OWNER = """
+import asyncio, multiprocessing, sys
+from router.openai_schema import Limits
+from router.parse_pool import ParsePool
+async def main():
+    pool = ParsePool(2, Limits(2048, 8000, 16), None, None)
+    await pool.start()
+    print(" ".join(str(c.pid) for c in multiprocessing.active_children()), flush=True)
+    await asyncio.sleep(3600)
+if __name__ == "__main__":
+    asyncio.run(main())
+"""
+
+
+def test_the_workers_end_with_a_router_killed_outright(tmp_path: Path) -> None:
+    script = tmp_path / "owner.py"
+    script.write_text(_POOL_OWNER)
+    owner = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert owner.stdout is not None
+        workers = [int(pid) for pid in owner.stdout.readline().split()]
+        assert len(workers) == 2 and all(_alive(pid) for pid in workers)
+    finally:
+        owner.kill()
+        owner.wait(10)
+    until = time.monotonic() + 10
+    while any(_alive(pid) for pid in workers) and time.monotonic() < until:
+        time.sleep(0.05)
+    assert not any(_alive(pid) for pid in workers)
+
+
+def _alive(pid: int) -> bool:
+    """``pid`` runs and is not a zombie (the test's own children are reaped by no one else)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except OSError:
+        return False
