@@ -73,12 +73,12 @@ def _start_worker(schema: _Schema) -> None:
 
 
 def _yield_cpu() -> None:
-    """Run only on CPU time nothing else wants (Linux ``SCHED_IDLE``; a nice of 19 elsewhere): a
-    waking router or sidecar takes the CPU from a parse at once, where a nice of 10 left it to
-    the end of the parse's slice (one run of ``pddlink bench edge``'s load on 2 shared cores: the
-    small request's first token 25.0 ms with four 1 MB bodies parsed, 25.8 ms with them read and
-    not parsed; with a nice of 10, 27.4 against 25.4 ms). Under a saturated CPU a parse still
-    advances, slowly: only its own request waits."""
+    """Run only on CPU time nothing else wants (Linux ``SCHED_IDLE``; a nice of 19 elsewhere): the
+    scheduler gives the CPU to a waking router or sidecar at once, where a nice of 10 leaves a
+    parse running to the end of its slice. ``pddlink bench edge``'s load on 2 shared cores does not
+    resolve the difference (the small request's loaded first token with four 1 MB bodies parsed,
+    minus with them read and not parsed: -0.8 and +5.6 ms in two runs; nice 10: +2.0 ms). Under a
+    saturated CPU a parse still advances, slowly: only its own request waits."""
     try:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # this thread and those it starts
     except (AttributeError, OSError):
