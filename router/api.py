@@ -19,8 +19,10 @@ stay plaintext and keyless for local clients, guarded by their file mode (0600).
 
 Prompts are token ids or text; text needs ``api.tokenizer`` (a model directory), else it is
 refused (400, naming the setting). A text prompt longer in bytes than the prompt token limit
-allows is refused before it is tokenized; a large body is parsed and tokenized off the event loop
-(``router.openai_text.TextWorkers``, ``api.tokenizer_workers`` threads).
+allows is refused before it is tokenized; a large body is parsed and tokenized off the event loop:
+over 64 kB in worker processes (``router.parse_pool``, ``api.parse_processes``; a worker that dies
+answers its requests 503), else on threads (``router.openai_text.TextWorkers``,
+``api.tokenizer_workers``).
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ from router.answer import GenerateEvent, RequestEnd
 from router.openai_api import Responder, error_body, models_body
 from router.openai_schema import Endpoint, Job, Limits, RequestRefused, completion_job, generate_job
 from router.openai_text import TextCodec, TextWorkers
+from router.parse_pool import PROCESS_BYTES, ParsePool, ParserLost
 
 pb2, pb2_grpc = stubs()
 
@@ -98,6 +101,8 @@ class RouterApi:
         self.eos = codec.eos_token_id if codec is not None else None
         self.created = int(time.time())
         self.workers = TextWorkers(self.api.tokenizer_workers)  # large bodies parse off the loop
+        n = self.api.parse_processes  # processes spawn at ``start`` (or the first body over 64 kB)
+        self.parsers = ParsePool(n, self.limits, codec, self.eos) if n else None
         self.stopping = False  # SIGTERM: /readyz 503, every answer closes its connection
         self.refusing = False  # SIGTERM + ``api.stop_notice_s``: new requests get 503 (retried elsewhere)
         self.admitting = 0  # requests read but not yet running (parsed, admitted): not in ``in_flight``
@@ -193,18 +198,41 @@ class RouterApi:
         problem = mirror.problem() if mirror is not None and hasattr(mirror, "problem") else ""
         return [problem] if problem else []
 
+    async def start(self) -> None:
+        """Spawn the parsing processes (each loads the tokenizer once) before serving."""
+        if self.parsers is not None:
+            await self.parsers.start()
+
+    def close(self) -> None:
+        self.workers.close()
+        if self.parsers is not None:
+            self.parsers.close()
+
     def parse(self, body: bytes, endpoint: Endpoint) -> Job:
         """The validated job, or ``RequestRefused`` / ``InvalidInput`` (both answer 400). Runs on a
         ``TextWorkers`` thread for a large body: it reads only the router's configuration."""
-        job = completion_job(body, endpoint, self.limits, self.codec, self.eos)
+        return self.validated(completion_job(body, endpoint, self.limits, self.codec, self.eos))
+
+    def validated(self, job: Job) -> Job:
+        """``job`` once the router's own checks pass (``InvalidInput`` else)."""
         deadline_s = job.deadline_s or self.router.cfg.deadline_s
         for prompt in job.prompts:
             self.router.validate(list(prompt), job.sampling, deadline_s, job.pipeline)
         return job
 
+    async def parsed(self, body: bytes, endpoint: Endpoint) -> Job:
+        """``parse`` where it costs the event loop least: a body over 64 kB in a worker process
+        (the router's checks of its job here: they read the router), a smaller one on a thread or,
+        a few kB, here and now. ``ParserLost`` when the worker process died."""
+        if self.parsers is not None and len(body) > PROCESS_BYTES:
+            return self.validated(await self.parsers.job(body, endpoint))
+        return await self.workers.run(lambda: self.parse(body, endpoint), len(body))
+
     async def _generate(self, req: Request, endpoint: Endpoint, client: str) -> Response:
         try:
-            job = await self.workers.run(lambda: self.parse(req.body, endpoint), len(req.body))
+            job = await self.parsed(req.body, endpoint)
+        except ParserLost as exc:
+            return _error(503, exc.message, "ServiceUnavailableError", retry_after_s=self.api.retry_after_s)
         except InvalidInput as exc:
             metrics.CLIENT_ERRORS.labels(api="http").inc()
             return _error(400, exc.message, "BadRequestError", getattr(exc, "param", None))
@@ -471,6 +499,7 @@ async def serve_router(
     if unix:
         os.chmod(f"{unix}.grpc", 0o600)
     rapi = RouterApi(router, api, codec, guard)
+    await rapi.start()  # the parsing processes, before the first request can come
     tls = router.tls.server_context() if api.http_mtls and router.tls is not None else None
     http = await serve_http(
         rapi.http,
@@ -505,7 +534,7 @@ async def serve_router(
             s.close()
         await server.stop(grace=0.5)
         await router.close()
-        rapi.workers.close()
+        rapi.close()
 
 
 async def _stop_gracefully(

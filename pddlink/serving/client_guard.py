@@ -49,6 +49,9 @@ class ApiConfig:
     rate_burst: int = 100  # the bucket's size
     retry_after_s: int = 1  # what a 429 / 503 tells the client
     tokenizer_workers: int = 2  # threads that tokenize and detokenize large texts, off the event loop
+    # processes that parse (and tokenize) request bodies over 64 kB, so that the GIL they hold is
+    # not the router's; 0 = on the tokenizer_workers threads (the event loop waits while they parse)
+    parse_processes: int = 2
     max_prompt_bytes: int = 0  # a text prompt's UTF-8 bytes; 0 = what max_prompt_tokens allows at most
     # SIGTERM: how long a stopping router still answers requests on connections opened before, while
     # the load balancer's health checks take it out (HAProxy's ``inter 1s fall 2``: about 2 s); a
@@ -69,6 +72,8 @@ class ApiConfig:
                 raise ConfigError(f"api.{name} must be in (0, 3600]")
         if self.max_prompt_bytes < 0 or self.tokenizer_workers > 64:
             raise ConfigError("api.max_prompt_bytes must be >= 0, api.tokenizer_workers <= 64")
+        if not 0 <= self.parse_processes <= 64:
+            raise ConfigError("api.parse_processes must be in [0, 64]")
         if not 0 <= self.stop_notice_s <= 60:
             raise ConfigError("api.stop_notice_s must be in [0, 60]")
         if self.rate_per_client_s < 0:

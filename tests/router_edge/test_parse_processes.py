@@ -1,0 +1,213 @@
+"""Request bodies over 64 kB are parsed in worker processes (``router.parse_pool``, issue 27): the
+answers are the ones the router's own parse gives (same status, same error body), and a worker
+killed mid-parse gives its request a typed 503 while the next request is parsed by a new pool.
+
+In memory (``RouterApi.http`` with a stand-in router), with real worker processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from harness import edge_bench as eb
+from pddlink.serving.client_guard import ApiConfig
+from pddlink.serving.http import Request, Response
+from router.api import RouterApi
+from router.openai_schema import Endpoint
+from router.openai_text import TextCodec
+from router.parse_pool import PROCESS_BYTES, ParsePool
+
+pytestmark = [pytest.mark.process, pytest.mark.timeout(120)]
+
+
+def _codec() -> TextCodec:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tok.train_from_iterator(
+        [" ".join(eb.WORDS)] * 10, trainers.BpeTrainer(vocab_size=300, initial_alphabet=alphabet)
+    )
+    return TextCodec(tok, "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+
+
+def _api(processes: int, max_prompt_tokens: int = 8000) -> RouterApi:
+    """A router API whose router is a stand-in: every answer here comes before any generating."""
+    cfg = SimpleNamespace(
+        vocab_size=2048, max_prompt_tokens=max_prompt_tokens, max_tokens_limit=16, deadline_s=5.0
+    )
+    router: Any = SimpleNamespace(cfg=cfg, backend=SimpleNamespace(), validate=lambda *a: None)
+    return RouterApi(router, ApiConfig(parse_processes=processes), _codec())
+
+
+@pytest.fixture(scope="module")
+def loop() -> Iterator[asyncio.AbstractEventLoop]:
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+def _post(
+    loop: asyncio.AbstractEventLoop, api: RouterApi, body: bytes, path: str = "/v1/completions"
+) -> Response:
+    return loop.run_until_complete(api.http(Request("POST", path, "", body, (), "")))
+
+
+def _padded(obj: dict[str, Any]) -> bytes:
+    """``obj`` as JSON with trailing whitespace: over the process threshold, the same request."""
+    body = json.dumps(obj).encode()
+    return body + b" " * max(0, PROCESS_BYTES + 1 - len(body))
+
+
+BODIES = {
+    "over the byte limit": json.dumps({"prompt": eb.text(1_000_000, 1), "max_tokens": 2}).encode(),
+    "over the token limit": json.dumps({"prompt": eb.text(120_000, 1), "max_tokens": 2}).encode(),
+    "escapes": json.dumps({"prompt": "é\n" * 30_000, "max_tokens": 2}, ensure_ascii=True).encode(),
+    "a bad field": _padded({"prompt": [1, 2, 3], "max_tokens": -1}),
+    "an unknown sampling field": _padded({"prompt": [1, 2, 3], "temperature": "hot"}),
+    "not JSON": b"{" + b" " * PROCESS_BYTES,
+    "chat without messages": _padded({"messages": []}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BODIES))
+def test_a_worker_process_answers_as_the_router_would(loop: asyncio.AbstractEventLoop, name: str) -> None:
+    body = BODIES[name]
+    assert len(body) > PROCESS_BYTES
+    path = "/v1/chat/completions" if name.startswith("chat") else "/v1/completions"
+    in_process, in_workers = _api(0), _api(1)
+    try:
+        here = _post(loop, in_process, body, path)
+        there = _post(loop, in_workers, body, path)
+    finally:
+        in_workers.close()
+    assert (there.status, there.body) == (here.status, here.body)
+    assert there.status == 400, there.body
+
+
+def test_a_valid_large_body_gives_the_same_job(loop: asyncio.AbstractEventLoop) -> None:
+    api = _api(1)
+    bodies = [
+        ({"prompt": eb.text(12_000, 3), "max_tokens": 4, "seed": 7}, Endpoint.COMPLETIONS),
+        (
+            {"prompt": [eb.text(12_000, 4), eb.text(9_000, 6)], "stop": ["relay"], "n": 2, "seed": 1},
+            Endpoint.COMPLETIONS,
+        ),
+        (
+            {"messages": [{"role": "user", "content": eb.text(12_000, 5)}], "max_tokens": 3, "seed": 2},
+            Endpoint.CHAT,
+        ),
+    ]
+    try:
+        for obj, endpoint in bodies:
+            body = _padded(obj)
+            here = api.parse(body, endpoint)
+            there = loop.run_until_complete(api.parsed(body, endpoint))
+            assert there == here and len(here.prompts[0]) > 1000
+    finally:
+        api.close()
+
+
+@dataclass(frozen=True)
+class _StuckCodec:
+    """A tokenizer that never finishes: it marks ``entered`` (a file) and sleeps. Pickled by
+    reference to this module, which the worker process imports (pytest's ``sys.path`` is its)."""
+
+    codec: TextCodec
+    entered: str
+
+    @property
+    def max_token_bytes(self) -> int:
+        return self.codec.max_token_bytes
+
+    def encode(self, text: str) -> list[int]:
+        Path(self.entered).touch()
+        time.sleep(3600)
+        return []
+
+
+def test_a_worker_killed_mid_parse_gives_a_typed_503_and_the_next_request_is_parsed(
+    loop: asyncio.AbstractEventLoop, tmp_path: Path
+) -> None:
+    entered = tmp_path / "entered"
+    api = _api(2)
+    api.parsers = ParsePool(2, api.limits, _StuckCodec(_codec(), str(entered)), None)  # type: ignore[arg-type]
+    slow = _padded({"prompt": "prefill decode", "max_tokens": 2})
+
+    async def killed() -> Response:
+        answer = asyncio.ensure_future(api.http(Request("POST", "/v1/completions", "", slow, (), "")))
+        for _ in range(600):  # the worker is in the tokenizer: mid-parse
+            await asyncio.sleep(0.05)
+            if entered.exists():
+                break
+        assert entered.exists() and not answer.done()
+        for child in multiprocessing.active_children():
+            os.kill(child.pid or 0, signal.SIGKILL)
+        return await asyncio.wait_for(answer, 10)
+
+    try:
+        lost = loop.run_until_complete(killed())
+        error = json.loads(lost.body)["error"]  # type: ignore[arg-type]
+        assert lost.status == 503 and error["type"] == "ServiceUnavailableError", lost
+        assert ("retry-after", "1") in lost.headers and "send it again" in error["message"]
+        over = BODIES["over the byte limit"]  # refused on its bytes, before the tokenizer
+        again = loop.run_until_complete(
+            asyncio.wait_for(api.http(Request("POST", "/v1/completions", "", over, (), "")), 60)
+        )
+        assert again.status == 400 and b"bytes of text" in again.body  # type: ignore[operator]
+    finally:
+        api.close()
+
+
+_POOL_OWNER = """
+import asyncio, multiprocessing, sys
+from router.openai_schema import Limits
+from router.parse_pool import ParsePool
+async def main():
+    pool = ParsePool(2, Limits(2048, 8000, 16), None, None)
+    await pool.start()
+    print(" ".join(str(c.pid) for c in multiprocessing.active_children()), flush=True)
+    await asyncio.sleep(3600)
+if __name__ == "__main__":
+    asyncio.run(main())
+"""
+
+
+def test_the_workers_end_with_a_router_killed_outright(tmp_path: Path) -> None:
+    script = tmp_path / "owner.py"
+    script.write_text(_POOL_OWNER)
+    owner = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert owner.stdout is not None
+        workers = [int(pid) for pid in owner.stdout.readline().split()]
+        assert len(workers) == 2 and all(_alive(pid) for pid in workers)
+    finally:
+        owner.kill()
+        owner.wait(10)
+    until = time.monotonic() + 10
+    while any(_alive(pid) for pid in workers) and time.monotonic() < until:
+        time.sleep(0.05)
+    assert not any(_alive(pid) for pid in workers)
+
+
+def _alive(pid: int) -> bool:
+    """``pid`` runs and is not a zombie (the test's own children are reaped by no one else)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except OSError:
+        return False
