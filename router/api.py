@@ -199,7 +199,8 @@ class RouterApi:
         return [problem] if problem else []
 
     async def start(self) -> None:
-        """Spawn the parsing processes (each loads the tokenizer once) before serving."""
+        """Spawn the parsing processes (each loads the tokenizer once) and wait for them; the served
+        router does not: its first large body wakes them (``parsed``)."""
         if self.parsers is not None:
             await self.parsers.start()
 
@@ -223,9 +224,12 @@ class RouterApi:
     async def parsed(self, body: bytes, endpoint: Endpoint) -> Job:
         """``parse`` where it costs the event loop least: a body over 64 kB in a worker process
         (the router's checks of its job here: they read the router), a smaller one on a thread or,
-        a few kB, here and now. ``ParserLost`` when the worker process died."""
+        a few kB, here and now (a large one too until the workers run: the first wakes them).
+        ``ParserLost`` when the worker process died."""
         if self.parsers is not None and len(body) > PROCESS_BYTES:
-            return self.validated(await self.parsers.job(body, endpoint))
+            if self.parsers.ready:
+                return self.validated(await self.parsers.job(body, endpoint))
+            self.parsers.wake()  # this body on a thread, the next ones in the workers once they run
         return await self.workers.run(lambda: self.parse(body, endpoint), len(body))
 
     async def _generate(self, req: Request, endpoint: Endpoint, client: str) -> Response:
@@ -498,8 +502,7 @@ async def serve_router(
     await server.start()
     if unix:
         os.chmod(f"{unix}.grpc", 0o600)
-    rapi = RouterApi(router, api, codec, guard)
-    await rapi.start()  # the parsing processes, before the first request can come
+    rapi = RouterApi(router, api, codec, guard)  # its parsing processes start at the first large body
     tls = router.tls.server_context() if api.http_mtls and router.tls is not None else None
     http = await serve_http(
         rapi.http,

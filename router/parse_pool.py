@@ -5,7 +5,10 @@ once: the loop's longest stall 7-14 ms; in worker processes 1 ms, on 2 busy core
 
 Lifecycle: ``ParsePool(n, limits, codec, eos)`` names the pool (no process yet); ``start()`` spawns
 its ``n`` workers (``spawn``, not ``fork``: the router has gRPC's threads), each of which unpickles
-the tokenizer once and runs only on CPU time nothing else wants; ``job(body, endpoint)``
+the tokenizer once and runs only on CPU time nothing else wants, and sets ``ready``; ``wake()``
+starts them in the background (the router does at its first large body, which, like every body
+until ``ready``, is parsed on its threads: a router that never sees one never spawns a process,
+and none waits 2-5 s of imports); ``job(body, endpoint)``
 answers the validated ``Job`` or raises the schema's ``RequestRefused``, as
 ``router.openai_schema.completion_job`` does in the router; ``close()`` lets the workers finish
 what they hold and exit.
@@ -110,7 +113,8 @@ class ParsePool:
         self.workers = workers
         self.schema = _Schema(limits, codec, eos)
         self.pool = self._new_pool()
-        self.restart: asyncio.Task[None] | None = None  # a replaced pool's workers, spawning
+        self.restart: asyncio.Task[None] | None = None  # the workers spawning (woken or replaced)
+        self.ready = False  # a worker of the current pool has answered
 
     def _new_pool(self) -> ProcessPoolExecutor:
         ctx = multiprocessing.get_context("spawn")
@@ -121,6 +125,12 @@ class ParsePool:
         submitted while none is idle. Returns once a worker answers (the others may be loading)."""
         pool = self.pool
         await asyncio.gather(*(asyncio.wrap_future(pool.submit(_ready)) for _ in range(self.workers)))
+        self.ready = self.pool is pool
+
+    def wake(self) -> None:
+        """Start the workers in the background, once (``ready`` when they answer)."""
+        if self.restart is None and not self.ready:
+            self.restart = asyncio.get_running_loop().create_task(self._start_quietly())
 
     async def job(self, body: bytes, endpoint: Endpoint) -> Job:
         """The validated job; ``RequestRefused`` (400) or ``ParserLost`` (503) else."""
@@ -141,6 +151,7 @@ class ParsePool:
             return
         broken.shutdown(wait=False, cancel_futures=True)
         self.pool = self._new_pool()
+        self.ready = False
         self.restart = asyncio.get_running_loop().create_task(self._start_quietly())
 
     async def _start_quietly(self) -> None:

@@ -91,6 +91,8 @@ def test_a_worker_process_answers_as_the_router_would(loop: asyncio.AbstractEven
     assert len(body) > PROCESS_BYTES
     path = "/v1/chat/completions" if name.startswith("chat") else "/v1/completions"
     in_process, in_workers = _api(0), _api(1)
+    loop.run_until_complete(in_workers.start())
+    assert in_workers.parsers is not None and in_workers.parsers.ready
     try:
         here = _post(loop, in_process, body, path)
         there = _post(loop, in_workers, body, path)
@@ -102,6 +104,7 @@ def test_a_worker_process_answers_as_the_router_would(loop: asyncio.AbstractEven
 
 def test_a_valid_large_body_gives_the_same_job(loop: asyncio.AbstractEventLoop) -> None:
     api = _api(1)
+    loop.run_until_complete(api.start())
     bodies = [
         ({"prompt": eb.text(12_000, 3), "max_tokens": 4, "seed": 7}, Endpoint.COMPLETIONS),
         (
@@ -119,6 +122,25 @@ def test_a_valid_large_body_gives_the_same_job(loop: asyncio.AbstractEventLoop) 
             here = api.parse(body, endpoint)
             there = loop.run_until_complete(api.parsed(body, endpoint))
             assert there == here and len(here.prompts[0]) > 1000
+    finally:
+        api.close()
+
+
+def test_a_first_large_body_is_parsed_on_a_thread_and_wakes_workers(loop: asyncio.AbstractEventLoop) -> None:
+    api = _api(1)
+    assert api.parsers is not None and not api.parsers.ready  # nothing spawned with the router
+    body = BODIES["over the byte limit"]
+    try:
+        first = _post(loop, api, body, "/v1/completions")
+        assert first.status == 400 and multiprocessing.active_children()  # answered; workers spawning
+
+        async def ready() -> None:
+            while not api.parsers.ready:  # type: ignore[union-attr]
+                await asyncio.sleep(0.05)
+
+        loop.run_until_complete(asyncio.wait_for(ready(), 60))
+        then = _post(loop, api, body, "/v1/completions")
+        assert (then.status, then.body) == (first.status, first.body)
     finally:
         api.close()
 
@@ -147,6 +169,7 @@ def test_a_worker_killed_mid_parse_gives_a_typed_503_and_the_next_request_is_par
     entered = tmp_path / "entered"
     api = _api(2)
     api.parsers = ParsePool(2, api.limits, _StuckCodec(_codec(), str(entered)), None)  # type: ignore[arg-type]
+    loop.run_until_complete(api.start())
     slow = _padded({"prompt": "prefill decode", "max_tokens": 2})
 
     async def killed() -> Response:
