@@ -58,7 +58,8 @@ from router import Router, RouterConfig
 from router.admission import Overloaded, grpc_rejection, http_rejection
 from router.answer import GenerateEvent, RequestEnd
 from router.openai_api import Responder, error_body, models_body
-from router.openai_schema import Endpoint, Job, Limits, RequestRefused, completion_job, generate_job
+from router.openai_job import Job, completion_job, generate_job
+from router.openai_schema import Endpoint, Limits, RequestRefused
 from router.openai_text import TextCodec, TextWorkers
 from router.parse_pool import PROCESS_BYTES, ParsePool, ParserLost
 

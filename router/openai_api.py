@@ -26,7 +26,8 @@ from typing import Any, Protocol
 
 from engines_adapter import SamplingParams
 from router.answer import GenerateEvent, RequestEnd
-from router.openai_schema import Endpoint, Job
+from router.openai_job import Job
+from router.openai_schema import Endpoint
 from router.openai_text import ChoiceText, TextCodec
 
 FINGERPRINT = "pddlink-0.1"

@@ -10,7 +10,7 @@ starts them in the background (the router does at its first large body, which, l
 until ``ready``, is parsed on its threads: a router that never sees one never spawns a process,
 and none waits 2-5 s of imports); ``job(body, endpoint)``
 answers the validated ``Job`` or raises the schema's ``RequestRefused``, as
-``router.openai_schema.completion_job`` does in the router; ``close()`` lets the workers finish
+``router.openai_job.completion_job`` does in the router; ``close()`` lets the workers finish
 what they hold and exit.
 
 A worker sends back only what the loop needs: the ``Job`` (token ids, sampling) or a ``Refused``
@@ -33,7 +33,8 @@ from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 
 from pddlink.errors import ErrorCode, InvalidInput, LocalError
-from router.openai_schema import Endpoint, Job, Limits, RequestRefused, completion_job
+from router.openai_job import Job, completion_job
+from router.openai_schema import Endpoint, Limits, RequestRefused
 from router.openai_text import TextCodec
 
 PROCESS_BYTES = 64 << 10  # a body this large is parsed in a worker process (smaller: on the router's threads)

@@ -23,7 +23,8 @@ from router import STOP
 from router.answer import GenerateEvent, RequestEnd, StreamedToken
 from router.openai_api import STOP as API_STOP
 from router.openai_api import Responder
-from router.openai_schema import Endpoint, Limits, RequestRefused, completion_job
+from router.openai_job import completion_job
+from router.openai_schema import Endpoint, Limits, RequestRefused
 from router.openai_text import TextCodec
 from router.vllm_http import PRIOR_OUTPUT_ARG, logprob_rows, sampling_body
 

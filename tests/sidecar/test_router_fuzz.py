@@ -33,7 +33,8 @@ from pddlink.serving.pb import pb2
 from pddlink.serving.sampling_pb import sampling_to_pb
 from router import Router, RouterConfig
 from router.api import RouterApi
-from router.openai_schema import Endpoint, Job
+from router.openai_job import Job
+from router.openai_schema import Endpoint
 from router.openai_text import TextCodec
 from router.vllm_legs import sampling_body
 

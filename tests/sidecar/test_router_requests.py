@@ -20,7 +20,8 @@ from pddlink.serving.http import serve_http
 from pddlink.serving.rpc import stubs
 from router import Router, RouterConfig
 from router.api import RouterApi, RouterService
-from router.openai_schema import Endpoint, Limits, RequestRefused, completion_job
+from router.openai_job import completion_job
+from router.openai_schema import Endpoint, Limits, RequestRefused
 
 BAD_BODIES = [
     (b"{not json", "not valid JSON"),
