@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.demo_compose import _toml
+from harness.vllm import SEEDED_SAMPLING
 from harness.vllm.pair import engine_cores
 from netlab.compose.lab import ComposeLab
 from netlab.profile import parse_profile
@@ -307,11 +308,10 @@ def compose_lab(
 def compose_start(lab: ComposeLab, spec: Any) -> Callable[[Path, Path, str, bool], ComposeVllmPair]:
     """How ``harness.vllm_demo`` starts a deployment in ``lab``: (workdir, model, dtype, relay) -> pair."""
     from harness.ttft_stages import VLLM_ARGS
-    from harness.vllm_demo import FQCN
 
     # as harness.vllm_demo._start: five turns of up to 800 new tokens outgrow vLLM's default 4096
     room = ("--max-model-len", "8192", "--max-num-batched-tokens", "8192")
-    extra = ("--logits-processors", FQCN, *room, *VLLM_ARGS, *spec.extra_args)
+    extra = ("--logits-processors", SEEDED_SAMPLING, *room, *VLLM_ARGS, *spec.extra_args)
 
     def start(workdir: Path, model: Path, dtype: str, relay: bool) -> ComposeVllmPair:
         t0 = time.monotonic()

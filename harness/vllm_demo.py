@@ -76,6 +76,7 @@ import httpx
 from engines_adapter import SamplingParams
 from harness.demo_report import plot
 from harness.ttft_stages import VLLM_ARGS, EngineSide, RequestTimes, stage_table
+from harness.vllm import SEEDED_SAMPLING
 from harness.vllm.pair import PairSpec, VllmPair
 from harness.vllm.tiny_model import TinyLlamaSpec, build_tiny_llama
 from harness.vllm_demo_report import Done, fast_path_report, pdd_report, run_report, table
@@ -283,9 +284,6 @@ async def divergence(
     }
 
 
-FQCN = "engines_adapter.vllm.sampling:PositionSeededSampling"
-
-
 def _start(spec: VllmDemoSpec, workdir: Path, model: Path, dtype: str, wan: Any, relay: bool) -> VllmPair:
     # MD's sidecar imports vLLM's event types on its loop's thread when its KV-event feed starts:
     # on a loaded machine that import outlasts the pair's 60 s wait for the sidecar; import it here
@@ -293,7 +291,7 @@ def _start(spec: VllmDemoSpec, workdir: Path, model: Path, dtype: str, wan: Any,
 
     # five turns of up to 800 new tokens and 128-token answers outgrow vLLM's default 4096
     room = ("--max-model-len", "8192", "--max-num-batched-tokens", "8192")
-    extra = ("--logits-processors", FQCN, *room, *VLLM_ARGS, *spec.extra_args)
+    extra = ("--logits-processors", SEEDED_SAMPLING, *room, *VLLM_ARGS, *spec.extra_args)
     (workdir / "timings").mkdir(parents=True, exist_ok=True)  # the connectors' hook timings (TTFT stages)
     pair = VllmPair(
         PairSpec(

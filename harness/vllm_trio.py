@@ -11,9 +11,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from harness.vllm import SEEDED_SAMPLING
 from harness.vllm.pair import PairSpec, VllmPair, VllmTrio
-
-SEEDED_FQCN = "engines_adapter.vllm.sampling:PositionSeededSampling"
 
 
 @contextlib.contextmanager
@@ -31,7 +30,7 @@ def trio_across_lab(workdir: Path, model: Path, link: str, name: str, **spec: An
                 workdir,
                 model,
                 dtype="float32",
-                extra_args=("--logits-processors", SEEDED_FQCN),
+                extra_args=("--logits-processors", SEEDED_SAMPLING),
                 wan=lambda port: "{}:{}".format(*lab.endpoint("dc-b", port)),
                 **spec,
             )

@@ -28,7 +28,8 @@ from typing import Any
 
 import pytest
 
-FQCN = "engines_adapter.vllm.sampling:PositionSeededSampling"
+from harness.vllm import SEEDED_SAMPLING as FQCN
+
 SHARED_SERVERS = ("vllm_trio", "vllm_pair")  # the order their users run in
 PAIR_WAN = "[link]\ndelay_ms = 5\nrate_mbit = 400\nqueue_packets = 400\n"
 PAIR_MD_BLOCKS = 160  # 5120 tokens: a few 1000-token prompts evict each other
