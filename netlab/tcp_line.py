@@ -29,10 +29,7 @@ TCP_SEGMENT_BYTES = 1448
 HEADER_BYTES = 52  # IPv4 + TCP with timestamps, charged on the line per segment
 DEFAULT_QUEUE_BYTES = 4 * 1024 * 1024  # a profile without a queue bound
 QUANTUM_S = 0.002  # a turn on the line lasts about this long (fewer timer wakeups at high rates) ...
-# ... and carries at least one segment, as a real line's does: a piece reaches the receiver only once
-# all of it crossed, so a larger floor delays a slow line's first bytes (16 KiB at 50 kbit/s: 2.6 s
-# a turn; test_relay_hands_off_by_token_ids_and_merges_exactly's RLD streams reached no client)
-MIN_QUANTUM_BYTES = TCP_SEGMENT_BYTES
+MIN_QUANTUM_BYTES = 16 * 1024  # ... and carries at least this much
 OUTAGE_POLL_S = 0.02
 # the kernel's send buffer toward a receiver, fixed: autotuned, it grows to megabytes that a receiver
 # which stopped reading would still take off the line (a real path holds its receive window only)
