@@ -7,21 +7,18 @@ the way back. Forwards are added at run time through the control socket (``Lab.e
 
 - UDP (for QUIC): every impairment per datagram. A corrupted datagram is dropped, as the receiver's
   UDP checksum would drop it. One upstream socket per client address keeps replies apart.
-- TCP: the relay terminates both connections and shapes the byte streams: delay, jitter (order
-  kept), rate and outages (data is held while the link is cut). The rate is the line's, shared:
-  every connection crossing a direction is a flow of that direction's ``TcpLine`` (one bounded
-  queue, flows served in turn), as on a real WAN line, not one line per connection. Loss,
-  reordering, duplication and corruption do not apply: TCP would repair them before any
-  application saw them.
+- TCP: the relay terminates both connections and shapes the byte stream: delay, jitter (order
+  kept), rate and outages (data is held while the link is cut). Loss, reordering, duplication and
+  corruption do not apply: TCP would repair them before any application saw them.
 
-Everything runs in one asyncio loop; due datagrams wait in one ``DelayLine`` per direction. UDP and
-TCP do not share a rate with each other (a lab carries one or the other in practice).
+Everything runs in one asyncio loop; due deliveries wait in one ``DelayLine`` per direction.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import heapq
 import os
 import selectors
@@ -32,11 +29,16 @@ from pathlib import Path
 from typing import Any
 
 from netlab.control import ControlServer
-from netlab.model import LinkModel
+from netlab.model import DirectionModel, LinkModel
 from netlab.profile import parse_profile
 from netlab.relay_control import ControlHandler, owner_fd, sharpen_timing
 from netlab.state import LabState
-from netlab.tcp_line import TCP_CHUNK_BYTES, TcpLine, limit_send_buffer
+
+TCP_CHUNK_BYTES = 256 * 1024
+TCP_MAX_BACKLOG_BYTES = 32 * 1024 * 1024  # stop reading a sender once this much waits in the relay
+TCP_SEGMENT_BYTES = 1448
+HEADER_BYTES = 52  # IPv4 + TCP with timestamps; UDP uses 28
+OUTAGE_POLL_S = 0.02
 
 
 def toward(dc: str) -> tuple[str, str]:
@@ -126,8 +128,6 @@ class TcpForward:
         except OSError:
             cw.close()
             return
-        for w in (cw, sw):
-            limit_send_buffer(w)
         up = asyncio.ensure_future(self.relay.pump(self.req_dir, cr, sw))
         down = asyncio.ensure_future(self.relay.pump(self.rep_dir, sr, cw))
         # the server's side ended (it closed, or its process died): the client's connection ends
@@ -147,7 +147,6 @@ class LoopbackRelay:
     def __init__(self, model: LinkModel, loop: asyncio.AbstractEventLoop) -> None:
         self.model, self.loop = model, loop
         self.lines = {d: DelayLine(loop) for d in ("a_to_b", "b_to_a")}
-        self.streams = {d: TcpLine(model, d, loop) for d in ("a_to_b", "b_to_a")}
         self.forwards: dict[tuple[str, str, int], UdpForward | TcpForward] = {}
         self._tasks: set[asyncio.Future[Any]] = set()
 
@@ -181,8 +180,46 @@ class LoopbackRelay:
             if not fate.corrupt:  # a corrupted datagram fails the receiver's checksum
                 self.lines[direction].at(fate.at_s, deliver)
 
+    def stream_shaper(self, direction: str) -> DirectionModel:
+        """A per-connection model of one direction with only what a byte stream can show."""
+        spec = dataclasses.replace(
+            self.model.profile.direction(direction),
+            loss=0.0, gilbert_elliott=None, reorder=0.0, duplicate=0.0, corrupt=0.0,
+            jitter_reorders=False, queue_packets=0, queue_bytes=0,
+        )  # fmt: skip
+        return DirectionModel(spec, direction, self.model.profile.seed)
+
     async def pump(self, direction: str, src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
-        await self.streams[direction].pump(src, dst)
+        shaper = self.stream_shaper(direction)
+        queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
+        room = asyncio.Semaphore(TCP_MAX_BACKLOG_BYTES // TCP_CHUNK_BYTES)
+        writer = asyncio.ensure_future(self._drain(direction, queue, room, dst))
+        try:
+            while data := await src.read(TCP_CHUNK_BYTES):
+                await room.acquire()
+                segments = -(-len(data) // TCP_SEGMENT_BYTES)
+                fates = shaper.admit(self.loop.time(), segments, len(data) + segments * HEADER_BYTES, False)
+                queue.put_nowait((max(f.at_s for f in fates), data))
+            queue.put_nowait((0.0, b""))
+            await writer
+        finally:
+            writer.cancel()
+
+    async def _drain(
+        self, direction: str, queue: asyncio.Queue[tuple[float, bytes]], room: asyncio.Semaphore, dst: Any
+    ) -> None:
+        while True:
+            at_s, data = await queue.get()
+            if not data:
+                if dst.can_write_eof():
+                    dst.write_eof()
+                return
+            await asyncio.sleep(max(0.0, at_s - self.loop.time()))
+            while self.model.is_cut(direction, self.loop.time()):
+                await asyncio.sleep(OUTAGE_POLL_S)
+            dst.write(data)
+            room.release()
+            await dst.drain()
 
 
 def loopback_handler(relay: LoopbackRelay, base: Callable[[dict[str, Any]], dict[str, Any]]) -> Any:

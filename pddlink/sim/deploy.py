@@ -81,10 +81,9 @@ class Link:
 @dataclass(frozen=True, slots=True)
 class DecodeSite:
     """Decode instances in one datacenter, and the WAN line from P's datacenter to it. ``seen``: the
-    line the router's own link model assumes when it differs from the one that carries the bytes
-    (``pddlink demo --topology``: the router models one line of the topology's rate with a pool of
-    its own connections, fed P's transfer state, while the line carries every connection's bytes,
-    less headers); the router still learns the bytes in flight from P."""
+    line the router's estimate assumes when it is not the one that carries the bytes (``pddlink
+    demo --topology``'s loopback lab shapes every connection on its own, while the router models
+    one line of the topology's rate); the router still learns the bytes in flight from P."""
 
     datacenter: str
     names: tuple[str, ...]

@@ -5,12 +5,11 @@ MD counts at the demo's CPU-engine speeds (``sim.demo_scale``), each MD datacent
 behind its own WAN link, modelled as the demo runs it (``pddlink demo --topology``, what the
 simulator predicts, compared request by request against its ``requests.jsonl``):
 
-- the bytes: one line per direction at the link's rate and RTT, shared by every connection that
-  crosses it (every P's ``wan_links`` connections to every MD there), as on a real WAN line and in
-  the demo's loopback lab (``netlab.tcp_line``: one queue per direction, the connections served in
-  turn), less the lab's 52 header bytes per 1448-byte segment; the router's view of it
-  (placement, ship or relay): its own model of one line of the link's rate with a pool of
-  ``wan_links``, its backlog from P's transfer state (``DecodeSite.seen``);
+- the bytes: the demo's loopback lab shapes every TCP connection on its own at the link's rate and
+  RTT, so a site's line is every P's ``wan_links`` connections to every MD there, each able to
+  fill the link's rate; the router's view of it (placement, ship or relay): one line of the
+  link's rate with a pool of ``wan_links``, its backlog from P's transfer state
+  (``DecodeSite.seen``);
 - each engine's pool: ``engine_blocks`` (P's own prefix cache; MD's DRC three quarters of it);
   P ships whole blocks.
 
@@ -46,8 +45,6 @@ from pddlink.sim.trace import TraceRequest
 from pddlink.sim.workload import Workload
 from pddlink.topology import Topology
 
-LAB_TCP_EFFICIENCY = 1448 / 1500  # payload per wire byte on netlab's TCP lines (1448 + 52 header bytes)
-
 
 def topology_deployment(topo: Topology, knobs: DemoKnobs, policy: PlacementPolicy) -> Deployment:
     """``topo`` at the demo's scale, placed by ``policy``. P must sit in one datacenter (the
@@ -64,12 +61,13 @@ def topology_deployment(topo: Topology, knobs: DemoKnobs, policy: PlacementPolic
         if link is None:
             raise ConfigError(f"sim --topology: MD in {dc.name} beside P: the simulator needs a WAN link")
         gbps = link.line_mbit / 1000
-        # What carries the bytes: the link's one line, shared by every P's ``wan_links``
-        # connections to every MD there (any one of them can fill it when alone); the router
-        # models one line of that rate with a pool of ``wan_links`` (``router.fleet``).
+        # The demo's lab shapes each TCP connection on its own at the link's rate (netlab's loopback
+        # relay), so what carries the bytes is every P's ``wan_links`` connections to every MD there,
+        # each at the line rate; the router models one line of that rate with a pool of
+        # ``wan_links`` (``router.fleet``).
         conns = len(topo.members(Role.P)) * len(dc.md) * knobs.wan_links
-        line = Link(wan_gbps=gbps, wan_efficiency=LAB_TCP_EFFICIENCY, rtt_s=link.rtt_s, pool_size=conns,
-                    flow_cap_gbps=gbps, fast_gbps=10.0, fast_setup_s=0.002)  # fmt: skip
+        line = Link(wan_gbps=gbps * conns, rtt_s=link.rtt_s, pool_size=conns, flow_cap_gbps=gbps,
+                    fast_gbps=10.0, fast_setup_s=0.002)  # fmt: skip
         seen = Link(wan_gbps=gbps, wan_efficiency=1.0, rtt_s=link.rtt_s, pool_size=knobs.wan_links,
                     flow_cap_gbps=gbps)  # fmt: skip
         sites.append(DecodeSite(dc.name, tuple(i.name for i in dc.md), line, seen))

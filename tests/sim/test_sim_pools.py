@@ -38,11 +38,10 @@ def test_the_example_becomes_two_decode_sites_with_their_own_lines() -> None:
         ("dc-b", ("md-b0", "md-b1")),
         ("dc-c", ("md-c0", "md-c1")),
     ]
-    # the bytes: 2 P x 2 MD x 2 connections per site, all sharing the link's one line (less headers)
+    # the bytes: 2 P x 2 MD x 2 connections per site, each shaped alone at the link's rate
     b, c = (s.link for s in d.sites)
-    assert (b.wan_gbps, b.flow_cap_gbps, b.pool_size, b.rtt_s) == pytest.approx((0.016, 0.016, 8, 0.02))
-    assert (c.wan_gbps, c.flow_cap_gbps, c.pool_size, c.rtt_s) == pytest.approx((0.008, 0.008, 8, 0.04))
-    assert b.wan_bytes_s == pytest.approx(2e6 * 1448 / 1500)
+    assert (b.wan_gbps, b.flow_cap_gbps, b.pool_size, b.rtt_s) == pytest.approx((0.128, 0.016, 8, 0.02))
+    assert (c.wan_gbps, c.flow_cap_gbps, c.pool_size, c.rtt_s) == pytest.approx((0.064, 0.008, 8, 0.04))
     # the router's view: one line of the link's rate, a pool of P's 2 connections
     seen = [s.seen for s in d.sites]
     assert [(x.wan_bytes_s, x.pool_size, x.rtt_s) for x in seen if x] == [(2e6, 2, 0.02), (1e6, 2, 0.04)]
@@ -131,7 +130,7 @@ def test_the_warm_up_is_paced_forced_and_over_before_the_measured_requests() -> 
 def test_the_router_sees_its_own_line_and_every_transfer_p_reports() -> None:
     """Placement and the relay choice read the router's model of the link (its rate, a pool of
     2), fed the bytes really in flight, a transfer it never admitted (one that outlived its
-    request) included; the line itself carries them at the link's rate, less headers."""
+    request) included; the line itself carries them at the connections' total rate."""
     sim = Simulation(
         topology_deployment(load_topology(EXAMPLE), KNOBS, PlacementPolicy.PREFIX_AWARE), KNOBS.block_tokens
     )
