@@ -404,7 +404,11 @@ def estimate_options(inputs: OptionInputs, policy: RoutingPolicy) -> tuple[Optio
             first = rld_first
             on_rld = min(float(out_tokens), max(0.0, (ready - rld_first) / r.rld_tpot_s) + 1)
             rest = out_tokens - on_rld
-            via_md = ready + inputs.extend_s + rest * inputs.md_tpot_s if rest > 0 else rld_alone
+            # MD takes over once it holds the KV and RLD's first token is out: ready before that
+            # first token, MD still starts from it (an estimate from ``ready`` alone put the end
+            # before the first token, a negative TPOT, on a fast recompute)
+            handed = max(ready, first) + inputs.extend_s
+            via_md = handed + rest * inputs.md_tpot_s if rest > 0 else rld_alone
             finish = min(rld_alone, via_md)
         else:
             first, finish, on_rld = ready, ready + md_decode, 0.0

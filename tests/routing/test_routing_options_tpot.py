@@ -333,3 +333,22 @@ def test_a_fixed_prefill_cost_counts_in_mds_ready_time_and_stall() -> None:
     assert md.tpot_cost_s(400, 100) == pytest.approx(0.162 / 100)
     with pytest.raises(ConfigError):
         MdPrefill(tokens_per_s=4000.0, fixed_s=-0.001)
+
+
+def test_a_relay_whose_md_is_ready_before_rld_first_token_hands_over_after_it() -> None:
+    # MD recomputes 64 tokens in 8 ms, long before RLD's first token (P's prefill 0.5 s): MD starts
+    # from that token, so the request ends after it (an estimate from MD's readiness alone put the
+    # end before the first token: a negative TPOT that made the relay look fastest)
+    inputs = overloaded(md_running=0, p_prefill_s=0.5)
+    inputs = replace(inputs, routing=routing(prompt=64, link=BUSY))
+    relay = next(e for e in estimate_options(inputs, PDD_RECOMPUTE) if e.option is Option.RELAY_RECOMPUTE)
+    assert relay.md_ready_s < relay.ttft_s
+    assert relay.finish_s == pytest.approx(relay.ttft_s + relay.tpot_s * 63)
+    assert relay.tpot_s == pytest.approx(0.02, rel=0.05)  # MD's own pace after RLD's one token
+
+
+@settings(max_examples=400, deadline=None)
+@given(option_inputs(), policies)
+def test_no_option_ends_before_its_first_token(inputs: OptionInputs, policy: RoutingPolicy) -> None:
+    for e in estimate_options(replace(inputs, tpot_bound_s=BOUND), policy):
+        assert e.finish_s >= e.ttft_s - 1e-9 and e.tpot_s >= 0.0, e
