@@ -57,6 +57,23 @@ class ClusterSpec:
     tls: bool = True
     start_timeout_s: float = 120.0
     engine_mode: str = "thread"  # "process": each sidecar runs its engine as a child over the engine link
+    # role -> the CPUs its process (and every thread and child of it) may run on, as ``taskset -c``
+    # takes them ("1", "0-2"); a role not named runs anywhere. Each datacenter owns its chips: on one
+    # machine, MD decoding beside P's prefill otherwise pays for it (see ``datacenter_cpus``)
+    cpus: tuple[tuple[str, str], ...] = ()
+
+
+def datacenter_cpus(cpus: list[int] | None = None) -> tuple[tuple[str, str], ...]:
+    """``ClusterSpec.cpus`` giving MD's datacenter its own CPUs: the last third of the CPUs this
+    process may use (at least one), P, RLD and the router the rest. Without it, on a small machine
+    every prefill P runs stalls MD's decode steps, a cost two datacenters never share, and MD's time
+    per token measures P's load as much as MD's own. One CPU: no pinning."""
+    have = sorted(cpus if cpus is not None else os.sched_getaffinity(0))
+    if len(have) < 2:
+        return ()
+    md = max(1, len(have) // 3)
+    mine, rest = ",".join(map(str, have[-md:])), ",".join(map(str, have[:-md]))
+    return (("md", mine), ("p", rest), ("rld", rest), ("router", rest))
 
 
 def free_port() -> int:
@@ -236,9 +253,10 @@ class Cluster:
         log = open(self.spec.run_dir / f"{role}.log", "a")  # noqa: SIM115 (closed in stop())
         self.logs[role] = log
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        cpus = dict(self.spec.cpus).get(role)
         self.procs[role] = self.lab.popen(
             dc,
-            self._argv(role),
+            ["taskset", "-c", cpus, *self._argv(role)] if cpus else self._argv(role),
             stdout=subprocess.PIPE,
             stderr=log,
             text=True,

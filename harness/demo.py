@@ -27,7 +27,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
-from harness.cluster import Cluster, ClusterSpec
+from harness.cluster import Cluster, ClusterSpec, datacenter_cpus
 from harness.demo_load import RequestResult, replay
 from harness.demo_overload import offered_suffix_bytes_s, overload_line_mbit
 from harness.demo_report import Slo, document, plot, summarize, table
@@ -232,7 +232,12 @@ def main(
     if overload:  # the line carries half of what the missing suffixes need
         line_mbit = overload_line_mbit(suffix_bytes_s)
     spec = ClusterSpec(
-        work / "baseline", relay=False, line_mbit=line_mbit, rtt_ms=rtt_ms, engine_mode=engine_mode
+        work / "baseline",
+        relay=False,
+        line_mbit=line_mbit,
+        rtt_ms=rtt_ms,
+        engine_mode=engine_mode,
+        cpus=datacenter_cpus(),  # MD's datacenter has chips of its own, as P's has
     )
     wan_load = suffix_bytes_s * 8 / 1e6 / line_mbit
     say(f"scenario {scenario}: missing suffixes offer {wan_load:.2f}x the line's rate")
