@@ -22,6 +22,7 @@ from pddlink.routing import (
     estimate_options,
 )
 from pddlink.routing.options import (
+    PUSHED_OVER_LIMIT,
     PUSHED_OVER_LIMIT_WITHOUT_RELAY,
     RESERVED_SHARE_OF_BOUND,
     OutputLengths,
@@ -101,9 +102,15 @@ def test_the_share_of_running_requests_pushed_over_is_the_share_of_tokens_in_sho
     d = choose_option(overloaded(md_outputs=lengths, md_running=1), PDD_RECOMPUTE)
     rec = d.estimate(Option.RECOMPUTE)
     assert rec is not None and rec.md_pushed_over == pytest.approx(0.09)
-    assert d.option is Option.RECOMPUTE  # under PUSHED_OVER_LIMIT, 0.1
-    d = choose_option(overloaded(md_outputs=lengths, md_running=2), PDD_RECOMPUTE)
-    assert d.option is Option.RELAY  # 0.18 expected: RLD serves it without harming anyone
+    assert d.option is Option.RELAY  # over PUSHED_OVER_LIMIT: RLD serves it without harming anyone
+    rare = OutputLengths.of([10] * 9 + [5910])  # 90 tokens of 6000 in short requests: 1.5%
+    d = choose_option(overloaded(md_outputs=rare, md_running=1), PDD_RECOMPUTE)
+    rec = d.estimate(Option.RECOMPUTE)
+    assert rec is not None and rec.md_pushed_over == pytest.approx(0.015)
+    assert rec.md_pushed_over < PUSHED_OVER_LIMIT
+    assert d.option is Option.RECOMPUTE
+    d = choose_option(overloaded(md_outputs=rare, md_running=2), PDD_RECOMPUTE)
+    assert d.option is Option.RELAY  # 0.03 expected
 
 
 def test_an_idle_md_pushes_nobody_over_and_rides_no_decode_steps() -> None:
