@@ -5,7 +5,7 @@ events: the Attach streams on RLD and MD (``TokenArrived``, then ``StreamEnded``
 after a recompute: ``MdReady``), P's Prefill (``PrefillDone`` / ``PrefillFailed``), RLD's
 StartHandoff (``HandoffDone``) and the router's own Handoff to MD when RLD is lost
 (``TakeoverFailed`` if it fails). Every RPC's timeout is the request's time left. A task that dies
-of anything else (a bug, an answer it cannot convert) posts ``LegCrashed`` (``watch_leg``): the
+of anything else (a bug, an answer it cannot convert) posts ``LegCrashed`` (``router.leg_tasks``): the
 run fails at once with the exception's name instead of waiting for its deadline. ``close``
 cancels what is left; P's shipment to MD may linger until its deadline so MD still imports (and
 caches) the prompt.
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass
@@ -31,7 +30,6 @@ from pddlink.lifecycle import (
     HandoffOutcome,
     HandoffResult,
     Leg,
-    LegCrashed,
     MdReady,
     OpenStream,
     PrefillDone,
@@ -55,28 +53,11 @@ from pddlink.serving.pb import pb2
 from pddlink.serving.sampling_pb import sampling_to_pb
 from pddlink.serving.stream_pb import WireVersionRefused, answer_from_pb, event_from_pb
 from pddlink.wire.frame import WIRE_VERSION
+from router.leg_tasks import LegTasks, TaskKey, TaskKind
 from router.pb import report_from_pb
 
 MIN_TIMEOUT_S = 0.01
 MD_IMPORT_GRACE_S = 0.2  # MD imports right after P's transfer; release it after that
-
-log = logging.getLogger(__name__)
-
-
-def watch_leg(task: asyncio.Task[Any], sid: str, name: str, inbox: asyncio.Queue[RunEvent]) -> None:
-    """When ``task`` (one call of leg ``sid``) dies of an exception, ``LegCrashed`` goes to the run's
-    inbox at once: every exception its code does not turn into an event itself (cancellation is
-    the driver's own doing and posts nothing)."""
-
-    def ended(t: asyncio.Task[Any]) -> None:
-        if t.cancelled() or t.exception() is None:
-            return
-        exc = t.exception()
-        assert exc is not None
-        log.error("request %s: %s raised", sid, name, exc_info=exc)
-        inbox.put_nowait(LegCrashed.of(sid, name, exc))
-
-    task.add_done_callback(ended)
 
 
 class Cluster(Protocol):
@@ -113,8 +94,7 @@ class LegCalls:
         self.s = stubs
         self.deadline = deadline
         self.inbox: asyncio.Queue[RunEvent] = asyncio.Queue()
-        self.tasks: dict[str, asyncio.Task[None]] = {}
-        self.leg_numbers: dict[str, int] = {}
+        self.tasks = LegTasks(self.inbox)
 
     def left(self) -> float:
         return max(self.deadline - time.monotonic(), MIN_TIMEOUT_S)
@@ -133,32 +113,22 @@ class LegCalls:
                 return
             if cmd.on is Role.RLD:
                 self.c.rld_active += 1
-            name = f"{cmd.on.value}{self._number(cmd.leg)}"
-            self._spawn(name, cmd.leg.sid, self._stream(cmd.on, stub, cmd.leg))
+            self._spawn(TaskKind.STREAM, cmd.on, cmd.leg.sid, self._stream(cmd.on, stub, cmd.leg))
         elif isinstance(cmd, SendPrefill):
-            self._spawn(f"p{self._number(cmd.leg)}", cmd.leg.sid, self._prefill(cmd, self.s))
+            self._spawn(TaskKind.PREFILL, Role.P, cmd.leg.sid, self._prefill(cmd, self.s))
         elif isinstance(cmd, StartHandoff):
-            self._spawn("handoff", cmd.sid, self._start_handoff(cmd.sid, self.s))
+            self._spawn(TaskKind.HANDOFF, None, cmd.sid, self._start_handoff(cmd.sid, self.s))
         elif isinstance(cmd, TakeOver):
-            self._spawn("takeover", cmd.leg.sid, self._take_over(cmd, self.s))
+            self._spawn(TaskKind.TAKE_OVER, Role.MD, cmd.leg.sid, self._take_over(cmd, self.s))
         elif isinstance(cmd, CancelStreams):
-            self._cancel(cmd.on)
+            self.tasks.cancel(role=cmd.on, kinds={TaskKind.STREAM})  # not MD's take-over call
         elif isinstance(cmd, ReleaseRldSlot):
             self.c.rld_active -= 1
         elif isinstance(cmd, DetachHandoff):
-            self.tasks.pop("handoff", None)  # RLD finishes; its StartHandoff call ends by itself
+            self.tasks.forget(TaskKind.HANDOFF)  # RLD finishes; its StartHandoff call ends by itself
 
-    def _number(self, leg: Leg) -> int:
-        return self.leg_numbers.setdefault(leg.sid, len(self.leg_numbers) + 1)
-
-    def _spawn(self, name: str, sid: str, coro: Coroutine[Any, Any, None]) -> None:
-        task = self.tasks[name] = asyncio.get_running_loop().create_task(coro)
-        watch_leg(task, sid, name, self.inbox)
-
-    def _cancel(self, role: Role) -> None:
-        for name, task in list(self.tasks.items()):
-            if name.startswith(role.value) and name[len(role.value) :].isdigit():
-                task.cancel()
+    def _spawn(self, kind: TaskKind, role: Role | None, sid: str, coro: Coroutine[Any, Any, None]) -> None:
+        self.tasks.spawn(TaskKey(kind, role, self.tasks.number(sid)), sid, coro)
 
     # -- the RPCs ----------------------------------------------------------------------------------
 
@@ -246,10 +216,10 @@ class LegCalls:
     async def close(self, *, finished: bool) -> None:
         # P's shipment to MD outlives the request when RLD finished it first: MD must still import
         # the prompt (and cache it), or its DRC falls behind what P sees. It ends by its deadline.
-        pending_p = [t for n, t in self.tasks.items() if n.startswith("p") and not t.done()]
-        md_streams = [t for n, t in self.tasks.items() if n.startswith("md") and not t.done()]
+        pending_p = self.tasks.running(kinds={TaskKind.PREFILL})
+        md_streams = self.tasks.running(role=Role.MD, kinds={TaskKind.STREAM})
         kept = set(pending_p) | set(md_streams)
-        others = [t for t in self.tasks.values() if t not in kept]
+        others = [t for t in self.tasks if t not in kept]
         for task in others:
             task.cancel()
         if pending_p and md_streams and finished:

@@ -26,7 +26,7 @@ sub-request id. The commands become (``VllmLegs``)::
 Tokens carry absolute positions (``len(leg prompt) + i``); every event goes to ``inbox``, and the
 lifecycle machine merges, falls back and ends the run. Every call runs under the request's time left;
 one that raises what it does not expect (an answer it cannot read: a malformed SSE line, a reply
-without ``choices``) ends the run at once (``router.legs.watch_leg``: ``leg_crashed``).
+without ``choices``) ends the run at once (``router.leg_tasks.watch_leg``: ``leg_crashed``).
 A stream that vLLM ends with a finish reason other than ``length``/``stop`` (a failed KV load under
 policy ``fail``) is a failed stream, never tokens.
 
@@ -42,7 +42,7 @@ import json
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
 
@@ -75,7 +75,8 @@ from pddlink.lifecycle import (
 from pddlink.lifecycle.outcomes import HandoffOutcome
 from pddlink.roles import Role
 from pddlink.routing import Pipeline, RecomputeMode, choose_handoff_mode
-from router.legs import Cluster, watch_leg
+from router.leg_tasks import LegTasks, TaskKey, TaskKind
+from router.legs import Cluster
 
 if TYPE_CHECKING:
     from router.vllm_backend import VllmBackend
@@ -92,6 +93,8 @@ from router.vllm_http import (
 
 __all__ = ["VllmLegs", "generate_alone", "sampling_body"]
 
+T = TypeVar("T")
+
 NOTHING_HANDED = ":before_rld_first_token"  # a one-shot handoff's detail when RLD had streamed nothing
 
 
@@ -103,8 +106,7 @@ class VllmLegs:
         self.b = backend
         self.deadline = deadline
         self.inbox: asyncio.Queue[RunEvent] = asyncio.Queue()
-        self.tasks: dict[str, asyncio.Task[Any]] = {}
-        self.leg_numbers: dict[str, int] = {}
+        self.tasks = LegTasks(self.inbox)
         self.rld_tokens: dict[str, list[int]] = {}  # per leg: what RLD streamed so far
         self.rld_pos: dict[str, int] = {}  # per leg: the next position RLD will stream
         self.md_reached: dict[str, asyncio.Event] = {}  # catch-up: MD streamed RLD's position
@@ -143,44 +145,32 @@ class VllmLegs:
 
     def execute(self, cmd: RunCommand) -> None:
         if isinstance(cmd, OpenStream):
-            n = self._number(cmd.leg)
-            self._legs[cmd.leg.sid] = cmd.leg
+            sid = cmd.leg.sid
+            self._legs[sid] = cmd.leg
             if cmd.on is Role.RLD:
                 self.c.rld_active += 1
-                self._spawn(f"rld{n}", cmd.leg.sid, self._rld_stream(cmd.leg))
+                self._spawn(TaskKind.STREAM, Role.RLD, sid, self._rld_stream(cmd.leg))
             elif cmd.leg.pipeline is Pipeline.P_RLD_MD:
-                prime = asyncio.get_running_loop().create_task(self._md_prime(cmd.leg))
-                self.primes[cmd.leg.sid] = self.tasks[f"md{n}"] = prime
-                watch_leg(prime, cmd.leg.sid, f"md{n}", self.inbox)
+                self.primes[sid] = self._spawn(TaskKind.PRIME, Role.MD, sid, self._md_prime(cmd.leg))
             else:
-                self._spawn(f"md{n}", cmd.leg.sid, self._md_stream(cmd.leg))
+                self._spawn(TaskKind.STREAM, Role.MD, sid, self._md_stream(cmd.leg))
         elif isinstance(cmd, SendPrefill):
-            self._spawn(f"p{self._number(cmd.leg)}", cmd.leg.sid, self._prefill(cmd))
+            self._spawn(TaskKind.PREFILL, Role.P, cmd.leg.sid, self._prefill(cmd))
         elif isinstance(cmd, StartHandoff):
-            self._spawn("handoff", cmd.sid, self._handoff(cmd.sid))
+            self._spawn(TaskKind.HANDOFF, None, cmd.sid, self._handoff(cmd.sid))
         elif isinstance(cmd, TakeOver):
-            self._spawn(f"md{len(self.leg_numbers) + 50}", cmd.leg.sid, self._take_over(cmd))
+            self._spawn(TaskKind.TAKE_OVER, Role.MD, cmd.leg.sid, self._take_over(cmd))
         elif isinstance(cmd, CancelStreams):
-            self._cancel(cmd.on)
+            self.tasks.cancel(role=cmd.on)  # every call on the role: MD's take-over and extend too
         elif isinstance(cmd, ReleaseRldSlot):
             self.c.rld_active -= 1
         elif isinstance(cmd, DetachHandoff):
-            self.tasks.pop("handoff", None)
+            self.tasks.forget(TaskKind.HANDOFF)
 
-    def _number(self, leg: Leg) -> int:
-        return self.leg_numbers.setdefault(leg.sid, len(self.leg_numbers) + 1)
-
-    def _spawn(self, name: str, sid: str, coro: Coroutine[Any, Any, None]) -> None:
-        old = self.tasks.get(name)
-        if old is not None and not old.done():
-            name = f"{name}x{len(self.tasks)}"
-        task = self.tasks[name] = asyncio.get_running_loop().create_task(coro)
-        watch_leg(task, sid, name, self.inbox)
-
-    def _cancel(self, role: Role) -> None:
-        for name, task in list(self.tasks.items()):
-            if name.startswith(role.value) and name[len(role.value) :][:1].isdigit():
-                task.cancel()
+    def _spawn(
+        self, kind: TaskKind, role: Role | None, sid: str, coro: Coroutine[Any, Any, T]
+    ) -> asyncio.Task[T]:
+        return self.tasks.spawn(TaskKey(kind, role, self.tasks.number(sid)), sid, coro)
 
     # -- P ---------------------------------------------------------------------------------------
 
@@ -340,7 +330,7 @@ class VllmLegs:
 
     async def _handoff(self, sid: str) -> None:
         leg = self._legs.get(sid)
-        rld = next((t for n, t in self.tasks.items() if n.startswith("rld") and not t.done()), None)
+        rld = next(iter(self.tasks.running(role=Role.RLD, kinds={TaskKind.STREAM})), None)
         prime = self.primes.get(sid)
         if prime is not None and rld is not None:
             # MD holds the prompt's KV once its prime answered (the transfer landed and loaded)
@@ -363,10 +353,9 @@ class VllmLegs:
             await self.inbox.put(HandoffDone(sid, HandoffResult(HandoffOutcome.FINISHED_ON_RLD)))
             return
         self.handoff_mode[sid] = mode
-        name = f"md{self._number(leg)}h"
         if mode is HandoffMode.ONE_SHOT:
             rld.cancel()  # RLD is aborted at once; MD continues from what it streamed
-            self._spawn(name, sid, self._extend(leg, given, None))
+            self._spawn(TaskKind.EXTEND, Role.MD, sid, self._extend(leg, given, None))
             # MD held the KV before RLD's first token (no WAN delay to speak of): MD makes every
             # token, a P->MD run in effect, and the trace says so rather than count a handoff
             detail = "" if given else NOTHING_HANDED
@@ -384,24 +373,19 @@ class VllmLegs:
                 rld.cancel()
                 self.inbox.put_nowait(HandoffDone(sid, HandoffResult(HandoffOutcome.HANDED_OFF), mode))
 
-        self._spawn(name, sid, self._extend(leg, given, switch))
+        extend = self._spawn(TaskKind.EXTEND, Role.MD, sid, self._extend(leg, given, switch))
         done, _ = await asyncio.wait(
             {switched, rld}, timeout=self.left(), return_when=asyncio.FIRST_COMPLETED
         )
         if switched.done():
             return
         if rld in done:  # RLD finished before MD caught up: MD's extend is not needed
-            self._cancel_name(name)
+            extend.cancel()
             if self._rld_lost(sid):  # RLD died instead: the machine's take-over continues
                 return
             await self.inbox.put(HandoffDone(sid, HandoffResult(HandoffOutcome.FINISHED_ON_RLD), mode))
             return
         switch()  # out of time waiting: MD goes on alone
-
-    def _cancel_name(self, name: str) -> None:
-        task = self.tasks.get(name)
-        if task is not None:
-            task.cancel()
 
     async def _extend(self, leg: Leg, given: tuple[int, ...], reached: Callable[[], None] | None) -> None:
         """MD continues after prompt + ``given`` (the prompt's blocks from its prefix cache);
@@ -444,7 +428,7 @@ class VllmLegs:
         turn shipped the whole history again (measured: the demo's PDD phase matched 0 tokens on MD
         and no handoff happened). A run that failed or was cancelled cancels its primes too."""
         primes = {t for t in self.primes.values() if not t.done()} if finished else set()
-        tasks = [t for t in self.tasks.values() if t not in primes]
+        tasks = [t for t in self.tasks if t not in primes]
         for task in tasks:
             task.cancel()
         with contextlib.suppress(Exception):
