@@ -61,6 +61,7 @@ class ClusterSpec:
     # takes them ("1", "0-2"); a role not named runs anywhere. Each datacenter owns its chips: on one
     # machine, MD decoding beside P's prefill otherwise pays for it (see ``datacenter_cpus``)
     cpus: tuple[tuple[str, str], ...] = ()
+    md_prefill_slowdown: float = 1.0  # MD's engine prefills this many times slower (a decode-leaning chip)
 
 
 def datacenter_cpus(cpus: list[int] | None = None) -> tuple[tuple[str, str], ...]:
@@ -156,6 +157,7 @@ class Cluster:
                 str(p["md_kv"]),
                 "--num-blocks",
                 "4096",
+                *(["--prefill-slowdown", str(s.md_prefill_slowdown)] if s.md_prefill_slowdown > 1 else []),
                 *common,
             ]
         if role == "rld":

@@ -58,6 +58,10 @@ MEANINGS: dict[str, str] = {
     "engine.num_blocks": "KV pool size in blocks",
     "engine.seed": "weight seed of the reference engine (every role must use the same)",
     "engine.mode": "thread: a thread of the sidecar; process: a child `pddlink engine` over the engine link",
+    "engine.prefill_slowdown": (
+        "reference engine: prefill and extend passes take this many times as long (a decode-leaning chip, "
+        "emulated; 1: none)"
+    ),
     "engine.call_timeout_s": "process mode: deadline of every engine command",
     "engine.attach_timeout_s": "process mode: deadline for the engine child to attach",
     # [peers]

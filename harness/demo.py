@@ -53,17 +53,24 @@ RLD_TOKEN_BUDGET = 0.08
 
 
 def sim_prediction(
-    trace: Trace, warmup: int, line_mbit: float, slo: Slo, measured: dict[str, float], base_tpot_s: float
+    trace: Trace,
+    warmup: int,
+    line_mbit: float,
+    slo: Slo,
+    measured: dict[str, float],
+    base_tpot_s: float,
+    md_prefill_slowdown: float = 1.0,
 ) -> dict[str, Any]:
     """The simulator on the same requests, line and SLO (``pddlink.sim.demo_overload``): its
     goodput ranking of the three policies beside the one this run measured; the tiny engine at its
     quiet-machine speed, and (``at_measured_speed``) slowed to the baseline TPOT P50 this run saw
     (``base_tpot_s``: the machine is shared, and how much recompute costs follows its speed)."""
     sla = Sla(slo.ttft_ms / 1e3, slo.tpot_ms / 1e3)
-    predicted = predict(trace, warmup, line_mbit, sla)
+    knobs = replace(OVERLOAD_KNOBS, md_prefill_slowdown=md_prefill_slowdown)  # MD's chips as the demo's
+    predicted = predict(trace, warmup, line_mbit, sla, knobs)
     quiet_tpot_s = predicted["policies"]["baseline"]["tpot_p50_s"]
     slowdown = max(1.0, base_tpot_s / quiet_tpot_s) if quiet_tpot_s > 0 else 1.0
-    slowed = predict(trace, warmup, line_mbit, sla, OVERLOAD_KNOBS.slowed(slowdown))
+    slowed = predict(trace, warmup, line_mbit, sla, knobs.slowed(slowdown))
     order = ranking(measured)
     agrees = ranking_agrees(predicted["ranking"], order)
     slowed["slowdown"], slowed["agrees"] = round(slowdown, 3), ranking_agrees(slowed["ranking"], order)
@@ -216,6 +223,7 @@ def main(
     scenario: str = "default",
     lab_kind: str = "auto",
     slo: Slo | None = None,
+    md_prefill_slowdown: float = 1.0,
 ) -> dict[str, Any]:
     slo = slo or Slo()
     work = Path(tempfile.mkdtemp(prefix="pddlink-demo-"))
@@ -238,6 +246,7 @@ def main(
         rtt_ms=rtt_ms,
         engine_mode=engine_mode,
         cpus=datacenter_cpus(),  # MD's datacenter has chips of its own, as P's has
+        md_prefill_slowdown=md_prefill_slowdown,  # > 1: MD's chips are poor at prefill (emulated)
     )
     wan_load = suffix_bytes_s * 8 / 1e6 / line_mbit
     say(f"scenario {scenario}: missing suffixes offer {wan_load:.2f}x the line's rate")
@@ -253,6 +262,12 @@ def main(
         f"{mean_prompt * 2048 * 8 / (line_mbit * 1e6):.2f} s on the line: the WAN is the bottleneck "
         "for low-hit requests, as in the published setting"
     )
+    if spec.md_prefill_slowdown > 1:
+        say(
+            f"MD: a decode-leaning chip, emulated: its prefill and extend passes take "
+            f"{spec.md_prefill_slowdown:g}x P's (engine.prefill_slowdown); decode steps as P's; MD on CPUs "
+            f"{dict(spec.cpus).get('md', 'any')}, the rest on {dict(spec.cpus).get('p', 'any')}"
+        )
     profile, lab_name = parse_profile(wan_profile(spec), name="pddlink-demo"), f"demo{os.getpid() % 100000}"
     lab: Any
     deployment: Any
@@ -306,6 +321,7 @@ def main(
         "scenario": scenario,
         "wan_load": round(wan_load, 3),
         "pdd_recompute": overload,
+        "md_prefill_slowdown": spec.md_prefill_slowdown,
         "pdd_admission": overload,
         "slo": asdict(slo),  # what goodput counts against (defaults: harness.demo_report.Slo)
         "pdd_slo_in_router": overload,  # "unbounded" (wan-overload's third run): it does not
@@ -316,7 +332,9 @@ def main(
     doc = document(base, pdd, setting, other)
     if unbounded is not None:
         tpot = base["tpot_s"]["p50"]
-        doc["sim_prediction"] = sim_prediction(replayed, warmup, line_mbit, slo, doc["goodput_rps"], tpot)
+        doc["sim_prediction"] = sim_prediction(
+            replayed, warmup, line_mbit, slo, doc["goodput_rps"], tpot, spec.md_prefill_slowdown
+        )
     print(table(doc))
     plot(base, pdd, Path(plot_path), other)
     say(f"TTFT distributions: {plot_path}; logs: {work}")

@@ -92,10 +92,15 @@ class EngineConfig:
     mode: str = "thread"  # "thread" | "process" (see the module docstring)
     call_timeout_s: float = 30.0
     attach_timeout_s: float = 120.0
+    # > 1: prefill and extend passes take this many times as long (a decode-leaning chip's slower
+    # prefill, emulated: ``engines_adapter.torch_ref.paged_engine``); decode steps are unchanged
+    prefill_slowdown: float = 1.0
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.num_blocks < 1:
             raise ConfigError("engine.block_size and engine.num_blocks must be >= 1")
+        if not 1.0 <= self.prefill_slowdown <= 100.0:
+            raise ConfigError(f"engine.prefill_slowdown must be in [1, 100], got {self.prefill_slowdown}")
         if self.mode not in ENGINE_MODES:
             raise ConfigError(f"engine.mode must be one of {', '.join(ENGINE_MODES)}, got {self.mode!r}")
         if self.call_timeout_s <= 0 or self.attach_timeout_s <= 0:

@@ -87,8 +87,9 @@ def build_engine(cfg: SidecarConfig) -> EngineAdapter:
     torch.set_num_threads(1)  # three engines share two cores in the demo; see engines_adapter docs
     e = cfg.engine
     return load_engine(
-        e.name, preset=e.preset, dtype=e.dtype, block_size=e.block_size, num_blocks=e.num_blocks, seed=e.seed
-    )
+        e.name, preset=e.preset, dtype=e.dtype, block_size=e.block_size, num_blocks=e.num_blocks, seed=e.seed,
+        **({"prefill_slowdown": e.prefill_slowdown} if e.prefill_slowdown > 1 else {}),
+    )  # fmt: skip
 
 
 def _md_decoder(addr: str, tls: TlsConfig | None, who: PeerIdentity) -> DecoderPeer:

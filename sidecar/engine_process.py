@@ -65,6 +65,8 @@ def engine_argv(cfg: EngineConfig, target: str) -> list[str]:
         str(cfg.num_blocks),
         "--seed",
         str(cfg.seed),
+        "--prefill-slowdown",
+        str(cfg.prefill_slowdown),
         "--die-with-parent",
     ]
 

@@ -63,6 +63,7 @@ class TorchRefEngine(PagedEngine):
         model_id: str | None = None,
         chunk_tokens: int = 2048,
         workspace_bytes: int = 256 * 2**20,
+        prefill_slowdown: float = 1.0,
         **model_overrides: Any,
     ) -> None:
         if preset is None:  # the checkpoint says what it is
@@ -90,6 +91,7 @@ class TorchRefEngine(PagedEngine):
             num_blocks=num_blocks,
             device=dev,
             chunk_tokens=chunk_tokens,
+            prefill_slowdown=prefill_slowdown,
         )
         self.config = config
         self.model = PagedLlama(config, state_dict, TORCH_DTYPES[dtype], dev)

@@ -6,6 +6,11 @@ subclass: ``_run(seqs, new_tokens)``, which computes the KV of the new tokens of
 positions ``kv_tokens ..`` (their blocks are already allocated), writes it into ``self.pool`` and
 returns the last new token's logits per sequence.
 
+``prefill_slowdown`` k >= 1 makes every pass that computes more than one token of a sequence (a
+prefill, an extend: not a decode step) take k times as long, holding the engine as the pass itself
+does: a chip that prefills k times slower than the one the model was measured on (a decode-leaning
+MainDecode's, emulated on a machine whose CPUs are all alike; the demo's wan-overload scenario).
+
 Every public method validates everything first, then reserves blocks (``PoolExhausted`` before
 any change), then mutates; if the forward pass itself fails, the allocation is undone.
 """
@@ -13,6 +18,7 @@ any change), then mutates; if the forward pass itself fails, the allocation is u
 from __future__ import annotations
 
 import math
+import time
 from abc import abstractmethod
 from collections import deque
 from collections.abc import Sequence
@@ -70,9 +76,13 @@ class PagedEngine(EngineAdapter):
         num_blocks: int,
         device: torch.device,
         chunk_tokens: int = 2048,
+        prefill_slowdown: float = 1.0,
     ) -> None:
         if chunk_tokens <= 0:
             raise ConfigError(f"chunk_tokens must be positive, got {chunk_tokens}")
+        if not 1.0 <= prefill_slowdown <= 100.0:
+            raise ConfigError(f"prefill_slowdown must be in [1, 100], got {prefill_slowdown}")
+        self.prefill_slowdown = prefill_slowdown
         self.chunk_tokens = chunk_tokens  # prefill/extend passes longer than this run in pieces
         self._layout = layout
         self._vocab_size = vocab_size
@@ -303,14 +313,19 @@ class PagedEngine(EngineAdapter):
     def _run_in_chunks(
         self, seqs: Sequence[SequenceState], new_tokens: Sequence[Sequence[int]]
     ) -> torch.Tensor:
-        """``_run``, with a long single-sequence pass split into ``chunk_tokens`` pieces (bounded memory)."""
+        """``_run``, with a long single-sequence pass split into ``chunk_tokens`` pieces (bounded memory),
+        a prefill-like pass stretched by ``prefill_slowdown``."""
+        started = time.perf_counter()
         if len(seqs) != 1 or len(new_tokens[0]) <= self.chunk_tokens:
-            return self._run(seqs, new_tokens)
-        seq, todo = seqs[0], new_tokens[0]
-        for i in range(0, len(todo), self.chunk_tokens):
-            piece = todo[i : i + self.chunk_tokens]
-            logits = self._run([seq], [piece])
-            seq.kv_tokens += len(piece)
+            logits = self._run(seqs, new_tokens)
+        else:
+            seq, todo = seqs[0], new_tokens[0]
+            for i in range(0, len(todo), self.chunk_tokens):
+                piece = todo[i : i + self.chunk_tokens]
+                logits = self._run([seq], [piece])
+                seq.kv_tokens += len(piece)
+        if self.prefill_slowdown > 1.0 and any(len(t) > 1 for t in new_tokens):
+            time.sleep((self.prefill_slowdown - 1.0) * (time.perf_counter() - started))
         return logits
 
     def _register_full_blocks(self, seq: SequenceState, known: Sequence[int] = ()) -> None:

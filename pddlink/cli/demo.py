@@ -60,8 +60,16 @@ import click
     type=click.FloatRange(min=0, min_open=True),
     default=10.0,
     show_default=True,
-    help="TPOT SLO (mean time per output token after the first; the tiny engine decodes one in ~8 ms "
-    "here); on wan-overload the bounded PDD run's decode-speed bound.",
+    help="TPOT SLO (mean time per output token after the first; the tiny engine decodes one in 3-4 ms "
+    "here with MD on a CPU of its own); on wan-overload the bounded PDD run's decode-speed bound.",
+)
+@click.option(
+    "--md-prefill-slowdown",
+    type=click.FloatRange(1.0, 100.0),
+    default=1.0,
+    show_default=True,
+    help="MD's chips prefill this many times slower than P's (decode-leaning, the deployment PDD is "
+    "for; emulated by MD's engine: engine.prefill_slowdown); the simulator's prediction models the same.",
 )
 @click.option(
     "--routers",
@@ -137,6 +145,7 @@ def command(
     placements: str,
     slo_ttft_ms: float,
     slo_tpot_ms: float,
+    md_prefill_slowdown: float,
     routers: int,
     rolling_restart: bool,
     etcd_outage_s: float,
@@ -222,6 +231,7 @@ def command(
         scenario=scenario,
         lab_kind=lab_kind,
         slo=Slo(slo_ttft_ms, slo_tpot_ms),
+        md_prefill_slowdown=md_prefill_slowdown,
     )
 
 

@@ -42,6 +42,13 @@ def _die_with_parent() -> None:
 @click.option("--seed", type=int, default=0, show_default=True, help="Weight seed (reference engine).")
 @click.option("--threads", type=int, default=1, show_default=True, help="torch intra-op threads.")
 @click.option(
+    "--prefill-slowdown",
+    type=click.FloatRange(1.0, 100.0),
+    default=1.0,
+    show_default=True,
+    help="Prefill and extend passes take this many times as long (a decode-leaning chip, emulated).",
+)
+@click.option(
     "--connect-timeout-s", type=float, default=30.0, show_default=True, help="Give up dialing after this."
 )
 @click.option("--die-with-parent", is_flag=True, help="Exit when the parent process (the sidecar) exits.")
@@ -54,6 +61,7 @@ def command(
     num_blocks: int,
     seed: int,
     threads: int,
+    prefill_slowdown: float,
     connect_timeout_s: float,
     die_with_parent: bool,
 ) -> None:
@@ -71,8 +79,9 @@ def command(
 
     fix_mmap_threshold()  # KV buffers are unmapped when freed (engines_adapter.link_client)
     torch.set_num_threads(max(1, threads))
+    slow = {"prefill_slowdown": prefill_slowdown} if prefill_slowdown > 1 else {}
     engine = load_engine(
-        name, preset=preset, dtype=dtype, block_size=block_size, num_blocks=num_blocks, seed=seed
+        name, preset=preset, dtype=dtype, block_size=block_size, num_blocks=num_blocks, seed=seed, **slow
     )
     freeze_startup()  # the engine and its modules: the periodic collections need not walk them
     served = serve_engine(

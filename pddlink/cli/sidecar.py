@@ -45,6 +45,12 @@ from pddlink.roles import SIDECAR_ROLES
 @click.option("--preset", help="Reference engine preset (tiny, small, ...).")
 @click.option("--num-blocks", type=int, help="Engine KV pool size in blocks.")
 @click.option(
+    "--prefill-slowdown",
+    type=click.FloatRange(1.0, 100.0),
+    help="Reference engine: prefill and extend passes take this many times as long (a decode-leaning "
+    "chip, emulated; the demo's MD in wan-overload).",
+)
+@click.option(
     "--engine-mode",
     type=click.Choice(["thread", "process"]),
     help="thread: engine in this process; process: a child `pddlink engine` over the engine link.",
@@ -92,6 +98,7 @@ def command(config_path: str | None, print_vllm_args: bool, **flags: Any) -> Non
         "dtype": "engine.dtype",
         "preset": "engine.preset",
         "num_blocks": "engine.num_blocks",
+        "prefill_slowdown": "engine.prefill_slowdown",
         "engine_mode": "engine.mode",
         "capacity": "decode.capacity",
         "slice_tokens": "decode.slice_tokens",

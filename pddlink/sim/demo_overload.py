@@ -22,7 +22,8 @@ from typing import Any
 
 from pddlink.routing.link import WAN_SHARE_OF_DEADLINE
 from pddlink.sim.demo_scale import DemoKnobs, demo_deployments, demo_output_tokens
-from pddlink.sim.deploy import Deployment
+from pddlink.sim.deploy import Deployment, Pool
+from pddlink.sim.hardware import HardwareType
 from pddlink.sim.records import Sla
 from pddlink.sim.scenario import run_deployments
 from pddlink.sim.trace import Trace, TraceRequest
@@ -49,6 +50,9 @@ class OverloadKnobs:
     max_prompt_tokens: int = 1500  # ``harness.demo_workload.demo_requests``' cut
     vocab_size: int = 2048  # the tiny preset's (``harness.demo.VOCAB``)
     load: float = 2.0  # offered suffix bytes / line rate (``harness.demo_overload.TARGET_LOAD``)
+    # MD's chips prefill this many times slower than P's (``pddlink demo --md-prefill-slowdown``: a
+    # decode-leaning chip, emulated by MD's engine, ``engine.prefill_slowdown``); 1: the same chips
+    md_prefill_slowdown: float = 1.0
 
     def slowed(self, factor: float) -> OverloadKnobs:
         """The same engine ``factor`` times slower at everything (a machine shared with other
@@ -124,6 +128,9 @@ def demo_line_mbit(trace: Trace, warmup: int, k: OverloadKnobs = OVERLOAD_KNOBS)
 def overload_deployments(line_mbit: float, sla: Sla, k: OverloadKnobs = OVERLOAD_KNOBS) -> list[Deployment]:
     """``baseline``, ``pdd`` and ``unbounded`` on a ``line_mbit`` line, as the demo runs them."""
     cross, pdd = demo_deployments(replace(k.demo, line_mbit=line_mbit))
+    md_chip = HardwareType("md", prefill_rel=1.0 / k.md_prefill_slowdown, decode_rel=1.0, price_rel=1.0)
+    md = Pool(md_chip, cross.decode.gpus_per_instance, cross.decode.instances)
+    cross, pdd = replace(cross, decode=md), replace(pdd, decode=md)
     admission = dict(deadline_s=WAN_SHARE_OF_DEADLINE * k.deadline_s, md_chunk_tokens=BLOCKING)
     recompute = replace(pdd.policy, recompute_enabled=True)
     unbounded = replace(pdd, name="unbounded", policy=recompute, **admission)  # type: ignore[arg-type]

@@ -129,3 +129,12 @@ def test_the_demo_reports_both_predictions_and_whether_each_agrees() -> None:
     slow = sim_prediction(trace, 16, line, Slo(), swapped, base_tpot_s=0.0084)["at_measured_speed"]
     assert slow["slowdown"] > 1.5
     assert slow["policies"]["unbounded"]["tpot_p50_s"] > got["policies"]["unbounded"]["tpot_p50_s"]
+
+
+def test_md_prefill_slowdown_gives_mds_pool_a_chip_that_prefills_that_much_slower() -> None:
+    same = overload_deployments(3.3, SLO)
+    slow = overload_deployments(3.3, SLO, replace(OVERLOAD_KNOBS, md_prefill_slowdown=4.0))
+    for a, b in zip(same, slow, strict=True):
+        assert a.decode.hw.prefill_rel == 1.0 and b.decode.hw.prefill_rel == pytest.approx(0.25)
+        assert b.decode.hw.decode_rel == a.decode.hw.decode_rel  # decoding as fast as before
+        assert b.prefill == a.prefill  # P's chips unchanged
