@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
+from harness.cluster import datacenter_cpus
 from harness.demo import reference_tokens, say
 from harness.demo_load import RequestResult, replay
 from harness.demo_workload import DemoRequest, build_trace, demo_requests
@@ -319,7 +320,7 @@ def main(
     try:
         for policy in policies:
             name = NAMES.get(policy, policy)
-            spec = PoolSpec(work / name, topology, placement=policy)
+            spec = PoolSpec(work / name, topology, placement=policy, cpus=datacenter_cpus())
             results[name], counters[name] = run_policy(spec, wan, warm, reqs, name)
     finally:
         wan.down()

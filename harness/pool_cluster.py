@@ -62,6 +62,9 @@ class PoolSpec:
     etcd: str = ""  # membership through etcd (every sidecar announces itself, routers follow); "" = off
     cluster: str = "pools"  # the membership keys' cluster name
     ttl_s: int = 3  # each sidecar's lease
+    # role -> CPUs (``harness.cluster.datacenter_cpus``: MD instances on CPUs of their own, P, RLD
+    # and the routers on the rest); () = anywhere
+    cpus: tuple[tuple[str, str], ...] = ()
 
 
 class PoolCluster:
@@ -228,6 +231,8 @@ class PoolCluster:
         config = str(self.spec.run_dir / f"{name}.toml")
         argv = [sys.executable, "-m", "pddlink.cli.main", what, "--config", config]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        cpus = dict(self.spec.cpus).get(what if what == "router" else self.members[name].role.value)
+        argv = ["taskset", "-c", cpus, *argv] if cpus else argv
         self.procs[name] = subprocess.Popen(
             argv, stdout=subprocess.PIPE, stderr=log, text=True, env=env, start_new_session=True
         )
