@@ -5,6 +5,7 @@ on the ``pddlink sim`` group by ``pddlink.cli.sim``)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -95,10 +96,14 @@ def generate_cmd(
     help="The tiny engine this many times slower than on a quiet machine (a run's baseline TPOT P50 "
     "over the quiet one's, ~4.5 ms).",
 )  # fmt: skip
+@click.option(
+    "--md-prefill-slowdown", type=click.FloatRange(1.0, 100.0), default=1.0, show_default=True,
+    help="MD's chips prefill this many times slower than P's (`pddlink demo --md-prefill-slowdown`).",
+)  # fmt: skip
 @click.option("--json", "as_json", is_flag=True)
 def demo_overload_cmd(
     workload_path: Path, trace_path: Path | None, count: int, warmup: int, rate: float, seed: int,
-    slo_ttft_ms: float, slo_tpot_ms: float, slowdown: float, as_json: bool,
+    slo_ttft_ms: float, slo_tpot_ms: float, slowdown: float, md_prefill_slowdown: float, as_json: bool,
 ) -> None:  # fmt: skip
     """Predict `pddlink demo --scenario wan-overload`: the baseline, PDD bounded and PDD unbounded on
     the demo's requests and line (``sim.demo_overload``), ranked by goodput (the demo's SLO defaults)."""
@@ -109,9 +114,10 @@ def demo_overload_cmd(
         requests=count + warmup, rate_rps=rate, seed=seed, workload=load_workload(workload_path),
         trace_file=trace_path,
     )  # fmt: skip
-    sla, knobs = Sla(slo_ttft_ms / 1e3, slo_tpot_ms / 1e3), OVERLOAD_KNOBS.slowed(slowdown)
+    md_chips = replace(OVERLOAD_KNOBS, md_prefill_slowdown=md_prefill_slowdown)
+    sla, knobs = Sla(slo_ttft_ms / 1e3, slo_tpot_ms / 1e3), md_chips.slowed(slowdown)
     result = predict(trace, warmup, demo_line_mbit(trace, warmup), sla, knobs)
-    result["slowdown"] = slowdown
+    result["slowdown"], result["md_prefill_slowdown"] = slowdown, md_prefill_slowdown
     result["source"] = str(trace_path) if trace_path else f"agentic seed={seed}"
     if as_json:
         click.echo(json.dumps(result))

@@ -134,3 +134,11 @@ def test_generate_a_conversation_and_predict_the_demos_overload_on_it(tmp_path: 
     assert set(data["policies"]) == {"baseline", "pdd", "unbounded"} and data["line_mbit"] > 0
     assert sorted(n for g in data["ranking"] for n in g) == ["baseline", "pdd", "unbounded"]
     assert data["ranking"][-1] == ["baseline"]
+    slow = _run(
+        "demo-overload", "--trace", str(trace), "--requests", "100", "--json", "--md-prefill-slowdown", "4"
+    )
+    assert slow.returncode == 0, slow.stderr
+    slowed = json.loads(slow.stdout)
+    assert slowed["md_prefill_slowdown"] == 4.0
+    # MD's recompute is 4x as slow: no policy's prediction is the same as on MD's usual chips
+    assert slowed["policies"]["unbounded"] != data["policies"]["unbounded"]
