@@ -77,6 +77,23 @@ def datacenter_cpus(cpus: list[int] | None = None) -> tuple[tuple[str, str], ...
     return (("md", mine), ("p", rest), ("rld", rest), ("router", rest))
 
 
+def cpu_set(cpus: str) -> frozenset[int]:
+    """A CPU list as ``taskset -c`` and the kernel's ``Cpus_allowed_list`` write it ("0,2-3")."""
+    out: set[int] = set()
+    for part in cpus.split(","):
+        lo, _, hi = part.strip().partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return frozenset(out)
+
+
+def allowed_cpus(pid: int) -> frozenset[int]:
+    """The CPUs process ``pid`` may run on (its main thread's ``Cpus_allowed_list``)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Cpus_allowed_list:"):
+            return cpu_set(line.split(":", 1)[1])
+    raise ClusterError(f"no Cpus_allowed_list for process {pid}")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.cluster import Cluster, ClusterSpec, datacenter_cpus
+from harness.cluster import Cluster, ClusterSpec, allowed_cpus, cpu_set, datacenter_cpus
 from harness.demo_load import replay
 from netlab.lab import Lab
 from netlab.profile import parse_profile
@@ -39,33 +39,14 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         lab.down()
 
 
-def _allowed(pid: int) -> str:
-    status = Path(f"/proc/{pid}/status").read_text()
-    return next(
-        line.split(":", 1)[1].strip() for line in status.splitlines() if line.startswith("Cpus_allowed_list")
-    )
-
-
 def test_each_role_runs_on_the_cpus_its_datacenter_owns(cluster: Cluster) -> None:
     want = dict(cluster.spec.cpus)
     if not want:
         pytest.skip("one CPU: nothing to pin")
     for role in ("md", "p"):
         pids = cluster.pids(role)  # the sidecar and its engine process, if any
-        assert pids and {_allowed(pid) for pid in pids} == {_expand(want[role])}, role
-    assert _expand(want["md"]) != _expand(want["p"])
-
-
-def _expand(cpus: str) -> str:
-    """``taskset -c`` form to the kernel's ``Cpus_allowed_list`` form (runs joined: "0,1,2" -> "0-2")."""
-    ids = sorted(int(c) for c in cpus.split(","))
-    runs: list[list[int]] = []
-    for i in ids:
-        if runs and i == runs[-1][-1] + 1:
-            runs[-1].append(i)
-        else:
-            runs.append([i])
-    return ",".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
+        assert pids and {allowed_cpus(pid) for pid in pids} == {cpu_set(want[role])}, role
+    assert not cpu_set(want["md"]) & cpu_set(want["p"])
 
 
 # relay_recompute (1024-token outputs, 37 s here) runs in `make test-fleet`; the chaos and demo checks
@@ -111,3 +92,4 @@ def test_md_gets_the_last_third_of_the_cpus_and_the_rest_share_the_others() -> N
         "rld": "2,3,4,5",
         "router": "2,3,4,5",
     }
+    assert cpu_set("0,2-4") == {0, 2, 3, 4} and cpu_set("7") == {7}

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from engines_adapter import SamplingParams
-from harness.cluster import datacenter_cpus
+from harness.cluster import allowed_cpus, cpu_set, datacenter_cpus
 from harness.demo_load import RequestResult, replay
 from harness.demo_workload import DemoRequest
 from harness.pool_cluster import PoolCluster, PoolSpec
@@ -50,19 +50,6 @@ rtt_ms = 20
 """
 
 BASE = tuple((7 * i + 3) % 2000 + 1 for i in range(320))  # a shared 20-block prefix
-
-
-def _allowed(pid: int) -> str:
-    """A process's CPUs as ``taskset -c`` takes them (the kernel writes runs as "0-2")."""
-    status = Path(f"/proc/{pid}/status").read_text()
-    listed = next(
-        x.split(":", 1)[1].strip() for x in status.splitlines() if x.startswith("Cpus_allowed_list")
-    )
-    cpus: list[str] = []
-    for part in listed.split(","):
-        lo, _, hi = part.partition("-")
-        cpus += [str(c) for c in range(int(lo), int(hi or lo) + 1)]
-    return ",".join(cpus)
 
 
 def _req(i: int, suffix: int) -> DemoRequest:
@@ -110,7 +97,8 @@ def test_placed_on_the_md_holding_the_prefix_and_away_from_a_dead_one(tmp_path: 
     with PoolCluster(spec) as pools:
         for name, proc in pools.procs.items():
             role = "router" if name.startswith("router") else pools.members[name].role.value
-            assert _allowed(proc.pid) == dict(cpus).get(role, _allowed(os.getpid())), name
+            want = dict(cpus).get(role)
+            assert allowed_cpus(proc.pid) == (cpu_set(want) if want else allowed_cpus(os.getpid())), name
         first = _run(pools, [_req(0, 0)], "a")[0]
         assert first.outcome == "finished", first.reason
         home = first.trace["placement"]["md"]
