@@ -172,6 +172,11 @@ def command(
     the table with TTFT, output speed and goodput (requests/s meeting both SLOs). Progress and
     logs go to stderr.
     """
+    if md_prefill_slowdown > 1 and (engine == "vllm" or topology_path is not None or lab_kind == "compose"):
+        raise click.BadParameter(
+            "the reference engine's pair demo only (not --engine vllm, --topology or --lab compose)",
+            param_hint="--md-prefill-slowdown",
+        )
     if engine == "vllm":
         from pddlink.cli.demo_vllm import run_vllm_demo
 
