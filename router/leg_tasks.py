@@ -95,7 +95,11 @@ class LegTasks:
         """Leg ``sid``'s number: 1 for the first sid met, then 2, ..."""
         return self._numbers.setdefault(sid, len(self._numbers) + 1)
 
-    def spawn(self, key: TaskKey, sid: str, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+    def spawn(
+        self, kind: TaskKind, role: Role | None, sid: str, coro: Coroutine[Any, Any, T]
+    ) -> asyncio.Task[T]:
+        """Start ``coro`` as leg ``sid``'s ``kind`` call on ``role``, keyed with the leg's number."""
+        key = TaskKey(kind, role, self.number(sid))
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.append((key, task))
         watch_leg(task, sid, key.name, self.inbox)

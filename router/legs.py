@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -53,7 +52,7 @@ from pddlink.serving.pb import pb2
 from pddlink.serving.sampling_pb import sampling_to_pb
 from pddlink.serving.stream_pb import WireVersionRefused, answer_from_pb, event_from_pb
 from pddlink.wire.frame import WIRE_VERSION
-from router.leg_tasks import LegTasks, TaskKey, TaskKind
+from router.leg_tasks import LegTasks, TaskKind
 from router.pb import report_from_pb
 
 MIN_TIMEOUT_S = 0.01
@@ -113,22 +112,19 @@ class LegCalls:
                 return
             if cmd.on is Role.RLD:
                 self.c.rld_active += 1
-            self._spawn(TaskKind.STREAM, cmd.on, cmd.leg.sid, self._stream(cmd.on, stub, cmd.leg))
+            self.tasks.spawn(TaskKind.STREAM, cmd.on, cmd.leg.sid, self._stream(cmd.on, stub, cmd.leg))
         elif isinstance(cmd, SendPrefill):
-            self._spawn(TaskKind.PREFILL, Role.P, cmd.leg.sid, self._prefill(cmd, self.s))
+            self.tasks.spawn(TaskKind.PREFILL, Role.P, cmd.leg.sid, self._prefill(cmd, self.s))
         elif isinstance(cmd, StartHandoff):
-            self._spawn(TaskKind.HANDOFF, None, cmd.sid, self._start_handoff(cmd.sid, self.s))
+            self.tasks.spawn(TaskKind.HANDOFF, None, cmd.sid, self._start_handoff(cmd.sid, self.s))
         elif isinstance(cmd, TakeOver):
-            self._spawn(TaskKind.TAKE_OVER, Role.MD, cmd.leg.sid, self._take_over(cmd, self.s))
+            self.tasks.spawn(TaskKind.TAKE_OVER, Role.MD, cmd.leg.sid, self._take_over(cmd, self.s))
         elif isinstance(cmd, CancelStreams):
             self.tasks.cancel(role=cmd.on, kinds={TaskKind.STREAM})  # not MD's take-over call
         elif isinstance(cmd, ReleaseRldSlot):
             self.c.rld_active -= 1
         elif isinstance(cmd, DetachHandoff):
             self.tasks.forget(TaskKind.HANDOFF)  # RLD finishes; its StartHandoff call ends by itself
-
-    def _spawn(self, kind: TaskKind, role: Role | None, sid: str, coro: Coroutine[Any, Any, None]) -> None:
-        self.tasks.spawn(TaskKey(kind, role, self.tasks.number(sid)), sid, coro)
 
     # -- the RPCs ----------------------------------------------------------------------------------
 

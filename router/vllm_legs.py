@@ -40,9 +40,9 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -75,7 +75,7 @@ from pddlink.lifecycle import (
 from pddlink.lifecycle.outcomes import HandoffOutcome
 from pddlink.roles import Role
 from pddlink.routing import Pipeline, RecomputeMode, choose_handoff_mode
-from router.leg_tasks import LegTasks, TaskKey, TaskKind
+from router.leg_tasks import LegTasks, TaskKind
 from router.legs import Cluster
 
 if TYPE_CHECKING:
@@ -92,8 +92,6 @@ from router.vllm_http import (
 )
 
 __all__ = ["VllmLegs", "generate_alone", "sampling_body"]
-
-T = TypeVar("T")
 
 NOTHING_HANDED = ":before_rld_first_token"  # a one-shot handoff's detail when RLD had streamed nothing
 
@@ -149,28 +147,23 @@ class VllmLegs:
             self._legs[sid] = cmd.leg
             if cmd.on is Role.RLD:
                 self.c.rld_active += 1
-                self._spawn(TaskKind.STREAM, Role.RLD, sid, self._rld_stream(cmd.leg))
+                self.tasks.spawn(TaskKind.STREAM, Role.RLD, sid, self._rld_stream(cmd.leg))
             elif cmd.leg.pipeline is Pipeline.P_RLD_MD:
-                self.primes[sid] = self._spawn(TaskKind.PRIME, Role.MD, sid, self._md_prime(cmd.leg))
+                self.primes[sid] = self.tasks.spawn(TaskKind.PRIME, Role.MD, sid, self._md_prime(cmd.leg))
             else:
-                self._spawn(TaskKind.STREAM, Role.MD, sid, self._md_stream(cmd.leg))
+                self.tasks.spawn(TaskKind.STREAM, Role.MD, sid, self._md_stream(cmd.leg))
         elif isinstance(cmd, SendPrefill):
-            self._spawn(TaskKind.PREFILL, Role.P, cmd.leg.sid, self._prefill(cmd))
+            self.tasks.spawn(TaskKind.PREFILL, Role.P, cmd.leg.sid, self._prefill(cmd))
         elif isinstance(cmd, StartHandoff):
-            self._spawn(TaskKind.HANDOFF, None, cmd.sid, self._handoff(cmd.sid))
+            self.tasks.spawn(TaskKind.HANDOFF, None, cmd.sid, self._handoff(cmd.sid))
         elif isinstance(cmd, TakeOver):
-            self._spawn(TaskKind.TAKE_OVER, Role.MD, cmd.leg.sid, self._take_over(cmd))
+            self.tasks.spawn(TaskKind.TAKE_OVER, Role.MD, cmd.leg.sid, self._take_over(cmd))
         elif isinstance(cmd, CancelStreams):
             self.tasks.cancel(role=cmd.on)  # every call on the role: MD's take-over and extend too
         elif isinstance(cmd, ReleaseRldSlot):
             self.c.rld_active -= 1
         elif isinstance(cmd, DetachHandoff):
             self.tasks.forget(TaskKind.HANDOFF)
-
-    def _spawn(
-        self, kind: TaskKind, role: Role | None, sid: str, coro: Coroutine[Any, Any, T]
-    ) -> asyncio.Task[T]:
-        return self.tasks.spawn(TaskKey(kind, role, self.tasks.number(sid)), sid, coro)
 
     # -- P ---------------------------------------------------------------------------------------
 
@@ -355,7 +348,7 @@ class VllmLegs:
         self.handoff_mode[sid] = mode
         if mode is HandoffMode.ONE_SHOT:
             rld.cancel()  # RLD is aborted at once; MD continues from what it streamed
-            self._spawn(TaskKind.EXTEND, Role.MD, sid, self._extend(leg, given, None))
+            self.tasks.spawn(TaskKind.EXTEND, Role.MD, sid, self._extend(leg, given, None))
             # MD held the KV before RLD's first token (no WAN delay to speak of): MD makes every
             # token, a P->MD run in effect, and the trace says so rather than count a handoff
             detail = "" if given else NOTHING_HANDED
@@ -373,7 +366,7 @@ class VllmLegs:
                 rld.cancel()
                 self.inbox.put_nowait(HandoffDone(sid, HandoffResult(HandoffOutcome.HANDED_OFF), mode))
 
-        extend = self._spawn(TaskKind.EXTEND, Role.MD, sid, self._extend(leg, given, switch))
+        extend = self.tasks.spawn(TaskKind.EXTEND, Role.MD, sid, self._extend(leg, given, switch))
         done, _ = await asyncio.wait(
             {switched, rld}, timeout=self.left(), return_when=asyncio.FIRST_COMPLETED
         )

@@ -48,11 +48,11 @@ def test_running_and_cancel_select_by_role_and_kind_only() -> None:
     async def main() -> None:
         inbox: asyncio.Queue[RunEvent] = asyncio.Queue()
         tasks = LegTasks(inbox)
-        md = tasks.spawn(TaskKey(TaskKind.STREAM, Role.MD, 1), "r", _forever())
-        rld = tasks.spawn(TaskKey(TaskKind.STREAM, Role.RLD, 1), "r", _forever())
-        p = tasks.spawn(TaskKey(TaskKind.PREFILL, Role.P, 1), "r", _forever())
-        take = tasks.spawn(TaskKey(TaskKind.TAKE_OVER, Role.MD, 1), "r", _forever())
-        finished = tasks.spawn(TaskKey(TaskKind.STREAM, Role.MD, 2), "r#2", _done())
+        md = tasks.spawn(TaskKind.STREAM, Role.MD, "r", _forever())
+        rld = tasks.spawn(TaskKind.STREAM, Role.RLD, "r", _forever())
+        p = tasks.spawn(TaskKind.PREFILL, Role.P, "r", _forever())
+        take = tasks.spawn(TaskKind.TAKE_OVER, Role.MD, "r", _forever())
+        finished = tasks.spawn(TaskKind.STREAM, Role.MD, "r#2", _done())
         await asyncio.sleep(0)
         assert finished.done()
         assert tasks.running(role=Role.MD) == [md, take]
@@ -77,7 +77,7 @@ def test_a_call_that_raises_posts_leg_crashed_under_its_name() -> None:
     async def main() -> None:
         inbox: asyncio.Queue[RunEvent] = asyncio.Queue()
         tasks = LegTasks(inbox)
-        crashed = tasks.spawn(TaskKey(TaskKind.EXTEND, Role.MD, tasks.number("r#2")), "r#2", _raises())
+        crashed = tasks.spawn(TaskKind.EXTEND, Role.MD, "r#2", _raises())
         await asyncio.gather(crashed, return_exceptions=True)
         await asyncio.sleep(0)  # the done-callback runs on the loop's next turn
         assert inbox.get_nowait() == LegCrashed("r#2", "md1h", "KeyError: 'choices'")
@@ -88,8 +88,8 @@ def test_a_call_that_raises_posts_leg_crashed_under_its_name() -> None:
 def test_a_forgotten_call_runs_on_outside_the_list() -> None:
     async def main() -> None:
         tasks = LegTasks(asyncio.Queue())
-        handoff = tasks.spawn(TaskKey(TaskKind.HANDOFF, None, 1), "r", _forever())
-        md = tasks.spawn(TaskKey(TaskKind.STREAM, Role.MD, 1), "r", _forever())
+        handoff = tasks.spawn(TaskKind.HANDOFF, None, "r", _forever())
+        md = tasks.spawn(TaskKind.STREAM, Role.MD, "r", _forever())
         tasks.forget(TaskKind.HANDOFF)
         assert list(tasks) == [md] and tasks.running() == [md]
         for t in tasks:
