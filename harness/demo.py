@@ -262,12 +262,13 @@ def main(
         f"{mean_prompt * 2048 * 8 / (line_mbit * 1e6):.2f} s on the line: the WAN is the bottleneck "
         "for low-hit requests, as in the published setting"
     )
-    if spec.md_prefill_slowdown > 1:
-        say(
-            f"MD: a decode-leaning chip, emulated: its prefill and extend passes take "
-            f"{spec.md_prefill_slowdown:g}x P's (engine.prefill_slowdown); decode steps as P's; MD on CPUs "
-            f"{dict(spec.cpus).get('md', 'any')}, the rest on {dict(spec.cpus).get('p', 'any')}"
-        )
+    cpus = dict(spec.cpus)
+    chip = (
+        f"; prefill {spec.md_prefill_slowdown:g}x slower than P's (emulated)"
+        if spec.md_prefill_slowdown > 1
+        else ""
+    )
+    say(f"CPUs: MD {cpus.get('md', 'any')}, P, RLD and the router {cpus.get('p', 'any')}{chip}")
     profile, lab_name = parse_profile(wan_profile(spec), name="pddlink-demo"), f"demo{os.getpid() % 100000}"
     lab: Any
     deployment: Any
