@@ -44,7 +44,11 @@ class OverloadKnobs:
     # 178 tok/s per request for the baseline and 127 (goodput 2.77 req/s) for PDD unbounded, where
     # 0.6 ms predicted 238 and 200 (3.83) and 1.5 ms predicts 178 and 118 (2.65). Requests that
     # found 4-5 others on MD decoded at 11-13 ms per token, those alone at 5.4 ms.
-    demo: DemoKnobs = field(default_factory=lambda: DemoKnobs(decode_step_s=0.0035, decode_seq_s=0.0015))
+    # Since the demo pins MD to a CPU of its own (``harness.cluster.datacenter_cpus``), MD decodes
+    # about twice as fast: wan-overload's runs of 2026-12-04 fitted, over requests MD decoded alone
+    # of RLD (recompute stalls taken out, ``md_stall_s``), 2.6-3.3 ms per token plus 0.5-0.9 ms per
+    # other request in flight: a step of ~2.2 ms and ~0.75 ms per sequence in it.
+    demo: DemoKnobs = field(default_factory=lambda: DemoKnobs(decode_step_s=0.0022, decode_seq_s=0.00075))
     deadline_s: float = 30.0  # ``ClusterSpec.deadline_s``; admission uses WAN_SHARE_OF_DEADLINE of it
     rld_token_budget: float = 0.08  # ``harness.demo.RLD_TOKEN_BUDGET``
     max_prompt_tokens: int = 1500  # ``harness.demo_workload.demo_requests``' cut

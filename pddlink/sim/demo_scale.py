@@ -45,6 +45,9 @@ class DemoKnobs:
     context_tokens: int = 768
     output_divisor: int = 8
     max_output: int = 128
+    # the demo pins MD to CPUs of its own and runs P, RLD and the router on the others
+    # (``harness.cluster.datacenter_cpus``): RLD decodes on P's chips
+    rld_shares_p_chips: bool = True
 
 
 def demo_trace(workload: Workload, k: DemoKnobs) -> Trace:
@@ -129,6 +132,7 @@ def demo_deployments(k: DemoKnobs) -> list[Deployment]:
     cross = Deployment("cross_dc_pd", Kind.CROSS_DC_PD, one, one, **common)  # type: ignore[arg-type]
     pdd = Deployment(
         "pdd", Kind.PDD, one, one, Pool(GPU_A, 1, 1), policy=demo_policy(),
-        relay_fig=replace(fig, max_seqs_per_gpu=k.rld_seqs), **common,  # type: ignore[arg-type]
+        relay_fig=replace(fig, max_seqs_per_gpu=k.rld_seqs), rld_shares_p_chips=k.rld_shares_p_chips,
+        **common,  # type: ignore[arg-type]
     )  # fmt: skip
     return [cross, pdd]

@@ -125,6 +125,9 @@ class Deployment:
     # wherever they are: P, the WAN, RLD) instead of what runs on it
     router_loads: bool = False
     whole_blocks: bool = False  # P ships MD every block it lacks whole, the prompt's last partial one too
+    # RelayDecode runs on P's chips (the demo: P, RLD and the router share CPUs, MD has its own):
+    # each P prefill batch holds every RLD's decode for its compute time
+    rld_shares_p_chips: bool = False
 
     def deadline_for(self, max_tokens: int) -> float | None:
         """The request's end-to-end deadline (the SLA's TTFT bound plus its TPOT bound per token)."""

@@ -130,6 +130,9 @@ class Simulation:
             else []
         )
         self.rld_capacity = sum(r.max_seqs for r in self.relay)
+        if d.rld_shares_p_chips and self.relay:
+            for p in self.prefill:
+                p.on_batch = self._p_batch_holds_rld
         # MainDecode's own prefill lane (recompute), one per decode instance, at MD's prefill speed,
         # on the share of its chips that decoding leaves within the TPOT bound (``sim.md_lane``)
         tpot_bound = d.balance_tpot_s or 0.03
@@ -172,6 +175,11 @@ class Simulation:
         self._pending: list[set[str]] = [set() for _ in sites]  # admitted, not on the line yet
         self._report_due = [0.0] * len(sites)
         self._flows = 0
+
+    def _p_batch_holds_rld(self, now: float, compute_s: float) -> None:
+        """A P prefill batch on chips RLD shares (``Deployment.rld_shares_p_chips``)."""
+        for rld in self.relay:
+            rld.stall(now, compute_s)
 
     # -- arrival and routing -------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ from pddlink.sim.demo_overload import (
     ranking_agrees,
 )
 from pddlink.sim.records import Sla
+from pddlink.sim.scenario import run_deployments
 
 CONVERSATION = Path(__file__).resolve().parents[2] / "examples" / "traces" / "conversation.jsonl"
 SLO = Sla(ttft_s=2.0, tpot_s=0.010)
@@ -138,3 +139,26 @@ def test_md_prefill_slowdown_gives_mds_pool_a_chip_that_prefills_that_much_slowe
         assert a.decode.hw.prefill_rel == 1.0 and b.decode.hw.prefill_rel == pytest.approx(0.25)
         assert b.decode.hw.decode_rel == a.decode.hw.decode_rel  # decoding as fast as before
         assert b.prefill == a.prefill  # P's chips unchanged
+
+
+def test_rld_on_ps_chips_decodes_slower_while_p_prefills() -> None:
+    """The demo runs RLD on P's CPUs (MD has its own): every P prefill batch holds RLD's decode,
+    so the simulator's relayed requests finish later with the chips shared than on chips of their
+    own, and requests MD alone decodes are untouched."""
+    trace = build_trace(requests=60, rate_rps=4.0, seed=1, workload=None, trace_file=str(CONVERSATION))
+    shared = overload_deployments(3.3, SLO)
+    assert all(d.rld_shares_p_chips for d in shared if d.relay is not None)
+    apart_knobs = replace(OVERLOAD_KNOBS, demo=replace(OVERLOAD_KNOBS.demo, rld_shares_p_chips=False))
+    assert not any(d.rld_shares_p_chips for d in overload_deployments(3.3, SLO, apart_knobs))
+    requests = demo_traffic(trace, OVERLOAD_KNOBS)
+    relay_only = replace(shared[1], name="relay", tpot_bound_s=None, ttft_deadline_s=None, deadline_s=None)
+    relay_only = replace(
+        relay_only, policy=replace(relay_only.policy, recompute_enabled=False, relay_min_wan_s=0.0)
+    )
+    speeds = {}
+    for name, d in (("shared", relay_only), ("apart", replace(relay_only, rld_shares_p_chips=False))):
+        result, _ = run_deployments(requests, [d], block_tokens=trace.meta.block_tokens, sla=SLO)
+        got = result["deployments"]["relay"]
+        assert got["rld_token_share"] > 0.2, got["rld_token_share"]  # RLD decoded much of it
+        speeds[name] = got["tokens_per_s_per_request"]
+    assert speeds["shared"] < speeds["apart"]
