@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pddlink.errors import InvalidInput
 from pddlink.routing import MdPrefill, RecomputeMode
 
-__all__ = ["LineFit", "PrefillBook", "RecomputeMode", "TpotBook"]
+__all__ = ["LineFit", "PrefillBook", "RecomputeMode", "StallLedger", "TpotBook"]
 
 
 # The prefill fit's memory and its conditions: each prefill weighs PREFILL_WEIGHT against what
@@ -162,10 +162,14 @@ class TpotBook:
     So each finished request's trace also says how many were in flight on its instance when it was
     admitted (``md_running``, the router's count, what ``estimate`` is asked with), and the book
     fits ``tpot = a + b * running`` to those pairs (exponentially weighted least squares, ``b >=
-    0``); until it has enough spread to fit, the mean stands. An instance running nothing decodes
-    at its unloaded speed (at most the configured ``tpot_s`` it started from), whatever the last
-    requests saw: without that, a bound that keeps every request off a slow instance would never
-    see it recover, since only finished requests teach the book."""
+    0``); until it has enough spread to fit, the mean stands. The stalls MD's recomputes put
+    into a request's decode (``md_stall_s``, from ``StallLedger``) are taken out: the book is MD's
+    decode speed, as the simulator's is, and the TPOT bound charges each recompute's stall on top of
+    it (a book that kept past stalls in charged them twice: wan-overload's bounded router refused
+    16 requests predicting 7-11 ms where unbounded recompute measured 5.0 ms). An instance running
+    nothing decodes at its unloaded speed (at most the configured ``tpot_s`` it started from),
+    whatever the last requests saw: without that, a bound that keeps every request off a slow
+    instance would never see it recover, since only finished requests teach the book."""
 
     tpot_s: float
     ewma_weight: float = 0.2
@@ -188,7 +192,9 @@ class TpotBook:
             return
         if not (isinstance(ttft, float) and isinstance(e2e, float) and isinstance(n, int)) or n < 4:
             return
-        sample = (e2e - ttft) / (n - 1)
+        stalled = trace.get(f"{self.source}_stall_s") if self.source == "md" else None
+        stall = float(stalled) if isinstance(stalled, (int, float)) and stalled > 0 else 0.0
+        sample = (e2e - ttft - stall) / (n - 1)
         if sample <= 0:
             return
         self.tpot_s = (1 - self.ewma_weight) * self.tpot_s + self.ewma_weight * sample
@@ -202,7 +208,32 @@ class TpotBook:
         line = self._fit.line()
         return None if line is None else line[1]
 
-    def estimate(self, running: int) -> float:
+    def estimate(self, running: int, prior_per_request_s: float | None = None) -> float:
+        """``prior_per_request_s``: what one more request adds while this book has no fit of its
+        own (RLD's book, fed by the few relays RLD finishes, borrows MD's slope: the same engine;
+        flat, wan-overload's conversation trace of 2026-12-04 relayed into an RLD running 3-5
+        others at an estimated 6-8 ms per token and got 11-18 ms, 9 requests over the bound)."""
         line = self._fit.line()
-        tpot = self.tpot_s if line is None else max(1e-4, line[0] + line[1] * running)
+        if line is not None:
+            tpot = max(1e-4, line[0] + line[1] * running)
+        else:
+            tpot = self.tpot_s + (prior_per_request_s or 0.0) * running
         return tpot if running > 0 else min(tpot, self.idle_tpot_s)
+
+
+@dataclass(slots=True)
+class StallLedger:
+    """The prefill time each decode instance spent on recomputes (what its ready events report),
+    summed since the router started: a request's ``md_stall_s`` is what its MD's sum grew by between
+    the request's first token and its end, the time its decode stood still for other prompts.
+    Sans-I/O; a prefill counts when its ready event arrives, so one that began before a request's
+    first token and ended after it counts whole."""
+
+    _seconds: dict[str, float] = field(default_factory=dict)
+
+    def add(self, instance: str, seconds: float) -> None:
+        if seconds > 0:
+            self._seconds[instance] = self._seconds.get(instance, 0.0) + seconds
+
+    def total(self, instance: str) -> float:
+        return self._seconds.get(instance, 0.0)

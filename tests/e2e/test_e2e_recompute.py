@@ -70,6 +70,17 @@ def test_md_recomputes_exactly(cluster: Cluster, option: str) -> None:
         assert any(r.trace.get("handoff_outcome") == "handed_off" and r.sources.get("md", 0) for r in results)
 
 
+def test_a_recompute_while_another_decodes_is_that_ones_stall(cluster: Cluster) -> None:
+    """MD prefilling the second prompt stood the first's decode still: the first's trace says so
+    (``md_stall_s``, what the router's TPOT book takes out of what it learns); each request's own
+    recompute, done before its first token, is not its stall."""
+    reqs = requests(2, max_tokens=200, seed=12, spacing_s=0.3)  # the first decodes for ~1 s
+    first, second = asyncio.run(replay(cluster.router_target, reqs, deadline_s=30.0, pipeline="recompute"))
+    assert first.outcome == second.outcome == "finished"
+    assert first.trace["md_stall_s"] == pytest.approx(second.trace["md_recompute_s"], abs=2e-3)
+    assert second.trace["md_stall_s"] == 0.0
+
+
 def test_md_cache_follows_a_recomputed_prompt(cluster: Cluster) -> None:
     """A second request sharing the first's prompt prefix finds it in MD's cache (DRC commit)."""
     first = requests(1, max_tokens=8, seed=11)

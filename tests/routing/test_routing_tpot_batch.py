@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from pddlink.routing import LinkEstimate, MdPrefill, Option, OptionInputs, RejectReason, choose_option
-from pddlink.routing.books import BATCH_MIN_SAMPLES, TpotBook
+from pddlink.routing.books import BATCH_MIN_SAMPLES, StallLedger, TpotBook
 from pddlink.routing.options import OutputLengths
 from tests.routing.test_routing_options import LINE, PDD_RECOMPUTE, routing
 
@@ -104,3 +104,44 @@ def test_the_bound_refuses_at_a_full_md_and_admits_at_a_quiet_one_after_a_busy_s
     full = choose_option(_inputs(book, 5), PDD_RECOMPUTE)  # 12.5 ms per token once it joins
     assert full.option is None and full.reason is RejectReason.TPOT_UNREACHABLE
     assert all(e.tpot_s > BOUND for e in full.estimates if e.option is not Option.SINGULAR)
+
+
+def test_recompute_stalls_are_taken_out_of_what_the_book_learns() -> None:
+    """MD decoding at 5 ms per token while other prompts' recomputes held it still for 0.3 s of a
+    101-token request's decode: the request saw 8 ms per token, the book learns 5 ms (the bound
+    charges each new stall on top of it; learning 8 ms charged the old ones again)."""
+    stalled, clean = TpotBook(0.005), TpotBook(0.005)
+    for _ in range(60):
+        trace = finished(0.005 + 0.3 / 100, 2)
+        stalled.observe(trace)
+        clean.observe({**trace, "md_stall_s": 0.3})
+    assert stalled.tpot_s == pytest.approx(0.008, rel=1e-3)
+    assert clean.tpot_s == pytest.approx(0.005, rel=1e-3)
+    rld = TpotBook(0.005, source="rld")  # RLD's book has no MD stalls to take out
+    rld.observe({**finished(0.008, 2, source="rld"), "md_stall_s": 0.3})
+    assert rld.tpot_s > 0.005
+
+
+def test_the_ledger_sums_each_instances_recompute_time() -> None:
+    ledger = StallLedger()
+    ledger.add("md0", 0.2)
+    ledger.add("md1", 0.5)
+    ledger.add("md0", 0.1)
+    ledger.add("md0", -1.0)  # nothing to add: a ready event without a prefill time
+    assert ledger.total("md0") == pytest.approx(0.3)
+    assert ledger.total("md1") == pytest.approx(0.5)
+    assert ledger.total("md2") == 0.0
+
+
+def test_rld_without_a_fit_of_its_own_borrows_mds_slope() -> None:
+    md = loaded_book(base=0.005, per_request=0.0015)
+    rld = TpotBook(0.006, source="rld")
+    for _ in range(3):  # a few relays RLD finished, alone: no spread to fit
+        rld.observe(finished(0.006, 0, source="rld"))
+    assert rld.per_request_s() is None
+    slope = md.per_request_s()
+    assert rld.estimate(4) == pytest.approx(0.006)  # flat without a prior
+    assert rld.estimate(4, prior_per_request_s=slope) == pytest.approx(0.006 + 4 * 0.0015)
+    assert rld.estimate(0, prior_per_request_s=slope) == pytest.approx(0.006)
+    fitted = loaded_book(base=0.004, per_request=0.0005)  # a fit of its own wins over the prior
+    assert fitted.estimate(4, prior_per_request_s=0.01) == pytest.approx(0.006)
