@@ -74,6 +74,7 @@ from sidecar.wan_codec import WanCodec
 from sidecar.wan_silence import SILENCE_MIN_S
 
 ENGINE_DEAD_LINGER_S = 1.0  # streams end with their typed reason before the sidecar goes
+DIAL_DECODERS_S = 60.0  # the decoders P and RLD hand tokens to: dialled at start, waited for this long
 DRAIN_BOUND_S = 30.0  # SIGTERM: what runs here may take this long to end (a request's default deadline)
 
 
@@ -296,6 +297,12 @@ class Sidecar:
         )
         return kv, DecoderPeer(grpc_addr, tls=self.tls, expected=who)
 
+    async def _dial_decoders(self) -> None:
+        """P's and RLD's channels to the decoders they hand tokens to, connected before any
+        handoff needs them (``DecoderPeer.connect``); a peer not up yet is waited for a while."""
+        decoders = [p for p in self.peers if isinstance(p, DecoderPeer)]
+        await asyncio.gather(*(d.connect(DIAL_DECODERS_S) for d in decoders), return_exceptions=True)
+
     async def _connect_peers(self, prefiller: Prefiller) -> None:
         async def fast(kv: KVPeer) -> None:
             with contextlib.suppress(PddlinkError, OSError):
@@ -453,6 +460,7 @@ class Sidecar:
             await self._connect_peers(self.prefiller)
         server = await self._start_grpc(ports)
         admin = await self._start_admin()
+        dial = asyncio.get_running_loop().create_task(self._dial_decoders())
         ports["admin_port"] = cfg.admin_port
         if cfg.membership.enabled:  # announced once it serves; the router may place here from then on
             self.membership = SidecarMembership(self)
@@ -465,6 +473,7 @@ class Sidecar:
             if not self._engine_dead():
                 await self.drain(DRAIN_BOUND_S)
         finally:
+            dial.cancel()
             await self._shut_down(server, admin)
         if self.sweeper.engine_dead:
             raise EngineDied(f"sidecar {cfg.role}/{cfg.name} stopped: {self.sweeper.engine_dead}")

@@ -25,6 +25,10 @@ from sidecar.wan_silence import CallSilence, LinkSilence
 
 T = TypeVar("T")
 
+# a decoder's channel stays connected however long it is idle (gRPC's default drops it after 30
+# idle minutes, and the next handoff pays the handshake again, across the WAN)
+KEEP_CONNECTED = (("grpc.client_idle_timeout_ms", 2**31 - 1),)
+
 
 def split_hostport(addr: str) -> tuple[str, int]:
     host, _, port = addr.rpartition(":")
@@ -223,9 +227,21 @@ class DecoderPeer:
         self.expected = expected
         pb2, pb2_grpc = stubs()
         self._pb2 = pb2
-        self._channel = open_channel(addr, tls, expected)
+        self._channel = open_channel(addr, tls, expected, KEEP_CONNECTED)
         self._stub = pb2_grpc.SidecarStub(self._channel)
         self.silence = CallSilence(addr, self._ping, silence_floor_s) if silence_floor_s is not None else None
+
+    async def connect(self, timeout_s: float) -> bool:
+        """Dial now, so that the first handoff finds the connection up: dialled by the first
+        handoff instead, the TLS handshake to MD crossed the WAN behind the KV already queued on
+        it and failed (wan-overload, 2026-12-04: the first two P->MD requests after the warm-up of
+        every run, ``peer_unreachable ... Handshake read failed``, RLD finished them). True once
+        the channel is ready within ``timeout_s``; it keeps redialling a peer that is not up yet."""
+        try:
+            await asyncio.wait_for(self._channel.channel_ready(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
 
     async def handoff(self, frame: bytes, *, emit_given: bool = False, timeout_s: float) -> int:
         """The peer's level after it took ``frame``; with a silence floor, ``Unavailable``
