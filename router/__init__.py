@@ -49,7 +49,7 @@ from pddlink.routing import (
     RoutingInputs,
     RoutingPolicy,
 )
-from pddlink.routing.books import PrefillBook, TpotBook
+from pddlink.routing.books import PrefillBook, StallLedger, TpotBook
 from pddlink.routing.options import OutputBook
 from pddlink.serving.grpc_tls import CallerCheck
 from router.admission import Overloaded
@@ -57,7 +57,7 @@ from router.answer import GenerateEvent, RequestEnd, StreamedToken
 from router.backend import EngineBackend, GrpcBackend, make_backend
 from router.config import RouterConfig, VllmEngineConfig
 from router.fleet import Route
-from router.legs import LegCalls
+from router.legs import GrpcCalls
 from router.options import FORCEABLE, decide_option, forced_option, option_trace
 from router.run import RunDriver
 
@@ -92,11 +92,12 @@ class RequestRuns:
     run: RunDriver | None = None
     replaced_from: list[dict[str, str]] = field(default_factory=list)
     moved: list[dict[str, str]] = field(default_factory=list)
+    stall_mark: tuple[str, float] | None = None  # its MD and that MD's StallLedger sum at its first token
 
 
 def _streamed(run: RunDriver, tok: MergedToken) -> StreamedToken:
-    logprobs = getattr(run.calls, "logprobs", {})  # vLLM's legs: (source, position) -> row
-    return StreamedToken(tok.position, tok.token_id, tok.source, logprobs.get((tok.source, tok.position)))
+    row = run.calls.run.logprobs.get((tok.source, tok.position))  # the answer's, where it carried one
+    return StreamedToken(tok.position, tok.token_id, tok.source, row)
 
 
 class Router:
@@ -120,6 +121,7 @@ class Router:
         self.md_tpot = TpotBook(cfg.md_tpot_s)
         self.rld_tpot = TpotBook(cfg.rld_tpot_s, source="rld")  # judged by it under a TPOT SLO
         self.outputs = OutputBook()  # what the TPOT bound spreads a stall over; RLD's token share
+        self.stalls = StallLedger()  # each MD's recompute time: taken out of what md_tpot learns
         self.ids = itertools.count(1)
         self.in_flight: dict[str, RunDriver] = {}  # by request key
         self.labels_in_flight: set[str] = set()  # the clients' ids of those requests
@@ -211,9 +213,10 @@ class Router:
         relayed requests RLD finished saw (``TpotBook``)."""
         if not self.cfg.slo_tpot_ms:
             return self.cfg.rld_tpot_s
-        return self.rld_tpot.estimate(self.fleet.running[route.rld.name] if route.rld is not None else 0)
+        running = self.fleet.running[route.rld.name] if route.rld is not None else 0
+        return self.rld_tpot.estimate(running, prior_per_request_s=self.md_tpot.per_request_s())
 
-    # -- what the runs report back (``router.legs.Cluster``) -------------------------------
+    # -- what the runs report back (``router.leg_driver.Cluster``) -------------------------------
 
     def on_prefilled(self, request_id: str, new_tokens: int, seconds: float) -> None:
         self.p_book.ready(request_id, new_tokens, seconds)
@@ -223,6 +226,9 @@ class Router:
 
     def on_md_ready(self, request_id: str, new_tokens: int, seconds: float) -> None:
         self.md_book.ready(request_id, new_tokens, seconds)
+        route = self.routes.get(request_id)
+        if route is not None:
+            self.stalls.add(route.md.name, seconds)
 
     def on_md_stalled(self, seconds: float, md: str = "") -> None:
         """A run saw ``md``'s stream make no progress (``pddlink.lifecycle.stall``): new requests
@@ -315,7 +321,10 @@ class Router:
             emitted = 0
             try:
                 async for tok in tokens:
-                    r.stamps.setdefault("first_token", time.monotonic())
+                    if "first_token" not in r.stamps:
+                        r.stamps["first_token"] = time.monotonic()
+                        md = self.routes.get(r.sid, r.route).md.name
+                        r.stall_mark = (md, self.stalls.total(md))
                     emitted += 1
                     yield _streamed(run, tok)
             finally:
@@ -382,6 +391,9 @@ class Router:
         out["stamps_s"] = {k: v - origin for k, v in r.stamps.items()}
         if running_at is not None:  # requests in flight on its MD and RLD when it was admitted
             out["md_running"], out["rld_running"] = running_at
+        if r.stall_mark is not None and r.stall_mark[0] == route.md.name:
+            # MD's recomputes for other prompts while this one decoded there
+            out["md_stall_s"] = round(self.stalls.total(route.md.name) - r.stall_mark[1], 6)
         self.md_tpot.observe(out)
         self.rld_tpot.observe(out)
         if run.trace.outcome is RunOutcome.FINISHED:
@@ -393,8 +405,8 @@ class Router:
             run.trace.outcome,
             out["reason"],
             out,
-            prompt_usage=getattr(run.calls, "prompt_usage", None),  # vLLM's legs: P's prefix hit
-            prompt_logprobs=getattr(run.calls, "prompt_logprobs", None),  # and P's logprobs
+            prompt_usage=run.calls.run.prompt_usage,  # P's prefix hit, as vLLM reports it
+            prompt_logprobs=run.calls.run.prompt_logprobs,  # and P's prompt logprobs
         )
 
     def _start(
@@ -518,7 +530,7 @@ class Router:
 
     def move(self, sid: str, role: Role, run: RunDriver) -> None:
         """Run ``sid`` lost its instance of ``role``: placement again without it (nor any it lost
-        before), the other roles kept; the run's next calls go there (``LegCalls.retarget``)."""
+        before), the other roles kept; the run's next calls go there (``GrpcCalls.retarget``)."""
         route = self.routes.get(sid)
         if route is None or not isinstance(self.backend, GrpcBackend):
             return
@@ -539,8 +551,8 @@ class Router:
         self.moves.setdefault(sid, []).append({"role": role.value, "from": lost.name, "to": to.name})
         metrics.REPLACED.inc()
         log.warning("request %s: %s lost mid-request; moved to %s", sid, lost.name, to.name)
-        calls = run.calls
-        if isinstance(calls, LegCalls):
+        calls = run.calls.calls
+        if isinstance(calls, GrpcCalls) and isinstance(self.backend, GrpcBackend):
             calls.retarget(self.backend.route_stubs(new))
 
     def _lost(self, trace: RunTrace, route: Route, now: float) -> str | None:

@@ -6,15 +6,17 @@ serves the roles. An ``EngineBackend`` supplies the rest:
 
 - ``fleet``: the topology's instances, their health and mirrors; ``fleet.place(prompt, now)`` says
   where a request goes (``router.fleet.Route``);
-- ``legs(cluster, deadline, route)``: a ``Legs`` for one run on ``route``, turning the machine's
-  commands into calls on the roles and posting what they answer to ``inbox`` as lifecycle events;
+- ``legs(cluster, deadline, route)``: one run's ``router.leg_driver.LegDriver`` on ``route``, turning
+  the machine's commands into the engine's calls on the roles (``RoleCalls``) and posting what they
+  answer to ``inbox`` as lifecycle events;
 - ``matched_tokens(prompt)``: how much of the prompt an MD is known to hold (the router's DRC view);
 - ``usable(role)``: whether a role may get traffic now;
 - ``start``/``close``/``status``: the backend's own connections and what it reports.
 
 Two implementations: ``GrpcBackend`` (the reference engine's sidecars over gRPC, ``router.legs``)
 and ``router.vllm_backend.VllmBackend`` (vLLM's OpenAI servers over HTTP, each beside its pddlink
-vLLM sidecar). ``make_backend(cfg)`` picks by ``RouterConfig.engine``.
+vLLM sidecar, ``router.vllm_legs``); both drive their runs with the one ``LegDriver``.
+``make_backend(cfg)`` picks by ``RouterConfig.engine``.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ import asyncio
 import time
 from typing import Any, Protocol
 
-from pddlink.lifecycle import RunCommand, RunEvent
 from pddlink.roles import Role
 from pddlink.serving.backlog import POLL_INTERVAL_S, follow_backlog, follow_pool_backlog
 from pddlink.serving.grpc_tls import open_channel
@@ -32,22 +33,13 @@ from pddlink.topology import Member
 from pddlink.transport import PeerIdentity, TlsConfig
 from router.config import RouterConfig
 from router.fleet import Fleet, Route
-from router.legs import Cluster, LegCalls, RouteStubs
+from router.leg_driver import Cluster, LegDriver
+from router.legs import RouteStubs, grpc_legs
 from router.members import MembershipFollower
 from router.mirror import MirrorFollower
 from router.role_health import RoleHealth
 
-__all__ = ["EngineBackend", "GrpcBackend", "Legs", "make_backend"]
-
-
-class Legs(Protocol):
-    """One run's calls on the roles."""
-
-    inbox: asyncio.Queue[RunEvent]
-
-    def execute(self, cmd: RunCommand) -> None: ...
-
-    async def close(self, *, finished: bool) -> None: ...
+__all__ = ["EngineBackend", "GrpcBackend", "make_backend"]
 
 
 class EngineBackend(Protocol):
@@ -56,7 +48,7 @@ class EngineBackend(Protocol):
 
     fleet: Fleet  # the instances and where each request goes (``router.fleet``)
 
-    def legs(self, cluster: Cluster, deadline: float, route: Route) -> Legs: ...
+    def legs(self, cluster: Cluster, deadline: float, route: Route) -> LegDriver: ...
 
     def matched_tokens(self, prompt: tuple[int, ...]) -> int: ...
 
@@ -149,8 +141,8 @@ class GrpcBackend:
             task = asyncio.get_running_loop().create_task(_close_later(channel, self.deadline_s))
             self._tasks.append(task)
 
-    def legs(self, cluster: Cluster, deadline: float, route: Route) -> Legs:
-        return LegCalls(cluster, self.route_stubs(route), deadline)
+    def legs(self, cluster: Cluster, deadline: float, route: Route) -> LegDriver:
+        return grpc_legs(cluster, self.route_stubs(route), deadline)
 
     def route_stubs(self, route: Route) -> RouteStubs:
         rld = route.rld

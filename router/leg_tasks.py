@@ -1,7 +1,7 @@
 """One router run's calls on the roles as asyncio tasks, each under a typed key (``TaskKey``).
 
-Both leg drivers (``router.legs.LegCalls``, ``router.vllm_legs.VllmLegs``) keep their tasks in a
-``LegTasks``. A key says what the call is (``TaskKind``), the role it talks to and which of the
+The run's leg driver (``router.leg_driver``) keeps its tasks, and those its engine's calls start,
+in a ``LegTasks``. A key says what the call is (``TaskKind``), the role it talks to and which of the
 run's legs it serves (numbered 1, 2, ... as the driver first meets their sids: ``number``); its
 ``name`` ("md1", "p1", "md1h", "handoff", "takeover") is what ``LegCrashed`` and the log call it.
 ``spawn`` starts a call and watches it (``watch_leg``): one that dies of an exception posts
@@ -114,6 +114,12 @@ class LegTasks:
             for key, task in self._tasks
             if not task.done() and (role is None or key.role is role) and (kinds is None or key.kind in kinds)
         ]
+
+    def latest(self, kind: TaskKind, sid: str) -> asyncio.Task[Any] | None:
+        """Leg ``sid``'s most recent ``kind`` call, done or not (None: it has none)."""
+        number = self._numbers.get(sid)
+        found = [task for key, task in self._tasks if key.kind is kind and key.leg == number]
+        return found[-1] if found else None
 
     def cancel(self, *, role: Role, kinds: Collection[TaskKind] | None = None) -> None:
         for task in self.running(role=role, kinds=kinds):

@@ -1,7 +1,8 @@
-"""A router request's RPCs to the sidecars: what ``pddlink.lifecycle.RequestRun``'s commands become.
+"""A router request's RPCs to the reference engine's sidecars: the calls that
+``router.leg_driver.LegDriver`` starts for ``pddlink.lifecycle.RequestRun``'s commands.
 
-``LegCalls`` runs each command as a task that posts its results to the run's inbox as lifecycle
-events: the Attach streams on RLD and MD (``TokenArrived``, then ``StreamEnded``; MD's ``ready``
+``GrpcCalls``' calls post their results to the run's inbox as lifecycle events: the Attach streams
+on RLD and MD (``TokenArrived``, then ``StreamEnded``; MD's ``ready``
 after a recompute: ``MdReady``), P's Prefill (``PrefillDone`` / ``PrefillFailed``), RLD's
 StartHandoff (``HandoffDone``) and the router's own Handoff to MD when RLD is lost
 (``TakeoverFailed`` if it fails). Every RPC's timeout is the request's time left. A task that dies
@@ -17,27 +18,20 @@ import asyncio
 import contextlib
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import grpc
 
 from pddlink.handoff import HandoffMode, HandoffSlice
 from pddlink.lifecycle import (
-    CancelStreams,
-    DetachHandoff,
     HandoffDone,
     HandoffOutcome,
     HandoffResult,
     Leg,
     MdReady,
-    OpenStream,
     PrefillDone,
     PrefillFailed,
-    ReleaseRldSlot,
-    RunCommand,
-    RunEvent,
     SendPrefill,
-    StartHandoff,
     StreamClosed,
     StreamEnd,
     StreamEnded,
@@ -52,24 +46,11 @@ from pddlink.serving.pb import pb2
 from pddlink.serving.sampling_pb import sampling_to_pb
 from pddlink.serving.stream_pb import WireVersionRefused, answer_from_pb, event_from_pb
 from pddlink.wire.frame import WIRE_VERSION
-from router.leg_tasks import LegTasks, TaskKind
+from router.leg_driver import MIN_TIMEOUT_S, Call, Cluster, LegDriver, LegRun
+from router.leg_tasks import TaskKind
 from router.pb import report_from_pb
 
-MIN_TIMEOUT_S = 0.01
 MD_IMPORT_GRACE_S = 0.2  # MD imports right after P's transfer; release it after that
-
-
-class Cluster(Protocol):
-    """What a run needs of the router, whatever the engine: RLD's slot count and where to report
-    P's and MD's prefill figures."""
-
-    rld_active: int
-
-    def on_prefilled(self, request_id: str, new_tokens: int, seconds: float) -> None: ...
-
-    def on_md_ready(self, request_id: str, new_tokens: int, seconds: float) -> None: ...
-
-    def on_md_stalled(self, seconds: float) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,46 +66,40 @@ class RouteStubs:
     rld_identity: str = ""
 
 
-class LegCalls:
-    """``router.backend.Legs`` for the reference engine's sidecars."""
+def grpc_legs(cluster: Cluster, stubs: RouteStubs, deadline: float) -> LegDriver:
+    """One run's legs on the reference engine's sidecars ``stubs``."""
+    run = LegRun(cluster, deadline)
+    return LegDriver(run, GrpcCalls(run, stubs))
 
-    def __init__(self, cluster: Cluster, stubs: RouteStubs, deadline: float) -> None:
-        self.c = cluster
+
+class GrpcCalls:
+    """``router.leg_driver.RoleCalls`` for the reference engine's sidecars."""
+
+    stream_kinds = frozenset({TaskKind.STREAM})  # not MD's take-over call: MD's stream answers it
+
+    def __init__(self, run: LegRun, stubs: RouteStubs) -> None:
+        self.r = run
         self.s = stubs
-        self.deadline = deadline
-        self.inbox: asyncio.Queue[RunEvent] = asyncio.Queue()
-        self.tasks = LegTasks(self.inbox)
-
-    def left(self) -> float:
-        return max(self.deadline - time.monotonic(), MIN_TIMEOUT_S)
 
     def retarget(self, stubs: RouteStubs) -> None:
         """The run moved within a role (``MoveOff``): the calls from here on go to ``stubs``; the
         ones already under way keep theirs."""
         self.s = stubs
 
-    def execute(self, cmd: RunCommand) -> None:
-        if isinstance(cmd, OpenStream):
-            stub = self.s.rld if cmd.on is Role.RLD else self.s.md
-            if stub is None:  # no RLD beside this request's P (the machine then ends the stream)
-                closed = StreamClosed(StreamEnd.FAILED, "no_rld_beside_p")
-                self.inbox.put_nowait(StreamEnded(cmd.leg.sid, cmd.on, closed, None))
-                return
-            if cmd.on is Role.RLD:
-                self.c.rld_active += 1
-            self.tasks.spawn(TaskKind.STREAM, cmd.on, cmd.leg.sid, self._stream(cmd.on, stub, cmd.leg))
-        elif isinstance(cmd, SendPrefill):
-            self.tasks.spawn(TaskKind.PREFILL, Role.P, cmd.leg.sid, self._prefill(cmd, self.s))
-        elif isinstance(cmd, StartHandoff):
-            self.tasks.spawn(TaskKind.HANDOFF, None, cmd.sid, self._start_handoff(cmd.sid, self.s))
-        elif isinstance(cmd, TakeOver):
-            self.tasks.spawn(TaskKind.TAKE_OVER, Role.MD, cmd.leg.sid, self._take_over(cmd, self.s))
-        elif isinstance(cmd, CancelStreams):
-            self.tasks.cancel(role=cmd.on, kinds={TaskKind.STREAM})  # not MD's take-over call
-        elif isinstance(cmd, ReleaseRldSlot):
-            self.c.rld_active -= 1
-        elif isinstance(cmd, DetachHandoff):
-            self.tasks.forget(TaskKind.HANDOFF)  # RLD finishes; its StartHandoff call ends by itself
+    def stream(self, on: Role, leg: Leg) -> tuple[TaskKind, Call] | StreamClosed:
+        stub = self.s.rld if on is Role.RLD else self.s.md
+        if stub is None:  # no RLD beside this request's P (the machine then ends the stream)
+            return StreamClosed(StreamEnd.FAILED, "no_rld_beside_p")
+        return TaskKind.STREAM, self._stream(on, stub, leg)
+
+    def prefill(self, cmd: SendPrefill) -> Call:
+        return self._prefill(cmd, self.s)
+
+    def start_handoff(self, sid: str) -> Call:
+        return self._start_handoff(sid, self.s)
+
+    def take_over(self, cmd: TakeOver) -> Call:
+        return self._take_over(cmd, self.s)
 
     # -- the RPCs ----------------------------------------------------------------------------------
 
@@ -133,22 +108,22 @@ class LegCalls:
             request_id=leg.sid,
             prompt=list(leg.prompt),
             sampling=sampling_to_pb(leg.sampling),
-            deadline_s=self.left(),
+            deadline_s=self.r.left(),
             recompute=pb2.Recompute.ValueType(leg.recompute if role is Role.MD else 0),
             wire_version=WIRE_VERSION,
         )
         closed, mode = StreamClosed(StreamEnd.FAILED, "stream_closed"), None
         try:
-            async for pb in stub.Attach(req, timeout=self.left()):
+            async for pb in stub.Attach(req, timeout=self.r.left()):
                 ev = event_from_pb(pb)
                 if isinstance(ev, PromptReady):  # MD's recompute is done: it holds the prompt's KV
-                    self.c.on_md_ready(leg.sid, len(leg.prompt) - ev.cached_tokens, ev.recompute_s)
-                    await self.inbox.put(MdReady(leg.sid, ev.recompute_s, ev.cached_tokens))
+                    self.r.cluster.on_md_ready(leg.sid, len(leg.prompt) - ev.cached_tokens, ev.recompute_s)
+                    await self.r.inbox.put(MdReady(leg.sid, ev.recompute_s, ev.cached_tokens))
                     continue
                 if isinstance(ev, StreamClosing):
                     closed, mode = ev.closed, ev.handoff_mode
                     break
-                await self.inbox.put(TokenArrived(leg.sid, role, ev.position, ev.token_id, ev.last))
+                await self.r.inbox.put(TokenArrived(leg.sid, role, ev.position, ev.token_id, ev.last))
         except grpc.aio.AioRpcError as exc:
             closed = StreamClosed(StreamEnd.FAILED, exc.code().name.lower())
         except WireVersionRefused as exc:  # a sidecar of another version: refused, never misread
@@ -159,7 +134,7 @@ class LegCalls:
                     stub.Release(pb2.ReleaseRequest(request_id=leg.sid, reason="router")), 1.0
                 )
             raise
-        await self.inbox.put(StreamEnded(leg.sid, role, closed, mode))
+        await self.r.inbox.put(StreamEnded(leg.sid, role, closed, mode))
 
     async def _prefill(self, cmd: SendPrefill, to: RouteStubs) -> None:
         leg = cmd.leg
@@ -170,32 +145,33 @@ class LegCalls:
             ship_to_md=cmd.ship_to_md,
             ship_to_rld=cmd.ship_to_rld,
             first_token_to_md=cmd.first_token_to_md,
-            deadline_s=max(self.deadline - time.monotonic() - 0.2, MIN_TIMEOUT_S),
+            deadline_s=max(self.r.deadline - time.monotonic() - 0.2, MIN_TIMEOUT_S),
             md_identity=to.md_identity,
             rld_identity=to.rld_identity if cmd.ship_to_rld else "",
         )
         try:
-            reply = await to.p.Prefill(req, timeout=self.left())
-            self.c.on_prefilled(leg.sid, len(leg.prompt) - reply.p_cached_tokens, reply.prefill_seconds)
-            await self.inbox.put(PrefillDone(leg.sid, report_from_pb(reply)))
+            reply = await to.p.Prefill(req, timeout=self.r.left())
+            new_tokens = len(leg.prompt) - reply.p_cached_tokens
+            self.r.cluster.on_prefilled(leg.sid, new_tokens, reply.prefill_seconds)
+            await self.r.inbox.put(PrefillDone(leg.sid, report_from_pb(reply)))
         except grpc.aio.AioRpcError as exc:
-            await self.inbox.put(PrefillFailed(leg.sid, f"{exc.code().name.lower()}: {exc.details()}"))
+            await self.r.inbox.put(PrefillFailed(leg.sid, f"{exc.code().name.lower()}: {exc.details()}"))
 
     async def _start_handoff(self, sid: str, to: RouteStubs) -> None:
         if to.rld is None:
-            await self.inbox.put(HandoffDone(sid, HandoffResult(HandoffOutcome.FAILED, "no_rld")))
+            await self.r.inbox.put(HandoffDone(sid, HandoffResult(HandoffOutcome.FAILED, "no_rld")))
             return
         try:
-            deadline_s = max(self.deadline - time.monotonic() - 0.1, MIN_TIMEOUT_S)
+            deadline_s = max(self.r.deadline - time.monotonic() - 0.1, MIN_TIMEOUT_S)
             start = pb2.HandoffStart(request_id=sid, deadline_s=deadline_s, md_identity=to.md_identity)
             start.wire_version = WIRE_VERSION
-            answer = answer_from_pb(await to.rld.StartHandoff(start, timeout=self.left()))
+            answer = answer_from_pb(await to.rld.StartHandoff(start, timeout=self.r.left()))
             result, mode = answer.result, answer.mode
         except grpc.aio.AioRpcError as exc:
             result, mode = HandoffResult(HandoffOutcome.FAILED, exc.code().name), None
         except WireVersionRefused as exc:  # an RLD of another version: refused, never misread
             result, mode = HandoffResult(HandoffOutcome.FAILED, f"wire_version: {exc.message}"), None
-        await self.inbox.put(HandoffDone(sid, result, mode))
+        await self.r.inbox.put(HandoffDone(sid, result, mode))
 
     async def _take_over(self, cmd: TakeOver, to: RouteStubs) -> None:
         """MD takes over from the tokens streamed so far (RLD lost)."""
@@ -203,19 +179,19 @@ class LegCalls:
         s = HandoffSlice(leg.sid, cmd.first_position, cmd.token_ids, True, HandoffMode.ONE_SHOT)
         req = pb2.HandoffRequest(handoff=slice_to_wire(s, leg.sampling), emit_given=cmd.emit_given)
         try:
-            await to.md.Handoff(req, timeout=self.left())
+            await to.md.Handoff(req, timeout=self.r.left())
         except grpc.aio.AioRpcError as exc:
-            await self.inbox.put(TakeoverFailed(leg.sid, exc.code().name.lower()))
+            await self.r.inbox.put(TakeoverFailed(leg.sid, exc.code().name.lower()))
 
     # -- teardown ------------------------------------------------------------------------------------
 
     async def close(self, *, finished: bool) -> None:
         # P's shipment to MD outlives the request when RLD finished it first: MD must still import
         # the prompt (and cache it), or its DRC falls behind what P sees. It ends by its deadline.
-        pending_p = self.tasks.running(kinds={TaskKind.PREFILL})
-        md_streams = self.tasks.running(role=Role.MD, kinds={TaskKind.STREAM})
+        pending_p = self.r.tasks.running(kinds={TaskKind.PREFILL})
+        md_streams = self.r.tasks.running(role=Role.MD, kinds={TaskKind.STREAM})
         kept = set(pending_p) | set(md_streams)
-        others = [t for t in self.tasks if t not in kept]
+        others = [t for t in self.r.tasks if t not in kept]
         for task in others:
             task.cancel()
         if pending_p and md_streams and finished:
@@ -229,7 +205,7 @@ class LegCalls:
         self, pending_p: list[asyncio.Task[None]], md_streams: list[asyncio.Task[None]]
     ) -> None:
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.gather(*pending_p, return_exceptions=True), self.left())
+            await asyncio.wait_for(asyncio.gather(*pending_p, return_exceptions=True), self.r.left())
         await asyncio.sleep(MD_IMPORT_GRACE_S)
         for task in md_streams + pending_p:
             task.cancel()

@@ -1,8 +1,8 @@
 """One request at the router: the asyncio driver of ``pddlink.lifecycle.RequestRun``.
 
 The machine decides (legs, merge, fallbacks, deadline); this driver feeds it: it runs each command
-through the engine backend's ``Legs`` (``router.backend``: gRPC ``router.legs`` or HTTP
-``router.vllm_legs``), hands every event from the inbox to the machine,
+through the run's ``router.leg_driver.LegDriver`` (over the engine's calls: gRPC ``router.legs`` or
+HTTP ``router.vllm_legs``), hands every event from the inbox to the machine,
 re-arms the machine's timer, and yields the merged tokens. If the client goes away (the generator
 is closed) the machine is told so, and the legs are torn down either way: in the background, so
 the run's end (and the client's closing event) never waits for a sidecar to answer ``Release``
@@ -31,8 +31,7 @@ from pddlink.lifecycle import (
     RunTrace,
 )
 from pddlink.roles import Role
-from router.backend import Legs
-from router.legs import Cluster
+from router.leg_driver import Cluster, LegDriver
 
 __all__ = ["Cluster", "RunDriver", "teardowns_pending"]
 
@@ -47,7 +46,7 @@ def teardowns_pending() -> int:
 class RunDriver:
     def __init__(
         self,
-        legs: Callable[[float], Legs],
+        legs: Callable[[float], LegDriver],
         spec: RunSpec,
         rld_usable: Callable[[float], bool],
         *,

@@ -16,9 +16,9 @@ from pddlink.routing import RoutingPolicy
 from pddlink.topology import Engine, topology_from_addresses
 from router.config import RouterConfig, VllmEngineConfig
 from router.fleet import Fleet, Route
-from router.legs import Cluster
+from router.leg_driver import Cluster, LegDriver
 from router.mirror import VllmMirror
-from router.vllm_legs import VllmLegs
+from router.vllm_legs import vllm_legs
 
 HEALTH_INTERVAL_S = 1.0
 
@@ -78,8 +78,8 @@ class VllmBackend:
             p_prefill_tokens_per_s=cfg.p_prefill_tokens_per_s,
         )
 
-    def legs(self, cluster: Cluster, deadline: float, route: Route) -> VllmLegs:
-        return VllmLegs(cluster, self, deadline)  # one server per role: the route is that one
+    def legs(self, cluster: Cluster, deadline: float, route: Route) -> LegDriver:
+        return vllm_legs(cluster, self, deadline)  # one server per role: the route is that one
 
     def matched_tokens(self, prompt: tuple[int, ...]) -> int:
         # the router's view only (the policy's choice); P's sidecar still reserves against MD's own

@@ -3,7 +3,7 @@
 Each role is a vLLM OpenAI server beside its pddlink vLLM sidecar (``sidecar.vllm_kv``), whose
 ``PddlinkConnector`` moves the KV. A request takes part in a transfer when its
 ``kv_transfer_params`` hold ``{"pddlink": {"transfer": ID, "deadline_s": S}}``; the ID is the leg's
-sub-request id. The commands become (``VllmLegs``)::
+sub-request id. The commands become (``VllmCalls``, driven by ``router.leg_driver.LegDriver``)::
 
   SendPrefill   P:  {prompt ids, max_tokens 1, transfer}  -> vLLM prefills, the connector hands
                     the KV to P's sidecar, which ships it to MD  (-> PrefillDone / PrefillFailed)
@@ -15,8 +15,9 @@ sub-request id. The commands become (``VllmLegs``)::
   StartHandoff  by token ids: MD gets prompt + the k ids RLD streamed so far as one request
                     (the prompt's KV from its prefix cache, the k ids recomputed in one extend
                     step), then decodes. One-shot: RLD's stream is closed at once; catch-up: RLD
-                    keeps streaming until MD's stream reaches RLD's position. Chosen by
-                    RLD's load (``choose_handoff_mode``), as RLD's sidecar does for the reference
+                    keeps streaming until MD's stream reaches RLD's position. Decided as
+                    RLD's sidecar decides for the reference engine (``pddlink.lifecycle.
+                    handoff_choice``: ``open_handoff``, and ``CatchUpRace`` for the race)
   TakeOver      MD extends prompt + the given ids (RLD lost)
   CancelStreams the role's HTTP streams are closed (vLLM aborts the request; the connector's
                     ``request_finished`` frees what the sidecars hold)
@@ -50,21 +51,14 @@ from engines_adapter.base import SamplingParams
 from pddlink.errors import DeadlineExceeded, RemoteError
 from pddlink.handoff import HandoffMode
 from pddlink.lifecycle import (
-    CancelStreams,
-    DetachHandoff,
     HandoffDone,
     HandoffResult,
     Leg,
     MdReady,
-    OpenStream,
     PrefillDone,
     PrefillFailed,
     PrefillReport,
-    ReleaseRldSlot,
-    RunCommand,
-    RunEvent,
     SendPrefill,
-    StartHandoff,
     StreamClosed,
     StreamEnd,
     StreamEnded,
@@ -72,17 +66,17 @@ from pddlink.lifecycle import (
     TakeoverFailed,
     TokenArrived,
 )
+from pddlink.lifecycle.handoff_choice import CatchUpRace, HandoffAsk, RaceVerdict, open_handoff
 from pddlink.lifecycle.outcomes import HandoffOutcome
 from pddlink.roles import Role
-from pddlink.routing import Pipeline, RecomputeMode, choose_handoff_mode
-from router.leg_tasks import LegTasks, TaskKind
-from router.legs import Cluster
+from pddlink.routing import HandoffDecision, Pipeline, RecomputeMode
+from router.leg_driver import Call, Cluster, LegDriver, LegRun
+from router.leg_tasks import TaskKind
 
 if TYPE_CHECKING:
     from router.vllm_backend import VllmBackend
 from router.vllm_http import (
     FINISHED,
-    MIN_TIMEOUT_S,
     cached_tokens,
     error_text,
     generate_alone,
@@ -91,41 +85,38 @@ from router.vllm_http import (
     sampling_body,
 )
 
-__all__ = ["VllmLegs", "generate_alone", "sampling_body"]
+__all__ = ["VllmCalls", "generate_alone", "sampling_body", "vllm_legs"]
 
 NOTHING_HANDED = ":before_rld_first_token"  # a one-shot handoff's detail when RLD had streamed nothing
 
 
-class VllmLegs:
-    """``router.backend.Legs`` on vLLM servers; see the module docstring."""
+def vllm_legs(cluster: Cluster, backend: VllmBackend, deadline: float) -> LegDriver:
+    """One run's legs on ``backend``'s vLLM servers."""
+    run = LegRun(cluster, deadline)
+    return LegDriver(run, VllmCalls(run, backend))
 
-    def __init__(self, cluster: Cluster, backend: VllmBackend, deadline: float) -> None:
-        self.c = cluster
+
+class VllmCalls:
+    """``router.leg_driver.RoleCalls`` on vLLM servers; see the module docstring. The answers'
+    logprobs rows (``vllm_http.logprob_rows``, by role and absolute position: the router attaches
+    each merged token's own), P's prefix hit as vLLM's usage reports it (``cached_tokens``;
+    ``created_cache_tokens``: the prompt's whole blocks it computed and cached) and P's prompt
+    logprobs (echo) go to the run (``LegRun``)."""
+
+    # every call on the role: MD's prime, extend and take-over are streams too
+    stream_kinds = frozenset({TaskKind.STREAM, TaskKind.PRIME, TaskKind.EXTEND, TaskKind.TAKE_OVER})
+
+    def __init__(self, run: LegRun, backend: VllmBackend) -> None:
+        self.r = run
         self.b = backend
-        self.deadline = deadline
-        self.inbox: asyncio.Queue[RunEvent] = asyncio.Queue()
-        self.tasks = LegTasks(self.inbox)
         self.rld_tokens: dict[str, list[int]] = {}  # per leg: what RLD streamed so far
-        self.rld_pos: dict[str, int] = {}  # per leg: the next position RLD will stream
-        self.md_reached: dict[str, asyncio.Event] = {}  # catch-up: MD streamed RLD's position
+        self.races: dict[str, CatchUpRace] = {}  # per leg: RLD's position, and MD's in a catch-up
         self.handoff_mode: dict[str, HandoffMode] = {}
         self._legs: dict[str, Leg] = {}
-        self.primes: dict[str, asyncio.Task[bool]] = {}  # relay legs: MD loading the prompt's KV
         self.rld_closed: dict[str, StreamClosed] = {}  # per leg: how RLD's stream ended
-        # (role, absolute position) -> vLLM's logprobs row of the token that role drew there
-        # (``vllm_http.logprob_rows``), when the request asked for logprobs: the router attaches
-        # each merged token's own
-        self.logprobs: dict[tuple[str, int], dict[str, Any]] = {}
-        # P's prefix hit as vLLM's usage reports it (``cached_tokens``; ``created_cache_tokens``:
-        # the prompt's whole blocks it computed and cached), once P answered the prefill
-        self.prompt_usage: dict[str, int] | None = None
-        self.prompt_logprobs: list[Any] | None = None  # P's, in vLLM's JSON (echo with logprobs)
-
-    def left(self) -> float:
-        return max(self.deadline - time.monotonic(), MIN_TIMEOUT_S)
 
     def _kv(self, sid: str) -> dict[str, Any]:
-        share = self.b.v.wan_share * self.left()  # MD's failure report still arrives in time
+        share = self.b.v.wan_share * self.r.left()  # MD's failure report still arrives in time
         return {"pddlink": {"transfer": sid, "deadline_s": share}}
 
     def _body(self, prompt: tuple[int, ...], sampling: SamplingParams, max_tokens: int = 0) -> dict[str, Any]:
@@ -141,29 +132,26 @@ class VllmLegs:
             "max_tokens": max_tokens or sampling.max_tokens,
         }
 
-    def execute(self, cmd: RunCommand) -> None:
-        if isinstance(cmd, OpenStream):
-            sid = cmd.leg.sid
-            self._legs[sid] = cmd.leg
-            if cmd.on is Role.RLD:
-                self.c.rld_active += 1
-                self.tasks.spawn(TaskKind.STREAM, Role.RLD, sid, self._rld_stream(cmd.leg))
-            elif cmd.leg.pipeline is Pipeline.P_RLD_MD:
-                self.primes[sid] = self.tasks.spawn(TaskKind.PRIME, Role.MD, sid, self._md_prime(cmd.leg))
-            else:
-                self.tasks.spawn(TaskKind.STREAM, Role.MD, sid, self._md_stream(cmd.leg))
-        elif isinstance(cmd, SendPrefill):
-            self.tasks.spawn(TaskKind.PREFILL, Role.P, cmd.leg.sid, self._prefill(cmd))
-        elif isinstance(cmd, StartHandoff):
-            self.tasks.spawn(TaskKind.HANDOFF, None, cmd.sid, self._handoff(cmd.sid))
-        elif isinstance(cmd, TakeOver):
-            self.tasks.spawn(TaskKind.TAKE_OVER, Role.MD, cmd.leg.sid, self._take_over(cmd))
-        elif isinstance(cmd, CancelStreams):
-            self.tasks.cancel(role=cmd.on)  # every call on the role: MD's take-over and extend too
-        elif isinstance(cmd, ReleaseRldSlot):
-            self.c.rld_active -= 1
-        elif isinstance(cmd, DetachHandoff):
-            self.tasks.forget(TaskKind.HANDOFF)
+    def stream(self, on: Role, leg: Leg) -> tuple[TaskKind, Call]:
+        self._legs[leg.sid] = leg
+        if on is Role.RLD:
+            return TaskKind.STREAM, self._rld_stream(leg)
+        if leg.pipeline is Pipeline.P_RLD_MD:
+            return TaskKind.PRIME, self._md_prime(leg)
+        return TaskKind.STREAM, self._md_stream(leg)
+
+    def prefill(self, cmd: SendPrefill) -> Call:
+        return self._prefill(cmd)
+
+    def start_handoff(self, sid: str) -> Call:
+        return self._handoff(sid)
+
+    def take_over(self, cmd: TakeOver) -> Call:
+        return self._take_over(cmd)
+
+    def _prime(self, sid: str) -> asyncio.Task[Any] | None:
+        """Relay leg ``sid``'s MD prime (loading the prompt's KV), if it has one."""
+        return self.r.tasks.latest(TaskKind.PRIME, sid)
 
     # -- P ---------------------------------------------------------------------------------------
 
@@ -180,20 +168,20 @@ class VllmLegs:
                 to = [r for r, on in (("rld", rld_kv), ("md", cmd.ship_to_md)) if on]
                 body["kv_transfer_params"]["pddlink"]["to"] = to
         try:
-            out = await post_completion(self.b.http, self.b.v.p_url, body, self.deadline)
+            out = await post_completion(self.b.http, self.b.v.p_url, body, self.r.deadline)
         except (RemoteError, DeadlineExceeded) as exc:
-            await self.inbox.put(PrefillFailed(leg.sid, exc.message))
+            await self.r.inbox.put(PrefillFailed(leg.sid, exc.message))
             return
         seconds = time.monotonic() - t0
         cached = cached_tokens(out)
         for row in logprob_rows(out["choices"][0])[:1]:
-            self.logprobs[Role.P.value, len(leg.prompt)] = row
-        if self.prompt_logprobs is None:
-            self.prompt_logprobs = out["choices"][0].get("prompt_logprobs")
-        if self.prompt_usage is None:  # the first leg's (a fallback leg's prompt holds output too)
+            self.r.logprobs[Role.P.value, len(leg.prompt)] = row
+        if self.r.prompt_logprobs is None:
+            self.r.prompt_logprobs = out["choices"][0].get("prompt_logprobs")
+        if self.r.prompt_usage is None:  # the first leg's (a fallback leg's prompt holds output too)
             whole = len(leg.prompt) // self.b.fleet.block_tokens() * self.b.fleet.block_tokens()
-            self.prompt_usage = {"cached_tokens": cached, "created_cache_tokens": max(0, whole - cached)}
-        self.c.on_prefilled(leg.sid, len(leg.prompt) - cached, seconds)
+            self.r.prompt_usage = {"cached_tokens": cached, "created_cache_tokens": max(0, whole - cached)}
+        self.r.cluster.on_prefilled(leg.sid, len(leg.prompt) - cached, seconds)
         report = PrefillReport(
             first_token=int(out["choices"][0]["token_ids"][0]),
             md_ok=cmd.ship_to_md,  # the shipment is under way; MD's stream says whether it landed
@@ -202,7 +190,7 @@ class VllmLegs:
             prefill_seconds=seconds,
             fast_path="tcp" if cmd.ship_to_rld and self.b.v.rld_gets_kv else "",
         )
-        await self.inbox.put(PrefillDone(leg.sid, report))
+        await self.r.inbox.put(PrefillDone(leg.sid, report))
 
     # -- streams ---------------------------------------------------------------------------------
 
@@ -221,7 +209,7 @@ class VllmLegs:
         finish = ""
         try:
             async with self.b.http.stream(
-                "POST", url + "/v1/completions", json=body, timeout=self.left()
+                "POST", url + "/v1/completions", json=body, timeout=self.r.left()
             ) as resp:
                 if resp.status_code != 200:
                     text = (await resp.aread())[:300].decode(errors="replace")
@@ -241,8 +229,8 @@ class VllmLegs:
                             if finish and finish not in FINISHED:
                                 break  # never tokens from a request vLLM failed
                             if i < len(rows):
-                                self.logprobs[role.value, pos] = rows[i]
-                            await self.inbox.put(TokenArrived(sid, role, pos, tok, last))
+                                self.r.logprobs[role.value, pos] = rows[i]
+                            await self.r.inbox.put(TokenArrived(sid, role, pos, tok, last))
                             pos += 1
                             if on_token is not None:
                                 on_token(pos, tok)
@@ -260,7 +248,7 @@ class VllmLegs:
         if leg.recompute is RecomputeMode.NONE:
             body["kv_transfer_params"] = self._kv(leg.sid)
         closed = await self._stream(Role.MD, self.b.v.md_url, leg.sid, leg.prompt, body)
-        await self.inbox.put(StreamEnded(leg.sid, Role.MD, closed))
+        await self.r.inbox.put(StreamEnded(leg.sid, Role.MD, closed))
 
     async def _md_prime(self, leg: Leg) -> bool:
         """Relay leg: MD gets the prompt's KV into its prefix cache (loads P's transfer, or on relay
@@ -272,20 +260,20 @@ class VllmLegs:
             body["kv_transfer_params"] = self._kv(leg.sid)
         t0 = time.monotonic()
         try:
-            out = await post_completion(self.b.http, self.b.v.md_url, body, self.deadline)
+            out = await post_completion(self.b.http, self.b.v.md_url, body, self.r.deadline)
         except (RemoteError, DeadlineExceeded) as exc:
             closed = StreamClosed(StreamEnd.FAILED, f"md_prime:{exc.message}"[:200])
-            await self.inbox.put(StreamEnded(leg.sid, Role.MD, closed))
+            await self.r.inbox.put(StreamEnded(leg.sid, Role.MD, closed))
             return False
         finish = out["choices"][0].get("finish_reason")
         if finish not in FINISHED:
             closed = StreamClosed(StreamEnd.FAILED, f"md_kv_load_failed:{finish}")
-            await self.inbox.put(StreamEnded(leg.sid, Role.MD, closed))
+            await self.r.inbox.put(StreamEnded(leg.sid, Role.MD, closed))
             return False
         if recompute:
             seconds, cached = time.monotonic() - t0, cached_tokens(out)
-            self.c.on_md_ready(leg.sid, len(leg.prompt) - cached, seconds)
-            await self.inbox.put(MdReady(leg.sid, seconds, cached))
+            self.r.cluster.on_md_ready(leg.sid, len(leg.prompt) - cached, seconds)
+            await self.r.inbox.put(MdReady(leg.sid, seconds, cached))
         return True
 
     async def _rld_stream(self, leg: Leg) -> None:
@@ -294,11 +282,11 @@ class VllmLegs:
         if self.b.v.rld_gets_kv:  # the same transfer: RLD's vLLM parks it until the fast path landed
             body["kv_transfer_params"] = self._kv(leg.sid)
         got = self.rld_tokens.setdefault(leg.sid, [])
-        self.rld_pos[leg.sid] = len(leg.prompt)
+        race = self.races[leg.sid] = CatchUpRace(len(leg.prompt))
 
         def seen(pos: int, tok: int) -> None:
             got.append(tok)
-            self.rld_pos[leg.sid] = pos
+            race.rld_token(pos - 1)
 
         closed = StreamClosed(StreamEnd.FAILED, "rld_cancelled")
         try:
@@ -306,12 +294,12 @@ class VllmLegs:
         except asyncio.CancelledError:
             mode = self.handoff_mode.get(leg.sid)
             if mode is not None:  # the handoff closed RLD's stream: it handed the request over
-                await self.inbox.put(
+                await self.r.inbox.put(
                     StreamEnded(leg.sid, Role.RLD, StreamClosed(StreamEnd.HANDED_OFF, mode.value), mode)
                 )
             raise
         self.rld_closed[leg.sid] = closed
-        await self.inbox.put(StreamEnded(leg.sid, Role.RLD, closed))
+        await self.r.inbox.put(StreamEnded(leg.sid, Role.RLD, closed))
 
     def _rld_lost(self, sid: str) -> bool:
         """RLD's stream ended without finishing: the machine's RLD-lost row decides (MD takes over
@@ -323,75 +311,88 @@ class VllmLegs:
 
     async def _handoff(self, sid: str) -> None:
         leg = self._legs.get(sid)
-        rld = next(iter(self.tasks.running(role=Role.RLD, kinds={TaskKind.STREAM})), None)
-        prime = self.primes.get(sid)
+        rld = next(iter(self.r.tasks.running(role=Role.RLD, kinds={TaskKind.STREAM})), None)
+        prime = self._prime(sid)
         if prime is not None and rld is not None:
             # MD holds the prompt's KV once its prime answered (the transfer landed and loaded)
-            await asyncio.wait({prime, rld}, timeout=self.left(), return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({prime, rld}, timeout=self.r.left(), return_when=asyncio.FIRST_COMPLETED)
         if self._rld_lost(sid):
             # RLD died while MD loaded: a FINISHED_ON_RLD here made the machine cancel MD's streams,
             # the take-over among them (measured: RLD killed mid-stream, the request ran into its
             # deadline)
             return
-        if leg is None or rld is None or rld.done():
-            await self.inbox.put(HandoffDone(sid, HandoffResult(HandoffOutcome.FINISHED_ON_RLD)))
+        ask = HandoffAsk(
+            generated=len(self.rld_tokens.get(sid, ())),
+            max_tokens=leg.sampling.max_tokens if leg is not None else 0,
+            rld_load=self.b.rld_load(self.r.cluster.rld_active),
+            rld_decoding=leg is not None and rld is not None and not rld.done(),
+            md_holds_kv=prime is None or (prime.done() and prime.result() is True),
+        )
+        decision = open_handoff(ask, self.b.policy)
+        if not isinstance(decision, HandoffDecision):
+            await self.r.inbox.put(HandoffDone(sid, decision))
             return
-        if prime is not None and (not prime.done() or prime.result() is not True):
-            result = HandoffResult(HandoffOutcome.FAILED, "md_kv_not_loaded")
-            await self.inbox.put(HandoffDone(sid, result))
-            return
-        mode = choose_handoff_mode(self.b.rld_load(self.c.rld_active), self.b.policy).mode
+        assert leg is not None and rld is not None
+        mode = decision.mode
         given = tuple(self.rld_tokens.get(sid, ()))
-        if leg.sampling.max_tokens - len(given) <= 1:
-            await self.inbox.put(HandoffDone(sid, HandoffResult(HandoffOutcome.FINISHED_ON_RLD)))
-            return
         self.handoff_mode[sid] = mode
         if mode is HandoffMode.ONE_SHOT:
             rld.cancel()  # RLD is aborted at once; MD continues from what it streamed
-            self.tasks.spawn(TaskKind.EXTEND, Role.MD, sid, self._extend(leg, given, None))
+            self.r.tasks.spawn(TaskKind.EXTEND, Role.MD, sid, self._extend(leg, given, None))
             # MD held the KV before RLD's first token (no WAN delay to speak of): MD makes every
             # token, a P->MD run in effect, and the trace says so rather than count a handoff
             detail = "" if given else NOTHING_HANDED
-            await self.inbox.put(HandoffDone(sid, HandoffResult(HandoffOutcome.HANDED_OFF, detail), mode))
+            await self.r.inbox.put(HandoffDone(sid, HandoffResult(HandoffOutcome.HANDED_OFF, detail), mode))
             return
         # catch-up: RLD keeps streaming until MD's stream reaches RLD's position. The switch is
         # posted from MD's stream at that token, before MD's later tokens reach the inbox: posted by
         # this task instead, it came after them whenever MD's rest arrived in one burst, the run
         # ended first and the trace said no handoff had started although MD made most tokens
+        race = self.races.setdefault(sid, CatchUpRace(len(leg.prompt) + len(given)))
         switched = asyncio.get_running_loop().create_future()
 
         def switch() -> None:
-            if not switched.done():
+            if race.handed_off and not switched.done():
                 switched.set_result(None)
                 rld.cancel()
-                self.inbox.put_nowait(HandoffDone(sid, HandoffResult(HandoffOutcome.HANDED_OFF), mode))
+                self.r.inbox.put_nowait(HandoffDone(sid, HandoffResult(HandoffOutcome.HANDED_OFF), mode))
 
-        extend = self.tasks.spawn(TaskKind.EXTEND, Role.MD, sid, self._extend(leg, given, switch))
+        extend = self.r.tasks.spawn(TaskKind.EXTEND, Role.MD, sid, self._extend(leg, given, switch, race))
         done, _ = await asyncio.wait(
-            {switched, rld}, timeout=self.left(), return_when=asyncio.FIRST_COMPLETED
+            {switched, rld}, timeout=self.r.left(), return_when=asyncio.FIRST_COMPLETED
         )
         if switched.done():
             return
-        if rld in done:  # RLD finished before MD caught up: MD's extend is not needed
-            extend.cancel()
-            if self._rld_lost(sid):  # RLD died instead: the machine's take-over continues
+        if rld in done:  # RLD ended before MD caught up: MD's extend is not needed
+            if race.rld_ended(finished=not self._rld_lost(sid)) is RaceVerdict.RLD_LOST:
+                extend.cancel()  # RLD died instead: the machine's take-over continues
                 return
-            await self.inbox.put(HandoffDone(sid, HandoffResult(HandoffOutcome.FINISHED_ON_RLD), mode))
-            return
-        switch()  # out of time waiting: MD goes on alone
+            if race.verdict is RaceVerdict.RLD_FINISHED:
+                extend.cancel()
+                await self.r.inbox.put(HandoffDone(sid, HandoffResult(HandoffOutcome.FINISHED_ON_RLD), mode))
+                return
+        race.out_of_time()  # out of time waiting: MD goes on alone
+        switch()
 
-    async def _extend(self, leg: Leg, given: tuple[int, ...], reached: Callable[[], None] | None) -> None:
+    async def _extend(
+        self,
+        leg: Leg,
+        given: tuple[int, ...],
+        reached: Callable[[], None] | None,
+        race: CatchUpRace | None = None,
+    ) -> None:
         """MD continues after prompt + ``given`` (the prompt's blocks from its prefix cache);
-        ``reached()`` once MD's stream is at RLD's position (catch-up)."""
+        catch-up: each of its tokens goes to the ``race``, ``reached()`` once MD is level with RLD."""
         prompt = leg.prompt + given
         body = self._body(prompt, leg.sampling.after(len(given)))
 
         def seen(pos: int, tok: int) -> None:
-            if reached is not None and pos >= self.rld_pos.get(leg.sid, 0):
+            caught_up = race is not None and race.md_token(pos - 1) is RaceVerdict.MD_CAUGHT_UP
+            if caught_up and reached is not None:
                 reached()
 
         closed = await self._stream(Role.MD, self.b.v.md_url, leg.sid, prompt, body, seen)
-        await self.inbox.put(StreamEnded(leg.sid, Role.MD, closed))
+        await self.r.inbox.put(StreamEnded(leg.sid, Role.MD, closed))
 
     async def _take_over(self, cmd: TakeOver) -> None:
         """MD takes over from the given ids (RLD lost); MD recomputes what its cache lacks."""
@@ -399,17 +400,17 @@ class VllmLegs:
         if cmd.emit_given:
             for i, tok in enumerate(cmd.token_ids):
                 pos = cmd.first_position + i
-                row = self.logprobs.get((Role.RLD.value, pos))  # RLD drew it; MD sends it on
+                row = self.r.logprobs.get((Role.RLD.value, pos))  # RLD drew it; MD sends it on
                 if row is not None:
-                    self.logprobs[Role.MD.value, pos] = row
-                await self.inbox.put(TokenArrived(leg.sid, Role.MD, pos, tok))
+                    self.r.logprobs[Role.MD.value, pos] = row
+                await self.r.inbox.put(TokenArrived(leg.sid, Role.MD, pos, tok))
         prompt = leg.prompt + cmd.token_ids
         body = self._body(prompt, leg.sampling.after(len(cmd.token_ids)))
         closed = await self._stream(Role.MD, self.b.v.md_url, leg.sid, prompt, body)
         if closed.end is not StreamEnd.FINISHED:
-            await self.inbox.put(TakeoverFailed(leg.sid, closed.render()))
+            await self.r.inbox.put(TakeoverFailed(leg.sid, closed.render()))
             return
-        await self.inbox.put(StreamEnded(leg.sid, Role.MD, closed))
+        await self.r.inbox.put(StreamEnded(leg.sid, Role.MD, closed))
 
     # -- teardown --------------------------------------------------------------------------------
 
@@ -420,14 +421,14 @@ class VllmLegs:
         is new. Cancelling it aborted P's WAN transfer too, so MD never held any turn's KV and every
         turn shipped the whole history again (measured: the demo's PDD phase matched 0 tokens on MD
         and no handoff happened). A run that failed or was cancelled cancels its primes too."""
-        primes = {t for t in self.primes.values() if not t.done()} if finished else set()
-        tasks = [t for t in self.tasks if t not in primes]
+        primes = set(self.r.tasks.running(kinds={TaskKind.PRIME})) if finished else set()
+        tasks = [t for t in self.r.tasks if t not in primes]
         for task in tasks:
             task.cancel()
         with contextlib.suppress(Exception):
             await asyncio.gather(*tasks, return_exceptions=True)
         if primes:
-            _, late = await asyncio.wait(primes, timeout=self.left() + 1.0)
+            _, late = await asyncio.wait(primes, timeout=self.r.left() + 1.0)
             for task in late:
                 task.cancel()
             with contextlib.suppress(Exception):

@@ -1,7 +1,8 @@
 """RLD hands a request over to MD: the driver of ``pddlink.handoff.HandoffPlan``.
 
 Once MD holds the KV (the router says so with StartHandoff), RLD sends its generated ids to MD,
-one-shot or in catch-up slices (``choose_handoff_mode`` by RLD's load). One-shot, or when the
+one-shot or in catch-up slices, as ``pddlink.lifecycle.handoff_choice.open_handoff`` decides for
+every engine (by RLD's load; RLD makes a last token itself). One-shot, or when the
 final slice is due, RLD stops decoding first. If MD cannot be reached RLD simply goes on decoding
 and finishes the request itself (``failed:...`` is the answer, with the mode tried).
 """
@@ -19,8 +20,9 @@ from pddlink.errors import PddlinkError
 from pddlink.handoff import HandoffMode, HandoffPlan
 from pddlink.lifecycle import Fallback, HandoffOutcome, HandoffResult, StreamClosed, StreamEnd
 from pddlink.lifecycle.decode import handoff_refused
+from pddlink.lifecycle.handoff_choice import HandoffAsk, open_handoff
 from pddlink.lifecycle.stream import HandoffAnswer
-from pddlink.routing import RoutingPolicy, choose_handoff_mode
+from pddlink.routing import RoutingPolicy
 from pddlink.serving.handoff_wire import slice_to_wire
 
 if TYPE_CHECKING:
@@ -50,9 +52,12 @@ class RelayHandoff:
             how = slot.seq.closed if slot is not None else d.ended_recently.get(request_id)
             return HandoffAnswer(handoff_refused(how))
         send = self.send_to.get(md_identity.removeprefix("pddlink://")) if md_identity else self.send
-        if send is None:
-            return HandoffAnswer(HandoffResult(HandoffOutcome.FAILED, "no_md_configured"))
-        decision = choose_handoff_mode(d.load, self.policy)
+        sampling = slot.seq.sampling or SamplingParams()
+        ask = HandoffAsk(len(slot.seq.generated), sampling.max_tokens, d.load, md_known=send is not None)
+        decision = open_handoff(ask, self.policy)
+        if isinstance(decision, HandoffResult):
+            return HandoffAnswer(decision)
+        assert send is not None
         mode = decision.mode
         plan = HandoffPlan(request_id, slot.seq.base, mode, slice_tokens=max(1, decision.slice_tokens or 1))
         try:

@@ -7,9 +7,9 @@ background task that nobody awaited, and the request hung until its deadline (30
 raise for real any more: the gRPC test injects the fault (``router.legs.sampling_to_pb`` replaced
 by one that raises what protobuf raises for an out-of-range field) -- a mock, allowed here because
 the fault cannot be produced for real. Everything else is real: a ``Router``, its gRPC channels,
-``LegCalls``, the asyncio driver. The vLLM tests need no mock: a real HTTP server on loopback
-answers the leg's call with bytes the router cannot read (a malformed SSE line, a reply without
-``choices``).
+``router.leg_driver.LegDriver`` over ``GrpcCalls``, the asyncio driver. The vLLM tests need no
+mock: a real HTTP server on loopback answers the leg's call with bytes the router cannot read (a
+malformed SSE line, a reply without ``choices``).
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ async def reply_without_choices(body: dict[str, Any], writer: asyncio.StreamWrit
 )
 def test_a_vllm_leg_that_cannot_read_its_answer_ends_the_run_at_once(answer: Answer, crashed: str) -> None:
     from router.vllm_backend import VllmBackend
-    from router.vllm_legs import VllmLegs
+    from router.vllm_legs import vllm_legs
 
     class Cluster:
         rld_active = 0
@@ -157,7 +157,7 @@ def test_a_vllm_leg_that_cannot_read_its_answer_ends_the_run_at_once(answer: Ans
                 "r", (1, 2, 3), sampling, DEADLINE_S, Pipeline.P_MD, "test", 0.1, md_stall_s=math.inf
             )
             cluster = Cluster()
-            driver = RunDriver(lambda d: VllmLegs(cluster, backend, d), spec, lambda now: False)
+            driver = RunDriver(lambda d: vllm_legs(cluster, backend, d), spec, lambda now: False)
             t0 = time.monotonic()
             got = [tok async for tok in driver.run()]
             took = time.monotonic() - t0

@@ -19,7 +19,7 @@ import pytest
 from engines_adapter.base import SamplingParams
 from pddlink.lifecycle import RunSpec
 from pddlink.routing import Pipeline
-from router.legs import LegCalls
+from router.legs import grpc_legs
 from router.run import RunDriver, teardowns_pending
 
 HANG_S = 30.0
@@ -68,7 +68,7 @@ def test_run_ends_at_its_deadline_although_release_hangs(pipeline: Pipeline) -> 
         cluster = Cluster()
         spec = RunSpec("r", (1, 2, 3), SamplingParams(max_tokens=4), deadline_s, pipeline, "test", 0.1)
         t0 = time.monotonic()
-        driver = RunDriver(lambda d: LegCalls(cluster, cluster, d), spec, lambda now: True)
+        driver = RunDriver(lambda d: grpc_legs(cluster, cluster, d), spec, lambda now: True)
         async for _ in driver.run():
             pass
         took = time.monotonic() - t0
@@ -92,7 +92,7 @@ def test_the_deadline_counts_from_when_the_request_arrived() -> None:
         spec = RunSpec("r", (1, 2, 3), SamplingParams(max_tokens=4), 0.5, Pipeline.P_MD, "test", 0.1)
         t0 = time.monotonic()
         cluster = Cluster()
-        driver = RunDriver(lambda d: LegCalls(cluster, cluster, d), spec, lambda now: True, arrived=t0 - 0.3)
+        driver = RunDriver(lambda d: grpc_legs(cluster, cluster, d), spec, lambda now: True, arrived=t0 - 0.3)
         async for _ in driver.run():
             pass
         took = time.monotonic() - t0

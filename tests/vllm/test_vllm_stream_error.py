@@ -1,4 +1,4 @@
-"""How the router reads one vLLM completion stream (``router.vllm_legs.VllmLegs._stream``) when vLLM
+"""How the router reads one vLLM completion stream (``router.vllm_legs.VllmCalls._stream``) when vLLM
 fails the request mid-stream: vLLM's OpenAI server then sends one ``data: {"error": {...}}`` chunk
 and ``[DONE]`` (``create_streaming_error_response`` in vLLM's serving code; a KV load that fails
 under ``kv_load_failure_policy = "fail"`` ends a stream so). The stream must end FAILED with vLLM's
@@ -57,19 +57,20 @@ async def _read(chunks: list[bytes]) -> tuple[Any, list[Any]]:
 
     from pddlink.roles import Role
     from router import RouterConfig, VllmEngineConfig
+    from router.leg_driver import LegRun
     from router.vllm_backend import VllmBackend
-    from router.vllm_legs import VllmLegs
+    from router.vllm_legs import VllmCalls
 
     server, url = await _serve(chunks)
     backend = VllmBackend(
         RouterConfig(engine="vllm", vllm=VllmEngineConfig(p_url=url, md_url=url, model="m"))
     )
     try:
-        legs = VllmLegs(None, backend, time.monotonic() + 10)  # type: ignore[arg-type]
-        closed = await legs._stream(Role.RLD, url, "r1", (5, 6, 7), {"prompt": [5, 6, 7]})
+        run = LegRun(None, time.monotonic() + 10)  # type: ignore[arg-type]
+        closed = await VllmCalls(run, backend)._stream(Role.RLD, url, "r1", (5, 6, 7), {"prompt": [5, 6, 7]})
         got = []
-        while not legs.inbox.empty():
-            got.append(legs.inbox.get_nowait())
+        while not run.inbox.empty():
+            got.append(run.inbox.get_nowait())
         return closed, got
     finally:
         await backend.http.aclose()
