@@ -133,18 +133,7 @@ async def reply_without_choices(body: dict[str, Any], writer: asyncio.StreamWrit
 def test_a_vllm_leg_that_cannot_read_its_answer_ends_the_run_at_once(answer: Answer, crashed: str) -> None:
     from router.vllm_backend import VllmBackend
     from router.vllm_legs import vllm_legs
-
-    class Cluster:
-        rld_active = 0
-
-        def on_prefilled(self, request_id: str, new_tokens: int, seconds: float) -> None:
-            pass
-
-        def on_md_ready(self, request_id: str, new_tokens: int, seconds: float) -> None:
-            pass
-
-        def on_md_stalled(self, seconds: float) -> None:
-            pass
+    from tests.sidecar.test_router_leg_driver import Cluster
 
     async def main() -> None:
         server, url = await _serve(answer)

@@ -31,6 +31,9 @@ LEG = Leg("r1", (1, 2, 3), SamplingParams(max_tokens=4), Pipeline.P_RLD_MD)
 
 
 class Cluster:
+    """The router as a run's legs see it (``router.leg_driver.Cluster``): RLD's slots, and books
+    that take nothing in."""
+
     rld_active = 0
 
     def on_prefilled(self, request_id: str, new_tokens: int, seconds: float) -> None:
