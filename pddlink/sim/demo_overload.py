@@ -37,18 +37,27 @@ TIE_RPS = 0.05
 
 @dataclass(frozen=True, slots=True)
 class OverloadKnobs:
-    # the tiny engine as the demo runs it: 3.5 ms per step and 1.5 ms per sequence in it. The
-    # engine's forward pass alone costs ~0.6 ms more per sequence (``pddlink bench engine --preset
-    # tiny --dtype float64``: 4.1 ms at batch 1, 8.6 ms at batch 8), but each token also crosses MD's
-    # sidecar, the router and the client, all on the same two cores: the demo of 2026-12-04 measured
+    # The tiny engine as the demo ran it before MD had a CPU of its own: 3.5 ms per step and 1.5 ms
+    # per sequence in it. The engine's forward pass alone costs ~0.6 ms more per sequence (``pddlink
+    # bench engine --preset tiny --dtype float64``: 4.1 ms at batch 1, 8.6 ms at batch 8), but each
+    # token also crosses MD's sidecar, the router and the client, all on the same two cores: the demo
+    # of 2026-12-04 measured
     # 178 tok/s per request for the baseline and 127 (goodput 2.77 req/s) for PDD unbounded, where
     # 0.6 ms predicted 238 and 200 (3.83) and 1.5 ms predicts 178 and 118 (2.65). Requests that
     # found 4-5 others on MD decoded at 11-13 ms per token, those alone at 5.4 ms.
     # Since the demo pins MD to a CPU of its own (``harness.cluster.datacenter_cpus``), MD decodes
     # about twice as fast: wan-overload's runs of 2026-12-04 fitted, over requests MD decoded alone
     # of RLD (recompute stalls taken out, ``md_stall_s``), 2.6-3.3 ms per token plus 0.5-0.9 ms per
-    # other request in flight: a step of ~2.2 ms and ~0.75 ms per sequence in it.
-    demo: DemoKnobs = field(default_factory=lambda: DemoKnobs(decode_step_s=0.0022, decode_seq_s=0.00075))
+    # other request in flight: a step of ~2.2 ms and ~0.75 ms per sequence in it. Prefill, fitted
+    # to the same runs' traces: MD's recomputes 6,500-6,700 tokens/s (conversation trace) and
+    # 9,500-10,300 (agentic), P's prefills 5,700-9,600 with 11-15 ms fixed; 3,300 tokens/s and 17
+    # ms (``DemoKnobs``' figures, fitted before) made every recompute's stall twice as long, and the
+    # prediction ranked unbounded recompute far below what the demo measured (1.29 against 3.69).
+    demo: DemoKnobs = field(
+        default_factory=lambda: DemoKnobs(
+            decode_step_s=0.0022, decode_seq_s=0.00075, prefill_tokens_per_s=7000.0, prefill_fixed_s=0.012
+        )
+    )
     deadline_s: float = 30.0  # ``ClusterSpec.deadline_s``; admission uses WAN_SHARE_OF_DEADLINE of it
     rld_token_budget: float = 0.08  # ``harness.demo.RLD_TOKEN_BUDGET``
     max_prompt_tokens: int = 1500  # ``harness.demo_workload.demo_requests``' cut
