@@ -162,6 +162,7 @@ class RequestRun:
         self.rld_handed_off = False
         self.md_ready = False  # a recomputing leg: MD's ready event arrived (it holds the prompt)
         self.handoff_waits_until: float | None = None  # P replied; StartHandoff waits for MD's ready
+        self.handoff_asked = False  # StartHandoff went out for the current leg
         self.md_watch = StallWatch(spec.md_stall_s)  # armed while MD owes the request tokens
         self.notes = TraceBuilder(spec)
         self.reason: FailReason | None = None
@@ -278,11 +279,15 @@ class RequestRun:
         elif pipeline is Pipeline.P_RLD_MD and recompute and not self.md_ready:
             self.handoff_waits_until = self.deadline - HANDOFF_MARGIN_S  # hand over once MD is ready
         elif pipeline is Pipeline.P_RLD_MD:
-            self._out.append(StartHandoff(self.leg.sid))
+            self._start_handoff(self.leg.sid)
         elif pipeline is Pipeline.SINGULAR and not r.rld_ok:
             self._loss(Loss.RLD_UNREACHABLE, r.rld_error, now)
         if pipeline is Pipeline.P_MD and self.md_alive and r.md_ok and not recompute:
             self.md_watch.arm(now)  # MD holds the KV: its tokens are due
+
+    def _start_handoff(self, sid: str) -> None:
+        self.handoff_asked = True
+        self._out.append(StartHandoff(sid))
 
     def _on_md_ready(self, ev: MdReady, now: float) -> None:
         self.md_ready = True
@@ -293,7 +298,7 @@ class RequestRun:
         if self.handoff_waits_until is not None and self.leg is not None:
             self.handoff_waits_until = None
             if self.rld_alive and not self.merger.finished:
-                self._out.append(StartHandoff(self.leg.sid))
+                self._start_handoff(self.leg.sid)
 
     def _on_prefill_failed(self, ev: PrefillFailed, now: float) -> None:
         self._loss(Loss.P_LOST, ev.detail, now)
@@ -420,7 +425,7 @@ class RequestRun:
         recompute = RecomputeMode.of(self.spec.option) if self.legs == 1 else RecomputeMode.NONE
         leg = self.leg = Leg(sid, self.spec.prompt + done, sampling, pipeline, recompute)
         self.first_token = self.md_ok = self.rld_ok = None
-        self.md_ready, self.handoff_waits_until = False, None
+        self.md_ready, self.handoff_waits_until, self.handoff_asked = False, None, False
         self.md_watch.disarm()
         if recompute is RecomputeMode.AND_DECODE:
             # MD prefills and streams itself; P prefills too, shipping nothing, so its own prefix
@@ -481,7 +486,12 @@ class RequestRun:
         if not finished and self.reason is None:
             self.reason = FailReason.CANCELLED
         if self.spec.pipeline is Pipeline.P_RLD_MD and self.notes.handoff is None:
-            self.notes.handoff = HandoffResult(HandoffOutcome.NOT_STARTED)  # RLD finished before MD was ready
+            # no answer to StartHandoff came: RLD finished before MD was ready, or (asked) before
+            # the handoff it had begun was through (a catch-up whose last slice was not yet due)
+            asked = self.handoff_asked
+            self.notes.handoff = HandoffResult(
+                HandoffOutcome.FINISHED_ON_RLD if asked else HandoffOutcome.NOT_STARTED
+            )
         outcome = RunOutcome.FINISHED if finished else RunOutcome.FAILED
         self.trace = self.notes.freeze(
             outcome=outcome,

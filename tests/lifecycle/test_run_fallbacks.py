@@ -275,6 +275,15 @@ def test_p_rld_md_that_finished_before_the_handoff_says_not_started() -> None:
     assert run.trace.to_dict()["handoff_outcome"] == "not_started"
 
 
+def test_rld_finishing_while_the_handoff_was_under_way_says_finished_on_rld() -> None:
+    """StartHandoff went out (P replied: MD holds the KV) and RLD made the last token before its
+    answer came back (a catch-up's last slice not yet due): RLD finished it, the handoff had begun."""
+    run = Run(Pipeline.P_RLD_MD, max_tokens=4)
+    assert StartHandoff("r") in run.prefill()
+    run.tokens(Role.RLD, [4, 5, 6, 7])
+    assert run.exact() and run.trace.to_dict()["handoff_outcome"] == "finished_on_rld"
+
+
 # -- P, deadline -----------------------------------------------------------------------------------
 
 
