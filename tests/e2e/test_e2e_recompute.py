@@ -73,10 +73,17 @@ def test_md_recomputes_exactly(cluster: Cluster, option: str) -> None:
 def test_a_recompute_while_another_decodes_is_that_ones_stall(cluster: Cluster) -> None:
     """MD prefilling the second prompt stood the first's decode still: the first's trace says so
     (``md_stall_s``, what the router's TPOT book takes out of what it learns); each request's own
-    recompute, done before its first token, is not its stall."""
-    reqs = requests(2, max_tokens=200, seed=12, spacing_s=0.3)  # the first decodes for ~1 s
-    first, second = asyncio.run(replay(cluster.router_target, reqs, deadline_s=30.0, pipeline="recompute"))
+    recompute, done before its first token, is not its stall. The second arrives 0.4 s after the
+    first, whose 1,000 tokens take over a second to decode alone: the second's recompute falls
+    inside the first's decode (checked from the traces' own times; with 200 tokens and 0.3 s, a CI
+    run found the first already done, MD decoding ~1.2 ms a token alone)."""
+    gap_s = 0.4
+    reqs = requests(2, max_tokens=1000, seed=12, spacing_s=gap_s)
+    first, second = asyncio.run(replay(cluster.router_target, reqs, deadline_s=60.0, pipeline="recompute"))
     assert first.outcome == second.outcome == "finished"
+    assert first.ttft_s is not None and second.ttft_s is not None
+    # the second's recompute (between its arrival and its first token) within the first's decode
+    assert first.ttft_s < gap_s and gap_s + second.ttft_s < first.e2e_s, (first.ttft_s, second.ttft_s)
     assert first.trace["md_stall_s"] == pytest.approx(second.trace["md_recompute_s"], abs=2e-3)
     assert second.trace["md_stall_s"] == 0.0
 
