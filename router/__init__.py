@@ -28,16 +28,13 @@ import contextlib
 import itertools
 import logging
 import math
-import secrets
 import time
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass, field
 from typing import Any
 
 from engines_adapter import SamplingParams
 from pddlink import metrics
 from pddlink.errors import InvalidInput, NotFound
-from pddlink.handoff import MergedToken
 from pddlink.lifecycle import FailReason, RunOutcome, RunSpec, RunTrace, md_stall_bound
 from pddlink.roles import Role
 from pddlink.routing import (
@@ -58,10 +55,11 @@ from router.backend import EngineBackend, GrpcBackend, make_backend
 from router.config import RouterConfig, VllmEngineConfig
 from router.fleet import Route
 from router.legs import GrpcCalls
-from router.options import FORCEABLE, decide_option, forced_option, option_trace
+from router.options import decide_option, forced_option, option_trace
+from router.request import RequestRuns, mint_request_key, streamed, validate_request
 from router.run import RunDriver
 
-__all__ = ["RequestEnd", "Router", "RouterConfig", "StreamedToken", "VllmEngineConfig"]
+__all__ = ["RequestEnd", "Router", "RouterConfig", "StreamedToken", "VllmEngineConfig", "mint_request_key"]
 
 # sent into ``generate`` (``asend``) in place of reading the next token: the client needs no more
 # (a stop string); the run ends and the request's final item comes back as the answer to the send
@@ -69,35 +67,6 @@ STOP = "stop"
 RLD_COOL_DOWN_S = 2.0  # after RLD failed a request, new requests keep off it this long
 REPLACE_MIN_LEFT_S = 1.0  # a run that lost its MD runs again elsewhere only with this much time left
 log = logging.getLogger(__name__)
-
-
-def mint_request_key(router_name: str) -> str:
-    """A key no other request of any router has: the name says whose (two routers may share one),
-    the 128 random bits make it unique. No ``/``: vLLM's connector names files after it (tests)."""
-    return f"{router_name}-{secrets.token_hex(16)}"
-
-
-@dataclass(slots=True)
-class RequestRuns:
-    """One request's runs so far (``Router.generate``): ``key`` the first run's (the one it is in
-    flight under), ``sid`` the current run's, its choice and route, the routes it left before its
-    first token, its moves within a role and the router's stamps."""
-
-    key: str
-    sid: str
-    decision: OptionDecision
-    matched: int
-    route: Route
-    stamps: dict[str, float]
-    run: RunDriver | None = None
-    replaced_from: list[dict[str, str]] = field(default_factory=list)
-    moved: list[dict[str, str]] = field(default_factory=list)
-    stall_mark: tuple[str, float] | None = None  # its MD and that MD's StallLedger sum at its first token
-
-
-def _streamed(run: RunDriver, tok: MergedToken) -> StreamedToken:
-    row = run.calls.run.logprobs.get((tok.source, tok.position))  # the answer's, where it carried one
-    return StreamedToken(tok.position, tok.token_id, tok.source, row)
 
 
 class Router:
@@ -243,24 +212,7 @@ class Router:
                 run.suspect_md()
 
     def validate(self, prompt: list[int], sampling: SamplingParams, deadline_s: float, pipeline: str) -> None:
-        cfg = self.cfg
-        if not prompt:
-            raise InvalidInput("prompt must not be empty")
-        if len(prompt) > cfg.max_prompt_tokens:
-            raise InvalidInput(f"prompt has {len(prompt)} tokens; the limit is {cfg.max_prompt_tokens}")
-        if any(not 0 <= t < cfg.vocab_size for t in prompt):
-            raise InvalidInput(f"prompt token ids must be in [0, {cfg.vocab_size})")
-        if sampling.max_tokens > cfg.max_tokens_limit:
-            raise InvalidInput(f"max_tokens {sampling.max_tokens} exceeds the limit {cfg.max_tokens_limit}")
-        if not 0 < deadline_s <= 600:
-            raise InvalidInput(f"deadline_s must be in (0, 600], got {deadline_s}")
-        if pipeline and pipeline not in FORCEABLE:
-            raise InvalidInput(f"pipeline must be one of {', '.join(FORCEABLE)}, got {pipeline!r}")
-        unsupported = sampling.vllm_only() if cfg.engine != "vllm" else ()
-        if unsupported:
-            raise InvalidInput(
-                f'"{unsupported[0]}" is not supported by the reference engine (engine = "vllm" is)'
-            )
+        validate_request(self.cfg, prompt, sampling, deadline_s, pipeline)
 
     async def generate(
         self,
@@ -326,7 +278,7 @@ class Router:
                         md = self.routes.get(r.sid, r.route).md.name
                         r.stall_mark = (md, self.stalls.total(md))
                     emitted += 1
-                    yield _streamed(run, tok)
+                    yield streamed(run, tok)
             finally:
                 await tokens.aclose()  # a client that went away: the run ends (cancelled), its legs go
                 self.in_flight.pop(r.key, None)
