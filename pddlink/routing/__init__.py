@@ -12,6 +12,7 @@ matters.
 
 from pddlink.handoff import HandoffMode  # the one handoff mode; routing decides which
 from pddlink.routing.link import BacklogReport, LinkEstimate, LinkModel
+from pddlink.routing.memory import PlacementMemory
 from pddlink.routing.options import (
     MdPrefill,
     Option,
@@ -31,7 +32,6 @@ from pddlink.routing.placement import (
     MdSnapshot,
     Placement,
     PlacementConfig,
-    PlacementMemory,
     PlacementPolicy,
     PlacementReason,
     PlacementRefusal,
