@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engines_adapter import KVLayout, SamplingParams, StepOutput
+from engines_adapter.drc_host import DrcHost
+from engines_adapter.engine_loop import EngineLoop
 from pddlink import metrics
 from pddlink.errors import LocalError, PddlinkError
 from pddlink.handoff import HandoffMode
@@ -35,8 +37,6 @@ from pddlink.routing.books import RecomputeMode
 from pddlink.serving.handoff_wire import slice_from_wire
 from pddlink.transport import ReceivedTransfer
 from sidecar import decoder_engine
-from sidecar.drc_host import DrcHost
-from sidecar.engine_loop import EngineLoop
 from sidecar.relay_handoff import RelayHandoff, SendHandoff
 from sidecar.request_keys import RequestKeyInUse, kv_mismatch, sampling_mismatch
 

@@ -8,11 +8,11 @@ import contextlib
 import time
 
 from engines_adapter import KVBlocks, StepOutput
+from engines_adapter.drc_host import DrcHost
+from engines_adapter.engine_loop import EngineLoop
 from pddlink.errors import PddlinkError
 from pddlink.lifecycle import DecodeSequence
 from pddlink.transport import ReceivedTransfer
-from sidecar.drc_host import DrcHost
-from sidecar.engine_loop import EngineLoop
 
 
 async def import_kv(

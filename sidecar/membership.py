@@ -29,12 +29,12 @@ from pddlink.wire import WIRE_VERSION
 if TYPE_CHECKING:
     from pddlink.membership.registrar import Registrar
     from pddlink.membership.watcher import MembershipWatcher
-    from sidecar.daemon import Sidecar
+    from sidecar.reference import ReferenceSidecar
 
 log = logging.getLogger(__name__)
 
 
-def own_record(sidecar: Sidecar, ports: dict[str, Any]) -> MemberRecord:
+def own_record(sidecar: ReferenceSidecar, ports: dict[str, Any]) -> MemberRecord:
     cfg = sidecar.cfg
     host = cfg.host
 
@@ -56,7 +56,7 @@ def own_record(sidecar: Sidecar, ports: dict[str, Any]) -> MemberRecord:
 
 
 class SidecarMembership:
-    def __init__(self, sidecar: Sidecar) -> None:
+    def __init__(self, sidecar: ReferenceSidecar) -> None:
         self.sidecar = sidecar
         self.cfg = sidecar.cfg.membership
         self.registrar: Registrar | None = None

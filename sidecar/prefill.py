@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engines_adapter import KVBlocks, SamplingParams, StepOutput
+from engines_adapter.engine_loop import EngineLoop
 from pddlink import metrics
 from pddlink.errors import DeadlineExceeded, ErrorCode, PddlinkError, Unavailable
 from pddlink.handoff import HandoffMode, HandoffSlice
@@ -40,7 +41,6 @@ from pddlink.serving.backlog import WanBook
 from pddlink.serving.handoff_wire import slice_to_wire
 from pddlink.wire import KVLayoutSpec, Reserve, ReserveAnswer, TransferBegin
 from sidecar.edf_gate import EdfGate
-from sidecar.engine_loop import EngineLoop
 from sidecar.peers import DecoderPeer, KVPeer, KVPeerPool
 from sidecar.request_keys import RequestKeyInUse
 from sidecar.wan_codec import WanCodec

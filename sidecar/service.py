@@ -11,6 +11,7 @@ from typing import Any
 
 import grpc
 
+from engines_adapter.drc_host import DrcHost
 from pddlink.errors import DeadlineExceeded, InvalidInput, NotFound, PddlinkError
 from pddlink.kv.hashing import HashScheme
 from pddlink.routing.books import RecomputeMode
@@ -19,7 +20,6 @@ from pddlink.serving.sampling_pb import sampling_from_pb
 from pddlink.serving.stream_pb import WireVersionRefused, answer_to_pb, check_wire_version, event_to_pb
 from pddlink.wire import WIRE_VERSION
 from sidecar.decoder import Decoder
-from sidecar.drc_host import DrcHost
 from sidecar.kv_admission import CapacityRefused, KvAdmission
 from sidecar.prefill import Prefiller, PrefillJob
 from sidecar.request_keys import RequestKeyInUse

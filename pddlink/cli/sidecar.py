@@ -111,12 +111,7 @@ def command(config_path: str | None, print_vllm_args: bool, **flags: Any) -> Non
         click.echo(vllm_command_line(cfg))
         return
     preflight(cfg)
-    if cfg.engine_kind == "vllm":
-        from sidecar.vllm_daemon import run as run_vllm
-
-        run_vllm(cfg)
-        return
-    from sidecar.daemon import run
+    from sidecar.daemon import run  # one program: the file's engine picks the bridge
 
     run(cfg)
 

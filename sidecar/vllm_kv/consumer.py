@@ -18,7 +18,7 @@ transfer (``failed``: vLLM prefills itself, exact) instead: a second Reserve of 
 released here (refused too, ``BAD_REQUEST``), a second landing, or KV whose block hashes are not
 the reserved prompt's (``kv_mismatch``).
 
-vLLM killed (``engine_lost``, from ``sidecar.vllm_kv.engine_link``): every transfer held for it is
+vLLM killed (``engine_lost``, from ``engines_adapter.vllm.engine_link``): every transfer held for it is
 released (slots freed; its KV still arriving is dropped as above) and the DRC, vLLM's prefix cache
 as it was, is cleared with its leases; the new engine's KV events rebuild it.
 """

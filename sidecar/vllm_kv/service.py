@@ -1,36 +1,35 @@
-"""One sidecar beside one vLLM: the shared-memory region, the control channel vLLM's connector
-dials, and the role's bridge (P: ``ProducerBridge`` + the WAN link to MD; MD: ``ConsumerBridge`` +
-the KV server P ships to, and the DRC that vLLM's KV events feed; RLD: the same consumer bridge, KV
-server and DRC, fed over the fast path). Each consumer's DRC answers P's reservation with the prefix
+"""The role logic of one sidecar beside one vLLM, over the engine bridge (``engines_adapter.vllm.bridge``:
+the shared-memory region, the control channel vLLM's connector dials, the watch on vLLM, the DRC
+that vLLM's KV events feed): P: ``ProducerBridge`` + the WAN link to MD and the fast path to RLD;
+MD: ``ConsumerBridge`` + the KV server P ships to; RLD: the same consumer bridge and KV server,
+fed over the fast path. Each consumer's DRC answers P's reservation with the prefix
 its own vLLM holds, so P copies out and ships only the blocks from the smaller of the two (a
 conversation's next turn: its new part), where an RLD without a feed answered 0 and got every whole
 block of every turn. A consumer with no ``kv_events_endpoint`` answers 0. P's links: MD across the
 WAN (``md_addr``, ``transport``) and RLD over the fast path (``rld_addr``, ``rld_transport``: "auto"
 picks RDMA where a device is, else TCP, as the reference sidecar does).
 
-Lifecycle: ``await VllmSidecar(cfg).start()`` creates the region (``region_dir``, by default
-``/dev/shm`` where it has room, so the KV copies touch RAM only: in ``<workdir>`` on a disk the
-kernel writes every KV byte copied into the mapping back to the disk; see ``shm.region_path``) and
-``<workdir>/<name>.sock`` (the channel) and, on MD, listens for P; the channel's connections tell
-it when its vLLM dies (``engine_link``): what it held for that engine is reset then (``engine_lost``:
-in-flight transfers end, slots are freed, the DRC is cleared and rebuilt from the next engine's
-KV events); ``status()`` is what the admin
-endpoint and the tests read (held slots and bytes, transfers in flight, counts); ``close()`` ends
-in-flight work, closes listeners and links, unlinks the region and the socket.
+Lifecycle: ``await VllmSidecar(cfg).start()`` opens the bridge (the region: ``region_dir``, by
+default ``/dev/shm`` where it has room, so the KV copies touch RAM only: in ``<workdir>`` on a disk
+the kernel writes every KV byte copied into the mapping back to the disk; see ``shm.region_path``),
+on RLD and MD listens for P, and lets the bridge serve ``<workdir>/<name>.sock`` with this role's
+handler; when the bridge says its vLLM died, what was held for that engine is reset (``engine_lost``:
+in-flight transfers end, slots are freed; the bridge clears the DRC, rebuilt from the next engine's
+KV events); ``status()`` is what the admin endpoint and the tests read (held slots and bytes,
+transfers in flight, counts); ``close()`` stops vLLM's calls, ends in-flight work, closes listeners
+and links, then the bridge (the region and the socket are removed).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pddlink.connector.control import serve_control
-from pddlink.connector.kv_events import KvEventFeed
-from pddlink.connector.shm import ShmRegion, region_path
+from engines_adapter.vllm.bridge import VllmBridge, VllmEngineSide
+from pddlink.connector.shm import ShmRegion
 from pddlink.drc import PrefixIndex
 from pddlink.errors import ConfigError
 from pddlink.listen_policy import check_plaintext_exposure
@@ -46,7 +45,6 @@ from pddlink.transport import (
 )
 from sidecar.peers import KVPeer
 from sidecar.vllm_kv.consumer import ConsumerBridge
-from sidecar.vllm_kv.engine_link import EngineMonitor
 from sidecar.vllm_kv.producer import ProducerBridge
 from sidecar.wan_codec import WanCodec
 
@@ -97,21 +95,33 @@ class VllmSidecarConfig:
 class VllmSidecar:
     def __init__(self, cfg: VllmSidecarConfig) -> None:
         self.cfg = cfg
-        self.region: ShmRegion | None = None
+        self.bridge = VllmBridge(
+            VllmEngineSide(
+                name=cfg.name,
+                workdir=cfg.workdir,
+                model_id=cfg.model_id,
+                block_size=cfg.block_size,
+                region_bytes=cfg.region_bytes,
+                region_dir=cfg.region_dir,
+                keeps_prefix_cache=cfg.role is not Role.P,
+                kv_events_endpoint=cfg.kv_events_endpoint,
+            )
+        )
         self.producer: ProducerBridge | None = None
         self.consumer: ConsumerBridge | None = None
-        self.feed: KvEventFeed | None = None
-        self._control: asyncio.AbstractServer | None = None
         self._kv: KVServer | None = None
         self._md: KVPeer | None = None
         self._rld: KVPeer | None = None
         self.fast_path: FastPathChoice | None = None
         self._sweeper: asyncio.Task[None] | None = None
-        self.engine = EngineMonitor(self.engine_lost)
 
     @property
     def control_path(self) -> Path:
-        return self.cfg.workdir / f"{self.cfg.name}.sock"
+        return self.bridge.control_path
+
+    @property
+    def region(self) -> ShmRegion | None:
+        return self.bridge.region
 
     @property
     def kv_port(self) -> int:
@@ -131,16 +141,15 @@ class VllmSidecar:
 
     async def _start(self) -> VllmSidecar:
         cfg = self.cfg
-        cfg.workdir.mkdir(parents=True, exist_ok=True)
-        self.region = region = ShmRegion(
-            region_path(cfg.workdir, cfg.name, cfg.region_bytes, cfg.region_dir), cfg.region_bytes
-        )
+        region = self.bridge.open()
         identity = PeerIdentity(cfg.role.value, cfg.name)
         if cfg.role is Role.P:
             handler = self._start_producer(region, identity)
         else:
-            handler = await self._start_consumer(region, identity)
-        self._control = await serve_control(self.control_path, handler, watch=self.engine)
+            index = self.bridge.prefix_index
+            assert index is not None  # a consumer's bridge keeps vLLM's prefix cache
+            handler = await self._start_consumer(region, index, identity)
+        await self.bridge.serve(handler, self.engine_lost)
         return self
 
     def _start_producer(self, region: ShmRegion, identity: PeerIdentity) -> Any:
@@ -177,10 +186,10 @@ class VllmSidecar:
         )
         return self.producer.handle
 
-    async def _start_consumer(self, region: ShmRegion, identity: PeerIdentity) -> Any:
-        """MD and RLD: the KV server, the bridge that lands transfers, the DRC fed by vLLM's events."""
+    async def _start_consumer(self, region: ShmRegion, index: PrefixIndex, identity: PeerIdentity) -> Any:
+        """MD and RLD: the KV server and the bridge that lands transfers, answering P's
+        reservations from ``index`` (vLLM's prefix cache, as the engine bridge's feed keeps it)."""
         cfg = self.cfg
-        index = PrefixIndex(None)
         self.consumer = ConsumerBridge(region, index, block_size=cfg.block_size, orphan_s=cfg.orphan_s)
         self._kv = await KVServer.start(
             cfg.kv_host,
@@ -193,9 +202,6 @@ class VllmSidecar:
             transport=cfg.transport,
             options=cfg.options,
         )
-        if cfg.kv_events_endpoint:
-            self.feed = KvEventFeed(index, model_id=cfg.model_id, block_size=cfg.block_size)
-            self.feed.start(cfg.kv_events_endpoint)
         self._sweeper = asyncio.ensure_future(self._sweep_forever(self.consumer))
         return self.consumer.handle
 
@@ -205,8 +211,6 @@ class VllmSidecar:
             self.producer.engine_lost(reason)
         if self.consumer is not None:
             self.consumer.engine_lost(reason)
-        if self.feed is not None:
-            self.feed.engine_lost(time.monotonic())
 
     @staticmethod
     async def _sweep_forever(consumer: ConsumerBridge) -> None:
@@ -220,25 +224,17 @@ class VllmSidecar:
         if self.consumer is not None:
             self.consumer.sweep()  # as its STATUS over the control channel does
         out = bridge.status() if bridge is not None else {}
-        out["engine"] = self.engine.watch.status()
-        if self.feed is not None:
-            out["kv_events"] = self.feed.stats()
+        out.update(self.bridge.status())
         if self._rld is not None:
             out["fast_path"] = self._rld.transport_name
         return out
 
     async def close(self) -> None:
-        self.engine.close()
-        if self._control is not None:
-            self._control.close()
-            with contextlib.suppress(Exception):
-                await self._control.wait_closed()
+        await self.bridge.stop_serving()  # vLLM's connector calls no more
         if self._sweeper is not None:
             self._sweeper.cancel()
             with contextlib.suppress(BaseException):
                 await self._sweeper
-        if self.feed is not None:
-            await self.feed.close()
         if self.producer is not None:
             await self.producer.close()
         for peer in (self._md, self._rld):
@@ -246,6 +242,4 @@ class VllmSidecar:
                 await peer.drop()
         if self._kv is not None:
             await self._kv.close()
-        if self.region is not None:
-            self.region.close()
-        self.control_path.unlink(missing_ok=True)
+        await self.bridge.close()

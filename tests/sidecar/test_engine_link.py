@@ -287,7 +287,7 @@ def test_engine_loop_awaits_a_remote_engine_on_the_event_loop(
 ) -> None:
     """The sidecar's EngineLoop drives a RemoteEngine without its worker thread (``call_async``),
     batched decode included, and gets the same tokens as a direct engine."""
-    from sidecar.engine_loop import EngineLoop
+    from engines_adapter.engine_loop import EngineLoop
 
     md, ref = engines["md"], engines["alone"]
     sp = SamplingParams(seed=5, temperature=0.8, max_tokens=9)

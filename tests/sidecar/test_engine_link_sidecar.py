@@ -65,7 +65,7 @@ def test_process_mode_sidecar_attaches_reports_a_dead_engine_and_leaves_no_orpha
         assert line.startswith("READY "), (line, (tmp_path / "md.log").read_text())
         ready = json.loads(line[6:])
         assert ready["role"] == "md" and ready["model_id"].startswith("torch_ref/tiny")
-        assert get(admin, "/readyz") == (200, {"ready": True, "role": "md"})
+        assert get(admin, "/readyz") == (200, {"ok": True, "ready": True, "role": "md", "engine": "reference"})
         engines = children(proc.pid)
         assert len(engines) == 1, engines
         os.kill(engines[0], signal.SIGKILL)
@@ -76,7 +76,8 @@ def test_process_mode_sidecar_attaches_reports_a_dead_engine_and_leaves_no_orpha
         # not healthy either (issue 16): the sidecar leaves the pool by itself, for its supervisor
         # to restart it (sidecar.sweep); until it has gone, /healthz says 503
         with contextlib.suppress(OSError):
-            assert get(admin, "/healthz")[0] == 503
+            status, body = get(admin, "/healthz")
+            assert status == 503 and body["error"], body  # the reason, for whoever looks
         assert proc.wait(15) == 2
         log_text = (tmp_path / "md.log").read_text()  # whichever the sidecar noticed first
         assert f"engine link: the engine process {engines[0]} exited with code -9" in log_text or (

@@ -28,7 +28,7 @@ from pddlink.transport import PeerIdentity, ReceivedTransfer
 from pddlink.wire import WIRE_VERSION, KVLayoutSpec, TransferBegin
 from router import mint_request_key
 from sidecar.decoder import Decoder, HandoffRefused
-from sidecar.engine_loop import EngineLoop
+from engines_adapter.engine_loop import EngineLoop
 from sidecar.prefill import Prefiller, PrefillJob
 from sidecar.request_keys import RequestKeyInUse, kv_mismatch
 from sidecar.service import SidecarService

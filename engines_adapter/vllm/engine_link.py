@@ -17,7 +17,7 @@ import os
 import time
 from collections.abc import Callable
 
-from sidecar.vllm_kv.engine_watch import EngineBack, EngineEvent, EngineLost, EngineWatch
+from engines_adapter.vllm.engine_watch import EngineBack, EngineEvent, EngineLost, EngineWatch
 
 log = logging.getLogger("pddlink.vllm.engine")
 
