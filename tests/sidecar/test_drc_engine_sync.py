@@ -15,10 +15,10 @@ import pytest
 
 from engines_adapter import link_codec as codec
 from engines_adapter.base import SamplingParams
+from engines_adapter.drc_host import DrcHost
 from engines_adapter.torch_ref import TorchRefEngine
 from pddlink.drc import BlocksRemoved, RefusalReason, ReservationRefused
 from pddlink.serving.proto_gen import pddlink_engine_pb2 as pb2
-from engines_adapter.drc_host import DrcHost
 
 BLOCK = 4
 SP = SamplingParams(max_tokens=3)

@@ -65,7 +65,10 @@ def test_process_mode_sidecar_attaches_reports_a_dead_engine_and_leaves_no_orpha
         assert line.startswith("READY "), (line, (tmp_path / "md.log").read_text())
         ready = json.loads(line[6:])
         assert ready["role"] == "md" and ready["model_id"].startswith("torch_ref/tiny")
-        assert get(admin, "/readyz") == (200, {"ok": True, "ready": True, "role": "md", "engine": "reference"})
+        assert get(admin, "/readyz") == (
+            200,
+            {"ok": True, "ready": True, "role": "md", "engine": "reference"},
+        )
         engines = children(proc.pid)
         assert len(engines) == 1, engines
         os.kill(engines[0], signal.SIGKILL)

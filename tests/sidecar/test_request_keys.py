@@ -14,6 +14,7 @@ import grpc
 import pytest
 
 from engines_adapter import EngineAdapter, SamplingParams, load_engine
+from engines_adapter.engine_loop import EngineLoop
 from pddlink.handoff import HandoffMode, HandoffSlice
 from pddlink.kv.codec import CodecId
 from pddlink.kv.hashing import BlockHasher
@@ -28,7 +29,6 @@ from pddlink.transport import PeerIdentity, ReceivedTransfer
 from pddlink.wire import WIRE_VERSION, KVLayoutSpec, TransferBegin
 from router import mint_request_key
 from sidecar.decoder import Decoder, HandoffRefused
-from engines_adapter.engine_loop import EngineLoop
 from sidecar.prefill import Prefiller, PrefillJob
 from sidecar.request_keys import RequestKeyInUse, kv_mismatch
 from sidecar.service import SidecarService

@@ -19,10 +19,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from engines_adapter.vllm.engine_watch import EngineBack, EngineLost, EngineState, EngineWatch
 from pddlink.connector.kv_events import STALE_S, KvEventFeed
 from pddlink.drc import PrefixIndex
 from pddlink.roles import Role
-from engines_adapter.vllm.engine_watch import EngineBack, EngineLost, EngineState, EngineWatch
 
 
 def test_a_watched_process_exit_is_the_engine_lost_once_and_a_new_one_comes_back() -> None:
