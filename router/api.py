@@ -62,7 +62,6 @@ from router.openai_job import Job, completion_job, generate_job
 from router.openai_schema import Endpoint, Limits, RequestRefused
 from router.openai_text import TextCodec, TextWorkers
 from router.parse_pool import PROCESS_BYTES, ParsePool, ParserLost
-from router.prompt_bytes import oversized_text
 
 pb2, pb2_grpc = stubs()
 
@@ -229,7 +228,6 @@ class RouterApi:
         a few kB, here and now (a large one too until the workers run: the first wakes them).
         ``ParserLost`` when the worker process died."""
         if self.parsers is not None and len(body) > PROCESS_BYTES:
-            oversized_text(body, endpoint, self.limits, self.codec)  # bytes first, before the pool
             if self.parsers.ready:
                 return self.validated(await self.parsers.job(body, endpoint))
             self.parsers.wake()  # this body on a thread, the next ones in the workers once they run

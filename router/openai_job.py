@@ -35,7 +35,6 @@ from router.openai_schema import (
     _Sampling,
     _Strict,
 )
-from router.prompt_bytes import check_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,7 +200,7 @@ def completion_job(
         chat: ChatBody = parse_body(ChatBody, body)
         if codec is None:
             raise RequestRefused("chat completions need a tokenizer with a chat template", "messages")
-        check_bytes(sum(len(m.text().encode()) for m in chat.messages), limits, codec, "messages")
+        _check_bytes(sum(len(m.text().encode()) for m in chat.messages), limits, codec, "messages")
         text = codec.render_chat([{"role": m.role, "content": m.text()} for m in chat.messages])
         prompts = (_check_prompt(codec.encode(text), limits, "messages"),)
         parsed, max_tokens = chat, chat.max_completion_tokens or chat.max_tokens
@@ -274,8 +273,25 @@ def _encode(text: str, limits: Limits, codec: TextCodec | None) -> list[int]:
         raise RequestRefused(
             "this router has no tokenizer ([api] tokenizer): send the prompt as token ids", "prompt"
         )
-    check_bytes(len(text.encode()), limits, codec, "prompt")
+    _check_bytes(len(text.encode()), limits, codec, "prompt")
     return codec.encode(text)
+
+
+def prompt_byte_limit(limits: Limits, codec: TextCodec) -> int:
+    """The most UTF-8 bytes a text prompt may have: ``limits.max_prompt_bytes`` when set, else
+    what ``max_prompt_tokens`` tokens of the longest token can spell (so no prompt within the
+    token limit is refused by it, and a longer one is refused before any tokenizing)."""
+    return limits.max_prompt_bytes or limits.max_prompt_tokens * max(1, codec.max_token_bytes)
+
+
+def _check_bytes(size: int, limits: Limits, codec: TextCodec, where: str) -> None:
+    limit = prompt_byte_limit(limits, codec)
+    if size > limit:
+        raise RequestRefused(
+            f'"{where}" has {size} bytes of text; the limit is {limit} bytes '
+            f"(at most {limits.max_prompt_tokens} tokens)",
+            where,
+        )
 
 
 def generate_job(fields: dict[str, Any], limits: Limits) -> Job:

@@ -3,7 +3,7 @@ its chat template (jinja2, sandboxed), and per-choice incremental detokenization
 
 ``TextCodec.load(dir)`` reads ``tokenizer.json`` and the chat template (``chat_template.jinja``, or
 ``chat_template`` in ``tokenizer_config.json``), and measures the longest token in bytes (a text
-prompt's byte limit follows from it: ``router.prompt_bytes.prompt_byte_limit``). Without a
+prompt's byte limit follows from it: ``router.openai_job.prompt_byte_limit``). Without a
 tokenizer the router works on token ids only: a text prompt is refused (400).
 
 ``TextWorkers`` keeps tokenizing off the event loop (issue 27): a request body larger than a few
