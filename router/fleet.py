@@ -38,13 +38,13 @@ from pddlink.lifecycle import StallBreaker
 from pddlink.roles import Role
 from pddlink.routing import LinkModel
 from pddlink.routing.books import PrefillBook
-from pddlink.routing.memory import PlacementMemory
 from pddlink.routing.placement import (
     FleetView,
     LinkView,
     MdSnapshot,
     Placement,
     PlacementConfig,
+    PlacementMemory,
     PlacementPolicy,
     PlacementRequest,
     PSnapshot,

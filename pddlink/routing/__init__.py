@@ -12,7 +12,6 @@ matters.
 
 from pddlink.handoff import HandoffMode  # the one handoff mode; routing decides which
 from pddlink.routing.link import BacklogReport, LinkEstimate, LinkModel
-from pddlink.routing.memory import PlacementMemory
 from pddlink.routing.options import (
     MdPrefill,
     Option,
@@ -32,6 +31,7 @@ from pddlink.routing.placement import (
     MdSnapshot,
     Placement,
     PlacementConfig,
+    PlacementMemory,
     PlacementPolicy,
     PlacementReason,
     PlacementRefusal,

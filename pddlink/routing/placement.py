@@ -8,15 +8,8 @@ its load; per WAN link a ``LinkEstimate`` with its backlog. Health and drain com
 snapshot: an unhealthy or draining instance is never chosen; a role with none left is a typed
 ``PlacementRefusal`` (an RLD is optional: ``Placement.rld`` is None and the request cannot relay).
 
-Policies (``PlacementPolicy``) choose the MD; P then goes to the one that reaches it first and
-RLD to the least loaded beside that P, in every policy. Which P of a datacenter: for
-``prefix_aware``, ``prefix_hash`` and ``oracle`` the one whose first token comes soonest, its queue
-plus the prefill of what its own prefix cache lacks, as this router remembers sending it prompts
-(``PlacementMemory.prefilled``: Dynamo's prefill overlap, by memory instead of events; on the
-pools demo the second P of a datacenter otherwise prefilled half of every conversation's turns
-again); for ``round_robin`` and ``least_loaded`` the least queued. ``PlacementConfig.p_prefix_cache``
-False (a fleet whose P keep no cache, the paper simulation's model): P by queue, prefilling what MD
-lacks.
+Policies (``PlacementPolicy``) choose the MD; P then goes to the one that reaches it first (its
+datacenter's least-queued P) and RLD to the least loaded beside that P, in every policy:
 
 - ``prefix_aware`` (default): the least estimated TTFT, ``P queue + P prefill of the missing suffix
   + WAN time of that suffix over this MD's link with its backlog + MD wait``; MD wait is
@@ -38,13 +31,13 @@ KV pool use reached ``md_kv_use_max`` is passed over unless every one is. Pure: 
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from enum import StrEnum
 
 from pddlink.errors import ConfigError, InvalidInput
 from pddlink.routing.link import LinkEstimate
-from pddlink.routing.memory import PlacementMemory
 
 
 class PlacementPolicy(StrEnum):
@@ -53,10 +46,6 @@ class PlacementPolicy(StrEnum):
     LEAST_LOADED = "least_loaded"
     PREFIX_HASH = "prefix_hash"
     ORACLE = "oracle"
-
-
-# the policies whose P choice follows this router's memory of what each P prefilled
-P_AFFINE = frozenset({PlacementPolicy.PREFIX_AWARE, PlacementPolicy.PREFIX_HASH, PlacementPolicy.ORACLE})
 
 
 class PlacementReason(StrEnum):
@@ -82,7 +71,6 @@ class PSnapshot:
     prefill_tokens_per_s: float | None = None  # None: prefill time left out of the estimate
     healthy: bool = True
     draining: bool = False
-    matched_blocks: int = 0  # of this prompt, in its own prefix cache (``place`` fills it from memory)
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,9 +149,6 @@ class PlacementConfig:
     md_kv_use_max: float = 1.0
     md_wait_s_per_waiting: float = 0.0
     memory_blocks: int = 1_000_000  # prefix_hash: block hashes remembered (LRU)
-    # P instances keep a prefix cache (the reference engine and vLLM do): the prefix-minded policies
-    # send a prompt to the P this router last had prefill its prefix, unless its queue costs more
-    p_prefix_cache: bool = True
 
     def __post_init__(self) -> None:
         if self.balance_queue < 0 or self.md_wait_s_per_waiting < 0 or self.memory_blocks < 1:
@@ -188,6 +173,48 @@ class PlacementRefusal:
     detail: str
 
 
+class PlacementMemory:
+    """What one router remembers between placements: the round-robin cursor and, for
+    ``prefix_hash``, which MD each block hash was last sent to (bounded, least recently used
+    first out). Sans-I/O; one per router, never shared."""
+
+    def __init__(self, capacity_blocks: int = 1_000_000) -> None:
+        if capacity_blocks < 1:
+            raise ConfigError(f"placement memory: capacity_blocks must be >= 1, got {capacity_blocks}")
+        self.capacity_blocks = capacity_blocks
+        self._cursor = 0
+        self._sent: OrderedDict[int, str] = OrderedDict()
+
+    def next_turn(self, n: int) -> int:
+        turn = self._cursor % n
+        self._cursor += 1
+        return turn
+
+    def remembered(self, hashes: Sequence[int]) -> tuple[str, int] | None:
+        """The MD the deepest remembered block of ``hashes`` went to, and that depth in blocks."""
+        for depth in range(len(hashes), 0, -1):
+            md = self._sent.get(hashes[depth - 1])
+            if md is not None:
+                return md, depth
+        return None
+
+    def remember(self, hashes: Sequence[int], md: str) -> None:
+        sent = self._sent
+        for h in hashes:
+            sent[h] = md
+            sent.move_to_end(h)
+        while len(sent) > self.capacity_blocks:
+            sent.popitem(last=False)
+
+    def forget(self, md: str) -> None:
+        """``md`` left the fleet (restarted with an empty cache, or removed)."""
+        for h in [h for h, m in self._sent.items() if m == md]:
+            del self._sent[h]
+
+    def __len__(self) -> int:
+        return len(self._sent)
+
+
 def choose_rld(rlds: Sequence[RldSnapshot], datacenter: str | None = None) -> str | None:
     """The least loaded healthy, not draining RLD (in ``datacenter`` when given); first on ties."""
     best: RldSnapshot | None = None
@@ -208,17 +235,7 @@ def place(
     """Place one request (see the module docstring). ``memory`` is required for ``round_robin``
     and ``prefix_hash``, which update it."""
     config = config or PlacementConfig()
-    placed = _place(request, fleet, config, memory)
-    if memory is not None and isinstance(placed, Placement):
-        memory.prefilled(placed.p, request.block_hashes)  # P's prefix cache now holds the prompt
-    return placed
-
-
-def _place(
-    request: PlacementRequest, fleet: FleetView, config: PlacementConfig, memory: PlacementMemory | None
-) -> Placement | PlacementRefusal:
-    affine = memory is not None and config.p_prefix_cache and config.policy in P_AFFINE
-    p_by_dc = _best_p_per_datacenter(fleet.p, request, memory if affine else None)
+    p_by_dc = _best_p_per_datacenter(fleet.p)
     if not p_by_dc:
         return PlacementRefusal(RefusalReason.NO_P, "no healthy, undrained P instance")
     live = [m for m in fleet.md if m.healthy and not m.draining]
@@ -254,30 +271,15 @@ def _need(memory: PlacementMemory | None) -> PlacementMemory:
     return memory
 
 
-def _best_p_per_datacenter(
-    ps: Sequence[PSnapshot], request: PlacementRequest, memory: PlacementMemory | None
-) -> dict[str, PSnapshot]:
-    """Each datacenter's P that starts this prompt's first token soonest: its queue plus, with
-    ``memory`` (the prefix-minded policies), the prefill of what its own cache lacks; else the
-    least queued. Ties: the first (callers rotate the order)."""
-    best: dict[str, tuple[float, PSnapshot]] = {}
+def _best_p_per_datacenter(ps: Sequence[PSnapshot]) -> dict[str, PSnapshot]:
+    best: dict[str, PSnapshot] = {}
     for p in ps:
         if not p.healthy or p.draining:
             continue
-        if memory is not None:
-            p = replace(p, matched_blocks=memory.prefilled_depth(p.name, request.block_hashes))
-        cost = p.queue_s + (_p_prefill_s(request, p, p.matched_blocks) if memory is not None else 0.0)
         cur = best.get(p.datacenter)
-        if cur is None or cost < cur[0]:
-            best[p.datacenter] = (cost, p)
-    return {dc: p for dc, (_, p) in best.items()}
-
-
-def _p_prefill_s(request: PlacementRequest, p: PSnapshot, cached_blocks: int) -> float:
-    """P's prefill of the prompt but ``cached_blocks`` (0 when its speed is unknown)."""
-    if not p.prefill_tokens_per_s:
-        return 0.0
-    return (request.prompt_tokens - request.matched_tokens(cached_blocks)) / p.prefill_tokens_per_s
+        if cur is None or p.queue_s < cur.queue_s:
+            best[p.datacenter] = p
+    return best
 
 
 def _routes(md: MdSnapshot, p_by_dc: dict[str, PSnapshot], fleet: FleetView) -> list[Route]:
@@ -317,9 +319,9 @@ def _ttft(
 ) -> float:
     p, link = route
     missing = request.prompt_tokens - request.matched_tokens(blocks)
-    # P prefills what its own cache lacks; a fleet whose P keep none (the paper's model) what MD lacks
-    p_blocks = p.matched_blocks if config.p_prefix_cache else blocks
-    t = p.queue_s + md.waiting_requests * config.md_wait_s_per_waiting + _p_prefill_s(request, p, p_blocks)
+    t = p.queue_s + md.waiting_requests * config.md_wait_s_per_waiting
+    if p.prefill_tokens_per_s:
+        t += missing / p.prefill_tokens_per_s
     if link is not None:
         t += link.transfer_s(missing * request.kv_bytes_per_token)
     return t

@@ -49,6 +49,7 @@ from pddlink.routing import (
     Placement,
     PlacementConfig,
     PlacementMemory,
+    PlacementPolicy,
     PlacementRequest,
     PSnapshot,
     RldSnapshot,
@@ -151,9 +152,7 @@ class Simulation:
         self.finished = OutputBook()  # RLD's share of the tokens of finished requests (its token budget)
         self.crosses_wan = d.crosses_wan
         self.back_s = [x.link.rtt_s / 2 if d.crosses_wan else 0.0 for x in sites]  # MD's tokens back to A
-        self.placement = PlacementConfig(
-            d.placement, BALANCE_QUEUE, d.balance_tpot_s, p_prefix_cache=d.p_cache_blocks is not None
-        )
+        self.placement = PlacementConfig(d.placement, BALANCE_QUEUE, d.balance_tpot_s)
         self.memory = PlacementMemory()
         self._p_dc = d.prefill_datacenter
         self._p_by_name = {p.name: p for p in self.prefill}
@@ -254,7 +253,8 @@ class Simulation:
             links = tuple(
                 LinkView(self._p_dc, x.datacenter, self._line_view(k, now)) for k, x in enumerate(self.sites)
             )
-        request = PlacementRequest(r.prompt_tokens, self.block_tokens, d.kv_bytes_per_token, hashes)
+        remembered = hashes if self.placement.policy is PlacementPolicy.PREFIX_HASH else ()
+        request = PlacementRequest(r.prompt_tokens, self.block_tokens, d.kv_bytes_per_token, remembered)
         got = place(request, FleetView(tuple(ps), tuple(mds), (), links), self.placement, self.memory)
         assert isinstance(got, Placement), got  # every simulated instance is healthy
         return got

@@ -211,64 +211,13 @@ def test_oracle_knows_the_true_caches() -> None:
     assert placed(place(REQ, fleet(*stale))).md == "b0"  # the mirrors' view; b1 is past the balance limit
 
 
-def test_md_beside_p_pays_no_wan_and_p_prefills_what_its_own_cache_lacks() -> None:
+def test_md_beside_p_pays_no_wan_and_p_prefill_counts() -> None:
     ps = (PSnapshot("p0", "a", 0.0, prefill_tokens_per_s=1000.0),)
     view = FleetView(
         ps, (MdSnapshot("near", "a", 10), MdSnapshot("far", "b", 10)), (), (LinkView("a", "b", IDLE_B),)
     )
-    got = placed(place(REQ, view))  # nothing known of P's cache: the whole prompt
-    assert got.md == "near" and got.estimated_ttft_s == pytest.approx(1024 / 1000.0)
-    memory = PlacementMemory()
-    memory.prefilled("p0", REQ.block_hashes[:20])  # P prefilled 20 of its blocks before
-    got = placed(place(REQ, view, memory=memory))
-    assert got.estimated_ttft_s == pytest.approx((1024 - 320) / 1000.0)
-
-
-P_PAIR = (
-    PSnapshot("p0", "a", 0.05, prefill_tokens_per_s=1000.0),
-    PSnapshot("p1", "a", 0.0, prefill_tokens_per_s=1000.0),
-)
-
-
-@pytest.mark.parametrize("policy", [PlacementPolicy.PREFIX_AWARE, PlacementPolicy.PREFIX_HASH])
-def test_p_that_prefilled_the_prefix_wins_over_a_shorter_queue(policy: PlacementPolicy) -> None:
-    memory = PlacementMemory()
-    memory.prefilled("p0", REQ.block_hashes[:48])  # 768 tokens: 0.77 s of prefill saved for 0.05 s of queue
-    got = placed(place(REQ, fleet(*mds(0, 0), p=P_PAIR), PlacementConfig(policy=policy), memory))
-    assert got.p == "p0"
-    assert memory.prefilled_depth("p0", REQ.block_hashes) == 64  # p0 now holds the whole prompt
-
-
-def test_a_long_queue_outweighs_a_cached_prefix() -> None:
-    memory = PlacementMemory()
-    memory.prefilled("p0", REQ.block_hashes[:8])  # 128 tokens: 0.13 s saved
-    busy = (replace(P_PAIR[0], queue_s=0.5), P_PAIR[1])
-    assert placed(place(REQ, fleet(*mds(0, 0), p=busy), memory=memory)).p == "p1"
-
-
-@pytest.mark.parametrize("policy", [PlacementPolicy.ROUND_ROBIN, PlacementPolicy.LEAST_LOADED])
-def test_baselines_choose_p_by_queue_alone(policy: PlacementPolicy) -> None:
-    memory = PlacementMemory()
-    memory.prefilled("p0", REQ.block_hashes)
-    got = placed(place(REQ, fleet(*mds(0, 0), p=P_PAIR), PlacementConfig(policy=policy), memory))
-    assert got.p == "p1"
-    assert memory.prefilled_depth("p1", REQ.block_hashes) == 64  # remembered all the same
-
-
-def test_prefilled_memory_is_per_p_and_bounded() -> None:
-    memory = PlacementMemory(capacity_blocks=10)
-    memory.prefilled("p0", range(8))
-    memory.prefilled("p1", range(4))
-    assert memory.prefilled_depth("p1", list(range(8))) == 4  # p1 prefilled 4 blocks, not p0's 8
-    assert memory.prefilled_depth("p0", [0, 1]) == 0  # p0's oldest blocks went first (LRU)
-    assert memory.prefilled_depth("p0", [0, 1, 2]) == 3  # the deepest one it holds counts
-
-
-def test_without_a_p_prefix_cache_p_goes_by_queue() -> None:
-    memory = PlacementMemory()
-    memory.prefilled("p0", REQ.block_hashes)
-    config = PlacementConfig(p_prefix_cache=False)
-    assert placed(place(REQ, fleet(*mds(0, 0), p=P_PAIR), config, memory)).p == "p1"
+    got = placed(place(REQ, view))
+    assert got.md == "near" and got.estimated_ttft_s == pytest.approx((1024 - 160) / 1000.0)
 
 
 def test_p_goes_to_the_datacenter_that_reaches_the_md_first() -> None:
