@@ -22,16 +22,16 @@ import tempfile
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from pddlink.cli.engine import TOKEN_ENV
-from pddlink.errors import ConfigError
-from sidecar.config import EngineConfig
-from sidecar.remote_engine import (
+from engines_adapter.link_server import (
     EngineExpectation,
     EngineGone,
     EngineLinkServer,
     EngineSession,
     RemoteEngine,
 )
+from pddlink.cli.engine import TOKEN_ENV
+from pddlink.errors import ConfigError
+from sidecar.config import EngineConfig
 
 
 @dataclass(frozen=True, slots=True)

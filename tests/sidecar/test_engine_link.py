@@ -29,17 +29,17 @@ from engines_adapter import (
 )
 from engines_adapter.base import EngineAdapter
 from engines_adapter.link_client import serve_engine
-from engines_adapter.torch_ref import TorchRefEngine
-from pddlink.errors import ConfigError, DeadlineExceeded, Unavailable
-from sidecar.config import EngineConfig
-from sidecar.engine_process import EngineProcessTimeouts, engine_process
-from sidecar.remote_engine import (
+from engines_adapter.link_server import (
     EngineExpectation,
     EngineGone,
     EngineLinkServer,
     EngineTimeout,
     RemoteEngine,
 )
+from engines_adapter.torch_ref import TorchRefEngine
+from pddlink.errors import ConfigError, DeadlineExceeded, Unavailable
+from sidecar.config import EngineConfig
+from sidecar.engine_process import EngineProcessTimeouts, engine_process
 
 pytestmark = [pytest.mark.process, pytest.mark.timeout(60)]
 T = TypeVar("T")
