@@ -192,7 +192,7 @@ class TpotBook:
             return
         if not (isinstance(ttft, float) and isinstance(e2e, float) and isinstance(n, int)) or n < 4:
             return
-        stalled = trace.get(f"{self.source}_stall_s") if self.source == "md" else None
+        stalled = trace.get("md_stall_s") if self.source == "md" else None  # RLD recomputes nothing
         stall = float(stalled) if isinstance(stalled, (int, float)) and stalled > 0 else 0.0
         sample = (e2e - ttft - stall) / (n - 1)
         if sample <= 0:
