@@ -342,7 +342,7 @@ class ReferenceSidecar:
     # -- admin ---------------------------------------------------------------------------------
 
     def status(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
+        out: dict[str, Any] = self.bridge.status()  # the engine side: engine_active, kv bytes a token
         if self.fast_path is not None:
             out["fast_path"] = {"kind": self.fast_path.name, "reason": self.fast_path.reason}
         if self.membership is not None:

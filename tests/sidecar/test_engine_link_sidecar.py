@@ -69,6 +69,9 @@ def test_process_mode_sidecar_attaches_reports_a_dead_engine_and_leaves_no_orpha
             200,
             {"ok": True, "ready": True, "role": "md", "engine": "reference"},
         )
+        status = get(admin, "/status")[1]  # the daemon's fields, the bridge's, the role logic's
+        assert (status["engine_kind"], status["role"], status["engine_active"]) == ("reference", "md", 0)
+        assert status["kv_bytes_per_token"] > 0 and status["drc"]["cached_blocks"] == 0
         engines = children(proc.pid)
         assert len(engines) == 1, engines
         os.kill(engines[0], signal.SIGKILL)
