@@ -214,6 +214,9 @@ def build_checkout_wheel(out: Path, repo: Path = REPO) -> Path:
     )
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
+    for staged in (repo / "build").glob("*"):  # setuptools stages into build/ and never prunes it:
+        if staged.name.startswith(("lib", "bdist")):  # a module deleted from the tree stayed in the wheel
+            shutil.rmtree(staged, ignore_errors=True)
     argv = [
         sys.executable,
         "-m",
