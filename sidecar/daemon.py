@@ -103,7 +103,9 @@ class Daemon:
             why = self.roles.health()
             body: dict[str, Any] = {"ok": not why, "ready": not why, "role": self.cfg.role}
             body["engine"] = self.roles.bridge.kind.value
-            return json_response(503 if why else 200, {**body, **({"error": why} if why else {})})
+            if why:
+                body["error"] = why
+            return json_response(503 if why else 200, body)
         if req.method == "GET" and req.path == "/status":
             return json_response(200, self.status())
         if req.method == "GET" and req.path == "/memory":  # tens of ms: asked for, never polled

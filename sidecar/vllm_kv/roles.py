@@ -1,5 +1,5 @@
 """The role logic beside vLLM as the daemon (``sidecar.daemon``) runs it: ``VllmSidecar`` built from
-the sidecar's file (``bridge_config``), its READY fields (the control socket, the KV port on RLD and
+the sidecar's file (``sidecar_config``), its READY fields (the control socket, the KV port on RLD and
 MD), its admin endpoint ``/transfers`` (P: every finished transfer's record; RLD/MD: vLLM's own hit
 at each request's end, the transfers held now, the DRC's leases), and the periodic heap trim
 (``pddlink.serving.malloc_trim.trim_every``: a sidecar living through its engine's restarts ended a
@@ -22,7 +22,7 @@ from sidecar.config import SidecarConfig
 from sidecar.vllm_kv.service import VllmSidecar, VllmSidecarConfig
 
 
-def bridge_config(cfg: SidecarConfig) -> VllmSidecarConfig:
+def sidecar_config(cfg: SidecarConfig) -> VllmSidecarConfig:
     """The vLLM role logic's configuration from the sidecar's file."""
     v, peers, dp = cfg.vllm, cfg.peers, cfg.data_plane
     return VllmSidecarConfig(
@@ -52,7 +52,7 @@ def bridge_config(cfg: SidecarConfig) -> VllmSidecarConfig:
 class VllmRoles:
     def __init__(self, cfg: SidecarConfig) -> None:
         self.cfg = cfg
-        self.side = VllmSidecar(bridge_config(cfg))
+        self.side = VllmSidecar(sidecar_config(cfg))
         self.trimmer: asyncio.Task[None] | None = None
 
     @property
