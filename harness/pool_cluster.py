@@ -65,6 +65,7 @@ class PoolSpec:
     # role -> CPUs (``harness.cluster.datacenter_cpus``: MD instances on CPUs of their own, P, RLD
     # and the routers on the rest); () = anywhere
     cpus: tuple[tuple[str, str], ...] = ()
+    api: tuple[str, ...] = ()  # more lines of the routers' [api] table (a tokenizer, a key file)
 
 
 class PoolCluster:
@@ -220,6 +221,7 @@ class PoolCluster:
             "[api]",
             "max_connections_per_client = 512",
             "rate_per_client_s = 0.0",
+            *s.api,
         ]
 
     # -- processes -------------------------------------------------------------------------------
