@@ -34,13 +34,13 @@ class FrameAssembler:
         self._grow_to = 0
         self._decoder = Decoder(max_payload_bytes=max_payload_bytes)
         self._pending: WireMessage | None = None  # decoded head of a frame whose payload is arriving
-        self._payload: bytearray | None = None
+        self._payload: memoryview | None = None  # a pooled buffer's first payload_len bytes
         self._payload_got = 0
 
     def get_buffer(self) -> memoryview:
         """Where the next bytes of the stream go (the payload's rest while one is arriving)."""
         if self._payload is not None:
-            return memoryview(self._payload)[self._payload_got :]
+            return self._payload[self._payload_got :]
         return memoryview(self._small)[self._small_len :]
 
     def buffer_updated(self, nbytes: int) -> None:
@@ -134,5 +134,5 @@ class FrameAssembler:
         assert message is not None and payload is not None
         self._pending, self._payload, self._payload_got = None, None, 0
         field = type(message).PAYLOAD_FIELD or ""
-        whole = dataclasses.replace(cast(Any, message), **{field: memoryview(payload).toreadonly()})
+        whole = dataclasses.replace(cast(Any, message), **{field: payload.toreadonly()})
         self._on_message(whole)

@@ -164,6 +164,7 @@ class ReceivingSession(PeerSession):
             if driver.finished_at is None:
                 driver.abort(ErrorCode.CANCELLED, "receiver shutting down")
             driver.close()
+        self._receivers.clear()  # nobody resumes into a closed session: its finished ones go too
         self.fail_pending(LocalError("link closed", code=ErrorCode.CANCELLED))
         await self.cancel_tasks()
         for conn in list(self._conns.values()):

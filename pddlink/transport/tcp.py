@@ -328,9 +328,14 @@ class TcpListener:
 
     def links(self) -> list[ReceivingSession]:
         """Peers connected now (their control connection is up)."""
+        self._forget_closed()
+        return [s for s in self.sessions.values() if s.connected]
+
+    def _forget_closed(self) -> None:
+        """Drop the sessions that closed (a peer away past its reconnect window): a server that
+        never asks for ``links()`` (MD's KV server beside vLLM) kept every one a reconnecting P left."""
         for token in [t for t, s in self.sessions.items() if s.closed]:
             del self.sessions[token]
-        return [s for s in self.sessions.values() if s.connected]
 
     def connection(self) -> FrameConnection:
         conn, inbox = new_connection(self.options)
@@ -355,6 +360,7 @@ class TcpListener:
             log.warning("refused a connection: %s", exc.message)
             conn.close()
             return
+        self._forget_closed()
         session = self.sessions.get(greeting.token)
         if session is None and greeting.kind == "session":
             session = self.new_session(greeting.peer, inbox)
