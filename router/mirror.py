@@ -112,7 +112,8 @@ class PublisherWatch:
         if self.connected or down_s < PUBLISHER_BOUND_S:
             return ""
         return (
-            f"no vLLM KV-event publisher at {self.endpoint} ([vllm] md_kv_events) for {down_s:.0f} s: "
+            f"no vLLM KV-event publisher at {self.endpoint} (an MD's kv_events; [vllm] md_kv_events) "
+            f"for {down_s:.0f} s: "
             "the DRC mirror is empty and every request looks like a cache miss (does MD's vLLM "
             "--kv-events-config publish there?)"
         )
