@@ -155,7 +155,7 @@ class VllmBackend:
 
     async def start(self) -> None:
         for name, mirror in self.mirrors.items():
-            mirror.start(self.fleet.members[name].instance.kv_events)
+            mirror.start(self.fleet.members[name].instance.kv_events, name)
         self._health = asyncio.get_running_loop().create_task(self._watch())
 
     async def _watch(self) -> None:
