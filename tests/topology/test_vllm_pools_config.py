@@ -11,13 +11,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from pddlink.errors import InvalidInput
 from pddlink.roles import Role
-from pddlink.topology import Engine, parse_topology
+from pddlink.topology import Engine, load_topology, parse_topology
 from router.config import RouterConfig, VllmEngineConfig
 
 POOLS = """
@@ -48,6 +49,7 @@ between = ["dc-a", "dc-b"]
 line_mbit = 100
 rtt_ms = 10
 """
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "topology" / "vllm-pools.toml"
 PORTS = {"p": 8100, "md0": 8200, "md1": 8201}
 MODEL = VllmEngineConfig(model="tiny")
 
@@ -62,6 +64,12 @@ def test_a_vllm_topology_parses_with_each_mds_kv_events() -> None:
     assert [m.instance.engine for m in topo.members()] == [Engine.VLLM] * 3
     assert [m.instance.kv_events for m in mds] == ["ipc:///tmp/md-b0.ipc", "tcp://127.0.0.1:5602"]
     assert [m.instance.kv_address for m in mds] == ["127.0.0.1:7201", "127.0.0.1:7202"]
+    example = load_topology(EXAMPLE)  # the shipped example: what the router and P's sidecar read
+    assert RouterConfig(engine="vllm", topology=example, vllm=MODEL).deployment() is example
+    assert [m.instance.kv_events for m in example.members(Role.MD)] == [
+        "tcp://127.0.0.1:5601",
+        "tcp://127.0.0.1:5602",
+    ]
 
 
 @pytest.mark.parametrize(
