@@ -265,6 +265,30 @@ def test_round_robin_places_over_both_mds_each_run_calls_its_route_and_names_its
         asyncio.run(backend.http.aclose())
 
 
+def test_a_relayed_route_calls_its_rld_and_names_it_to_p_too() -> None:
+    from router.leg_driver import LegRun
+    from router.vllm_backend import VllmBackend
+    from router.vllm_legs import VllmCalls
+
+    rld = (
+        '[[topology.datacenter.rld]]\nname = "rld-a0"\napi_url = "http://127.0.0.1:8110"\n'
+        'kv = "127.0.0.1:7111"\n'
+    )
+    text = pools().replace(
+        '[[topology.datacenter]]\nname = "dc-b"', rld + '\n[[topology.datacenter]]\nname = "dc-b"'
+    )
+    v = VllmEngineConfig(model="tiny", rld_gets_kv=True)
+    backend = VllmBackend(RouterConfig(engine="vllm", topology=parse_topology(text), vllm=v))
+    try:
+        route = backend.fleet.place((1, 2, 3), time.monotonic())
+        assert route.rld is not None and route.rld.name == "rld-a0"
+        calls = VllmCalls(LegRun(None, time.monotonic() + 10), backend, route)  # type: ignore[arg-type]
+        assert calls.rld_url == "http://127.0.0.1:8110"
+        assert calls._destinations(rld=True, md=True) == {"to": ["rld", "md"], "md": "md-b0", "rld": "rld-a0"}
+    finally:
+        asyncio.run(backend.http.aclose())
+
+
 @pytest.fixture
 def fakes() -> Iterator[dict[str, FakeVllm]]:
     servers = {"p": FakeVllm(), "md0": FakeVllm(), "md1": FakeVllm()}
