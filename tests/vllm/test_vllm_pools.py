@@ -10,6 +10,8 @@ read (``harness.vllm.pool.VllmPool``; float32, ``PositionSeededSampling`` loaded
   mirror only; the same prefix with a new suffix goes back to md-b1 (md-b0 idle and first in the
   topology: a tie would go there), its trace says what the mirror matched, and P ships only the
   blocks after it (md-b1's DRC held the rest). Every answer equals vLLM alone.
+- kill -9 of md-b1's vLLM: out of placement within seconds, its mirror emptied, every request on
+  md-b0 (exact); restarted, md-b1 is back in placement and gets the next request.
 """
 
 from __future__ import annotations
@@ -212,3 +214,70 @@ def test_prefix_aware_sends_a_repeated_prefix_back_to_the_md_whose_mirror_holds_
     assert md1["name"] == "md-b1" and md1["mirror_blocks"] >= 6 and md1["health"]["usable"], md1
     assert r["status"]["drc_mirrors"]["md-b1"]["publisher_connected"] is True
     assert _held(pool) == NOTHING
+
+
+def test_a_killed_md_leaves_placement_at_once_and_is_placed_on_again_once_restarted(pool: Any) -> None:
+    """kill -9 of md-b1's vLLM (its sidecar stays): the router's health watch takes md-b1 out of
+    placement within a few seconds and empties its mirror; every request then goes to md-b0 and
+    finishes exact. md-b1's vLLM started again (as a supervisor would): back in placement once its
+    /health answers, and it gets requests again (the next one first: the rejoin probe). Last in the
+    module: it restarts a server."""
+    import httpx
+
+    from router import Router
+
+    rng = random.Random(28)
+    md1 = pool.servers["md-b1"]
+
+    async def go() -> dict[str, Any]:
+        router = Router(_cfg(pool, "round_robin"))
+        await router.start()
+        b = router.backend
+        r: dict[str, Any] = {"runs": [], "placed_down": [], "placed_back": []}
+        try:
+            assert await _until(lambda: b.usable("md-b0") and b.usable("md-b1"), 10)
+            async with httpx.AsyncClient() as http:
+
+                async def run(i: int) -> dict[str, Any]:
+                    prompt = _prompt(rng, rng.randint(3 * BS, 6 * BS))
+                    got, final = await _one(router, prompt, _sampling(i))
+                    r["runs"].append((got, final, await _alone(http, pool, prompt, _sampling(i))))
+                    return final
+
+                for i in range(2):  # one on each: md-b1's mirror holds its prompt's blocks
+                    await run(i)
+                r["mirrored"] = await _until(lambda: len(b.mirrors["md-b1"].index) > 0, 10)
+                t0 = time.monotonic()
+                await asyncio.get_running_loop().run_in_executor(None, md1.kill)
+                r["out"] = await _until(lambda: not b.usable("md-b1"), 5)
+                r["out_s"] = time.monotonic() - t0
+                r["emptied"] = len(b.mirrors["md-b1"].index)
+                for i in range(4):
+                    r["placed_down"].append((await run(10 + i))["trace"]["placement"]["md"])
+                r["status_down"] = router.status()["topology"]["datacenters"][1]["md"][1]
+                await asyncio.get_running_loop().run_in_executor(
+                    None, lambda: (md1.start(), md1.wait_ready(300))
+                )
+                t1 = time.monotonic()
+                r["back"] = await _until(lambda: b.usable("md-b1"), 10)
+                r["back_s"] = time.monotonic() - t1
+                for i in range(2):
+                    r["placed_back"].append((await run(20 + i))["trace"]["placement"]["md"])
+        finally:
+            await router.close()
+        return r
+
+    r = asyncio.run(go())
+    for got, final, alone in r["runs"]:
+        assert final["outcome"] == "finished", final
+        assert tuple(got) == alone, final["trace"]
+    assert r["mirrored"] and r["out"] and r["out_s"] < 5.0, r
+    assert r["emptied"] == 0, r  # a restarted MD holds nothing: its mirror claims nothing
+    assert r["placed_down"] == ["md-b0"] * 4, r
+    st = r["status_down"]
+    assert st["in_placement"] is False and st["out_because"] == "unreachable" and st["mirror_blocks"] == 0, st
+    assert r["back"] and r["placed_back"][0] == "md-b1", r
+    print(
+        f"\nmd-b1 out of placement {r['out_s']:.1f} s after kill -9; back {r['back_s']:.1f} s after serving"
+    )
+    assert _held(pool, 25.0) == NOTHING
