@@ -3,8 +3,8 @@ shape of vLLM's OpenAI-compatible server (``/v1/completions``, ``/v1/chat/comple
 ``/v1/models``; ``"stream": true`` for server-sent events), plus GET /metrics, /healthz, /readyz,
 /status, /memory. /readyz (open, like /healthz) answers 503 with the problems when the router is
 misconfigured in a way that serving hides: an MD's KV-event endpoint (``[vllm] md_kv_events``, a
-vLLM topology's ``kv_events``) where no publisher
-has been connected for a while (``router.mirror.PublisherWatch``).
+vLLM topology's ``kv_events``) where no publisher has been connected for a while
+(``router.mirror.PublisherWatch``).
 
 Every request is validated whole by one schema (``router.openai_schema``) before any work starts:
 a bad field gets 400 (gRPC ``INVALID_ARGUMENT``) naming it, and nothing changes (no request id is
