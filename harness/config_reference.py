@@ -70,7 +70,8 @@ MEANINGS: dict[str, str] = {
     "peers.rld_grpc": "RLD's gRPC address host:port (P)",
     "peers.rld_kv": "RLD's KV address host:port (P)",
     "peers.topology": "a topology file (docs/topology.md; relative to this file): every MD and RLD in it"
-    " with a kv address is a peer by identity, so the router may place a request on any of them",
+    " with a kv address is a peer by identity (beside vLLM: by instance name), so the router may place a"
+    " request on any of them",
     "peers.md_identity": "who must answer at md_* (checked against its TLS certificate)",
     "peers.rld_identity": "who must answer at rld_* (checked against its TLS certificate)",
     # [data_plane]
@@ -125,7 +126,8 @@ MEANINGS: dict[str, str] = {
     "router.rld_identity": "who must answer at rld",
     "router.md_identity": "who must answer at md",
     "router.topology": "the deployment as pools: a [topology] table, or the path of a TOML file holding one"
-    " (relative to this file; docs/topology.md); instead of p, rld and md",
+    " (relative to this file; docs/topology.md); instead of p, rld and md (engine vllm: instead of"
+    " [vllm]'s p_url, md_url, rld_url and md_kv_events)",
     "router.placement": "which MD (and P, RLD) serves a request: prefix_aware (each MD's own DRC mirror,"
     " its link's backlog, load), round_robin, least_loaded or prefix_hash (no events)",
     "router.membership": "[membership]: instances that announce themselves in etcd join the topology's"
@@ -149,7 +151,9 @@ MEANINGS: dict[str, str] = {
     " on a non-loopback host (an explicit choice)",
     "router.unix": "also serve HTTP on this unix socket and gRPC on <path>.grpc (local, keyless, mode 0600)",
     # router [vllm]
-    "vllm.p_url": "P's vLLM OpenAI server, http://host:port (its PddlinkConnector a kv_producer)",
+    "vllm.p_url": "P's vLLM OpenAI server, http://host:port (its PddlinkConnector a kv_producer); p_url,"
+    " md_url, rld_url and md_kv_events name one server each, never beside a topology (whose instances"
+    " name their api_url and kv_events)",
     "vllm.md_url": "MD's vLLM OpenAI server across the WAN (kv_consumer)",
     "vllm.rld_url": "RLD's vLLM OpenAI server beside P ('' = no RelayDecode: P->MD only)",
     "vllm.model": "the model name the vLLM servers serve (sent as the body's model)",

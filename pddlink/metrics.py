@@ -30,7 +30,9 @@ REJECTED = Counter("pddlink_router_rejected", "Requests refused at admission, by
 CLIENT_ERRORS = Counter("pddlink_client_errors", "Malformed client requests refused, by API", ["api"])
 KV_EVENTS_PUBLISHER_UP = Gauge(
     "pddlink_router_kv_events_publisher_up",
-    "1 while the router's vLLM KV-event subscription ([vllm] md_kv_events) has a publisher connected",
+    "1 while the router's subscription to an MD vLLM's KV events (its kv_events; [vllm] md_kv_events)"
+    " has a publisher connected, by MD instance",
+    ["instance"],
 )
 HTTP_EVICTED = Counter(
     "pddlink_http_connections_evicted", "HTTP connections closed to make room (head-less or idle first)"

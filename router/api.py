@@ -2,8 +2,9 @@
 shape of vLLM's OpenAI-compatible server (``/v1/completions``, ``/v1/chat/completions``,
 ``/v1/models``; ``"stream": true`` for server-sent events), plus GET /metrics, /healthz, /readyz,
 /status, /memory. /readyz (open, like /healthz) answers 503 with the problems when the router is
-misconfigured in a way that serving hides: a ``[vllm] md_kv_events`` endpoint where no publisher
-has been connected for a while (``router.mirror.PublisherWatch``).
+misconfigured in a way that serving hides: an MD's KV-event endpoint (``[vllm] md_kv_events``, a
+vLLM topology's ``kv_events``) where no publisher has been connected for a while
+(``router.mirror.PublisherWatch``).
 
 Every request is validated whole by one schema (``router.openai_schema``) before any work starts:
 a bad field gets 400 (gRPC ``INVALID_ARGUMENT``) naming it, and nothing changes (no request id is
@@ -195,9 +196,8 @@ class RouterApi:
 
     def problems(self) -> list[str]:
         """What makes this router not ready to serve as configured ([] when nothing does)."""
-        mirror = getattr(self.router.backend, "mirror", None)  # the vLLM backend's KV-event mirror
-        problem = mirror.problem() if mirror is not None and hasattr(mirror, "problem") else ""
-        return [problem] if problem else []
+        problems = getattr(self.router.backend, "problems", None)  # the vLLM backend's KV-event mirrors
+        return list(problems()) if problems is not None else []
 
     async def start(self) -> None:
         """Spawn the parsing processes (each loads the tokenizer once) and wait for them; the served

@@ -4,8 +4,11 @@ validated on construction). ``engine = "reference"``: ``p``, ``rld``, ``md`` are
 addresses (a topology of one each), or ``topology`` is a whole topology (the file's ``[topology]``
 table or ``topology = "path.toml"``: datacenters with pools of P, RLD and MD, WAN links;
 ``pddlink.topology``), placed per request by ``placement`` (``pddlink.routing.placement``);
-``engine = "vllm"``: the ``[vllm]`` table (``VllmEngineConfig``) names vLLM's OpenAI
-servers, each running beside its pddlink vLLM sidecar (``sidecar.vllm_kv``)."""
+``engine = "vllm"``: vLLM's OpenAI servers, each running beside its pddlink vLLM sidecar
+(``sidecar.vllm_kv``): the ``[vllm]`` table (``VllmEngineConfig``) names one of each (``p_url``,
+``md_url``, ``rld_url``, ``md_kv_events``: a topology of one each), or ``topology`` names pools
+of vLLM instances (each its ``api_url``; an MD its ``kv_events``) and ``[vllm]`` keeps only what
+all share (``model``, ``wan_share``, ``rld_gets_kv``, ``api_key_file``)."""
 
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ from pathlib import Path
 
 from pddlink.errors import InvalidInput
 from pddlink.membership.config import MembershipConfig
-from pddlink.roles import Role
+from pddlink.roles import SIDECAR_ROLES, Role
 from pddlink.routing.placement import PlacementPolicy
 from pddlink.topology import Engine, Topology, topology_from_addresses
 from pddlink.topology.model import check_address
@@ -29,6 +32,8 @@ PLACEMENTS = tuple(p.value for p in PlacementPolicy if p is not PlacementPolicy.
 class VllmEngineConfig:
     """The ``[vllm]`` table: the roles as vLLM OpenAI servers (``router.vllm_legs``)."""
 
+    # p_url, md_url, rld_url, md_kv_events: one server each (a topology of one each; none of them
+    # beside a [topology], whose instances name their own)
     p_url: str = ""  # http://host:port of P's vLLM (its connector is a kv_producer)
     md_url: str = ""  # MD's vLLM (kv_consumer), across the WAN from P
     rld_url: str = ""  # RLD's vLLM beside P; "" = no RelayDecode (P->MD only)
@@ -51,6 +56,10 @@ class VllmEngineConfig:
     def __post_init__(self) -> None:
         if not 0 < self.wan_share < 1:
             raise InvalidInput(f"router [vllm]: wan_share must be in (0, 1), got {self.wan_share}")
+
+    def one_each(self) -> list[str]:
+        """The keys given that name one server each (``p_url``, ..., ``md_kv_events``)."""
+        return [k for k in ("p_url", "md_url", "rld_url", "md_kv_events") if getattr(self, k)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,8 +125,8 @@ class RouterConfig:
                 check_address(getattr(self, key), key)
         if self.engine == "reference" and self.topology is None and not (self.p and self.rld and self.md):
             raise InvalidInput("router: p, rld and md (the sidecars' gRPC addresses) are required")
-        if self.engine == "vllm" and not (self.vllm.p_url and self.vllm.md_url and self.vllm.model):
-            raise InvalidInput("router: engine vllm needs [vllm] p_url, md_url and model")
+        if self.engine == "vllm":
+            self._check_vllm()
         if self.rld_capacity < 1 or self.line_mbit <= 0 or self.rtt_ms < 0 or self.deadline_s <= 0:
             raise InvalidInput("router: rld_capacity >= 1, line_mbit > 0, rtt_ms >= 0, deadline_s > 0")
         if (
@@ -138,17 +147,45 @@ class RouterConfig:
         given = [key for key in ("p", "rld", "md") if getattr(self, key)]
         if given:
             raise InvalidInput(f"router: {given[0]}: not with a [topology] (its instances name the sidecars)")
-        if self.engine != "reference":
-            raise InvalidInput("router: topology: engine vllm serves [vllm]'s three servers, not pools, yet")
-        for m in self.topology.members():
-            if m.instance.engine is not Engine.REFERENCE:
-                raise InvalidInput(f"router: topology: {m.name}: engine vllm pools are not served yet")
+        one = self.vllm.one_each()
+        if one:
+            raise InvalidInput(
+                f"router: vllm.{one[0]}: not with a [topology] (its instances name the servers)"
+            )
+        want = Engine(self.engine)
+        for i, dc in enumerate(self.topology.datacenters):
+            for role in SIDECAR_ROLES:
+                for j, inst in enumerate(dc.pool(role)):
+                    if inst.engine is not want:
+                        raise InvalidInput(
+                            f"router: topology.datacenter[{i}].{role.value}[{j}].engine: expected "
+                            f'"{want.value}" (the router\'s engine), got "{inst.engine.value}"'
+                        )
+
+    def _check_vllm(self) -> None:
+        if not self.vllm.model:
+            raise InvalidInput("router: engine vllm needs [vllm] model")
+        if self.topology is not None:
+            return
+        if not (self.vllm.p_url and self.vllm.md_url):
+            raise InvalidInput("router: engine vllm needs [vllm] p_url, md_url and model (or a [topology])")
+        try:
+            self.deployment()
+        except InvalidInput as exc:
+            raise InvalidInput(f"router: vllm.{exc.message}") from None
 
     def deployment(self) -> Topology:
-        """The deployment: ``topology`` when the file gave one, else the three addresses as a topology
-        of one P, one RLD and one MD (``pddlink.topology``)."""
+        """The deployment: ``topology`` when the file gave one, else the three addresses (with engine
+        vllm: ``[vllm]``'s three servers) as a topology of one P, one RLD and one MD
+        (``pddlink.topology``)."""
         if self.topology is not None:
             return self.topology
+        if self.engine == "vllm":
+            v = self.vllm
+            return topology_from_addresses(
+                "", "", "", line_mbit=self.line_mbit, rtt_ms=self.rtt_ms, engine=Engine.VLLM,
+                p_url=v.p_url, rld_url=v.rld_url, md_url=v.md_url, md_kv_events=v.md_kv_events,
+            )  # fmt: skip
         return topology_from_addresses(
             self.p,
             self.rld,

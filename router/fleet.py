@@ -375,6 +375,10 @@ class Fleet:
         )
         return FleetView(tuple(ps), tuple(mds), tuple(rlds), links)
 
+    def route_of(self, p: str, md: str, rld: str | None, reason: str = "given") -> Route:
+        """The route through the named instances, as given (no placement; nothing matched)."""
+        return self._route(p, md, rld, {}, reason, True)
+
     def _route(
         self, p: str, md: str, rld: str | None, matched: Mapping[str, int], reason: str, md_usable: bool
     ) -> Route:
@@ -410,9 +414,10 @@ class Fleet:
 
     def _instance(self, name: str, now: float, health: Mapping[str, Any]) -> dict[str, Any]:
         why = self.why_out(name, now)
+        inst = self.members[name].instance
         out: dict[str, Any] = {
             "name": name,
-            "address": self.members[name].instance.address,
+            "address": inst.address,
             "in_placement": not why,
             "out_because": why or None,
             "draining": name in self.drained,
@@ -421,6 +426,8 @@ class Fleet:
             "outs": self.outs[name],
             "health": health.get(name),
         }
+        if inst.api_url:
+            out["api_url"] = inst.api_url
         mirror = self.mirrors.get(name)
         if mirror is not None:
             out["mirror_blocks"] = mirror.blocks()

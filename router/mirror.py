@@ -13,7 +13,7 @@ stay empty and every request look like a miss (issue 27, item 5): ``PublisherWat
 subscription's connection (a ZMQ socket monitor on a second subscriber that asks for no topic)
 and, when no publisher has been connected for ``PUBLISHER_BOUND_S``, the mirror's ``problem()``
 says so: the router's /readyz answers 503, /status carries it, and the metric
-``pddlink_router_kv_events_publisher_up`` is 0.
+``pddlink_router_kv_events_publisher_up{instance}`` is 0.
 """
 
 from __future__ import annotations
@@ -92,8 +92,9 @@ class MirrorFollower:
 class PublisherWatch:
     """Whether a publisher is connected at a ZMQ endpoint, and since when it is not."""
 
-    def __init__(self, endpoint: str, now: float) -> None:
+    def __init__(self, endpoint: str, now: float, instance: str = "md0") -> None:
         self.endpoint = endpoint
+        self.up = metrics.KV_EVENTS_PUBLISHER_UP.labels(instance=instance)
         self.connected = False
         self.since = now  # of the last change (start: not connected)
         self.connects = 0
@@ -112,7 +113,8 @@ class PublisherWatch:
         if self.connected or down_s < PUBLISHER_BOUND_S:
             return ""
         return (
-            f"no vLLM KV-event publisher at {self.endpoint} ([vllm] md_kv_events) for {down_s:.0f} s: "
+            f"no vLLM KV-event publisher at {self.endpoint} (an MD's kv_events; [vllm] md_kv_events) "
+            f"for {down_s:.0f} s: "
             "the DRC mirror is empty and every request looks like a cache miss (does MD's vLLM "
             "--kv-events-config publish there?)"
         )
@@ -121,7 +123,7 @@ class PublisherWatch:
         if connected != self.connected:
             self.connected, self.since = connected, now
             self.connects += connected
-        metrics.KV_EVENTS_PUBLISHER_UP.set(1 if connected else 0)
+        self.up.set(1 if connected else 0)
 
     async def _run(self) -> None:
         import zmq
@@ -135,7 +137,7 @@ class PublisherWatch:
         up, down = zmq.EVENT_HANDSHAKE_SUCCEEDED, zmq.EVENT_DISCONNECTED
         monitor = sock.get_monitor_socket(up | down)
         sock.connect(self.endpoint)
-        metrics.KV_EVENTS_PUBLISHER_UP.set(0)
+        self.up.set(0)
         try:
             while True:
                 ev = parse_monitor_message(await monitor.recv_multipart())
@@ -165,10 +167,11 @@ class VllmMirror(KvEventFeed):
         self.resets = 0
         self.watch: PublisherWatch | None = None
 
-    def start(self, endpoint: str) -> None:
+    def start(self, endpoint: str, instance: str = "md0") -> None:
+        """Subscribe at ``endpoint``, MD ``instance``'s publisher (the name labels its metric)."""
         self.endpoint = endpoint
         super().start(endpoint)
-        self.watch = PublisherWatch(endpoint, time.monotonic())
+        self.watch = PublisherWatch(endpoint, time.monotonic(), instance)
         self.watch.start()
 
     async def close(self) -> None:

@@ -1,9 +1,12 @@
 """The router's legs on vLLM: ``RequestRun``'s commands as calls on vLLM's own OpenAI servers.
 
 Each role is a vLLM OpenAI server beside its pddlink vLLM sidecar (``sidecar.vllm_kv``), whose
-``PddlinkConnector`` moves the KV. A request takes part in a transfer when its
-``kv_transfer_params`` hold ``{"pddlink": {"transfer": ID, "deadline_s": S}}``; the ID is the leg's
-sub-request id. The commands become (``VllmCalls``, driven by ``router.leg_driver.LegDriver``)::
+``PddlinkConnector`` moves the KV; a run's calls go to its route's instances (``router.fleet.Route``:
+the P, MD and RLD placement chose, each its ``api_url``). A request takes part in a transfer when
+its ``kv_transfer_params`` hold ``{"pddlink": {"transfer": ID, "deadline_s": S}}``; the ID is the
+leg's sub-request id. P's may add ``"to": ["rld", "md"]`` (the destinations) and, with pools,
+``"md": NAME`` / ``"rld": NAME`` (the route's instances, as the topology P's sidecar reads names
+them). The commands become (``VllmCalls``, driven by ``router.leg_driver.LegDriver``)::
 
   SendPrefill   P:  {prompt ids, max_tokens 1, transfer}  -> vLLM prefills, the connector hands
                     the KV to P's sidecar, which ships it to MD  (-> PrefillDone / PrefillFailed)
@@ -70,6 +73,7 @@ from pddlink.lifecycle.handoff_choice import CatchUpRace, HandoffAsk, RaceVerdic
 from pddlink.lifecycle.outcomes import HandoffOutcome
 from pddlink.roles import Role
 from pddlink.routing import HandoffDecision, Pipeline, RecomputeMode
+from router.fleet import Route
 from router.leg_driver import Call, Cluster, LegDriver, LegRun
 from router.leg_tasks import TaskKind
 
@@ -90,10 +94,12 @@ __all__ = ["VllmCalls", "generate_alone", "sampling_body", "vllm_legs"]
 NOTHING_HANDED = ":before_rld_first_token"  # a one-shot handoff's detail when RLD had streamed nothing
 
 
-def vllm_legs(cluster: Cluster, backend: VllmBackend, deadline: float) -> LegDriver:
-    """One run's legs on ``backend``'s vLLM servers."""
+def vllm_legs(
+    cluster: Cluster, backend: VllmBackend, deadline: float, route: Route | None = None
+) -> LegDriver:
+    """One run's legs on ``route``'s vLLM servers (None: the topology's first of each role)."""
     run = LegRun(cluster, deadline)
-    return LegDriver(run, VllmCalls(run, backend))
+    return LegDriver(run, VllmCalls(run, backend, route))
 
 
 class VllmCalls:
@@ -106,9 +112,12 @@ class VllmCalls:
     # every call on the role: MD's prime, extend and take-over are streams too
     stream_kinds = frozenset({TaskKind.STREAM, TaskKind.PRIME, TaskKind.EXTEND, TaskKind.TAKE_OVER})
 
-    def __init__(self, run: LegRun, backend: VllmBackend) -> None:
+    def __init__(self, run: LegRun, backend: VllmBackend, route: Route | None = None) -> None:
         self.r = run
         self.b = backend
+        self.route = route = route if route is not None else backend.first_route()
+        self.p_url, self.md_url = route.p.instance.api_url, route.md.instance.api_url
+        self.rld_url = route.rld.instance.api_url if route.rld is not None else ""
         self.rld_tokens: dict[str, list[int]] = {}  # per leg: what RLD streamed so far
         self.races: dict[str, CatchUpRace] = {}  # per leg: RLD's position, and MD's in a catch-up
         self.handoff_mode: dict[str, HandoffMode] = {}
@@ -118,6 +127,17 @@ class VllmCalls:
     def _kv(self, sid: str) -> dict[str, Any]:
         share = self.b.v.wan_share * self.r.left()  # MD's failure report still arrives in time
         return {"pddlink": {"transfer": sid, "deadline_s": share}}
+
+    def _destinations(self, rld: bool, md: bool) -> dict[str, Any]:
+        """Where P ships this leg's KV: ``to`` (the roles); with pools, each role's instance by its
+        name in the topology (P's sidecar has a link to each)."""
+        out: dict[str, Any] = {"to": [r for r, on in (("rld", rld), ("md", md)) if on]}
+        if self.b.pools:
+            if md:
+                out["md"] = self.route.md.name
+            if rld and self.route.rld is not None:
+                out["rld"] = self.route.rld.name
+        return out
 
     def _body(self, prompt: tuple[int, ...], sampling: SamplingParams, max_tokens: int = 0) -> dict[str, Any]:
         """One call's body; ``max_tokens`` 0: the sampling's own (P's prefill asks for 1: its
@@ -161,14 +181,13 @@ class VllmCalls:
         body = self._body(leg.prompt, leg.sampling, 1)
         if leg.sampling.prompt_logprobs is not None:  # only the prefill is asked (MD's prompt holds output)
             body["prompt_logprobs"] = leg.sampling.prompt_logprobs
-        rld_kv = cmd.ship_to_rld and self.b.v.rld_gets_kv
+        rld_kv = cmd.ship_to_rld and self.b.v.rld_gets_kv and self.route.rld is not None
         if cmd.ship_to_md or rld_kv:
             body["kv_transfer_params"] = self._kv(leg.sid)
-            if self.b.v.rld_gets_kv:  # P's sidecar has both destinations: name this leg's
-                to = [r for r, on in (("rld", rld_kv), ("md", cmd.ship_to_md)) if on]
-                body["kv_transfer_params"]["pddlink"]["to"] = to
+            if self.b.v.rld_gets_kv or self.b.pools:  # P's sidecar has several: name this leg's
+                body["kv_transfer_params"]["pddlink"].update(self._destinations(rld_kv, cmd.ship_to_md))
         try:
-            out = await post_completion(self.b.http, self.b.v.p_url, body, self.r.deadline)
+            out = await post_completion(self.b.http, self.p_url, body, self.r.deadline)
         except (RemoteError, DeadlineExceeded) as exc:
             await self.r.inbox.put(PrefillFailed(leg.sid, exc.message))
             return
@@ -247,7 +266,7 @@ class VllmCalls:
         body = self._body(leg.prompt, leg.sampling, leg.sampling.max_tokens)
         if leg.recompute is RecomputeMode.NONE:
             body["kv_transfer_params"] = self._kv(leg.sid)
-        closed = await self._stream(Role.MD, self.b.v.md_url, leg.sid, leg.prompt, body)
+        closed = await self._stream(Role.MD, self.md_url, leg.sid, leg.prompt, body)
         await self.r.inbox.put(StreamEnded(leg.sid, Role.MD, closed))
 
     async def _md_prime(self, leg: Leg) -> bool:
@@ -260,7 +279,7 @@ class VllmCalls:
             body["kv_transfer_params"] = self._kv(leg.sid)
         t0 = time.monotonic()
         try:
-            out = await post_completion(self.b.http, self.b.v.md_url, body, self.r.deadline)
+            out = await post_completion(self.b.http, self.md_url, body, self.r.deadline)
         except (RemoteError, DeadlineExceeded) as exc:
             closed = StreamClosed(StreamEnd.FAILED, f"md_prime:{exc.message}"[:200])
             await self.r.inbox.put(StreamEnded(leg.sid, Role.MD, closed))
@@ -277,7 +296,7 @@ class VllmCalls:
         return True
 
     async def _rld_stream(self, leg: Leg) -> None:
-        url = self.b.v.rld_url
+        url = self.rld_url
         body = self._body(leg.prompt, leg.sampling, leg.sampling.max_tokens)
         if self.b.v.rld_gets_kv:  # the same transfer: RLD's vLLM parks it until the fast path landed
             body["kv_transfer_params"] = self._kv(leg.sid)
@@ -391,7 +410,7 @@ class VllmCalls:
             if caught_up and reached is not None:
                 reached()
 
-        closed = await self._stream(Role.MD, self.b.v.md_url, leg.sid, prompt, body, seen)
+        closed = await self._stream(Role.MD, self.md_url, leg.sid, prompt, body, seen)
         await self.r.inbox.put(StreamEnded(leg.sid, Role.MD, closed))
 
     async def _take_over(self, cmd: TakeOver) -> None:
@@ -406,7 +425,7 @@ class VllmCalls:
                 await self.r.inbox.put(TokenArrived(leg.sid, Role.MD, pos, tok))
         prompt = leg.prompt + cmd.token_ids
         body = self._body(prompt, leg.sampling.after(len(cmd.token_ids)))
-        closed = await self._stream(Role.MD, self.b.v.md_url, leg.sid, prompt, body)
+        closed = await self._stream(Role.MD, self.md_url, leg.sid, prompt, body)
         if closed.end is not StreamEnd.FINISHED:
             await self.r.inbox.put(TakeoverFailed(leg.sid, closed.render()))
             return

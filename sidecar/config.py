@@ -51,7 +51,8 @@ block_size = 16          # vLLM's --block-size
 workdir = "/run/pddlink" # <workdir>/<peer_id>.sock: the connector's control socket (shared with vLLM)
 region_bytes = 268435456 # the shared-memory region KV moves through
 kv_events_endpoint = "tcp://127.0.0.1:5557"   # RLD/MD: vLLM's KV-cache event publisher (the DRC)
-[peers]                  # P: md_kv (across the WAN) and/or rld_kv (the fast path)
+[peers]                  # P: md_kv (across the WAN) and/or rld_kv (the fast path), or topology =
+                         # "fleet.toml": every MD and RLD there with a kv address, by name (pools)
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ from typing import Any
 from pddlink.errors import ConfigError, InvalidInput
 from pddlink.listen_policy import check_open_http, check_plaintext_exposure
 from pddlink.membership.config import MembershipConfig
-from pddlink.roles import SIDECAR_ROLES
+from pddlink.roles import SIDECAR_ROLES, Role
 from pddlink.topology import Topology, load_topology
 from pddlink.transport import PeerIdentity
 
@@ -144,6 +145,13 @@ class PeersConfig:
     @property
     def rld(self) -> PeerIdentity:
         return PeerIdentity.parse(self.rld_identity)
+
+    def kv_peers(self, role: Role) -> tuple[tuple[str, str], ...]:
+        """(name, KV address) of each ``role`` instance of the topology file with a ``kv`` address."""
+        fleet = self.fleet()
+        if fleet is None:
+            return ()
+        return tuple((m.name, m.instance.kv_address) for m in fleet.members(role) if m.instance.kv_address)
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,14 +273,21 @@ class SidecarConfig:
     def _check_vllm(self) -> None:
         if not self.vllm.model_id:
             raise ConfigError("engine vllm needs vllm.model_id (the same string on P, RLD and MD)")
-        if self.role == "p" and not (self.peers.md_kv or self.peers.rld_kv):
-            raise ConfigError("role p beside vLLM needs peers.md_kv and/or peers.rld_kv")
-        if self.role == "p" and not self.tls_dir:  # P dials out: its peers' hosts must be loopback too
-            for key in ("md_kv", "rld_kv"):
-                host = getattr(self.peers, key).rpartition(":")[0]
+        if self.role != "p":
+            return
+        named = {key: self.peers.kv_peers(role) for key, role in (("md", Role.MD), ("rld", Role.RLD))}
+        if self.peers.topology and not any(named.values()):
+            raise ConfigError("peers.topology: no md or rld instance with a kv address (P ships to those)")
+        if not (self.peers.md_kv or self.peers.rld_kv or self.peers.topology):
+            raise ConfigError("role p beside vLLM needs peers.md_kv and/or peers.rld_kv (or peers.topology)")
+        if not self.tls_dir:  # P dials out: its peers' hosts must be loopback too
+            dialled = [(f"peers.{key}", getattr(self.peers, key)) for key in ("md_kv", "rld_kv")]
+            dialled += [(f"peers.topology {name}", kv) for peers in named.values() for name, kv in peers]
+            for who, addr in dialled:
+                host = addr.rpartition(":")[0]
                 if host:
                     check_plaintext_exposure(
-                        host, tls=False, allowed=self.allow_plaintext_non_loopback, who=f"sidecar peers.{key}"
+                        host, tls=False, allowed=self.allow_plaintext_non_loopback, who=f"sidecar {who}"
                     )
 
     @property

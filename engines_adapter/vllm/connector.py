@@ -10,6 +10,8 @@ Load it with::
 A request takes part when its ``kv_transfer_params`` hold ``{"pddlink": {"transfer": ID,
 "deadline_s": S}}`` (the router sets them); others run as if no connector were loaded. Optional:
 ``"to": ["rld", "md"]`` on P (the destinations to ship to; default: every one P's sidecar links),
+``"md": NAME`` / ``"rld": NAME`` on P (which instance of that role, by its name in the topology
+P's sidecar reads: pools; default: the one P's sidecar links),
 ``"kv_tokens": N`` on a consumer (the transfer carries the KV of the first N tokens of this request's
 prompt, i.e. P's prompt; the default is the whole prompt). With ``kv_tokens`` the token-id handoff is
 one request: MD gets P's prompt + the k tokens RelayDecode generated, loads the whole blocks below

@@ -21,6 +21,8 @@ class TransferParams:
     deadline_at: float  # wall clock (time.time()): shared by the processes of one host
     to: tuple[str, ...] | None = None  # P: the destinations (None: every configured one)
     kv_tokens: int | None = None  # consumer: the transfer covers this many prompt tokens
+    # P: the instance each destination role ships to, by its topology name (("md", NAME), ...)
+    instances: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def of(cls, request: Request) -> TransferParams | None:
@@ -30,11 +32,13 @@ class TransferParams:
         deadline_s = float(params.get("deadline_s", 30.0))
         to = params.get("to")
         kv_tokens = params.get("kv_tokens")
+        named = tuple((r, params[r]) for r in ("md", "rld") if isinstance(params.get(r), str))
         return cls(
             params["transfer"],
             request.arrival_time + deadline_s,
             tuple(str(t) for t in to) if isinstance(to, list) and to else None,
             kv_tokens if isinstance(kv_tokens, int) and not isinstance(kv_tokens, bool) else None,
+            named,
         )
 
 

@@ -3,10 +3,11 @@ engine core process). It decides, per request, what the step's worker saves (P) 
 consumer), and tells the sidecar what each request is doing; it never waits on the sidecar.
 
 P (kv_producer)
-  ``get_num_new_matched_tokens`` (first sight of the request): PREPARE to the sidecar (with ``to``
-  when given; sent without waiting for its answer, as every RELEASE is: the answer is read, and a
-  refusal logged, when the channel is next used), which reserves each destination's cached prefix
-  while vLLM prefills (RLD's answer is 0: it gets every whole block); answers 0 (nothing to load).
+  ``get_num_new_matched_tokens`` (first sight of the request): PREPARE to the sidecar (with ``to``,
+  ``md`` and ``rld`` when given; sent without waiting for its answer, as every RELEASE is: the
+  answer is read, and a refusal logged, when the channel is next used), which reserves each
+  destination's cached prefix while vLLM prefills (RLD's answer is 0: it gets every whole block);
+  answers 0 (nothing to load).
   ``build_connector_meta`` (each step): follows the request's blocks; in the step where its prefill
   completes it adds a save of its whole blocks below the last prompt token (MD recomputes that tail
   of < 1 block itself) to the step's metadata.
@@ -80,7 +81,8 @@ class ConnectorScheduler:
         if self.producer:
             if rid not in self._producing:
                 self._producing[rid] = Producing(params, len(prompt))
-                extra = {} if params.to is None else {"to": list(params.to)}
+                extra: dict[str, Any] = {} if params.to is None else {"to": list(params.to)}
+                extra.update(params.instances)  # "md": NAME, "rld": NAME (pools)
                 self.channel.send_unawaited(
                     Op.PREPARE,
                     transfer=params.transfer,

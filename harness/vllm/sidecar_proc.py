@@ -22,7 +22,8 @@ from pddlink.serving.http import fetch
 
 def sidecar_toml(role: str, name: str, workdir: Path, model_id: str, block_size: int, **keys: Any) -> str:
     """A sidecar file with ``engine = "vllm"``; ``keys``: ``kv_port``, ``md_kv``, ``rld_kv``,
-    ``kv_events_endpoint``, ``orphan_s``, ``wan_line_mbit``, ``fast_transport``, ``region_bytes``."""
+    ``topology`` (P: a topology file whose MDs and RLDs are its peers by name), ``kv_events_endpoint``,
+    ``orphan_s``, ``wan_line_mbit``, ``fast_transport``, ``region_bytes``."""
     top = [
         'engine = "vllm"',
         f'role = "{role}"',
@@ -46,7 +47,7 @@ def sidecar_toml(role: str, name: str, workdir: Path, model_id: str, block_size:
         f'fast_transport = "{keys.get("fast_transport", "auto")}"',
         f"wan_line_mbit = {float(keys.get('wan_line_mbit', 0.0))}",
     ]
-    peers = ["[peers]"] + [f'{k} = "{keys[k]}"' for k in ("md_kv", "rld_kv") if keys.get(k)]
+    peers = ["[peers]"] + [f'{k} = "{keys[k]}"' for k in ("md_kv", "rld_kv", "topology") if keys.get(k)]
     return "\n".join([*top, *vllm, *plane, *peers]) + "\n"
 
 

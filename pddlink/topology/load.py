@@ -15,6 +15,7 @@ The TOML shape (``docs/topology.md``; ``examples/topology/three-dc.toml``)::
     kv = "127.0.0.1:7151"             # RLD, MD: optional KV server host:port (where P ships)
     engine = "vllm"                   # optional, overrides [topology] engine
     api_url = "http://127.0.0.1:8101" # engine "vllm": its OpenAI server
+    kv_events = "tcp://127.0.0.1:5557" # engine "vllm", MD: its vLLM's KV-event publisher
 
     [[topology.link]]
     between = ["dc-a", "dc-b"]
@@ -38,7 +39,7 @@ from pddlink.roles import SIDECAR_ROLES, Role
 from pddlink.topology.model import Datacenter, Engine, Instance, Topology, WanLink
 
 T = TypeVar("T")
-_INSTANCE_KEYS = frozenset({"name", "address", "identity", "admin", "engine", "api_url", "kv"})
+_INSTANCE_KEYS = frozenset({"name", "address", "identity", "admin", "engine", "api_url", "kv", "kv_events"})
 _DC_KEYS = frozenset({"name", *(r.value for r in SIDECAR_ROLES)})
 _LINK_KEYS = frozenset({"between", "line_mbit", "rtt_ms"})
 _TOP_KEYS = frozenset({"engine", "datacenter", "link"})
@@ -89,24 +90,28 @@ def topology_from_addresses(
     p_url: str = "",
     rld_url: str = "",
     md_url: str = "",
+    md_kv_events: str = "",
 ) -> Topology:
     """The old router form as a topology of one each: P and RLD in "dc-a", MD in "dc-b", one link
     (one address may serve several roles, as the old form allowed).
     An empty ``rld`` (and ``rld_url``) means no RelayDecode. Errors name the old keys (``p``,
-    ``md_identity``, ``line_mbit``, ...)."""
+    ``md_identity``, ``line_mbit``, ``md_kv_events``, ...)."""
 
-    def one(role: Role, address: str, identity: str, url: str) -> Instance:
+    def one(role: Role, address: str, identity: str, url: str, events: str = "") -> Instance:
         name = identity.partition("/")[2] or f"{role.value}0"
-        keys = {"address": role.value, "identity": f"{role.value}_identity", "api_url": f"{role.value}_url"}
+        keys = {
+            "address": role.value, "identity": f"{role.value}_identity", "api_url": f"{role.value}_url",
+            "kv_events": f"{role.value}_kv_events",
+        }  # fmt: skip
         return _build(
-            lambda: Instance(role, name, address, identity, engine=engine, api_url=url),
+            lambda: Instance(role, name, address, identity, engine=engine, api_url=url, kv_events=events),
             lambda msg: _rename(msg, keys),
         )
 
     relay = (one(Role.RLD, rld, rld_identity, rld_url),) if rld or rld_url else ()
     link = _build(lambda: WanLink("dc-a", "dc-b", line_mbit, rtt_ms), lambda msg: msg)
     a = Datacenter("dc-a", p=(one(Role.P, p, p_identity, p_url),), rld=relay)
-    b = Datacenter("dc-b", md=(one(Role.MD, md, md_identity, md_url),))
+    b = Datacenter("dc-b", md=(one(Role.MD, md, md_identity, md_url, md_kv_events),))
     return Topology((a, b), (link,), shared_addresses=True)
 
 
@@ -143,7 +148,15 @@ def _instance(value: object, key: str, role: Role, engine: Engine) -> Instance:
     own = _engine(t["engine"], f"{key}.engine") if "engine" in t else engine
     return _build(
         lambda: Instance(
-            role, s["name"], s["address"], s["identity"], s["admin"], own, s["api_url"], s["kv"]
+            role,
+            s["name"],
+            s["address"],
+            s["identity"],
+            s["admin"],
+            own,
+            s["api_url"],
+            s["kv"],
+            s["kv_events"],
         ),
         lambda m: f"{key}.{m}",
     )

@@ -22,6 +22,8 @@ from pddlink.roles import SIDECAR_ROLES, Role
 _HOST_PORT = re.compile(r"^(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9](?:[A-Za-z0-9.-]{0,252}[A-Za-z0-9])?):(\d{1,5})$")
 _URL = re.compile(r"^https?://(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):(\d{1,5})(?:/\S*)?$")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+# a ZMQ endpoint vLLM publishes KV-cache events on (its --kv-events-config endpoint)
+_EVENTS = re.compile(r"^(?:tcp://(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.*-]+):(\d{1,5})|ipc://\S+)$")
 
 
 class Engine(StrEnum):
@@ -54,6 +56,7 @@ class Instance:
     engine: Engine = Engine.REFERENCE
     api_url: str = ""  # engine "vllm": http://host:port of its OpenAI server (required there)
     kv_address: str = ""  # RLD, MD: its KV server's host:port, where P ships (the sidecars' peers)
+    kv_events: str = ""  # engine "vllm", MD: its vLLM's KV-event publisher (the router's DRC mirror)
 
     def __post_init__(self) -> None:
         if self.role not in SIDECAR_ROLES:
@@ -71,9 +74,23 @@ class Instance:
             m = _URL.match(self.api_url)
             if m is None or not 1 <= int(m.group(1)) <= 65535:
                 raise InvalidInput(f'api_url: expected "http://host:port", got "{self.api_url}"')
+        if self.kv_events:
+            self._check_kv_events()
         role, sep, name = self.identity.partition("/")
         if not sep or role != self.role.value or not name or "/" in name or not name.isprintable():
             raise InvalidInput(f'identity: expected "{self.role.value}/<name>", got "{self.identity}"')
+
+    def _check_kv_events(self) -> None:
+        if self.role is not Role.MD or self.engine is not Engine.VLLM:
+            raise InvalidInput(
+                f"kv_events: only a vllm md instance's KV events are followed, not a {self.engine.value} "
+                f"{self.role.value}'s"
+            )
+        m = _EVENTS.match(self.kv_events)
+        if m is None or (m.group(1) is not None and not 1 <= int(m.group(1)) <= 65535):
+            raise InvalidInput(
+                f'kv_events: expected "tcp://host:port" or "ipc://path", got "{self.kv_events}"'
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,7 +195,9 @@ _KEY = "topology.datacenter"
 
 def _check_unique_names(dcs: tuple[Datacenter, ...], *, addresses: bool = True) -> None:
     seen_dc: set[str] = set()
-    seen: dict[str, dict[str, str]] = {"name": {}, "identity": {}, "address": {}, "admin": {}, "kv": {}}
+    seen: dict[str, dict[str, str]] = {
+        k: {} for k in ("name", "identity", "address", "admin", "kv", "api_url", "kv_events")
+    }
     for i, dc in enumerate(dcs):
         if dc.name in seen_dc:
             raise InvalidInput(f'{_KEY}[{i}].name: duplicate datacenter "{dc.name}"')
@@ -187,11 +206,12 @@ def _check_unique_names(dcs: tuple[Datacenter, ...], *, addresses: bool = True) 
             for j, inst in enumerate(dc.pool(role)):
                 at = f"{_KEY}[{i}].{role.value}[{j}]"
                 values = {
-                    "name": inst.name, "identity": inst.identity,
-                    "address": inst.address, "admin": inst.admin_address, "kv": inst.kv_address,
+                    "name": inst.name, "identity": inst.identity, "address": inst.address,
+                    "admin": inst.admin_address, "kv": inst.kv_address, "api_url": inst.api_url,
+                    "kv_events": inst.kv_events,
                 }  # fmt: skip
                 for key, value in values.items():
-                    if not value or (key == "address" and not addresses):
+                    if not value or (key in ("address", "api_url") and not addresses):
                         continue
                     if value in seen[key]:
                         raise InvalidInput(f'{at}.{key}: duplicate "{value}" (also {seen[key][value]})')

@@ -14,7 +14,12 @@ prefill on P feeds them all from one region slot. One transfer's life on P::
                                            ended (acked, failed or past deadline)
     RELEASE (the request ended early)   -> cancel the reservations, free what is held
 
-``PREPARE`` may name the legs (``to``: ["rld", "md"]); by default every configured leg.
+``PREPARE`` may name the legs (``to``: ["rld", "md"]); by default every configured leg. With pools
+(``named``: P's sidecar links every MD and RLD of a topology by its instance name) it names each
+leg's instance too (``"md": NAME``, ``"rld": NAME``); without a name a leg goes to the role's one
+configured peer (``md``, ``rld``, or the only named one). A name P links no instance of, or none
+where several are linked, fails that transfer (``NotFound`` / ``InvalidInput`` answered to the
+PREPARE, the reason in ``done[transfer]``); the bridge serves on.
 The finished record (``done[transfer]``) holds the MD leg's result at its top level (as before RLD
 existed) and every leg's under ``legs``.
 
@@ -37,7 +42,7 @@ import contextlib
 import dataclasses
 import random
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,8 +68,9 @@ class Destination:
     """One destination of a transfer (RLD or MD), its reservation, its ship task and its result.
     Not the lifecycle's ``Leg`` (a sub-request on the sidecars)."""
 
-    name: str
+    name: str  # the role: "md" or "rld"
     peer: KVPeer
+    instance: str = ""  # the instance's name in the topology ("" = the role's configured peer)
     reservation: asyncio.Task[int] | None = None
     ship: asyncio.Task[None] | None = None
     result: dict[str, Any] = field(default_factory=dict)
@@ -94,10 +100,15 @@ class ProducerBridge:
         chunk_bytes: int = 4 << 20,
         wan_codec: WanCodec | None = None,
         rld: KVPeer | None = None,
+        named: Mapping[str, Mapping[str, KVPeer]] | None = None,
     ) -> None:
+        """``md``, ``rld``: each role's peer when a request names no instance; ``named``: role ->
+        instance name -> peer (a topology's pools)."""
         self.region = region
         self.peers = {name: peer for name, peer in (("md", md), ("rld", rld)) if peer is not None}
-        if not self.peers:
+        self.named = {role: dict(peers) for role, peers in (named or {}).items() if peers}
+        self.roles = [r for r in ("md", "rld") if r in self.peers or r in self.named]
+        if not self.roles:
             raise InvalidInput("P's bridge needs a destination (MD, RLD or both)")
         self.wan_codec = wan_codec or WanCodec()  # per line: compress when the line is slower
         self.hasher = BlockHasher(model_id, block_size)
@@ -106,7 +117,12 @@ class ProducerBridge:
         self._prepared: dict[str, asyncio.Event] = {}  # ALLOCs that came before their PREPARE
         self.done: dict[str, dict[str, Any]] = {}  # finished transfers' results (bounded)
         self.counts = {"shipped": 0, "failed": 0, "released": 0}
-        self.leg_counts = {name: {"shipped": 0, "failed": 0, "bytes": 0} for name in self.peers}
+        self.leg_counts: dict[str, dict[str, int]] = {
+            name: {"shipped": 0, "failed": 0, "bytes": 0} for name in self.roles
+        }
+        self.instance_counts = {
+            name: {"shipped": 0, "failed": 0, "bytes": 0} for peers in self.named.values() for name in peers
+        }
 
     @property
     def md(self) -> KVPeer | None:
@@ -152,13 +168,33 @@ class ProducerBridge:
     def _legs(self, msg: dict[str, Any]) -> list[str]:
         to = msg.get("to")
         if to is None:
-            return list(self.peers)
+            return list(self.roles)
         if not isinstance(to, list) or not to or not all(isinstance(t, str) for t in to):
             raise InvalidInput(f"PREPARE's 'to' must be a non-empty list of destinations, got {to!r}")
-        unknown = [t for t in to if t not in self.peers]
+        unknown = [t for t in to if t not in self.roles]
         if unknown:
-            raise InvalidInput(f"P's sidecar has no link to {unknown} (configured: {list(self.peers)})")
+            raise InvalidInput(f"P's sidecar has no link to {unknown} (configured: {self.roles})")
         return list(dict.fromkeys(to))
+
+    def _peer(self, role: str, msg: dict[str, Any]) -> tuple[KVPeer, str]:
+        """The peer (and its instance name) ``role``'s leg of this PREPARE ships to."""
+        name = msg.get(role)
+        named = self.named.get(role, {})
+        if name is None:
+            default = self.peers.get(role)
+            if default is not None:
+                return default, ""
+            if len(named) == 1:
+                only = next(iter(named))
+                return named[only], only
+            raise InvalidInput(f"PREPARE names no {role} instance, and P's sidecar links {len(named)}")
+        if not isinstance(name, str):
+            raise InvalidInput(f"PREPARE's {role!r} must be an instance name, got {name!r}")
+        peer = named.get(name)
+        if peer is None:
+            known = ", ".join(named) or "none by name"
+            raise NotFound(f"no {role} instance {name!r} among P's sidecar's peers ({known})")
+        return peer, name
 
     def _prepare(self, transfer: str, msg: dict[str, Any]) -> dict[str, Any]:
         prompt = msg.get("prompt")
@@ -167,12 +203,22 @@ class ProducerBridge:
         if transfer in self.out or transfer in self.done:
             self._release(transfer, "key_collision: a second PREPARE of this transfer")
             raise RequestKeyInUse(f"transfer {transfer!r} is already in flight here, or was lately")
-        names = self._legs(msg)
+        try:
+            names = self._legs(msg)
+            peers = {name: self._peer(name, msg) for name in names}
+        except PddlinkError as exc:  # this transfer fails; the bridge serves on
+            self.counts["failed"] += 1
+            reason = f"{exc.code.name.lower()}: {exc.message}"
+            self._record(transfer, {"ok": False, "error": reason, "legs": {}})
+            raise
         out = Outgoing(
             transfer, self.hasher.hash_blocks(prompt), len(prompt), cfield(msg, "deadline_at", float)
         )
         for name in names:
-            leg = out.legs[name] = Destination(name, self.peers[name])
+            peer, instance = peers[name]
+            leg = out.legs[name] = Destination(name, peer, instance)
+            if instance:
+                leg.result["instance"] = instance
             leg.reservation = asyncio.ensure_future(self._reserve(out, leg))
         self.out[transfer] = out
         waiting = self._prepared.get(transfer)
@@ -232,7 +278,7 @@ class ProducerBridge:
             first = max(copied_first, min(await self._held_at(leg), num_blocks))
             if first >= num_blocks or out.slot is None:  # it holds every block that travels
                 leg.result.update(ok=True, wan_bytes=0, wan_seconds=0.0, first_block=min(first, num_blocks))
-                self.leg_counts[leg.name]["shipped"] += 1
+                self._count(leg, "shipped")
                 return
             result = await self._send(out, leg, layout, copied_first, first, num_blocks, deadline)
             self._shipped(leg, result, first)
@@ -240,7 +286,7 @@ class ProducerBridge:
             reason = f"{exc.code.name.lower()}: {exc.message}" if isinstance(exc, PddlinkError) else repr(exc)
             leg.result.update(ok=False, error=reason)
             metrics.TRANSFER_ABORTS.labels(reason=reason.split(":")[0]).inc()
-            self.leg_counts[leg.name]["failed"] += 1
+            self._count(leg, "failed")
         finally:
             leg.result["ship_seconds"] = time.perf_counter() - t0
             if all(x.ship is not None and (x is leg or x.ship.done()) for x in out.legs.values()):
@@ -327,8 +373,13 @@ class ProducerBridge:
         metrics.KV_BYTES.labels(path=path).inc(result.kv_bytes)
         metrics.KV_WIRE_BYTES.labels(path=path, codec=codec).inc(result.bytes)
         metrics.KV_CODEC_RAW_BYTES.labels(path=path, codec=codec).inc(result.kv_bytes)
-        self.leg_counts[leg.name]["shipped"] += 1
-        self.leg_counts[leg.name]["bytes"] += result.kv_bytes
+        self._count(leg, "shipped", result.kv_bytes)
+
+    def _count(self, leg: Destination, what: str, kv_bytes: int = 0) -> None:
+        for counts in (self.leg_counts[leg.name], self.instance_counts.get(leg.instance)):
+            if counts is not None:
+                counts[what] += 1
+                counts["bytes"] += kv_bytes
 
     def engine_lost(self, reason: str) -> int:
         """vLLM died (``reason``): every transfer it had not committed ends (its reservations
@@ -361,7 +412,10 @@ class ProducerBridge:
         key = "released" if released else "shipped" if ok else "failed"
         self.counts[key] += 1
         top = legs.get("md") or next(iter(legs.values()))
-        self.done[out.transfer] = {**top, "ok": ok, "legs": legs}
+        self._record(out.transfer, {**top, "ok": ok, "legs": legs})
+
+    def _record(self, transfer: str, record: dict[str, Any]) -> None:
+        self.done[transfer] = record
         while len(self.done) > 10_000:
             self.done.pop(next(iter(self.done)))
 
@@ -372,6 +426,7 @@ class ProducerBridge:
             "held_bytes": self.region.held_bytes,
             "in_flight": len(self.out),
             "legs": {name: dict(c) for name, c in self.leg_counts.items()},
+            **({"instances": {n: dict(c) for n, c in self.instance_counts.items()}} if self.named else {}),
             **self.counts,
         }
 

@@ -35,6 +35,8 @@ def sidecar_config(cfg: SidecarConfig) -> VllmSidecarConfig:
         region_dir=Path(v.region_dir) if v.region_dir else None,
         md_addr=peers.md_kv if cfg.role == "p" else "",
         rld_addr=peers.rld_kv if cfg.role == "p" else "",
+        md_peers=peers.kv_peers(Role.MD) if cfg.role == "p" else (),
+        rld_peers=peers.kv_peers(Role.RLD) if cfg.role == "p" else (),
         rld_transport=dp.fast_transport,
         kv_host=cfg.host,
         kv_port=cfg.kv_port,

@@ -7,7 +7,8 @@ its own vLLM holds, so P copies out and ships only the blocks from the smaller o
 conversation's next turn: its new part), where an RLD without a feed answered 0 and got every whole
 block of every turn. A consumer with no ``kv_events_endpoint`` answers 0. P's links: MD across the
 WAN (``md_addr``, ``transport``) and RLD over the fast path (``rld_addr``, ``rld_transport``: "auto"
-picks RDMA where a device is, else TCP, as the reference sidecar does).
+picks RDMA where a device is, else TCP, as the reference sidecar does); with pools, one per MD and
+RLD of a topology (``md_peers``, ``rld_peers``: by instance name; each request names its own).
 
 Lifecycle: ``await VllmSidecar(cfg).start()`` opens the bridge (the region: ``region_dir``, by
 default ``/dev/shm`` where it has room, so the KV copies touch RAM only: in ``<workdir>`` on a disk
@@ -60,6 +61,9 @@ class VllmSidecarConfig:
     region_dir: Path | None = None  # None: /dev/shm where it has room, else workdir
     md_addr: str = ""  # P: MD's KV server, host:port ("" with rld_addr set: P ships to RLD only)
     rld_addr: str = ""  # P: RLD's KV server, host:port (the fast path inside datacenter A)
+    # P: a topology's pools, (instance name, KV host:port) each: a request names which it ships to
+    md_peers: tuple[tuple[str, str], ...] = ()
+    rld_peers: tuple[tuple[str, str], ...] = ()
     rld_transport: str = "auto"  # P: the fast path's transport (auto | tcp | rdma)
     kv_host: str = "127.0.0.1"  # MD: where P ships to
     kv_port: int = 0
@@ -73,11 +77,12 @@ class VllmSidecarConfig:
     allow_plaintext_non_loopback: bool = False  # tls_dir None off loopback: said explicitly, or refused
 
     def __post_init__(self) -> None:
-        if self.role is Role.P and not (self.md_addr or self.rld_addr):
-            raise ConfigError("P's vLLM sidecar needs md_addr and/or rld_addr (host:port)")
+        named = [addr for _, addr in (*self.md_peers, *self.rld_peers)]
+        if self.role is Role.P and not (self.md_addr or self.rld_addr or named):
+            raise ConfigError("P's vLLM sidecar needs md_addr and/or rld_addr (host:port), or md_peers")
         # the same rule as the reference sidecar's: plaintext KV only where no other host can reach it
         hosts = (
-            [a.rpartition(":")[0] for a in (self.md_addr, self.rld_addr) if a]
+            [a.rpartition(":")[0] for a in (self.md_addr, self.rld_addr, *named) if a]
             if self.role is Role.P
             else [self.kv_host]
         )
@@ -112,6 +117,7 @@ class VllmSidecar:
         self._kv: KVServer | None = None
         self._md: KVPeer | None = None
         self._rld: KVPeer | None = None
+        self._named: dict[str, dict[str, KVPeer]] = {}  # role -> instance name -> peer (pools)
         self.fast_path: FastPathChoice | None = None
         self._sweeper: asyncio.Task[None] | None = None
 
@@ -153,38 +159,48 @@ class VllmSidecar:
         return self
 
     def _start_producer(self, region: ShmRegion, identity: PeerIdentity) -> Any:
-        """P: the KV peers it ships to (MD across the WAN, RLD on the fast path) and the bridge."""
+        """P: the KV peers it ships to (MD across the WAN, RLD on the fast path; with pools, each
+        instance of the topology by its name) and the bridge."""
         cfg = self.cfg
         if cfg.md_addr:
-            self._md = KVPeer(
-                cfg.md_addr,
-                identity=identity,
-                tls=self._tls(identity),
-                transport=cfg.transport,
-                options=cfg.options,
-            )
+            self._md = self._wan_peer(cfg.md_addr, identity)
         if cfg.rld_addr:
-            transport = cfg.rld_transport
-            if transport == "auto":
-                self.fast_path = choose_fast_path()
-                transport = self.fast_path.name
-            self._rld = KVPeer(
-                cfg.rld_addr,
-                identity=identity,
-                tls=self._tls(identity),
-                transport=transport,
-                options=LinkOptions(streams=1, chunk_bytes=cfg.options.chunk_bytes),
-            )
+            self._rld = self._fast_peer(cfg.rld_addr, identity)
+        if cfg.md_peers:
+            self._named["md"] = {name: self._wan_peer(addr, identity) for name, addr in cfg.md_peers}
+        if cfg.rld_peers:
+            self._named["rld"] = {name: self._fast_peer(addr, identity) for name, addr in cfg.rld_peers}
         self.producer = ProducerBridge(
             region,
             self._md,
             rld=self._rld,
+            named=self._named,
             model_id=cfg.model_id,
             block_size=cfg.block_size,
             chunk_bytes=cfg.options.chunk_bytes,
             wan_codec=WanCodec(cfg.wan_codec, line_mbit=cfg.wan_line_mbit),
         )
         return self.producer.handle
+
+    def _wan_peer(self, addr: str, identity: PeerIdentity) -> KVPeer:
+        cfg = self.cfg
+        tls = self._tls(identity)
+        return KVPeer(addr, identity=identity, tls=tls, transport=cfg.transport, options=cfg.options)
+
+    def _fast_peer(self, addr: str, identity: PeerIdentity) -> KVPeer:
+        """A peer on the fast path ("auto": RDMA where a device is, else TCP)."""
+        cfg = self.cfg
+        transport = cfg.rld_transport
+        if transport == "auto":
+            self.fast_path = self.fast_path or choose_fast_path()
+            transport = self.fast_path.name
+        return KVPeer(
+            addr,
+            identity=identity,
+            tls=self._tls(identity),
+            transport=transport,
+            options=LinkOptions(streams=1, chunk_bytes=cfg.options.chunk_bytes),
+        )
 
     async def _start_consumer(self, region: ShmRegion, index: PrefixIndex, identity: PeerIdentity) -> Any:
         """MD and RLD: the KV server and the bridge that lands transfers, answering P's
@@ -225,8 +241,9 @@ class VllmSidecar:
             self.consumer.sweep()  # as its STATUS over the control channel does
         out = bridge.status() if bridge is not None else {}
         out.update(self.bridge.status())
-        if self._rld is not None:
-            out["fast_path"] = self._rld.transport_name
+        rld = self._rld or next(iter(self._named.get("rld", {}).values()), None)
+        if rld is not None:
+            out["fast_path"] = rld.transport_name
         return out
 
     async def close(self) -> None:
@@ -237,7 +254,8 @@ class VllmSidecar:
                 await self._sweeper
         if self.producer is not None:
             await self.producer.close()
-        for peer in (self._md, self._rld):
+        named = [peer for peers in self._named.values() for peer in peers.values()]
+        for peer in (self._md, self._rld, *named):
             if peer is not None:
                 await peer.drop()
         if self._kv is not None:

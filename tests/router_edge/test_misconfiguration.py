@@ -3,7 +3,7 @@
 A router whose ``[vllm] md_kv_events`` names an endpoint where nothing publishes served normally
 with an empty mirror: now, once no publisher has been connected for ``PUBLISHER_BOUND_S``, its
 /readyz answers 503 naming the endpoint, /status carries the problem, and the metric
-``pddlink_router_kv_events_publisher_up`` is 0; when a publisher appears there, all three turn
+``pddlink_router_kv_events_publisher_up{instance="md0"}`` is 0; when a publisher appears there, all three turn
 back. A router without a tokenizer refuses a text prompt with a typed 400 (it answered 200 with
 empty text). Real router processes and a real ZMQ publisher.
 """
@@ -56,7 +56,7 @@ def test_a_kv_event_endpoint_with_no_publisher_makes_readyz_and_status_say_so(tm
         assert took < PUBLISHER_BOUND_S + 2.0, took
         mirror = _get(router.port, "/status")[1]["drc_mirror"]
         assert mirror["publisher_connected"] is False and endpoint in mirror["problem"]
-        assert "pddlink_router_kv_events_publisher_up 0.0" in _get(router.port, "/metrics")[1]
+        assert 'pddlink_router_kv_events_publisher_up{instance="md0"} 0.0' in _get(router.port, "/metrics")[1]
         print(f"\n/readyz 503 after {took:.1f} s: {ready['problems'][0]}")
 
         ctx = zmq.Context()
@@ -66,7 +66,8 @@ def test_a_kv_event_endpoint_with_no_publisher_makes_readyz_and_status_say_so(tm
             assert _until(lambda: _get(router.port, "/readyz")[0] == 200, 10.0)
             mirror = _get(router.port, "/status")[1]["drc_mirror"]
             assert mirror["publisher_connected"] is True and mirror["problem"] == ""
-            assert "pddlink_router_kv_events_publisher_up 1.0" in _get(router.port, "/metrics")[1]
+            up = 'pddlink_router_kv_events_publisher_up{instance="md0"} 1.0'
+            assert up in _get(router.port, "/metrics")[1]
         finally:
             pub.close(0)
             ctx.term()

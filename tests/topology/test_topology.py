@@ -103,7 +103,7 @@ def test_base_loads() -> None:
             'name = "md0"',
             'name = "md0"\nadress = "x:1"',
             "topology.datacenter[1].md[0].adress: unknown key "
-            "(expected one of address, admin, api_url, engine, identity, kv, name)",
+            "(expected one of address, admin, api_url, engine, identity, kv, kv_events, name)",
         ),
         (
             'name = "md0"',

@@ -11,8 +11,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from pddlink.connector.control import Op, TransferState
 from pddlink.connector.shm import MappedRegion, Slot
+from pddlink.errors import InvalidInput
 from pddlink.kv.hashing import BlockHasher
 from pddlink.roles import Role
 from sidecar.vllm_kv.service import VllmSidecar, VllmSidecarConfig
@@ -188,3 +191,93 @@ def test_an_alloc_read_before_its_prepare_waits_for_it() -> None:
     answer, shipped = asyncio.run(go())
     assert answer["nbytes"] == 4 * PER_BLOCK and answer["first_block"] == 0, answer
     assert shipped
+
+
+POOL_TOPOLOGY = """
+[topology]
+engine = "vllm"
+[[topology.datacenter]]
+name = "dc-a"
+[[topology.datacenter.p]]
+name = "p-a0"
+api_url = "http://127.0.0.1:8100"
+[[topology.datacenter]]
+name = "dc-b"
+[[topology.datacenter.md]]
+name = "md-b0"
+api_url = "http://127.0.0.1:8200"
+kv = "{md0}"
+[[topology.datacenter.md]]
+name = "md-b1"
+api_url = "http://127.0.0.1:8201"
+kv = "{md1}"
+[[topology.link]]
+between = ["dc-a", "dc-b"]
+line_mbit = 100
+rtt_ms = 10
+"""
+
+
+def test_p_with_pools_ships_each_transfer_to_the_md_it_names_and_refuses_an_unknown_one() -> None:
+    """P's sidecar file names a topology (``[peers] topology``): every MD there with a ``kv`` address
+    is a peer by its instance name; each PREPARE names its MD, and only that MD gets the KV. A name
+    P links none of fails that transfer, typed (``NotFound``, the reason in its record); the next
+    transfer ships as before."""
+    from pddlink.errors import NotFound
+    from sidecar.config import load_config
+    from sidecar.vllm_kv.roles import sidecar_config
+
+    async def run() -> None:
+        root = Path(tempfile.mkdtemp(prefix="pddlink-pools-"))
+        mds = []
+        for name in ("md-b0", "md-b1"):
+            mds.append(
+                await VllmSidecar(
+                    VllmSidecarConfig(Role.MD, name, root, MODEL, BS, region_bytes=8 << 20)
+                ).start()
+            )
+        (root / "fleet.toml").write_text(
+            POOL_TOPOLOGY.format(md0=f"127.0.0.1:{mds[0].kv_port}", md1=f"127.0.0.1:{mds[1].kv_port}")
+        )
+        (root / "p.toml").write_text(
+            f'engine = "vllm"\nrole = "p"\npeer_id = "p-a0"\n[vllm]\nmodel_id = "{MODEL}"\n'
+            f'block_size = {BS}\nworkdir = "{root}"\nregion_bytes = {8 << 20}\n'
+            '[peers]\ntopology = "fleet.toml"\n'
+        )
+        cfg = sidecar_config(load_config(root / "p.toml"))
+        assert cfg.md_peers == (
+            ("md-b0", f"127.0.0.1:{mds[0].kv_port}"),
+            ("md-b1", f"127.0.0.1:{mds[1].kv_port}"),
+        )
+        assert cfg.md_addr == "" and cfg.rld_peers == ()
+        p = await VllmSidecar(cfg).start()
+        try:
+            prompt = list(range(3, 3 + 3 * BS + 5))
+            data1 = await _ship(p, "t1", prompt, to=["md"], md="md-b1")
+            data0 = await _ship(p, "t0", [t + 1 for t in prompt], to=["md"], md="md-b0")
+            assert p.producer is not None
+            assert p.producer.done["t1"]["ok"] and p.producer.done["t1"]["instance"] == "md-b1"
+            await _until(lambda: _landed(mds[1], "t1") is not None and _landed(mds[0], "t0") is not None)
+            assert _landed(mds[1], "t1") == data1 and _landed(mds[0], "t0") == data0
+            assert _landed(mds[0], "t1") is None and _landed(mds[1], "t0") is None
+            st = p.status()["instances"]
+            assert st["md-b0"]["shipped"] == st["md-b1"]["shipped"] == 1 and st["md-b1"]["bytes"] == len(
+                data1
+            )
+            h = p.producer.handle
+            with pytest.raises(NotFound, match="no md instance 'md-x' among P's sidecar's peers"):
+                h(
+                    Op.PREPARE,
+                    {"transfer": "tx", "prompt": prompt, "deadline_at": time.time() + 5, "md": "md-x"},
+                )
+            with pytest.raises(InvalidInput, match="names no md instance, and P's sidecar links 2"):
+                h(Op.PREPARE, {"transfer": "ty", "prompt": prompt, "deadline_at": time.time() + 5})
+            rec = p.producer.done["tx"]
+            assert rec["ok"] is False and rec["error"].startswith("not_found: no md instance 'md-x'")
+            assert "tx" not in p.producer.out and p.status()["failed"] == 2
+            await _ship(p, "t2", [t + 2 for t in prompt], md="md-b0")  # it serves on
+            assert p.producer.done["t2"]["ok"]
+        finally:
+            await _close(p, *mds)
+
+    asyncio.run(run())
