@@ -35,7 +35,7 @@ from typing import IO, Any, Protocol
 from harness.cluster import ClusterError, free_port, stop_processes
 from pddlink.errors import DeadlineExceeded
 from pddlink.roles import Role
-from pddlink.topology import Instance, Member, Topology
+from pddlink.topology import Engine, Instance, Member, Topology
 
 
 class Wan(Protocol):
@@ -334,6 +334,9 @@ def topology_toml(topo: Topology) -> str:
                     "identity": inst.identity,
                     "kv": inst.kv_address,
                     "admin": inst.admin_address,
+                    "engine": inst.engine.value if inst.engine is not Engine.REFERENCE else "",
+                    "api_url": inst.api_url,
+                    "kv_events": inst.kv_events,
                 }
                 out += [f'{k} = "{v}"' for k, v in fields.items() if v]
                 out.append("")

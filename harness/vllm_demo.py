@@ -284,14 +284,17 @@ async def divergence(
     }
 
 
+def room_args() -> tuple[str, ...]:
+    """Five turns of up to 800 new tokens and 128-token answers outgrow vLLM's default 4096."""
+    return ("--max-model-len", "8192", "--max-num-batched-tokens", "8192")
+
+
 def _start(spec: VllmDemoSpec, workdir: Path, model: Path, dtype: str, wan: Any, relay: bool) -> VllmPair:
     # MD's sidecar imports vLLM's event types on its loop's thread when its KV-event feed starts:
     # on a loaded machine that import outlasts the pair's 60 s wait for the sidecar; import it here
     import vllm.distributed.kv_events  # noqa: F401
 
-    # five turns of up to 800 new tokens and 128-token answers outgrow vLLM's default 4096
-    room = ("--max-model-len", "8192", "--max-num-batched-tokens", "8192")
-    extra = ("--logits-processors", SEEDED_SAMPLING, *room, *VLLM_ARGS, *spec.extra_args)
+    extra = ("--logits-processors", SEEDED_SAMPLING, *room_args(), *VLLM_ARGS, *spec.extra_args)
     (workdir / "timings").mkdir(parents=True, exist_ok=True)  # the connectors' hook timings (TTFT stages)
     pair = VllmPair(
         PairSpec(

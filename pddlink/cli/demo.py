@@ -38,7 +38,8 @@ import click
     "--topology",
     "topology_path",
     type=click.Path(exists=True, dir_okay=False),
-    help="Pools: run this topology (TOML [topology]) once per placement policy (reference engine).",
+    help="Pools: run this topology (TOML [topology]) once per placement policy (with --engine vllm: its "
+    "shape, each instance a vLLM server).",
 )
 @click.option(
     "--placement",
@@ -177,6 +178,14 @@ def command(
             "the reference engine's pair demo only (not --engine vllm, --topology or --lab compose)",
             param_hint="--md-prefill-slowdown",
         )
+    if engine == "vllm" and topology_path is not None:
+        if lab_kind not in ("auto", "loopback") or routers > 1 or rolling_restart or etcd_outage_s:
+            raise click.BadParameter(
+                "with --engine vllm: a loopback WAN, one router, no rolling restart or etcd outage",
+                param_hint="--topology",
+            )
+        _vllm_pools(topology_path, placements, sessions, turns, seed, engine_args, json_path, plot_path)
+        return
     if engine == "vllm":
         from pddlink.cli.demo_vllm import run_vllm_demo
 
@@ -275,6 +284,32 @@ def _pools(
         warmup=warmup,
         policies=policies,
     )
+
+
+def _vllm_pools(
+    topology_path: str,
+    placements: str,
+    sessions: int,
+    turns: int,
+    seed: int,
+    engine_args: str,
+    json_path: str | None,
+    plot_path: str | None,
+) -> None:
+    """``--engine vllm --topology``: the pools demo on vLLM servers (``harness.vllm_pools_demo``)."""
+    from dataclasses import replace
+
+    from harness.vllm_pools_demo import demo_spec, run
+    from pddlink.cli.preflight import check_output_file
+
+    topology, policies = _topology_and_policies(topology_path, placements)
+    if plot_path is None:
+        default = Path("out") / "pddlink-demo-vllm-pools-ttft.png"
+        plot_path = str(Path(json_path).with_suffix(".png") if json_path else default)
+    check_output_file(json_path, "demo --json")
+    check_output_file(plot_path, "demo --plot")
+    spec = replace(demo_spec(sessions, turns, seed, engine_args), policies=tuple(policies))
+    run(spec, topology, topology_path, json_path, Path(plot_path))
 
 
 def _topology_and_policies(topology_path: str, placements: str) -> tuple[Any, list[str]]:

@@ -273,6 +273,7 @@ class ProducerBridge:
         self, out: Outgoing, leg: Destination, layout: KVLayoutSpec, copied_first: int, num_blocks: int
     ) -> None:
         t0 = time.perf_counter()
+        leg.result["num_blocks"] = num_blocks  # the prompt's whole blocks (first_block of them were held)
         try:
             deadline = time.monotonic() + max(out.deadline_at - time.time(), 0.01)
             first = max(copied_first, min(await self._held_at(leg), num_blocks))
