@@ -29,7 +29,7 @@ import pytest
 
 from router.answer import RequestEnd
 
-pytestmark = [pytest.mark.fleet, pytest.mark.vllm, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 BS = 32
 
