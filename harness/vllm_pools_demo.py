@@ -112,10 +112,14 @@ def figures(
         if md:
             placed[md] += 1
     wan: dict[str, int] = defaultdict(int)
+    ships: dict[str, dict[str, int]] = {}  # per MD: P's transfers to it that shipped, that failed
     for p in p_names:
         for inst, c in (status[p].get("instances") or {}).items():
             if inst in dc_of:
                 wan[f"{p_dc}->{dc_of[inst]}"] += int(c.get("bytes", 0))
+                got = ships.setdefault(inst, {"shipped": 0, "failed": 0})
+                got["shipped"] += int(c.get("shipped", 0))
+                got["failed"] += int(c.get("failed", 0))
     held: dict[str, int] = defaultdict(int)  # per MD: the prompts' whole blocks its DRC held
     blocks: dict[str, int] = defaultdict(int)  # ... of all of them
     for p in p_names:
@@ -133,6 +137,7 @@ def figures(
         "md_requests_by_instance": dict(sorted(placed.items())),
         "wan_bytes": sum(wan.values()),
         "wan_bytes_by_link": dict(sorted(wan.items())),
+        "md_transfers_by_instance": dict(sorted(ships.items())),
         "rld_token_share": round(tokens["rld"] / produced, 4) if produced else 0.0,
         "handoffs": handoffs,
         "failed": len(run["failed"]),
@@ -194,6 +199,11 @@ def table(doc: dict[str, Any]) -> str:
         lines.append(
             f"{'':>14}per link: "
             + ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in f["wan_bytes_by_link"].items())
+        )
+        x = f["md_transfers_by_instance"]
+        lines.append(
+            f"{'':>14}P's transfers per MD (shipped/failed): "
+            + ", ".join(f"{md} {c['shipped']}/{c['failed']}" for md, c in x.items())
         )
         n = f["md_requests_by_instance"]
         lines.append(
