@@ -111,7 +111,7 @@ def run_policy(
         out["seconds"] = round(time.monotonic() - t1, 1)
         time.sleep(1.0)  # shipments that outlive their request land on MD
         after = md_counters(pools)
-        out["router_pipelines"] = _pipelines(pools.router_url())
+        out["router_pipelines"] = _pipelines(pools.router_url(), key)
     delta = {md: {k: v - before.get(md, {}).get(k, 0.0) for k, v in got.items()} for md, got in after.items()}
     out.update(pools_figures(pool.topology, delta))
     say(f"[{pool.placement}] {out['completed']} completed, {out['failed']} failed in {out['seconds']} s")

@@ -115,10 +115,12 @@ def ratios(router: dict[str, Any], straight: dict[str, Any]) -> dict[str, float 
     return {k: (round(router[k] / straight[k], 2) if straight[k] > 0 else None) for k in keys}
 
 
-def _pipelines(router_url: str) -> dict[str, int]:
-    """Requests the router ended, by "pipeline/outcome" (its ``pddlink_requests_total``)."""
+def _pipelines(router_url: str, key: str = "") -> dict[str, int]:
+    """Requests the router ended, by "pipeline/outcome" (its ``pddlink_requests_total``); ``key``:
+    the router's client key, where it takes one."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     try:
-        text = httpx.get(router_url + "/metrics", timeout=10).text
+        text = httpx.get(router_url + "/metrics", timeout=10, headers=headers).text
     except httpx.HTTPError:
         return {}
     out: dict[str, int] = {}

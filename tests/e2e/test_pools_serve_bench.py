@@ -65,6 +65,7 @@ def test_vllm_bench_serve_over_pools_per_policy() -> None:
         assert (row["completed"], row["failed"]) == (16, 0), row["errors"]
         assert row["output_tokens"] == 16 * 8
     assert out["errors"] == 0
+    assert sum(rr["router_pipelines"].values()) == 16  # the router's own count (its /metrics, with the key)
     assert all(n > 0 for n in rr["md_lookups_by_instance"].values())  # both MDs served round robin
     assert pl["md_hit_rate"] > rr["md_hit_rate"]
     assert pl["wan_bytes"] < rr["wan_bytes"]
