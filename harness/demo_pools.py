@@ -131,7 +131,8 @@ def run_policy(
     return results, delta
 
 
-def _pct(xs: list[float]) -> dict[str, float]:
+def pct(xs: list[float]) -> dict[str, float]:
+    """P50, P90, P99 of ``xs`` (0 when empty), rounded to 0.1 ms."""
     if not xs:
         return {"p50": 0.0, "p90": 0.0, "p99": 0.0}
     a = np.array(xs)
@@ -169,7 +170,7 @@ def figures(
     produced = sum(tokens.values())
     return {
         "requests": len(results),
-        "ttft_s": _pct(ttft),
+        "ttft_s": pct(ttft),
         "md_hit_rate": round(float(np.mean(every)), 4) if every else 0.0,
         "md_hit_rate_by_instance": {md: round(float(np.mean(h)), 4) for md, h in sorted(hits.items())},
         "md_requests_by_instance": {md: len(h) for md, h in sorted(hits.items())},
@@ -266,7 +267,8 @@ def table(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot(doc: dict[str, Any], per_policy: dict[str, list[float]], path: Path) -> None:
+def plot(per_policy: dict[str, list[float]], path: Path, title: str = "pddlink demo --topology") -> None:
+    """Each policy's TTFT distribution (a CDF per policy), as a PNG at ``path``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -278,7 +280,7 @@ def plot(doc: dict[str, Any], per_policy: dict[str, list[float]], path: Path) ->
         ax.plot(a, np.arange(1, len(a) + 1) / max(1, len(a)), label=name)
     ax.set_xlabel("TTFT (s)")
     ax.set_ylabel("share of requests")
-    ax.set_title("pddlink demo --topology: TTFT per placement policy")
+    ax.set_title(f"{title}: TTFT per placement policy")
     ax.legend()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, bbox_inches="tight")
@@ -347,7 +349,7 @@ def main(
     }
     print(table(doc))
     ttfts = {n: [r.ttft_s if r.ttft_s is not None else r.e2e_s for r in rs] for n, rs in results.items()}
-    plot(doc, ttfts, Path(plot_path))
+    plot(ttfts, Path(plot_path))
     say(f"TTFT distributions: {plot_path}; logs: {work}")
     if json_path:
         Path(json_path).write_text(json.dumps(doc, indent=1))

@@ -31,9 +31,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from harness.demo_pools import NAMES, LoopbackWan
+from harness.demo_pools import NAMES, LoopbackWan, pct, plot
 from harness.vllm.pool import PoolSpec, VllmPool
 from harness.vllm_demo import VllmDemoSpec, _replay, say
 from pddlink.roles import Role
@@ -82,13 +80,6 @@ def _settled(pool: VllmPool, limit_s: float = 20.0) -> dict[str, Any]:
         time.sleep(0.5)
 
 
-def _pct(xs: list[float]) -> dict[str, float]:
-    if not xs:
-        return {"p50": 0.0, "p90": 0.0, "p99": 0.0}
-    a = np.asarray(xs)
-    return {f"p{q}": round(float(np.percentile(a, q)), 4) for q in (50, 90, 99)}
-
-
 def figures(
     topo: Topology,
     run: dict[str, Any],
@@ -131,7 +122,7 @@ def figures(
     produced = sum(tokens.values())
     return {
         "requests": len(run["done"]) + len(run["failed"]),
-        "ttft_s": _pct(run["ttft"]),
+        "ttft_s": pct(run["ttft"]),
         "md_hit_rate": round(sum(held.values()) / sum(blocks.values()), 4) if blocks else 0.0,
         "md_hit_rate_by_instance": {md: round(held[md] / n, 4) for md, n in sorted(blocks.items())},
         "md_requests_by_instance": dict(sorted(placed.items())),
@@ -216,25 +207,6 @@ def table(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot(per_policy: dict[str, list[float]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name, xs in per_policy.items():
-        a = np.sort(np.asarray(xs))
-        ax.plot(a, np.arange(1, len(a) + 1) / max(1, len(a)), label=name)
-    ax.set_xlabel("TTFT (s)")
-    ax.set_ylabel("share of requests")
-    ax.set_title("pddlink demo --engine vllm --topology: TTFT per placement policy")
-    ax.legend()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-
-
 def run(spec: VllmPoolsDemoSpec, shape: Topology, topology_path: str, json_path: str | None,
         plot_path: Path) -> dict[str, Any]:  # fmt: skip
     import vllm.distributed.kv_events  # noqa: F401  (before the sidecars' loops import it)
@@ -280,7 +252,7 @@ def run(spec: VllmPoolsDemoSpec, shape: Topology, topology_path: str, json_path:
             "lab_mode": "loopback",
         },
     }
-    plot(values, plot_path)
+    plot(values, plot_path, "pddlink demo --engine vllm --topology")
     text = json.dumps(doc, indent=2)
     if json_path:
         Path(json_path).write_text(text + "\n")

@@ -23,18 +23,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-from harness.pool_cluster import topology_toml
+from harness.pool_cluster import Wan, topology_toml
 from harness.vllm.pair import engine_cores, free_port
 from harness.vllm.server import VllmServer, VllmServerSpec
 from harness.vllm.sidecar_proc import SidecarProcess, sidecar_toml
 from pddlink.roles import Role
 from pddlink.topology import Datacenter, Engine, Instance, Member, Topology, WanLink, load_topology
-
-
-class Wan(Protocol):
-    def endpoint(self, datacenter: str, port: int) -> tuple[str, int]: ...
 
 
 @dataclass(frozen=True, slots=True)
