@@ -36,6 +36,7 @@ from netlab.lab import Lab
 from netlab.profile import parse_profile
 from pddlink.serving.http import fetch
 from pddlink.sim.demo_overload import OVERLOAD_KNOBS, predict, ranking, ranking_agrees
+from pddlink.sim.demo_scale import DemoKnobs, single_demo_knobs
 from pddlink.sim.records import Sla
 from pddlink.sim.trace import Trace
 
@@ -230,12 +231,15 @@ def main(
     replayed = build_trace(
         requests=requests + warmup, rate_rps=rate_rps, seed=seed, workload=workload, trace_file=trace
     )
-    every = demo_requests(replayed, vocab_size=VOCAB)
+    overload = scenario == "wan-overload"
+    k = DemoKnobs() if overload else single_demo_knobs()  # wan-overload is calibrated on 8 and 128
+    every = demo_requests(
+        replayed, vocab_size=VOCAB, output_divisor=k.output_divisor, max_output=k.max_output
+    )
     warm, reqs = every[:warmup], every[warmup:]
     t_first = reqs[0].arrival_s
     reqs = [replace(r, index=i, arrival_s=r.arrival_s - t_first) for i, r in enumerate(reqs)]
     mean_prompt = sum(len(r.prompt) for r in reqs) / len(reqs)
-    overload = scenario == "wan-overload"
     suffix_bytes_s = offered_suffix_bytes_s(warm, reqs, KV_BYTES_PER_TOKEN)
     if overload:  # the line carries half of what the missing suffixes need
         line_mbit = overload_line_mbit(suffix_bytes_s)

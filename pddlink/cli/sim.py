@@ -433,9 +433,10 @@ def _run_wan_overload(
 def _run_demo_scale(
     workload: Workload, seed: int, rate: float | None, started: float, sla: Sla
 ) -> dict[str, Any]:
-    from pddlink.sim.demo_scale import DemoKnobs, demo_deployments, demo_trace, measured_from_s
+    from pddlink.sim.demo_scale import demo_deployments, demo_trace, measured_from_s, single_demo_knobs
 
-    knobs = DemoKnobs(seed=seed) if rate is None else DemoKnobs(seed=seed, rate_rps=rate)
+    knobs = single_demo_knobs(seed)
+    knobs = knobs if rate is None else replace(knobs, rate_rps=rate)
     trace = demo_trace(workload, knobs)
     warm_s = measured_from_s(trace, knobs)
     result, _ = run_deployments(

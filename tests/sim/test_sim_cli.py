@@ -63,6 +63,8 @@ def test_demo_scale_scenario_runs_and_pdd_cuts_the_tail() -> None:
     d = data["deployments"]
     assert set(d) == {"cross_dc_pd", "pdd"}
     assert d["pdd"]["ttft_s"]["p90"] < d["cross_dc_pd"]["ttft_s"]["p90"]
+    knobs = data["scenario"]["knobs"]  # the default demo's outputs, not the pools demo's
+    assert (knobs["output_divisor"], knobs["max_output"]) == (4, 512)
 
 
 def test_wan_load_sweep_json_and_png(tmp_path: Path) -> None:
