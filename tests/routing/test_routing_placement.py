@@ -90,6 +90,16 @@ def test_ties_go_to_the_least_loaded() -> None:
     assert got.md == "b1"
 
 
+def test_prefix_aware_ties_in_time_and_load_rotate_with_memory_and_go_first_without() -> None:
+    b0, b1, c0, c1 = mds(20, 20, 0, 0)  # b0 and b1 tie on time; c's MDs need the whole prompt
+    view = fleet(b0, b1, c0, replace(c1, running_requests=1))
+    memory = PlacementMemory()
+    assert [placed(place(REQ, view, memory=memory)).md for _ in range(3)] == ["b0", "b1", "b0"]
+    assert placed(place(REQ, view)).md == "b0"
+    loaded = fleet(replace(b0, running_requests=1), b1, c0, c1)
+    assert [placed(place(REQ, loaded, memory=memory)).md for _ in range(2)] == ["b1", "b1"]
+
+
 def test_balance_limits_pass_over_an_overloaded_md_unless_all_are() -> None:
     full, other = mds(60, 0)
     queued = replace(full, waiting_requests=17)
