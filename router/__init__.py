@@ -51,10 +51,9 @@ from pddlink.routing.options import OutputBook
 from pddlink.serving.grpc_tls import CallerCheck
 from router.admission import Overloaded
 from router.answer import GenerateEvent, RequestEnd, StreamedToken
-from router.backend import EngineBackend, GrpcBackend, make_backend
+from router.backend import EngineBackend, make_backend
 from router.config import RouterConfig, VllmEngineConfig
 from router.fleet import Route
-from router.legs import GrpcCalls
 from router.options import decide_option, forced_option, option_trace
 from router.request import RequestRuns, mint_request_key, streamed, validate_request
 from router.run import RunDriver
@@ -404,7 +403,7 @@ class Router:
             on_md_stalled=lambda seconds: self.on_md_stalled(seconds, here().md.name),
             rld_reachable=lambda now: self.rld_reachable(here(), now),
             spare=lambda role, now: self.spare(sid, role, now),
-            on_move=(lambda role: self.move(sid, role, run)) if self.moves_within_role else None,
+            on_move=lambda role: self.move(sid, role, run),
         )
         now = time.monotonic()
         if option.ships_kv:  # P reports its transfer state by request id (``pddlink.serving.backlog``)
@@ -462,12 +461,6 @@ class Router:
                     trace.request_id, lost, trace.reason_text, again.p.name, again.md.name)  # fmt: skip
         return decision, matched, again
 
-    @property
-    def moves_within_role(self) -> bool:
-        """A run that lost its P or MD mid-request may move to another instance of the role: the
-        reference engine's sidecars (each leg names its MD to P; vLLM's legs do not move)."""
-        return isinstance(self.backend, GrpcBackend)
-
     def spare(self, sid: str, role: Role, now: float) -> bool:
         """Run ``sid`` could move off its instance of ``role`` (P or MD): another one is in
         placement (never one the run lost before)."""
@@ -482,9 +475,9 @@ class Router:
 
     def move(self, sid: str, role: Role, run: RunDriver) -> None:
         """Run ``sid`` lost its instance of ``role``: placement again without it (nor any it lost
-        before), the other roles kept; the run's next calls go there (``GrpcCalls.retarget``)."""
+        before), the other roles kept; the run's next calls go there (``EngineBackend.retarget``)."""
         route = self.routes.get(sid)
-        if route is None or not isinstance(self.backend, GrpcBackend):
+        if route is None:
             return
         now = time.monotonic()
         lost = route.md if role is Role.MD else route.p
@@ -503,9 +496,7 @@ class Router:
         self.moves.setdefault(sid, []).append({"role": role.value, "from": lost.name, "to": to.name})
         metrics.REPLACED.inc()
         log.warning("request %s: %s lost mid-request; moved to %s", sid, lost.name, to.name)
-        calls = run.calls.calls
-        if isinstance(calls, GrpcCalls) and isinstance(self.backend, GrpcBackend):
-            calls.retarget(self.backend.route_stubs(new))
+        self.backend.retarget(run.calls.calls, new)
 
     def _lost(self, trace: RunTrace, route: Route, now: float) -> str | None:
         """The instance a failed run lost, now out of placement; None when none was, or when its

@@ -33,8 +33,8 @@ from pddlink.topology import Member
 from pddlink.transport import PeerIdentity, TlsConfig
 from router.config import RouterConfig
 from router.fleet import Fleet, Route
-from router.leg_driver import Cluster, LegDriver
-from router.legs import RouteStubs, grpc_legs
+from router.leg_driver import Cluster, LegDriver, RoleCalls
+from router.legs import GrpcCalls, RouteStubs, grpc_legs
 from router.members import MembershipFollower
 from router.mirror import MirrorFollower
 from router.role_health import RoleHealth
@@ -49,6 +49,11 @@ class EngineBackend(Protocol):
     fleet: Fleet  # the instances and where each request goes (``router.fleet``)
 
     def legs(self, cluster: Cluster, deadline: float, route: Route) -> LegDriver: ...
+
+    def retarget(self, calls: RoleCalls, route: Route) -> None:
+        """A run moved within a role: ``calls`` (made by ``legs``) go to ``route``'s instances from
+        now on; the calls already under way keep theirs."""
+        ...
 
     def matched_tokens(self, prompt: tuple[int, ...]) -> int: ...
 
@@ -143,6 +148,10 @@ class GrpcBackend:
 
     def legs(self, cluster: Cluster, deadline: float, route: Route) -> LegDriver:
         return grpc_legs(cluster, self.route_stubs(route), deadline)
+
+    def retarget(self, calls: RoleCalls, route: Route) -> None:
+        assert isinstance(calls, GrpcCalls)
+        calls.retarget(self.route_stubs(route))
 
     def route_stubs(self, route: Route) -> RouteStubs:
         rld = route.rld

@@ -27,9 +27,9 @@ from pddlink.roles import Role
 from pddlink.routing import RoutingPolicy
 from router.config import RouterConfig, VllmEngineConfig
 from router.fleet import Fleet, Route
-from router.leg_driver import Cluster, LegDriver
+from router.leg_driver import Cluster, LegDriver, RoleCalls
 from router.mirror import VllmMirror
-from router.vllm_legs import vllm_legs
+from router.vllm_legs import VllmCalls, vllm_legs
 
 HEALTH_INTERVAL_S = 1.0
 
@@ -116,6 +116,10 @@ class VllmBackend:
 
     def legs(self, cluster: Cluster, deadline: float, route: Route) -> LegDriver:
         return vllm_legs(cluster, self, deadline, route)
+
+    def retarget(self, calls: RoleCalls, route: Route) -> None:
+        assert isinstance(calls, VllmCalls)
+        calls.retarget(route)
 
     def first_route(self) -> Route:
         """The first P, MD and RLD of the topology (the route of a topology of one each)."""

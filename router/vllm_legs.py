@@ -115,14 +115,19 @@ class VllmCalls:
     def __init__(self, run: LegRun, backend: VllmBackend, route: Route | None = None) -> None:
         self.r = run
         self.b = backend
-        self.route = route = route if route is not None else backend.first_route()
-        self.p_url, self.md_url = route.p.instance.api_url, route.md.instance.api_url
-        self.rld_url = route.rld.instance.api_url if route.rld is not None else ""
+        self.retarget(route if route is not None else backend.first_route())
         self.rld_tokens: dict[str, list[int]] = {}  # per leg: what RLD streamed so far
         self.races: dict[str, CatchUpRace] = {}  # per leg: RLD's position, and MD's in a catch-up
         self.handoff_mode: dict[str, HandoffMode] = {}
         self._legs: dict[str, Leg] = {}
         self.rld_closed: dict[str, StreamClosed] = {}  # per leg: how RLD's stream ended
+
+    def retarget(self, route: Route) -> None:
+        """The calls from here on go to ``route``'s servers (a move within a role: a new leg on
+        another MD or P, whose P is told the new MD's name); those under way keep theirs."""
+        self.route = route
+        self.p_url, self.md_url = route.p.instance.api_url, route.md.instance.api_url
+        self.rld_url = route.rld.instance.api_url if route.rld is not None else ""
 
     def _kv(self, sid: str) -> dict[str, Any]:
         share = self.b.v.wan_share * self.r.left()  # MD's failure report still arrives in time

@@ -10,7 +10,9 @@ read (``harness.vllm.pool.VllmPool``; float32, ``PositionSeededSampling`` loaded
   mirror only; the same prefix with a new suffix goes back to md-b1 (md-b0 idle and first in the
   topology: a tie would go there), its trace says what the mirror matched, and P ships only the
   blocks after it (md-b1's DRC held the rest). Every answer equals vLLM alone.
-- kill -9 of md-b1's vLLM: out of placement within seconds, its mirror emptied, every request on
+- kill -9 of md-b1's vLLM while a request streams from it: that request moves to md-b0 (a new leg:
+  P prefills the prompt and the tokens so far and ships the KV there) and finishes exact, no token
+  lost or repeated; md-b1 is out of placement within seconds, its mirror emptied, every request on
   md-b0 (exact); restarted, md-b1 is back in placement and gets the next request.
 """
 
@@ -32,6 +34,7 @@ from router.answer import RequestEnd
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 BS = 32
+LONG = 160  # output tokens of the request that is streaming when its MD dies (tiny model: ~1 s)
 
 
 @pytest.fixture(scope="module")
@@ -247,8 +250,29 @@ def test_a_killed_md_leaves_placement_at_once_and_is_placed_on_again_once_restar
                 for i in range(2):  # one on each: md-b1's mirror holds its prompt's blocks
                     await run(i)
                 r["mirrored"] = await _until(lambda: len(b.mirrors["md-b1"].index) > 0, 10)
-                t0 = time.monotonic()
-                await asyncio.get_running_loop().run_in_executor(None, md1.kill)
+                # a long request streaming on md-b1 when its vLLM dies (kill -9 after its 8th token)
+                prompt, sampling = _prompt(rng, 4 * BS), _sampling(31, LONG)
+                router.drain("md-b0")  # it is placed on md-b1
+                got: list[int] = []
+                positions: list[int] = []
+                final: dict[str, Any] = {}
+                killed: asyncio.Future[None] | None = None
+                t0 = 0.0
+                async for ev in router.generate(list(prompt), sampling, pipeline="p_md", deadline_s=60.0):
+                    if isinstance(ev, RequestEnd):
+                        final = ev.to_dict()
+                        continue
+                    got.append(ev.token_id)
+                    positions.append(ev.position)
+                    if len(got) == 1:
+                        router.drain("md-b0", undo=True)  # the MD it can move to
+                    if len(got) == 8:
+                        t0 = time.monotonic()
+                        killed = asyncio.get_running_loop().run_in_executor(None, md1.kill)
+                assert killed is not None, final
+                await killed
+                r["long"] = final, positions == list(range(len(prompt), len(prompt) + len(got)))
+                r["runs"].append((got, final, await _alone(http, pool, prompt, sampling)))
                 r["out"] = await _until(lambda: not b.usable("md-b1"), 5)
                 r["out_s"] = time.monotonic() - t0
                 r["emptied"] = len(b.mirrors["md-b1"].index)
@@ -272,6 +296,11 @@ def test_a_killed_md_leaves_placement_at_once_and_is_placed_on_again_once_restar
         assert final["outcome"] == "finished", final
         assert tuple(got) == alone, final["trace"]
     assert r["mirrored"] and r["out"] and r["out_s"] < 5.0, r
+    final, contiguous = r["long"]  # finished (exact, above) on md-b0, no gap, no duplicate
+    t = final["trace"]
+    assert contiguous and t["placement"]["moved"] == [{"role": "md", "from": "md-b1", "to": "md-b0"}], final
+    assert t["placement"]["md"] == "md-b0" and t["tokens"]["md"] == LONG, final  # MD made every token
+    assert t["output_tokens"] == LONG and "md_lost_other_md" in t["fallbacks"], final
     assert r["emptied"] == 0, r  # a restarted MD holds nothing: its mirror claims nothing
     assert r["placed_down"] == ["md-b0"] * 4, r
     st = r["status_down"]
