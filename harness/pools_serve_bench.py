@@ -29,7 +29,16 @@ from harness.cluster import datacenter_cpus
 from harness.demo import say
 from harness.demo_pools import NAMES, LoopbackWan, md_counters
 from harness.pool_cluster import PoolCluster, PoolSpec
-from harness.vllm_serve_bench import BACKENDS, METRICS, PERCENTILES, SERVED, _pipelines, figures
+from harness.vllm_serve_bench import (
+    BACKENDS,
+    METRICS,
+    PERCENTILES,
+    SERVE_KEYS,
+    SERVED,
+    _pipelines,
+    figures,
+    ratios,
+)
 from pddlink.roles import Role
 from pddlink.topology import Topology
 
@@ -118,11 +127,6 @@ def run_policy(
     return out
 
 
-def ratios(row: dict[str, Any], base: dict[str, Any]) -> dict[str, float | None]:
-    keys = [f"p{p}_{m}_ms" for m in METRICS for p in PERCENTILES] + ["wan_bytes"]
-    return {k: (round(row[k] / base[k], 3) if base.get(k) else None) for k in keys}
-
-
 def run(spec: PoolsBenchSpec, topology: Topology, topology_path: str) -> dict[str, Any]:
     from harness.vllm.tiny_model import TinyLlamaSpec, build_tiny_llama
 
@@ -145,7 +149,7 @@ def run(spec: PoolsBenchSpec, topology: Topology, topology_path: str) -> dict[st
     base = runs.get("round_robin")
     for name, row in runs.items():
         if base is not None and name != "round_robin":
-            row["ratio_to_round_robin"] = ratios(row, base)
+            row["ratio_to_round_robin"] = ratios(row, base, (*SERVE_KEYS, "wan_bytes"), 3)
     return {
         "topology": topology_path,
         "client": "vllm bench serve (vllm.benchmarks.serve, in-process), dataset prefix_repetition",

@@ -110,9 +110,14 @@ def figures(result: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def ratios(router: dict[str, Any], straight: dict[str, Any]) -> dict[str, float | None]:
-    keys = [f"p{p}_{m}_ms" for m in METRICS for p in PERCENTILES]
-    return {k: (round(router[k] / straight[k], 2) if straight[k] > 0 else None) for k in keys}
+SERVE_KEYS = tuple(f"p{p}_{m}_ms" for m in METRICS for p in PERCENTILES)  # the client's figures
+
+
+def ratios(
+    row: dict[str, Any], base: dict[str, Any], keys: tuple[str, ...] = SERVE_KEYS, digits: int = 2
+) -> dict[str, float | None]:
+    """``row``'s figures over ``base``'s, key by key (None where the base is 0)."""
+    return {k: (round(row[k] / base[k], digits) if base.get(k) else None) for k in keys}
 
 
 def _pipelines(router_url: str, key: str = "") -> dict[str, int]:
