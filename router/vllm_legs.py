@@ -45,7 +45,7 @@ import contextlib
 import json
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -102,6 +102,17 @@ def vllm_legs(
     return LegDriver(run, VllmCalls(run, backend, route))
 
 
+@dataclass(slots=True)
+class _LegState:
+    """What ``VllmCalls`` keeps of one leg (by its sub-request id) while the run lasts."""
+
+    leg: Leg
+    rld_tokens: list[int] = field(default_factory=list)  # what RLD streamed so far
+    race: CatchUpRace | None = None  # RLD's position, and MD's in a catch-up
+    mode: HandoffMode | None = None  # the handoff's, once it opened
+    rld_closed: StreamClosed | None = None  # how RLD's stream ended
+
+
 class VllmCalls:
     """``router.leg_driver.RoleCalls`` on vLLM servers; see the module docstring. The answers'
     logprobs rows (``vllm_http.logprob_rows``, by role and absolute position: the router attaches
@@ -116,11 +127,7 @@ class VllmCalls:
         self.r = run
         self.b = backend
         self.retarget(route if route is not None else backend.first_route())
-        self.rld_tokens: dict[str, list[int]] = {}  # per leg: what RLD streamed so far
-        self.races: dict[str, CatchUpRace] = {}  # per leg: RLD's position, and MD's in a catch-up
-        self.handoff_mode: dict[str, HandoffMode] = {}
-        self._legs: dict[str, Leg] = {}
-        self.rld_closed: dict[str, StreamClosed] = {}  # per leg: how RLD's stream ended
+        self.legs: dict[str, _LegState] = {}
 
     def retarget(self, route: Route) -> None:
         """The calls from here on go to ``route``'s servers (a move within a role: a new leg on
@@ -158,7 +165,7 @@ class VllmCalls:
         }
 
     def stream(self, on: Role, leg: Leg) -> tuple[TaskKind, Call]:
-        self._legs[leg.sid] = leg
+        self.legs.setdefault(leg.sid, _LegState(leg))
         if on is Role.RLD:
             return TaskKind.STREAM, self._rld_stream(leg)
         if leg.pipeline is Pipeline.P_RLD_MD:
@@ -305,8 +312,9 @@ class VllmCalls:
         body = self._body(leg.prompt, leg.sampling, leg.sampling.max_tokens)
         if self.b.v.rld_gets_kv:  # the same transfer: RLD's vLLM parks it until the fast path landed
             body["kv_transfer_params"] = self._kv(leg.sid)
-        got = self.rld_tokens.setdefault(leg.sid, [])
-        race = self.races[leg.sid] = CatchUpRace(len(leg.prompt))
+        st = self.legs[leg.sid]
+        got = st.rld_tokens
+        race = st.race = CatchUpRace(len(leg.prompt))
 
         def seen(pos: int, tok: int) -> None:
             got.append(tok)
@@ -316,25 +324,27 @@ class VllmCalls:
         try:
             closed = await self._stream(Role.RLD, url, leg.sid, leg.prompt, body, seen)
         except asyncio.CancelledError:
-            mode = self.handoff_mode.get(leg.sid)
+            mode = st.mode
             if mode is not None:  # the handoff closed RLD's stream: it handed the request over
                 await self.r.inbox.put(
                     StreamEnded(leg.sid, Role.RLD, StreamClosed(StreamEnd.HANDED_OFF, mode.value), mode)
                 )
             raise
-        self.rld_closed[leg.sid] = closed
+        st.rld_closed = closed
         await self.r.inbox.put(StreamEnded(leg.sid, Role.RLD, closed))
 
     def _rld_lost(self, sid: str) -> bool:
         """RLD's stream ended without finishing: the machine's RLD-lost row decides (MD takes over
         from the merged position); the handoff must not also report on it."""
-        closed = self.rld_closed.get(sid)
+        st = self.legs.get(sid)
+        closed = st.rld_closed if st is not None else None
         return closed is not None and closed.end is not StreamEnd.FINISHED
 
     # -- the handoff by token ids ----------------------------------------------------------------
 
     async def _handoff(self, sid: str) -> None:
-        leg = self._legs.get(sid)
+        st = self.legs.get(sid)
+        leg = st.leg if st is not None else None
         rld = next(iter(self.r.tasks.running(role=Role.RLD, kinds={TaskKind.STREAM})), None)
         prime = self._prime(sid)
         if prime is not None and rld is not None:
@@ -346,7 +356,7 @@ class VllmCalls:
             # deadline)
             return
         ask = HandoffAsk(
-            generated=len(self.rld_tokens.get(sid, ())),
+            generated=len(st.rld_tokens) if st is not None else 0,
             max_tokens=leg.sampling.max_tokens if leg is not None else 0,
             rld_load=self.b.rld_load(self.r.cluster.rld_active),
             rld_decoding=leg is not None and rld is not None and not rld.done(),
@@ -356,10 +366,9 @@ class VllmCalls:
         if not isinstance(decision, HandoffDecision):
             await self.r.inbox.put(HandoffDone(sid, decision))
             return
-        assert leg is not None and rld is not None
-        mode = decision.mode
-        given = tuple(self.rld_tokens.get(sid, ()))
-        self.handoff_mode[sid] = mode
+        assert st is not None and leg is not None and rld is not None
+        mode = st.mode = decision.mode
+        given = tuple(st.rld_tokens)
         if mode is HandoffMode.ONE_SHOT:
             rld.cancel()  # RLD is aborted at once; MD continues from what it streamed
             self.r.tasks.spawn(TaskKind.EXTEND, Role.MD, sid, self._extend(leg, given, None))
@@ -372,7 +381,9 @@ class VllmCalls:
         # posted from MD's stream at that token, before MD's later tokens reach the inbox: posted by
         # this task instead, it came after them whenever MD's rest arrived in one burst, the run
         # ended first and the trace said no handoff had started although MD made most tokens
-        race = self.races.setdefault(sid, CatchUpRace(len(leg.prompt) + len(given)))
+        if st.race is None:
+            st.race = CatchUpRace(len(leg.prompt) + len(given))
+        race = st.race
         switched = asyncio.get_running_loop().create_future()
 
         def switch() -> None:
