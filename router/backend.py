@@ -26,7 +26,8 @@ import time
 from typing import Any, Protocol
 
 from pddlink.roles import Role
-from pddlink.serving.backlog import POLL_INTERVAL_S, follow_backlog, follow_pool_backlog
+from pddlink.routing import LinkModel
+from pddlink.serving.backlog import watch_backlog
 from pddlink.serving.grpc_tls import open_channel
 from pddlink.serving.pb import pb2, pb2_grpc
 from pddlink.topology import Member
@@ -178,23 +179,22 @@ class GrpcBackend:
         self._tasks = [loop.create_task(m.follow()) for m in self.mirrors.values()]
         topo = self.fleet.topology
         ps, links = topo.members(Role.P), topo.links
+        behind: list[tuple[LinkModel, set[str] | None]]
         if len(ps) == 1 and len(links) == 1:  # P's backlog is toward its one MD datacenter
-            link = self.fleet.links[frozenset((links[0].a, links[0].b))]
-            p = self.stubs[ps[0].name]
-            follow = follow_backlog(p, pb2.StatusRequest(), link, POLL_INTERVAL_S)
+            behind = [(self.fleet.links[frozenset((links[0].a, links[0].b))], None)]
         else:  # each link hears what every P has queued toward the MDs behind it
             behind = [
                 (self.fleet.links[frozenset((k.a, k.b))], {m.instance.identity for m in topo.members(Role.MD)
                                                           if m.datacenter in (k.a, k.b)})
                 for k in links
             ]  # fmt: skip
-            stubs = [self.stubs[p.name] for p in ps]
-            names = [p.name for p in ps]
+        names = [p.name for p in ps]
 
-            def pending(k: int, keys: frozenset[str]) -> None:
-                self.fleet.reported_pending[names[k]] = keys
+        def pending(k: int, keys: frozenset[str]) -> None:
+            self.fleet.reported_pending[names[k]] = keys
 
-            follow = follow_pool_backlog(stubs, pb2.StatusRequest(), behind, POLL_INTERVAL_S, pending)
+        stubs = [self.stubs[name] for name in names]
+        follow = watch_backlog(stubs, pb2.StatusRequest(), behind, pending)
         self._tasks.append(loop.create_task(follow))
         if self.membership is not None:
             self.membership.start()

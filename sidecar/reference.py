@@ -502,6 +502,8 @@ class ReferenceSidecar:
             await self.membership.close()
         if self.sweeper is not None:
             await self.sweeper.close()
+        if self.prefiller is not None:
+            self.prefiller.wan_book.close()  # the routers' WatchWan streams end now, not at the grace
         if self.server is not None:
             await self.server.stop(grace=0.5)
         if self.kv_server is not None:

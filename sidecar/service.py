@@ -15,6 +15,7 @@ from engines_adapter.drc_host import DrcHost
 from pddlink.errors import DeadlineExceeded, InvalidInput, NotFound, PddlinkError
 from pddlink.kv.hashing import HashScheme
 from pddlink.routing.books import RecomputeMode
+from pddlink.serving.backlog import WanBook
 from pddlink.serving.rpc import stubs
 from pddlink.serving.sampling_pb import sampling_from_pb
 from pddlink.serving.stream_pb import WireVersionRefused, answer_to_pb, check_wire_version, event_to_pb
@@ -62,12 +63,14 @@ class SidecarService(pb2_grpc.SidecarServicer):  # type: ignore[misc,name-define
         drc: DrcHost | None = None,
         run_in_engine: Callable[..., Any] | None = None,
         admission: KvAdmission | None = None,
+        wan_book: WanBook | None = None,
     ) -> None:
         self.admission = admission  # RLD: refuse at Attach what its KV pool cannot hold
         self.role, self.peer_id, self.model_id, self.tls_identity = role, peer_id, model_id, tls_identity
         self.status = status
         self.prefiller, self.decoder, self.drc = prefiller, decoder, drc
         self.run_in_engine = run_in_engine
+        self.wan_book = wan_book if wan_book is not None else prefiller.wan_book if prefiller else None
 
     async def Prefill(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         if self.prefiller is None:
@@ -187,3 +190,10 @@ class SidecarService(pb2_grpc.SidecarServicer):  # type: ignore[misc,name-define
 
     async def Status(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         return pb2.StatusReply(json=json.dumps(self.status()))
+
+    async def WatchWan(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
+        if self.wan_book is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"role {self.role} ships nothing over the WAN")
+        assert self.wan_book is not None
+        async for book in self.wan_book.watch():
+            yield pb2.StatusReply(json=json.dumps({"transfers": {"wan": book}}))

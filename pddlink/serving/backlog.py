@@ -5,18 +5,23 @@ its Prefill call arrives (prefilling, reserving at MD), then *shipping* with the
 its transfer (the missing suffix, after MD's reservation answer), and gone when the transfer ends
 (delivered, failed or past its deadline). P's status document carries it (``transfers.wan``).
 
-``follow_backlog`` runs in the router: it reads P's status every ``interval_s`` and hands the book
-to the link model as a ``pddlink.routing.BacklogReport``, so the WAN estimate for a new request
-counts the bytes already ahead of it, not a guess. ``md_miss_label`` names why MD did not get the
+``watch_backlog`` runs in the router: it follows every P's book as P pushes it (``WatchWan``: the
+book now, then on each change and at least every ``HEARTBEAT_S``) and hands it to each link model as
+a ``pddlink.routing.BacklogReport``, so the WAN estimate for a new request counts the bytes already
+ahead of it, whichever router sent them, not a guess. Polling P's whole status every 0.5 s, as the
+router did before, showed another router's transfers late or not at all (most last 0.05-0.5 s), and
+two routers shipped more and relayed less than one (``pddlink demo --routers 2``). A P that does not
+serve ``WatchWan`` (an older one) is polled as before. ``md_miss_label`` names why MD did not get the
 KV: a transfer that lost to its deadline on a loaded line is congestion, not an unreachable MD.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +30,9 @@ import grpc
 from pddlink.routing import BacklogReport, LinkModel
 from pddlink.routing import md_miss_label as md_miss_label  # now pure, in pddlink.routing
 
-POLL_INTERVAL_S = 0.5
+POLL_INTERVAL_S = 0.5  # a P that does not push its book (no ``WatchWan``): its status this often
+HEARTBEAT_S = 0.25  # a pushed book goes out at least this often: the link model's report stays fresh
+RETRY_S = 0.5  # a P's lost stream is opened again after this
 
 
 @dataclass(slots=True)
@@ -35,20 +42,48 @@ class WanBook:
     pending: set[str] = field(default_factory=set)
     shipping: dict[str, int] = field(default_factory=dict)
     to: dict[str, str] = field(default_factory=dict)  # request id -> the MD it goes to (its identity)
+    _watchers: set[asyncio.Event] = field(default_factory=set, repr=False)
+    _closed: bool = False
 
     def will_ship(self, request_id: str, to: str = "") -> None:
         self.pending.add(request_id)
         if to:
             self.to[request_id] = to
+        self._changed()
 
     def started(self, request_id: str, nbytes: int) -> None:
         self.pending.discard(request_id)
         self.shipping[request_id] = nbytes
+        self._changed()
 
     def ended(self, request_id: str) -> None:
         self.pending.discard(request_id)
         self.shipping.pop(request_id, None)
         self.to.pop(request_id, None)
+        self._changed()
+
+    def close(self) -> None:
+        """P is stopping: every ``watch`` ends (after the state it has last sent)."""
+        self._closed = True
+        self._changed()
+
+    def _changed(self) -> None:
+        for ev in self._watchers:
+            ev.set()
+
+    async def watch(self, heartbeat_s: float = HEARTBEAT_S) -> AsyncIterator[dict[str, Any]]:
+        """The book now (``to_json``), then after each change (changes that come while the last
+        state is being sent go out as one) and at least every ``heartbeat_s``, until ``close``."""
+        changed = asyncio.Event()
+        self._watchers.add(changed)
+        try:
+            while not self._closed:
+                changed.clear()
+                yield self.to_json()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(changed.wait(), heartbeat_s)
+        finally:
+            self._watchers.discard(changed)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -83,50 +118,51 @@ def merge_reports(reports: Sequence[BacklogReport], at_s: float) -> BacklogRepor
     return BacklogReport(shipping, frozenset().union(*(r.pending for r in reports)), at_s)
 
 
-async def follow_pool_backlog(
+async def watch_backlog(
     p_stubs: Sequence[Any],
-    status_request: Any,
-    links: Sequence[tuple[LinkModel, Collection[str]]],
-    interval_s: float,
+    request: Any,
+    links: Sequence[tuple[LinkModel, Collection[str] | None]],
     on_pending: Callable[[int, frozenset[str]], None] | None = None,
 ) -> None:
-    """A pool: poll every P's status and give each link model what every P has queued toward the
-    MDs behind that link (``links``: each model with its MDs' identities). ``on_pending``: told,
-    per P (its index in ``p_stubs``), the request keys it holds before shipping (prefilling or
-    reserving), whichever router sent them: what the other routers have queued there."""
-    while True:
-        replies = await asyncio.gather(
-            *(p.Status(status_request, timeout=max(interval_s * 5, 1.0)) for p in p_stubs),
-            return_exceptions=True,
-        )
+    """Follow every P's WAN book and give each link model what every P has queued toward the MDs
+    behind that link (``links``: each model with its MDs' identities; None: every transfer). Each P
+    pushes its book (``WatchWan``); one that does not is polled (``Status``, ``POLL_INTERVAL_S``); a
+    P whose stream or poll fails counts for nothing until it answers again (the link models then
+    count the router's own flows for it). ``on_pending``: told, per P (its index in ``p_stubs``),
+    the request keys it holds before shipping (prefilling or reserving), whichever router sent
+    them: what the other routers have queued there. Runs until cancelled."""
+    books: dict[int, dict[str, Any]] = {}
+
+    def heard(k: int, doc: dict[str, Any]) -> None:
+        books[k] = doc
+        if on_pending is not None:
+            wan = (doc.get("transfers") or {}).get("wan") or {}
+            on_pending(k, frozenset(str(r) for r in wan.get("pending", [])))
         now = time.monotonic()
-        docs = []
-        for k, reply in enumerate(replies):
-            if isinstance(reply, BaseException):
-                continue  # that P restarting: the models count the router's own flows for it
-            try:
-                doc = json.loads(reply.json)
-            except ValueError:
-                continue
-            docs.append(doc)
-            if on_pending is not None:
-                wan = (doc.get("transfers") or {}).get("wan") or {}
-                on_pending(k, frozenset(str(r) for r in wan.get("pending", [])))
         for link, mds in links:
-            reports = [r for doc in docs if (r := report_from_status(doc, now, mds)) is not None]
+            reports = [r for d in books.values() if (r := report_from_status(d, now, mds)) is not None]
             if reports:
                 link.observe_backlog(merge_reports(reports, now))
-        await asyncio.sleep(interval_s)
 
+    async def follow(k: int, stub: Any) -> None:
+        pushed = True
+        while True:
+            try:
+                if pushed:
+                    async for reply in stub.WatchWan(request):
+                        heard(k, json.loads(reply.json))
+                else:
+                    reply = await stub.Status(request, timeout=max(POLL_INTERVAL_S * 5, 1.0))
+                    heard(k, json.loads(reply.json))
+                    await asyncio.sleep(POLL_INTERVAL_S)
+                    continue
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() is grpc.StatusCode.UNIMPLEMENTED:
+                    pushed = False  # an older P: its status, polled
+                    continue
+            except ValueError:
+                pass
+            books.pop(k, None)  # P restarting: until it answers, the router's own flows count for it
+            await asyncio.sleep(RETRY_S)
 
-async def follow_backlog(p_stub: Any, status_request: Any, link: LinkModel, interval_s: float) -> None:
-    """Poll P's status and feed the link model until cancelled; a failed poll is retried."""
-    while True:
-        try:
-            reply = await p_stub.Status(status_request, timeout=max(interval_s * 5, 1.0))
-            report = report_from_status(json.loads(reply.json), time.monotonic())
-            if report is not None:
-                link.observe_backlog(report)
-        except (grpc.aio.AioRpcError, ValueError):
-            pass  # P restarting: the link model falls back to the router's own flows
-        await asyncio.sleep(interval_s)
+    await asyncio.gather(*(follow(k, stub) for k, stub in enumerate(p_stubs)))
