@@ -486,6 +486,7 @@ class ReferenceSidecar:
             drc=self.drc,
             run_in_engine=self.loop.call,
             admission=self.admission,
+            wan_book=self.prefiller.wan_book if self.prefiller is not None else None,
         )
         pb2_grpc.add_SidecarServicer_to_server(service, server)
         ports["grpc_port"] = bind(server, f"{cfg.host}:{cfg.grpc_port}", self.tls)

@@ -70,7 +70,7 @@ class SidecarService(pb2_grpc.SidecarServicer):  # type: ignore[misc,name-define
         self.status = status
         self.prefiller, self.decoder, self.drc = prefiller, decoder, drc
         self.run_in_engine = run_in_engine
-        self.wan_book = wan_book if wan_book is not None else prefiller.wan_book if prefiller else None
+        self.wan_book = wan_book  # P: what it ships over the WAN (``WatchWan`` streams it)
 
     async def Prefill(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         if self.prefiller is None:

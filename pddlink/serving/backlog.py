@@ -144,21 +144,24 @@ async def watch_backlog(
             if reports:
                 link.observe_backlog(merge_reports(reports, now))
 
+    async def pushed(k: int, stub: Any) -> None:
+        async for reply in stub.WatchWan(request):
+            heard(k, json.loads(reply.json))
+
+    async def polled(k: int, stub: Any) -> None:
+        while True:
+            reply = await stub.Status(request, timeout=max(POLL_INTERVAL_S * 5, 1.0))
+            heard(k, json.loads(reply.json))
+            await asyncio.sleep(POLL_INTERVAL_S)
+
     async def follow(k: int, stub: Any) -> None:
-        pushed = True
+        read = pushed
         while True:
             try:
-                if pushed:
-                    async for reply in stub.WatchWan(request):
-                        heard(k, json.loads(reply.json))
-                else:
-                    reply = await stub.Status(request, timeout=max(POLL_INTERVAL_S * 5, 1.0))
-                    heard(k, json.loads(reply.json))
-                    await asyncio.sleep(POLL_INTERVAL_S)
-                    continue
+                await read(k, stub)  # a pushed stream ends when P stops
             except grpc.aio.AioRpcError as exc:
-                if exc.code() is grpc.StatusCode.UNIMPLEMENTED:
-                    pushed = False  # an older P: its status, polled
+                if exc.code() is grpc.StatusCode.UNIMPLEMENTED and read is pushed:
+                    read = polled  # an older P: its status, polled
                     continue
             except ValueError:
                 pass
