@@ -41,7 +41,7 @@ from netlab.profile import parse_profile
 from pddlink.roles import Role
 from pddlink.routing import PlacementPolicy
 from pddlink.serving.http import fetch
-from pddlink.sim.demo_scale import DemoKnobs
+from pddlink.sim.demo_scale import POOLS_RLD_TOKEN_BUDGET, DemoKnobs
 from pddlink.topology import Topology
 
 VOCAB = 2048
@@ -188,12 +188,12 @@ def figures(
 
 
 def simulate(topo: Topology, workload: str | None, requests: int, warmup: int, rate_rps: float, seed: int,
-             policies: list[str]) -> dict[str, Any]:  # fmt: skip
+             policies: list[str], budget: float = POOLS_RLD_TOKEN_BUDGET) -> dict[str, Any]:  # fmt: skip
     from harness.demo_workload import _workload_path
     from pddlink.sim.pools import run_topology
     from pddlink.sim.workload import load_workload
 
-    knobs = DemoKnobs(requests=requests, warmup=warmup, rate_rps=rate_rps, seed=seed)
+    knobs = DemoKnobs(requests=requests, warmup=warmup, rate_rps=rate_rps, seed=seed, rld_token_budget=budget)
     wl = load_workload(_workload_path(workload))
     return run_topology(topo, wl, knobs, [PlacementPolicy(p) for p in policies], per_request=True)
 
@@ -299,6 +299,7 @@ def main(
     seed: int,
     warmup: int,
     policies: list[str] | None = None,
+    rld_token_budget: float = POOLS_RLD_TOKEN_BUDGET,
 ) -> dict[str, Any]:
     policies = list(policies or DEFAULT_POLICIES)
     work = Path(tempfile.mkdtemp(prefix="pddlink-pools-"))
@@ -314,6 +315,7 @@ def main(
     sizes = {r.value: len(topology.members(r)) for r in (Role.P, Role.RLD, Role.MD)}
     links = ", ".join(f"{k.a}-{k.b} {k.line_mbit:g} Mbit/s {k.rtt_ms:g} ms" for k in topology.links)
     say(f"topology {topology_path}: {sizes['p']} P, {sizes['rld']} RLD, {sizes['md']} MD; links {links}")
+    say(f"RLD token budget {rld_token_budget:g}: no new relay while RLD made that share of the recent tokens")
     say(f"workload: {len(reqs)} requests over {reqs[-1].arrival_s:.0f} s after {len(warm)} warm-up requests")
     results: dict[str, list[RequestResult]] = {}
     counters: dict[str, dict[str, dict[str, float]]] = {}
@@ -322,7 +324,10 @@ def main(
     try:
         for policy in policies:
             name = NAMES.get(policy, policy)
-            spec = PoolSpec(work / name, topology, placement=policy, cpus=datacenter_cpus())
+            cpus = datacenter_cpus()
+            spec = PoolSpec(
+                work / name, topology, placement=policy, cpus=cpus, rld_token_budget=rld_token_budget
+            )
             results[name], counters[name] = run_policy(spec, wan, warm, reqs, name)
     finally:
         wan.down()
@@ -330,7 +335,7 @@ def main(
     from harness.cluster import ClusterSpec
 
     reference = reference_tokens(reqs, ClusterSpec(work), work)
-    sim = simulate(topology, workload, requests, warmup, rate_rps, seed, policies)
+    sim = simulate(topology, workload, requests, warmup, rate_rps, seed, policies, rld_token_budget)
     side_by_side = sim_side_by_side(sim, results, work)
     doc: dict[str, Any] = {
         "topology": topology_path,
@@ -343,6 +348,7 @@ def main(
             "warmup": warmup,
             "rate_rps": rate_rps,
             "seed": seed,
+            "rld_token_budget": rld_token_budget,
             "lab_mode": "loopback",
             "work_dir": str(work),
         },

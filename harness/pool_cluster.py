@@ -56,6 +56,7 @@ class PoolSpec:
     recompute: bool = False
     deadline_s: float = 30.0
     wan_links: int = 2  # P's WAN links toward each MD
+    rld_token_budget: float = 1.0  # the routers' (``RouterConfig``; 1: none)
     tls: bool = True
     start_timeout_s: float = 180.0
     routers: int = 1  # replicas over the same topology: router0 (process "router"), router1, ...
@@ -216,6 +217,7 @@ class PoolCluster:
             f"recompute = {'true' if s.recompute else 'false'}",
             "admission = false",
             f"wan_links = {s.wan_links}",
+            *([f"rld_token_budget = {s.rld_token_budget}"] if s.rld_token_budget < 1 else []),
             *self._membership_lines(),
             # every client is 127.0.0.1 here (the demo's, or the load balancer in front)
             "[api]",

@@ -97,6 +97,13 @@ import click
 @click.option("--rtt-ms", default=20.0, show_default=True, help="WAN round-trip time.")
 @click.option("--warmup", default=16, show_default=True, help="Requests replayed first to warm the caches.")
 @click.option(
+    "--rld-token-budget",
+    type=click.FloatRange(min=0, max=1, min_open=True),
+    default=None,
+    help="--topology: no new relay while RLD made this share of the recent output tokens (1: no budget; "
+    "default: 0.25, RLD as the small tier the design sizes it).",
+)
+@click.option(
     "--engine-mode",
     type=click.Choice(["thread", "process"]),
     default="thread",
@@ -154,6 +161,7 @@ def command(
     line_mbit: float,
     rtt_ms: float,
     warmup: int,
+    rld_token_budget: float | None,
     engine_mode: str,
     lab_kind: str,
     engine: str,
@@ -215,7 +223,10 @@ def command(
         _replicas(topology_path, placements, routers, requests, rate_rps, workload, json_path, seed, warmup)
         return
     if topology_path is not None:
-        _pools(topology_path, placements, requests, rate_rps, workload, json_path, plot_path, seed, warmup)
+        _pools(
+            topology_path, placements, requests, rate_rps, workload, json_path, plot_path, seed, warmup,
+            rld_token_budget,
+        )  # fmt: skip
         return
     from harness.demo import main
     from harness.demo_report import Slo
@@ -259,10 +270,12 @@ def _pools(
     plot_path: str | None,
     seed: int,
     warmup: int,
+    rld_token_budget: float | None = None,
 ) -> None:
     """``--topology``: the pools demo (``harness.demo_pools``)."""
     from harness.demo_pools import main
     from pddlink.cli.preflight import check_output_file
+    from pddlink.sim.demo_scale import POOLS_RLD_TOKEN_BUDGET
 
     topology, policies = _topology_and_policies(topology_path, placements)
     if plot_path is None:
@@ -283,6 +296,7 @@ def _pools(
         seed=seed,
         warmup=warmup,
         policies=policies,
+        rld_token_budget=POOLS_RLD_TOKEN_BUDGET if rld_token_budget is None else rld_token_budget,
     )
 
 

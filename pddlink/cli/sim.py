@@ -109,6 +109,12 @@ def _emit(result: dict[str, Any], as_json: bool) -> None:
     show_default=True,
     help="--topology: the placement policy to run (the oracle always runs too).",
 )
+@click.option(
+    "--rld-token-budget",
+    type=click.FloatRange(min=0, max=1, min_open=True),
+    default=None,
+    help="--topology: the router's RLD token budget (1: none; default: the pools demo's, 0.25).",
+)
 @click.option("--rate", type=float, help="Offered load in requests/s (paper scenario).")
 @click.option("--duration", type=float, help="Simulated seconds of traffic (paper scenario).")
 @click.option("--seed", type=int, default=1, show_default=True)
@@ -127,6 +133,7 @@ def group(
     trace_path: Path | None,
     topology_path: Path | None,
     placement: str,
+    rld_token_budget: float | None,
     workload_path: Path,
     rate: float | None,
     duration: float | None,
@@ -146,7 +153,7 @@ def group(
     started = time.perf_counter()
     workload = load_workload(workload_path)
     if topology_path is not None:
-        _run_topology(topology_path, placement, workload, seed, rate, as_json)
+        _run_topology(topology_path, placement, workload, seed, rate, as_json, rld_token_budget)
         return
     sla = _sla(workload, slo_ttft_ms, slo_tpot_ms)
     if scenario == "demo":
@@ -452,9 +459,15 @@ def _run_demo_scale(
 
 
 def _run_topology(
-    path: Path, placement: str, workload: Workload, seed: int, rate: float | None, as_json: bool
+    path: Path,
+    placement: str,
+    workload: Workload,
+    seed: int,
+    rate: float | None,
+    as_json: bool,
+    rld_token_budget: float | None = None,
 ) -> None:
-    from pddlink.sim.demo_scale import DemoKnobs
+    from pddlink.sim.demo_scale import POOLS_RLD_TOKEN_BUDGET, DemoKnobs
     from pddlink.sim.pools import run_topology
     from pddlink.topology import load_topology
 
@@ -462,7 +475,10 @@ def _run_topology(
         topo = load_topology(path)
     except InvalidInput as e:
         raise click.BadParameter(e.message, param_hint="--topology") from None
-    knobs = DemoKnobs(seed=seed) if rate is None else DemoKnobs(seed=seed, rate_rps=rate)
+    budget = POOLS_RLD_TOKEN_BUDGET if rld_token_budget is None else rld_token_budget
+    knobs = DemoKnobs(seed=seed, rld_token_budget=budget)
+    if rate is not None:
+        knobs = replace(knobs, rate_rps=rate)
     policies = list(PlacementPolicy) if placement == "all" else [PlacementPolicy(placement)]
     try:
         result = run_topology(topo, workload, knobs, policies, progress=_log)

@@ -49,6 +49,19 @@ class DemoKnobs:
     # the demo pins MD to CPUs of its own and runs P, RLD and the router on the others
     # (``harness.cluster.datacenter_cpus``): RLD decodes on P's chips
     rld_shares_p_chips: bool = True
+    # RLD's share of the recent output tokens at which no new relay starts (``RoutingPolicy``; 1:
+    # none). The pools (``pddlink demo --topology``) run with ``POOLS_RLD_TOKEN_BUDGET``.
+    rld_token_budget: float = 1.0
+
+
+# The pools demo's RLD budget: RelayDecode is a small tier that hides the few low-hit requests
+# (DESIGN: the published fleet runs 3 RLD GPUs beside 32 MD). The workload's prompts below 0.7
+# hit are 12% of the requests; a relay's tokens are those RLD makes before its handoff, at the
+# pools' short outputs most of them (45 relays of 200 made 21% of the tokens under prefix-aware
+# placement, 2026-12-05). A quarter of the tokens leaves RLD that and a margin, and no more: without
+# a budget, a placement that misses the caches relays its way out of every miss on a tier sized
+# for a few (round robin: 134 relays of 200, 60% of the tokens on the example's 2 RLD).
+POOLS_RLD_TOKEN_BUDGET = 0.25
 
 
 def single_demo_knobs(seed: int = 1) -> DemoKnobs:

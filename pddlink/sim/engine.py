@@ -370,9 +370,9 @@ class Simulation:
             rld_capacity=max(1, self.rld_capacity),
             rld_tpot_s=tpot if math.isfinite(tpot) else 0.03,
         )
-        if d.deadline_s is None and not self.md_lanes:
-            # no deadline, no recompute: ``choose_option`` is exactly ``choose_pipeline`` (a property
-            # test says so), which is cheaper: the calibrated scenarios run millions of these
+        if d.deadline_s is None and not self.md_lanes and policy.rld_token_budget >= 1:
+            # no deadline, no recompute, no RLD budget: ``choose_option`` is exactly ``choose_pipeline``
+            # (a property test says so), which is cheaper: the calibrated scenarios run millions of these
             return _SHIPPING_OPTION[choose_pipeline(routing, policy).pipeline]
         missing = r.prompt_tokens - matched
         p_model, md = self.prefill[0].model, self.decode[i]

@@ -88,6 +88,7 @@ def topology_deployment(topo: Topology, knobs: DemoKnobs, policy: PlacementPolic
         p_cache_blocks=knobs.engine_blocks,
         whole_blocks=True,
         router_loads=True,
+        policy=replace(base.policy, rld_token_budget=knobs.rld_token_budget),
     )
 
 

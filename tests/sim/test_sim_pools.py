@@ -162,3 +162,20 @@ def test_request_rows_and_agreement(result: dict[str, Any]) -> None:
         "hit_abs_diff": round(off, 4),
     }
     assert agreement([], rows)["requests"] == 0
+
+
+def test_an_rld_budget_keeps_a_placement_that_misses_from_relaying_its_way_out() -> None:
+    """RLD is a small tier: under a token budget, round robin (which misses the caches) can no
+    longer relay most requests and ships its large suffixes instead, while prefix-aware placement
+    (which hits) stays below the budget and keeps its first tokens. The simulator's no-deadline
+    shortcut (``choose_pipeline``) knows no budget, so a budget must take ``choose_option``."""
+    topo, workload = load_topology(EXAMPLE), load_workload(DEFAULT_WORKLOAD)
+    policies = [PlacementPolicy.PREFIX_AWARE, PlacementPolicy.ROUND_ROBIN]
+    free = run_topology(topo, workload, replace(KNOBS, rld_token_budget=1.0), policies)["policies"]
+    held = run_topology(topo, workload, replace(KNOBS, rld_token_budget=0.25), policies)["policies"]
+    assert free["round_robin"]["rld_token_share"] > 0.3  # unbounded, round robin relays its misses
+    assert held["round_robin"]["rld_token_share"] < free["round_robin"]["rld_token_share"] - 0.05
+    assert held["prefix_aware"]["rld_token_share"] < 0.25
+    assert held["prefix_aware"]["ttft_s"] == free["prefix_aware"]["ttft_s"]  # the budget never bit
+    assert held["round_robin"]["ttft_s"]["p90"] > free["round_robin"]["ttft_s"]["p90"]
+    assert held["prefix_aware"]["ttft_s"]["p90"] < held["round_robin"]["ttft_s"]["p90"]
