@@ -2,7 +2,7 @@
 
 ``AdapterBridge(engine, max_batch, drc_blocks)`` holds an ``EngineAdapter`` (in this process, or a
 ``RemoteEngine`` whose process the daemon started) and the ``EngineLoop`` every call goes through;
-with ``drc_blocks`` (MD) the engine's prefix cache as a DRC (``DrcHost``) of that many blocks.
+with ``drc_blocks`` (MD, P) the engine's prefix cache as a DRC (``DrcHost``) of that many blocks.
 Lifecycle: ``start()`` inside the event loop (the worker thread, the batched decode), the role
 logic calls ``loop.call(...)`` and ``loop.decode_in_batch(...)``, ``close()`` last. ``health()``:
 an engine in another process that is gone says so; one in this process serves while the sidecar

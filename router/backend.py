@@ -88,11 +88,14 @@ class GrpcBackend:
         self.stubs = {name: pb2_grpc.SidecarStub(ch) for name, ch in self.channels.items()}
         self.health.watch(self.channels)
         self.mirrors = {m.name: MirrorFollower(self.stubs[m.name]) for m in topo.members(Role.MD)}
+        # each P's own prefix cache (reference P publishes it too): placement prefers the P holding a prompt
+        self.p_mirrors = {m.name: MirrorFollower(self.stubs[m.name]) for m in topo.members(Role.P)}
         self.fleet = Fleet(
             topo,
             policy=cfg.placement_policy,
             usable=self.health.usable,
             mirrors=self.mirrors,
+            p_mirrors=self.p_mirrors,
             kv_bytes_per_token=cfg.kv_bytes_per_token,
             wan_links=cfg.wan_links,
             p_prefill_tokens_per_s=cfg.p_prefill_tokens_per_s,
@@ -116,10 +119,10 @@ class GrpcBackend:
 
     def add_instance(self, m: Member) -> None:
         """``m`` joins: a channel of its own (its identity checked by mTLS on connect), its health
-        followed, for an MD its own DRC mirror; then placement may choose it."""
+        followed, for an MD or a P its own DRC mirror; then placement may choose it."""
         channel = self._channel(m)  # lazy: nothing is dialled yet
         stub = pb2_grpc.SidecarStub(channel)
-        mirror = MirrorFollower(stub) if m.role is Role.MD else None
+        mirror = MirrorFollower(stub) if m.role in (Role.MD, Role.P) else None
         loop = asyncio.get_running_loop()
         try:
             self.fleet.add(m.instance, m.datacenter, mirror)  # InvalidInput: the topology cannot hold it
@@ -129,7 +132,7 @@ class GrpcBackend:
         self.channels[m.name], self.stubs[m.name] = channel, stub
         self.health.add(m.name, channel)
         if mirror is not None:
-            self.mirrors[m.name] = mirror
+            (self.p_mirrors if m.role is Role.P else self.mirrors)[m.name] = mirror
             self._followers[m.name] = loop.create_task(mirror.follow())
 
     async def remove_instance(self, name: str) -> None:
@@ -137,6 +140,7 @@ class GrpcBackend:
         had its deadline (a request placed there ends on its own)."""
         self.fleet.remove(name, time.monotonic())
         self.mirrors.pop(name, None)
+        self.p_mirrors.pop(name, None)
         follower = self._followers.pop(name, None)
         if follower is not None:
             follower.cancel()
@@ -176,7 +180,8 @@ class GrpcBackend:
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         self.health.start()
-        self._tasks = [loop.create_task(m.follow()) for m in self.mirrors.values()]
+        followed = [*self.mirrors.values(), *self.p_mirrors.values()]
+        self._tasks = [loop.create_task(m.follow()) for m in followed]
         topo = self.fleet.topology
         ps, links = topo.members(Role.P), topo.links
         behind: list[tuple[LinkModel, set[str] | None]]
@@ -218,8 +223,10 @@ class GrpcBackend:
             by_role = {m.role.value: m.name for m in self.fleet.members.values()}
             out["roles"] = {role: health[name] for role, name in by_role.items()}
             out["drc_mirror"] = self.mirrors[by_role["md"]].status(now)
+            out["p_mirror"] = self.p_mirrors[by_role["p"]].status(now)
         else:
             out["drc_mirrors"] = {name: m.status(now) for name, m in self.mirrors.items()}
+            out["p_mirrors"] = {name: m.status(now) for name, m in self.p_mirrors.items()}
         if self.membership is not None:
             out["membership"] = self.membership.status()
         return out

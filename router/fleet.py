@@ -1,7 +1,8 @@
 """The router's fleet: every instance of the topology (``pddlink.topology``) with its health, drain
-and load, each MD's own DRC mirror, and one link model per WAN link; ``place(prompt, now)`` turns
-them into the snapshots ``pddlink.routing.place`` takes (the function the simulator runs) and
-answers a ``Route``: the P, MD and RLD one request goes to, the MD's matched prefix and the link.
+and load, each MD's own DRC mirror (and each P's, where P publishes one), and one link model per
+WAN link; ``place(prompt, now)`` turns them into the snapshots ``pddlink.routing.place`` takes (the
+function the simulator runs) and answers a ``Route``: the P, MD and RLD one request goes to, the
+MD's matched prefix and the link.
 
 Health comes from outside (``usable(name)``: the backend's per-instance channel watch,
 ``router.role_health``); the fleet adds what only the router knows: instances an operator drained
@@ -94,11 +95,13 @@ class Fleet:
         kv_bytes_per_token: int,
         wan_links: int,
         p_prefill_tokens_per_s: float,
+        p_mirrors: Mapping[str, MirrorView] | None = None,
     ) -> None:
         self.topology = topology
         self.members = {m.name: m for m in topology.members()}
         self.healthy = usable
-        self.mirrors = dict(mirrors)
+        self.mirrors = dict(mirrors)  # MD's
+        self.p_mirrors = dict(p_mirrors or {})  # P's own prefix caches (none known: P's match unknown)
         self.kv_bytes_per_token = kv_bytes_per_token
         self.config = PlacementConfig(policy=policy)
         self.memory = PlacementMemory()
@@ -210,6 +213,7 @@ class Fleet:
         self._was_in[name] = False
         del self.members[name]
         self.mirrors.pop(name, None)
+        self.p_mirrors.pop(name, None)
         self.drained.discard(name)
         if m.role is Role.MD:
             self.memory.forget(name)
@@ -217,7 +221,7 @@ class Fleet:
     def _enter(self, m: Member, mirror: MirrorView | None) -> None:
         self.members[m.name] = m
         if mirror is not None:
-            self.mirrors[m.name] = mirror
+            (self.p_mirrors if m.role is Role.P else self.mirrors)[m.name] = mirror
         if m.role is Role.P:
             self.p_books[m.name] = PrefillBook(self.p_prefill_tokens_per_s)
         self.stalls[m.name] = StallBreaker()
@@ -309,9 +313,16 @@ class Fleet:
         lost one), as if unhealthy."""
         block = self.block_tokens()
         matched = {name: min(m.matched_tokens(prompt), len(prompt)) for name, m in self.mirrors.items()}
+        # P's matches count only when every P's mirror is synced: an estimate that knew one P's cache
+        # and guessed another's (P taken to lack what MD lacks) would favour the guess
+        p_held = (
+            {name: min(m.matched_tokens(prompt), len(prompt)) // block for name, m in self.p_mirrors.items()}
+            if self.p_mirrors and all(m.block_tokens() is not None for m in self.p_mirrors.values())
+            else {}
+        )
         hashes = BlockHasher("router-placement", block).hash_blocks(list(prompt))
         request = PlacementRequest(len(prompt), block, self.kv_bytes_per_token, tuple(hashes))
-        fleet = self.view(matched, block, now)
+        fleet = self.view(matched, block, now, p_held)
         if avoid:
             fleet = _without(fleet, avoid)
         placed = place(request, fleet, self.config, self.memory)
@@ -354,15 +365,22 @@ class Fleet:
         others = sum(1 for rid in self.reported_pending.get(p, ()) if not rid.startswith(mine))
         return others * self.mean_prompt_tokens
 
-    def view(self, matched: Mapping[str, int], block: int, now: float) -> FleetView:
-        """The snapshots placement reads, as this router sees the fleet now."""
+    def view(
+        self, matched: Mapping[str, int], block: int, now: float, p_held: Mapping[str, int] | None = None
+    ) -> FleetView:
+        """The snapshots placement reads, as this router sees the fleet now (``p_held``: blocks of
+        the prompt each P's own cache holds, where its mirror is synced)."""
+        p_held = p_held or {}
         ps, rlds, mds = [], [], []
         self.turn += 1  # ties between P (and RLD) instances go round: see ``_turned``
         for m in _turned(self.topology.members(Role.P), self.turn):
             book = self.p_books[m.name]
             ok = self.in_placement(m.name, now)
             queue_s = book.queue_s() + self.others_queued_tokens(m.name) / book.tokens_per_s
-            ps.append(PSnapshot(m.name, m.datacenter, queue_s, book.tokens_per_s, healthy=ok))
+            held = p_held.get(m.name)
+            ps.append(
+                PSnapshot(m.name, m.datacenter, queue_s, book.tokens_per_s, healthy=ok, matched_blocks=held)
+            )
         for m in _turned(self.topology.members(Role.RLD), self.turn):
             ok = self.in_placement(m.name, now)
             rlds.append(RldSnapshot(m.name, m.datacenter, self.running[m.name], healthy=ok))
@@ -428,7 +446,7 @@ class Fleet:
         }
         if inst.api_url:
             out["api_url"] = inst.api_url
-        mirror = self.mirrors.get(name)
+        mirror = self.mirrors.get(name) or self.p_mirrors.get(name)
         if mirror is not None:
             out["mirror_blocks"] = mirror.blocks()
         out["breaks"] = self.stalls[name].stalls  # stalled or failed a request

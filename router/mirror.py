@@ -1,6 +1,9 @@
 """The router's DRC mirrors: each follows one MD instance's own DRC event stream (one
 ``MirrorFollower`` per MD of the topology) so that per-request choices read a local copy
-(``Mirror``) and never wait on any MD.
+(``Mirror``) and never wait on any MD. A reference P publishes its own prefix cache the same way,
+and the router follows each P too (placement prefers the P that holds a prompt); a P that answers
+``UNIMPLEMENTED`` (an older one) is asked again every ``UNIMPLEMENTED_RETRY_S``, its mirror empty
+and its match unknown meanwhile (``block_tokens()`` None).
 
 The first message of each stream is a snapshot (it also gives the block size and the hash root);
 events follow. A gap the mirror cannot bridge, or MD going away, ends the stream; the follower
@@ -31,6 +34,7 @@ from pddlink.kv.hashing import BlockHasher
 from pddlink.serving.pb import pb2
 
 RECONNECT_S = 0.5
+UNIMPLEMENTED_RETRY_S = 30.0  # a sidecar without a DRC (an older P): ask again this seldom
 PUBLISHER_BOUND_S = 5.0  # no KV-event publisher connected this long: the mirror is broken
 _NO_TOPIC = b"pddlink-probe: no topic"  # the probe's subscription: the publisher sends it nothing
 
@@ -52,6 +56,8 @@ class MirrorFollower:
                         break  # reconnect: the first message of a new stream is a snapshot
             except grpc.aio.AioRpcError as exc:  # MD restarting or unreachable: follow again shortly
                 self.last_error = f"{exc.code().name}: {exc.details()}"
+                if exc.code() is grpc.StatusCode.UNIMPLEMENTED:
+                    await asyncio.sleep(UNIMPLEMENTED_RETRY_S)
             await asyncio.sleep(RECONNECT_S)
 
     def _apply(self, batch: Any, now: float) -> None:
@@ -74,7 +80,7 @@ class MirrorFollower:
         return len(self.mirror)
 
     def block_tokens(self) -> int | None:
-        """MD's block size (from its first snapshot; None before)."""
+        """The instance's block size (from its first snapshot; None before)."""
         return None if self.hasher is None else self.hasher.block_size
 
     def status(self, now: float) -> dict[str, Any]:

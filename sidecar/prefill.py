@@ -5,7 +5,8 @@ One ``Prefill`` call (router -> P)::
 
     reserve at MD (its DRC pins the cached prefix; the answer decides what travels)  } concurrently
     prefill on the engine (reusing P's own prefix cache)                              }
-    export KV, release the request on P (its full blocks stay in P's prefix cache)
+    export KV, release the request on P (its full blocks stay in P's prefix cache, and P's DRC
+    publishes them to the routers' mirrors of P)
     ship: fast path -> RLD, then P's first token to RLD          } concurrently
           WAN -> MD (blocks from MD's cached length on)           }
           then P's first token to MD when the pipeline is P->MD   }
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engines_adapter import KVBlocks, SamplingParams, StepOutput
+from engines_adapter.drc_host import DrcHost
 from engines_adapter.engine_loop import EngineLoop
 from pddlink import metrics
 from pddlink.errors import DeadlineExceeded, ErrorCode, PddlinkError, Unavailable
@@ -82,10 +84,13 @@ class Prefiller:
         wan_codec: WanCodec | None = None,
         md_routes: dict[str, MdRoute] | None = None,
         rld_routes: dict[str, RldRoute] | None = None,
+        drc: DrcHost | None = None,
     ) -> None:
         """``md_kv``/``md`` and ``rld_kv``/``rld``: the configured peers (a request that names none);
-        ``md_routes``/``rld_routes``: every other instance by its identity (a topology's pools)."""
+        ``md_routes``/``rld_routes``: every other instance by its identity (a topology's pools);
+        ``drc``: P's own prefix cache as a DRC, told each prompt P now holds."""
         self.loop = loop
+        self.drc = drc
         self.wan_codec = wan_codec or WanCodec("raw")
         self.md_kv, self.md, self.rld_kv, self.rld = md_kv, md, rld_kv, rld
         self.md_routes, self.rld_routes = dict(md_routes or {}), dict(rld_routes or {})
@@ -171,7 +176,17 @@ class Prefiller:
             finally:
                 await self._release(rid)
         reply["prefill_seconds"] = time.perf_counter() - t0
+        if self.drc is not None:  # the prompt's full blocks stay in P's cache: tell the mirrors
+            task = asyncio.ensure_future(self._cached(self.drc, prompt))  # not before the KV ships
+            self._releasing.add(task)
+            task.add_done_callback(self._releasing.discard)
         return first, kv
+
+    async def _cached(self, drc: DrcHost, prompt: list[int]) -> None:
+        try:
+            drc.publish(await self.loop.call("drc", drc.insert, prompt))
+        except (PddlinkError, TimeoutError) as exc:  # the engine is gone: the sidecar stops anyway
+            log.info("P's DRC: %s", exc)
 
     async def _release(self, request_id: str) -> None:
         """Release ``request_id`` on the engine, to the end even when the caller is cancelled (the

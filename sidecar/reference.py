@@ -1,6 +1,8 @@
 """The role logic beside an engine the sidecar drives (``engine = "reference"``; the program is
 ``sidecar.daemon``): P's prefiller with its WAN pools and fast paths, RLD's and MD's decoder, the
-KV transport server (RLD, MD), MD's DRC answering P's reservations, and the gRPC Sidecar service
+KV transport server (RLD, MD), MD's DRC answering P's reservations, P's DRC telling routers what its
+prefix cache holds (``DrcEvents``, as MD's does: placement prefers the P that holds a prompt), and
+the gRPC Sidecar service
 (TLS 1.3, mutual, when ``tls_dir`` is set: see ``pddlink.serving.grpc_tls``), all over one
 ``AdapterBridge`` (the engine and the loop its calls go through; ``engines_adapter.adapter_bridge``).
 
@@ -18,7 +20,7 @@ anything else starts, and is stopped after everything else; the role logic sees 
 ``EngineAdapter`` either way (``RemoteEngine``), driven by the same ``EngineLoop``.
 
 Admin endpoints of its own (the daemon serves the common ones): /drc/stats (JSON), /drc/snapshot
-(bytes), POST /drc/match on MD.
+(bytes), POST /drc/match, on MD and P.
 """
 
 from __future__ import annotations
@@ -98,8 +100,11 @@ def _handoff_sender(md: DecoderPeer) -> Callable[[bytes, float], Awaitable[int]]
 
 def adapter_bridge(cfg: SidecarConfig, engine: EngineAdapter | None = None) -> AdapterBridge:
     """The bridge to this sidecar's engine (built here unless given: a child process's); on MD
-    with the engine's prefix cache as a DRC of three quarters of its pool."""
-    drc_blocks = cfg.engine.num_blocks * 3 // 4 if cfg.role == Role.MD.value else None
+    with the engine's prefix cache as a DRC of three quarters of its pool (the rest holds what P's
+    reservations pin and what MD decodes); on P as a DRC of all of it (nothing is pinned there: the
+    pool's own LRU evicts, and the DRC forgets what it evicted), which routers mirror."""
+    blocks = cfg.engine.num_blocks
+    drc_blocks = {Role.MD.value: blocks * 3 // 4, Role.P.value: blocks}.get(cfg.role)
     return AdapterBridge(
         engine if engine is not None else build_engine(cfg), cfg.decode.max_batch, drc_blocks
     )
@@ -204,6 +209,7 @@ class ReferenceSidecar:
             ),
             md_routes=md_routes,
             rld_routes=rld_routes,
+            drc=self.drc,
         )
 
     def _fleet_peers(self, role: Role) -> list[tuple[PeerIdentity, str, str]]:

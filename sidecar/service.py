@@ -161,7 +161,7 @@ class SidecarService(pb2_grpc.SidecarServicer):  # type: ignore[misc,name-define
         self, request: Any, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[Any]:
         if self.drc is None or self.run_in_engine is None:
-            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "only MD holds a DRC")
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"role {self.role} holds no DRC")
         assert self.drc is not None and self.run_in_engine is not None
         snapshot = await self.run_in_engine("drc", self.drc.snapshot)
         queue = self.drc.subscribe()

@@ -9,10 +9,16 @@ snapshot: an unhealthy or draining instance is never chosen; a role with none le
 ``PlacementRefusal`` (an RLD is optional: ``Placement.rld`` is None and the request cannot relay).
 
 Policies (``PlacementPolicy``) choose the MD; P then goes to the one that reaches it first (its
-datacenter's least-queued P) and RLD to the least loaded beside that P, in every policy:
+datacenter's least-queued P; with ``prefix_aware``, whichever P of any datacenter gives the least
+estimated TTFT, its own prefix cache counted when its mirror is known) and RLD to the least loaded
+beside that P, in every policy:
 
-- ``prefix_aware`` (default): the least estimated TTFT, ``P queue + P prefill of the missing suffix
-  + WAN time of that suffix over this MD's link with its backlog + MD wait``; MD wait is
+- ``prefix_aware`` (default): the least estimated TTFT over every (MD, P) pair, ``P queue + P
+  prefill of what P lacks (``PSnapshot.matched_blocks``; unknown: what MD lacks) + WAN time of the
+  suffix MD lacks over this MD's link with its backlog + MD wait``, as Dynamo's KV router scores
+  prefill workers by their overlap: a P that holds the prompt prefills a few tokens where another
+  prefills it all (the simulator's pools demo: TTFT P50 0.107 -> 0.091 s, P90 0.291 -> 0.216 s,
+  2026-12-05); MD wait is
   ``md_wait_s_per_waiting`` per waiting request (0 by default: the balance limits below do the
   load's work, as the calibrated simulator runs them). Ties go to the least loaded MD; ties in load
   too rotate (with a ``PlacementMemory``; else the first). Without the rotation a new prefix (no MD
@@ -76,6 +82,9 @@ class PSnapshot:
     prefill_tokens_per_s: float | None = None  # None: prefill time left out of the estimate
     healthy: bool = True
     draining: bool = False
+    # of this prompt, in this P's own prefix cache (its DRC mirror); None: unknown, and P is taken
+    # to prefill what the MD lacks
+    matched_blocks: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,17 +249,22 @@ def place(
     """Place one request (see the module docstring). ``memory`` is required for ``round_robin``
     and ``prefix_hash``, which update it."""
     config = config or PlacementConfig()
+    policy = config.policy
     p_by_dc = _best_p_per_datacenter(fleet.p)
     if not p_by_dc:
         return PlacementRefusal(RefusalReason.NO_P, "no healthy, undrained P instance")
     live = [m for m in fleet.md if m.healthy and not m.draining]
     if not live:
         return PlacementRefusal(RefusalReason.NO_MD, "no healthy, undrained MD instance")
-    routes = [(m, _routes(m, p_by_dc, fleet)) for m in live]
+    ps = (
+        [p for p in fleet.p if p.healthy and not p.draining]
+        if policy is PlacementPolicy.PREFIX_AWARE
+        else list(p_by_dc.values())
+    )
+    routes = [(m, _routes(m, ps, fleet)) for m in live]
     reachable = [(m, r) for m, r in routes if r]
     if not reachable:
         return PlacementRefusal(RefusalReason.NO_ROUTE, "no healthy P's datacenter has a link to a live MD")
-    policy = config.policy
     if policy is PlacementPolicy.ORACLE:
         return _oracle(request, reachable, fleet, config)
     if policy is PlacementPolicy.ROUND_ROBIN:
@@ -287,9 +301,10 @@ def _best_p_per_datacenter(ps: Sequence[PSnapshot]) -> dict[str, PSnapshot]:
     return best
 
 
-def _routes(md: MdSnapshot, p_by_dc: dict[str, PSnapshot], fleet: FleetView) -> list[Route]:
+def _routes(md: MdSnapshot, ps: Sequence[PSnapshot], fleet: FleetView) -> list[Route]:
     out: list[Route] = []
-    for dc, p in p_by_dc.items():
+    for p in ps:
+        dc = p.datacenter
         if dc == md.datacenter:
             out.append((p, None))
         else:
@@ -326,7 +341,8 @@ def _ttft(
     missing = request.prompt_tokens - request.matched_tokens(blocks)
     t = p.queue_s + md.waiting_requests * config.md_wait_s_per_waiting
     if p.prefill_tokens_per_s:
-        t += missing / p.prefill_tokens_per_s
+        p_has = blocks if p.matched_blocks is None else p.matched_blocks
+        t += (request.prompt_tokens - request.matched_tokens(p_has)) / p.prefill_tokens_per_s
     if link is not None:
         t += link.transfer_s(missing * request.kv_bytes_per_token)
     return t

@@ -233,9 +233,11 @@ class Simulation:
         """The router's ``place`` on this instant's state: every P's backlog, every decode
         instance's match in its own DRC, its load and step time, each site's line estimate."""
         d, cap = self.d, self.d.balance_tpot_s
+        p_held: list[int | None] = [c.matched_blocks(hashes) for c in self.p_caches]
+        p_held = p_held or [None] * len(self.prefill)  # no P caches modelled: unknown
         ps = [
-            PSnapshot(p.name, self._p_dc, p.backlog_s(now), rate)
-            for p, rate in zip(self.prefill, self._p_rate, strict=True)
+            PSnapshot(p.name, self._p_dc, p.backlog_s(now), rate, matched_blocks=held)
+            for p, rate, held in zip(self.prefill, self._p_rate, p_held, strict=True)
         ]
         self._turn += 1
         k = self._turn % len(ps)

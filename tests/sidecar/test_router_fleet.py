@@ -255,3 +255,37 @@ def test_an_md_back_in_placement_gets_the_next_request_once() -> None:
     probe = fleet.place(PROMPT, 0.2)
     assert probe.md.name == "md-b0" and probe.reason == "rejoin_probe"
     assert fleet.place(PROMPT, 0.3).md.name != "md-b0"  # once
+
+
+def test_placement_reads_each_ps_own_mirror_once_it_is_synced() -> None:
+    """A P whose mirror holds the prompt gets it over an idle P that holds nothing; a P mirror not
+    synced yet (``block_tokens`` None: an older P, or before its first snapshot) counts as unknown,
+    so placement falls back to the least-queued P."""
+
+    class Unsynced(FakeMirror):
+        def block_tokens(self) -> int | None:
+            return None
+
+    topo = load_topology(EXAMPLE)
+    mirrors = {m.name: FakeMirror(160) for m in topo.members(Role.MD)}
+    p_mirrors = {"p-a0": FakeMirror(0), "p-a1": FakeMirror(160)}
+    fleet = Fleet(
+        topo,
+        policy=PlacementPolicy.PREFIX_AWARE,
+        usable=lambda name: True,
+        mirrors=mirrors,
+        p_mirrors=p_mirrors,
+        kv_bytes_per_token=2048,
+        wan_links=4,
+        p_prefill_tokens_per_s=3300.0,
+    )
+    assert {fleet.place(PROMPT, now=0.1 * k).p.name for k in range(4)} == {"p-a1"}  # every time
+    view = fleet.view({}, 16, 1.0, {"p-a0": 0, "p-a1": 10})
+    assert {s.name: s.matched_blocks for s in view.p} == {"p-a0": 0, "p-a1": 10}
+    fleet.p_mirrors = {"p-a0": FakeMirror(0), "p-a1": Unsynced(160)}
+    assert {fleet.place(PROMPT, now=2.0 + 0.1 * k).p.name for k in range(4)} == {
+        "p-a0",
+        "p-a1",
+    }  # ties go round
+    status = fleet.status(3.0, {})["datacenters"][0]["p"]
+    assert [p.get("mirror_blocks") for p in status] == [0, 10]

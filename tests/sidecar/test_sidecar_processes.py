@@ -102,7 +102,13 @@ def test_admin_endpoints_and_metrics(cluster: Cluster) -> None:
     assert fetch(md, "POST", "/drc/match", b'{"tokens": "x"}')[0] == 400
     status, snap = fetch(md, "GET", "/drc/snapshot")
     assert status == 200 and len(snap) > 32
-    assert fetch("unix:" + cluster.admin_socket("p"), "GET", "/drc/stats")[0] == 404
+    # P's own prefix cache is a DRC too: it holds the prompts it prefilled, and the router mirrors it
+    p = "unix:" + cluster.admin_socket("p")
+    status, body = fetch(p, "POST", "/drc/match", json.dumps({"tokens": prompt}).encode())
+    assert status == 200 and json.loads(body)["matched_tokens"] == len(prompt) // 16 * 16
+    assert fetch("unix:" + cluster.admin_socket("rld"), "GET", "/drc/stats")[0] == 404
+    status, body = fetch("unix:" + cluster.router_unix, "GET", "/status")
+    assert status == 200 and json.loads(body)["p_mirror"]["blocks"] >= len(prompt) // 16
 
     families: dict[str, set[tuple[tuple[str, str], ...]]] = {}
     for sock in (
