@@ -74,6 +74,7 @@ class PoolCluster:
         self.spec, self.wan = spec, wan
         spec.run_dir.mkdir(parents=True, exist_ok=True)
         self.members = {m.name: m for m in spec.topology.members()}
+        self.added: dict[str, Role] = {}  # sidecars started at run time (``add_sidecar``), by role
         self.ports = {name: (free_port(), free_port()) for name in self.members}  # (grpc, kv)
         if spec.routers < 1:
             raise ClusterError(f"routers: at least 1, got {spec.routers}")
@@ -194,6 +195,7 @@ class PoolCluster:
         ]
         lines += self._membership_lines(datacenter)
         (s.run_dir / f"{name}.toml").write_text("\n".join(lines) + "\n")
+        self.added[name] = role
         self._launch(name)
         self._wait_ready([name])
 
@@ -229,13 +231,16 @@ class PoolCluster:
     # -- processes -------------------------------------------------------------------------------
 
     def _launch(self, name: str) -> None:
+        """Start (or start again) ``name``: a router, a sidecar of the topology or one added at run
+        time (``add_sidecar``: the topology's members do not list it)."""
         log = open(self.spec.run_dir / f"{name}.log", "a")  # noqa: SIM115 (closed in stop())
         self.logs[name] = log
         what = "router" if name in self.router_names else "sidecar"
         config = str(self.spec.run_dir / f"{name}.toml")
         argv = [sys.executable, "-m", "pddlink.cli.main", what, "--config", config]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        cpus = dict(self.spec.cpus).get(what if what == "router" else self.members[name].role.value)
+        role = None if what == "router" else (self.added.get(name) or self.members[name].role)
+        cpus = dict(self.spec.cpus).get("router" if role is None else role.value)
         argv = ["taskset", "-c", cpus, *argv] if cpus else argv
         self.procs[name] = subprocess.Popen(
             argv, stdout=subprocess.PIPE, stderr=log, text=True, env=env, start_new_session=True

@@ -6,7 +6,9 @@ instance, mutual TLS, every WAN link a netlab loopback relay of its rate and RTT
 ``[api]`` has the tiny model's tokenizer and an API key) and takes the same requests:
 ``vllm bench serve --backend openai`` (in-process, ``vllm.benchmarks.serve``), dataset
 ``prefix_repetition`` with one seed (shared prefixes, shuffled: what a prefix-aware placement is
-for), Poisson arrivals at ``--request-rate`` under ``--max-concurrency``, ``--ignore-eos``.
+for), Poisson arrivals at ``--request-rate`` under ``--max-concurrency``, ``--ignore-eos``. The
+routers hold RLD to the pools demo's token budget (``POOLS_RLD_TOKEN_BUDGET``), as
+``pddlink demo --topology`` does.
 
 Per policy: the client's completed/failed counts and TTFT/TPOT/ITL percentiles (ms), and what the
 pools did with the load: KV bytes each WAN link carried and each MD's DRC hit (blocks found over
@@ -40,6 +42,7 @@ from harness.vllm_serve_bench import (
     ratios,
 )
 from pddlink.roles import Role
+from pddlink.sim.demo_scale import POOLS_RLD_TOKEN_BUDGET
 from pddlink.topology import Topology
 
 POLICIES = ("prefix_aware", "round_robin", "prefix_hash")
@@ -141,7 +144,10 @@ def run(spec: PoolsBenchSpec, topology: Topology, topology_path: str) -> dict[st
     wan = LoopbackWan(topology, f"pb{os.getpid() % 100000}")
     try:
         for policy in spec.policies:
-            pool = PoolSpec(root / policy, topology, placement=policy, cpus=datacenter_cpus(), api=api)
+            pool = PoolSpec(
+                root / policy, topology, placement=policy, cpus=datacenter_cpus(), api=api,
+                rld_token_budget=POOLS_RLD_TOKEN_BUDGET,
+            )  # fmt: skip
             runs[NAMES.get(policy, policy)] = run_policy(spec, pool, wan, model, key)
     finally:
         wan.down()
