@@ -153,7 +153,10 @@ def test_rld_on_ps_chips_decodes_slower_while_p_prefills() -> None:
     requests = demo_traffic(trace, OVERLOAD_KNOBS)
     relay_only = replace(shared[1], name="relay", tpot_bound_s=None, ttft_deadline_s=None, deadline_s=None)
     relay_only = replace(
-        relay_only, policy=replace(relay_only.policy, recompute_enabled=False, relay_min_wan_s=0.0)
+        relay_only,
+        # no budget either: the simulator held the bounded policy's RLD budget (0.08) only once its
+        # no-deadline shortcut stopped ignoring budgets
+        policy=replace(relay_only.policy, recompute_enabled=False, relay_min_wan_s=0.0, rld_token_budget=1.0),
     )
     speeds = {}
     for name, d in (("shared", relay_only), ("apart", replace(relay_only, rld_shares_p_chips=False))):
