@@ -10,8 +10,13 @@ md_kill_rescued_share  of the requests in flight when the MD was killed that had
                        share that finished with their final MD another one. Not needing it: a
                        relayed request RLD finished alone as relayed runs do when the output ends
                        before the handoff (no MD token, no fallback, no move): the kill took
-                       nothing from it (``rld_alone``, counted apart). ``md_kill_strict_share``:
-                       the same share with those counted as not rescued;
+                       nothing from it (``rld_alone``, counted apart); nor from a request whose
+                       last token the killed MD itself sent, ending within ``KILL_REACH_S`` of the
+                       kill with no fallback and no move (``done_before_kill``, counted apart: a
+                       SIGKILLed process sends nothing, so that token left before the signal
+                       landed; one run saw a request end 7 ms after the kill this way and counted
+                       it not rescued). ``md_kill_strict_share``: the same share with both counted
+                       as not rescued;
                        ``md_kill_finished_share``: the share that finished at all
 p_kill_rescued_share   of those in flight on the killed P, the share that finished (a request
                        whose prefill was done needs P no longer; the others must move to the other
@@ -30,6 +35,7 @@ from harness.chaos.invariants import FaultRecord, failure_reasons
 from harness.chaos.load import StreamResult
 
 DRAIN_SETTLE_S = 0.5  # a request placed this soon after the drain began was placed before it
+KILL_REACH_S = 0.25  # a token the killed MD sent just before the signal reaches the client this late
 
 
 def history(trace: dict[str, Any], role: str) -> list[str]:
@@ -64,17 +70,33 @@ def rld_alone(r: StreamResult) -> bool:
     )
 
 
+def done_before_kill(r: StreamResult, fault: FaultRecord) -> bool:
+    """A request the killed MD itself finished: its last token came from that MD (no fallback, no
+    move) and reached the client within ``KILL_REACH_S`` of the kill."""
+    t = r.trace
+    return (
+        r.outcome == "finished"
+        and final(r, "md") == fault.target
+        and bool(r.sources.get("md"))
+        and not t.get("fallbacks")
+        and not (t.get("placement") or {}).get("moved")
+        and r.ended_s <= fault.start_s + KILL_REACH_S
+    )
+
+
 def kill_share(results: Sequence[StreamResult], fault: FaultRecord, role: str) -> dict[str, Any]:
     """The killed instance's in-flight requests and how they ended (see the module docstring)."""
     caught = [r for r in fault.in_flight(results) if placed_on(r, role, fault.target)]
     alone: list[StreamResult] = []
+    before: list[StreamResult] = []
     if role == "md":
         caught = [r for r in caught if r.trace.get("pipeline") != "singular"]
         alone = [r for r in caught if rld_alone(r)]
+        before = [r for r in caught if done_before_kill(r, fault)]
     finished = [r for r in caught if r.outcome == "finished"]
     moved = [r for r in finished if final(r, role) != fault.target]
     rescued = moved if role == "md" else finished
-    needed = len(caught) - len(alone)
+    needed = len(caught) - len(alone) - len(before)
     reasons = failure_reasons(caught)
     return {
         "instance": fault.target,
@@ -82,6 +104,7 @@ def kill_share(results: Sequence[StreamResult], fault: FaultRecord, role: str) -
         "finished": len(finished),
         "moved": len(moved),
         "rld_alone": len(alone),
+        "done_before_kill": len(before),
         "rescued_share": round(len(rescued) / needed, 4) if needed else 0.0,
         "strict_share": round(len(rescued) / len(caught), 4) if caught else 0.0,
         "finished_share": round(len(finished) / len(caught), 4) if caught else 0.0,

@@ -223,7 +223,7 @@ def table(doc: dict[str, Any]) -> str:
         if not k:
             return "-"
         failed = k["failed_reasons"] or 0
-        needed = k["in_flight"] - k.get("rld_alone", 0)
+        needed = k["in_flight"] - k.get("rld_alone", 0) - k.get("done_before_kill", 0)
         return f"{k['rescued_share']:.0%} of {needed} ({k['moved']} {what}; failed: {failed})"
 
     rows = [
@@ -240,8 +240,8 @@ def table(doc: dict[str, Any]) -> str:
         ),
         (f"MD killed ({md.get('instance', '-')}): in flight finished on another MD", share(md, "moved")),
         (
-            "  of them RLD finished alone (no MD needed); strict share",
-            f"{md.get('rld_alone', 0)}; {md.get('strict_share', 0):.0%}",
+            "  of them RLD finished alone; the killed MD finished first; strict share",
+            f"{md.get('rld_alone', 0)}; {md.get('done_before_kill', 0)}; {md.get('strict_share', 0):.0%}",
         ),
         (f"P killed ({p.get('instance', '-')}): in flight that finished", share(p, "moved to the other P")),
         (

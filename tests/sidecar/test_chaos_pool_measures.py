@@ -64,6 +64,26 @@ def test_a_killed_md_counts_only_its_own_md_requests_and_rescues_on_another_md()
     assert doc["rejoin_s"] == 1.5
 
 
+def test_a_request_the_killed_md_finished_itself_just_before_the_kill_is_counted_apart() -> None:
+    """Its last token came from the killed MD (a SIGKILLed process sends nothing after) and reached
+    the client 7 ms after the kill was recorded: the kill took nothing from it. The same request
+    ending 1 s after the kill, or one with a fallback, stays in the share."""
+    kill = FaultRecord("kill:md0", "kill_instance", "md0", 10.0, 14.0)
+    moved = {"p": "p0", "md": "md1", "moved": [{"role": "md", "from": "md0", "to": "md1"}]}
+    results = [
+        _r(0, 9.0, 12.0, "finished", moved),
+        _r(1, 9.0, 10.007, "finished", {"p": "p0", "md": "md0"}),  # done before the kill landed
+        _r(2, 9.0, 11.0, "finished", {"p": "p0", "md": "md0"}),  # too late to have been done before
+        _r(3, 9.0, 10.007, "finished", {"p": "p0", "md": "md0"}),  # a fallback: the kill reached it
+    ]
+    for r in results[1:]:
+        r.sources = {"md": 32}
+    results[3].trace["fallbacks"] = ["md_lost_rld"]
+    doc = pool_measures(results, [kill], {"md0": 1.5}, ROLES)
+    assert doc["md_kill"]["in_flight"] == 4 and doc["md_kill"]["done_before_kill"] == 1
+    assert doc["md_kill_rescued_share"] == round(1 / 3, 4) and doc["md_kill_strict_share"] == 0.25
+
+
 def test_a_killed_p_counts_every_finished_request_and_the_moves_apart() -> None:
     kill = FaultRecord("kill:p0", "kill_instance", "p0", 10.0, 14.0)
     results = [
