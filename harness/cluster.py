@@ -14,6 +14,7 @@ process outlives the cluster.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
@@ -94,10 +95,21 @@ def allowed_cpus(pid: int) -> frozenset[int]:
     raise ClusterError(f"no Cpus_allowed_list for process {pid}")
 
 
+_ISSUED: collections.deque[int] = collections.deque(maxlen=4096)  # ports free_port handed out lately
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port free on loopback now and not handed out by this process lately. The kernel may
+    hand the same port to two ``bind(0)`` calls once the first socket is closed, and a port free on
+    the host says nothing of a netlab namespace where an earlier cluster's process may still hold
+    it: CI saw an RLD fail to bind 198.18.1.1:50445 ("Address already in use")."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _ISSUED:
+            _ISSUED.append(port)
+            return port
 
 
 class NoWan:
