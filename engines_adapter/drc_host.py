@@ -79,10 +79,12 @@ class DrcHost:
         return synced + self._apply_evictions(events)
 
     def insert(self, tokens: Sequence[int]) -> list[Event]:
+        return self.insert_hashes(self.hasher.hash_blocks(list(tokens)))
+
+    def insert_hashes(self, hashes: Sequence[int]) -> list[Event]:
+        """``insert`` for a caller that has hashed the blocks already (with this model's hasher)."""
         synced = self.sync_engine()
-        return synced + self._apply_evictions(
-            self.index.insert(self.hasher.hash_blocks(list(tokens)), self.now())
-        )
+        return synced + self._apply_evictions(self.index.insert(list(hashes), self.now()))
 
     def sync_engine(self) -> list[Event]:
         """Forget what the engine's pool dropped on its own; free in the engine what hung below it."""

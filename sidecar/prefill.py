@@ -27,6 +27,7 @@ import dataclasses
 import logging
 import random
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,7 +103,7 @@ class Prefiller:
         self.keys_in_flight: set[str] = set()  # request keys between Prefill's start and its reply
         self.engine_gate = EdfGate()  # which waiting prefill the engine runs next
         self.in_engine: set[str] = set()  # requests P's engine holds (prefill sent, not released)
-        self._releasing: set[asyncio.Future[None]] = set()
+        self._tasks: set[asyncio.Future[None]] = set()  # releases and DRC updates running on their own
         self.wan_book = WanBook()  # what is queued toward MD (the router's link estimate reads it)
 
     async def prefill(self, job: PrefillJob) -> dict[str, Any]:
@@ -135,6 +136,8 @@ class Prefiller:
             if reservation is not None:
                 reservation.cancel()
             raise
+        if self.drc is not None:  # the prompt's full blocks stay in P's cache: tell the mirrors
+            self._background(self._cached(self.drc, hashes))  # not before the KV ships
         reply["first_token"] = first.token_id
         handoff = HandoffSlice(job.request_id, len(job.prompt), (first.token_id,), True, HandoffMode.ONE_SHOT)
         frame = slice_to_wire(handoff, job.sampling)
@@ -176,25 +179,25 @@ class Prefiller:
             finally:
                 await self._release(rid)
         reply["prefill_seconds"] = time.perf_counter() - t0
-        if self.drc is not None:  # the prompt's full blocks stay in P's cache: tell the mirrors
-            task = asyncio.ensure_future(self._cached(self.drc, prompt))  # not before the KV ships
-            self._releasing.add(task)
-            task.add_done_callback(self._releasing.discard)
         return first, kv
 
-    async def _cached(self, drc: DrcHost, prompt: list[int]) -> None:
+    async def _cached(self, drc: DrcHost, hashes: list[int]) -> None:
         try:
-            drc.publish(await self.loop.call("drc", drc.insert, prompt))
+            drc.publish(await self.loop.call("drc", drc.insert_hashes, hashes))
         except (PddlinkError, TimeoutError) as exc:  # the engine is gone: the sidecar stops anyway
             log.info("P's DRC: %s", exc)
+
+    def _background(self, work: Coroutine[Any, Any, None]) -> asyncio.Future[None]:
+        """``work`` as a task of its own, held until it ends."""
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
 
     async def _release(self, request_id: str) -> None:
         """Release ``request_id`` on the engine, to the end even when the caller is cancelled (the
         release runs as a task of its own; cancelling the caller stops only its wait)."""
-        task = asyncio.ensure_future(self._release_now(request_id))
-        self._releasing.add(task)
-        task.add_done_callback(self._releasing.discard)
-        await asyncio.shield(task)
+        await asyncio.shield(self._background(self._release_now(request_id)))
 
     async def _release_now(self, request_id: str) -> None:
         engine = self.loop.engine
