@@ -23,7 +23,9 @@ refused (400, naming the setting). A text prompt longer in bytes than the prompt
 allows is refused before it is tokenized; a large body is parsed and tokenized off the event loop:
 over 64 kB in worker processes (``router.parse_pool``, ``api.parse_processes``; a worker that dies
 answers its requests 503), else on threads (``router.openai_text.TextWorkers``,
-``api.tokenizer_workers``).
+``api.tokenizer_workers``). Over plaintext HTTP such a body is not even received by the router: the
+worker reads it from the client's socket (``pddlink.serving.http_lent``); a body that misses its
+deadline there is answered 408.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ from router.openai_api import Responder, error_body, models_body
 from router.openai_job import Job, completion_job, generate_job
 from router.openai_schema import Endpoint, Limits, RequestRefused
 from router.openai_text import TextCodec, TextWorkers
-from router.parse_pool import PROCESS_BYTES, ParsePool, ParserLost
+from router.parse_pool import PROCESS_BYTES, BodyNotReceived, ParsePool, ParserLost
 
 pb2, pb2_grpc = stubs()
 
@@ -121,6 +123,7 @@ class RouterApi:
             a.write_stall_s,
             a.send_buffer_bytes,
             a.first_byte_timeout_s,
+            PROCESS_BYTES + 1 if self.parsers is not None else 0,  # the workers receive such bodies
         )
 
     @property
@@ -222,11 +225,16 @@ class RouterApi:
             self.router.validate(list(prompt), job.sampling, deadline_s, job.pipeline)
         return job
 
-    async def parsed(self, body: bytes, endpoint: Endpoint) -> Job:
+    async def parsed(self, req: Request, endpoint: Endpoint) -> Job:
         """``parse`` where it costs the event loop least: a body over 64 kB in a worker process
         (the router's checks of its job here: they read the router), a smaller one on a thread or,
-        a few kB, here and now (a large one too until the workers run: the first wakes them).
-        ``ParserLost`` when the worker process died."""
+        a few kB, here and now (a large one too until the workers run: the first wakes them). A
+        body the server left on the socket (``req.lent``) is received by the worker, or here while
+        no worker runs. ``ParserLost`` when the worker process died, ``BodyNotReceived`` or
+        ``TimeoutError`` when the body did not arrive whole."""
+        if req.lent is not None and self.parsers is not None and self.parsers.ready:
+            return self.validated(await self.parsers.job_lent(req.lent, endpoint))
+        body = req.body if req.lent is None else await req.lent.read()
         if self.parsers is not None and len(body) > PROCESS_BYTES:
             if self.parsers.ready:
                 return self.validated(await self.parsers.job(body, endpoint))
@@ -235,9 +243,13 @@ class RouterApi:
 
     async def _generate(self, req: Request, endpoint: Endpoint, client: str) -> Response:
         try:
-            job = await self.parsed(req.body, endpoint)
+            job = await self.parsed(req, endpoint)
         except ParserLost as exc:
             return _error(503, exc.message, "ServiceUnavailableError", retry_after_s=self.api.retry_after_s)
+        except BodyNotReceived as exc:
+            return _error(408, exc.message, "RequestTimeout")
+        except TimeoutError:
+            return _error(408, "request body not received in time", "RequestTimeout")
         except InvalidInput as exc:
             metrics.CLIENT_ERRORS.labels(api="http").inc()
             return _error(400, exc.message, "BadRequestError", getattr(exc, "param", None))

@@ -13,6 +13,15 @@ answers the validated ``Job`` or raises the schema's ``RequestRefused``, as
 ``router.openai_job.completion_job`` does in the router; ``close()`` lets the workers finish
 what they hold and exit.
 
+A body the HTTP server left on the socket (``pddlink.serving.http_lent``: over 64 kB, plaintext)
+is received by the worker itself, from a duplicate of the client's socket (``lent``): its bytes
+never pass through the router's event loop, which only hands over the socket and the few bytes that
+came with the head. Without that, receiving four concurrent 1 MB bodies and passing them to the
+workers cost another client's small request 1.57-1.72x its first-token time. The socket travels as
+multiprocessing passes sockets (``multiprocessing.resource_sharer``: a duplicate sent over a unix
+socket to the worker that unpickles it). A worker that received part of a body and then died leaves
+the client's connection unusable: it is closed (``BodyState.LOST``).
+
 A worker sends back only what the loop needs: the ``Job`` (token ids, sampling) or a ``Refused``
 (message, field), never an exception object (``RequestRefused``'s field would not survive
 pickling). A worker that dies takes the pool's requests with it: each gets ``ParserLost``
@@ -26,13 +35,16 @@ import contextlib
 import multiprocessing
 import os
 import signal
+import socket
 import threading
+import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 
 from pddlink.errors import ErrorCode, InvalidInput, LocalError
+from pddlink.serving.http_lent import LentBody
 from router.openai_job import Job, completion_job
 from router.openai_schema import Endpoint, Limits, RequestRefused
 from router.openai_text import TextCodec
@@ -44,6 +56,19 @@ class ParserLost(LocalError):
     """The worker process parsing a request died (killed, out of memory): the request was not run."""
 
     code = ErrorCode.UNAVAILABLE
+
+
+class BodyNotReceived(LocalError):
+    """A lent body's bytes did not all arrive: past its deadline, or the client left."""
+
+    code = ErrorCode.DEADLINE_EXCEEDED
+
+
+@dataclass(frozen=True, slots=True)
+class Lost:
+    """A worker's answer for a lent body it could not receive whole."""
+
+    why: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +132,43 @@ def _parse(body: bytes, endpoint: Endpoint) -> Job | Refused:
         return Refused(exc.message, getattr(exc, "param", "") or "")
 
 
+def receive(sock: socket.socket | None, first: bytes, rest: int, deadline: float) -> bytes | Lost:
+    """``first`` and then exactly ``rest`` more bytes from ``sock`` by ``deadline`` (monotonic: one
+    clock for every process of the machine). The socket is non-blocking (it is the router's):
+    only timeouts here, never ``setblocking(True)``."""
+    buf = bytearray(len(first) + rest)
+    buf[: len(first)] = first
+    view, got = memoryview(buf), len(first)
+    while got < len(buf):
+        assert sock is not None
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return Lost("request body not received in time")
+        sock.settimeout(left)
+        try:
+            n = sock.recv_into(view[got:])
+        except TimeoutError:
+            return Lost("request body not received in time")
+        except OSError as exc:
+            return Lost(f"the client left mid-body: {exc}")
+        if not n:
+            return Lost("the client left mid-body")
+        got += n
+    view.release()
+    return bytes(buf)
+
+
+def _receive_parse(
+    sock: socket.socket | None, first: bytes, rest: int, deadline: float, endpoint: Endpoint
+) -> Job | Refused | Lost:
+    try:
+        body = receive(sock, first, rest, deadline)
+    finally:
+        if sock is not None:
+            sock.close()  # this process's duplicate only: the connection stays the router's
+    return body if isinstance(body, Lost) else _parse(body, endpoint)
+
+
 class ParsePool:
     """``workers`` processes that turn request bodies into jobs (``completion_job``)."""
 
@@ -141,6 +203,29 @@ class ParsePool:
         except BrokenProcessPool:
             self._replace(pool)
             raise ParserLost("the process parsing this request stopped; send it again") from None
+        if isinstance(got, Refused):
+            raise RequestRefused(got.message, got.param)
+        return got
+
+    async def job_lent(self, lent: LentBody, endpoint: Endpoint) -> Job:
+        """``job`` for a body still on the client's socket, received by the worker (``receive``);
+        ``BodyNotReceived`` when it did not arrive whole. ``lent`` is told how it went."""
+        pool = self.pool
+        sock = lent.lend()
+        whole = False
+        try:
+            call = pool.submit(_receive_parse, sock, lent.first, lent.rest, lent.deadline, endpoint)
+            got = await asyncio.wrap_future(call)
+            whole = not isinstance(got, Lost)
+        except BrokenProcessPool:
+            self._replace(pool)
+            raise ParserLost("the process parsing this request stopped; send it again") from None
+        finally:
+            lent.returned(whole)
+            if sock is not None:
+                sock.close()  # the worker received its own duplicate (or never will: the pool is gone)
+        if isinstance(got, Lost):
+            raise BodyNotReceived(got.why)
         if isinstance(got, Refused):
             raise RequestRefused(got.message, got.param)
         return got

@@ -3,7 +3,8 @@ after another (h11 parses heads; a ``Content-Length`` body is received into one 
 connection's protocol, ``pddlink.serving.http_inbox.Inbox``; chunked ones go through h11 with
 their declared sizes followed by ``pddlink.serving.chunked``), the limits of ``HttpLimits``
 applied as the bytes arrive, and every refusal or malformed request answered in vLLM's error shape
-with ``Connection: close`` (``Conn.refuse``).
+with ``Connection: close`` (``Conn.refuse``). A large ``Content-Length`` body on a plaintext
+connection may be handed to the handler unreceived (``pddlink.serving.http_lent``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import h11
 from pddlink import metrics
 from pddlink.serving.chunked import BodyTooLarge, ChunkSizes
 from pddlink.serving.http_inbox import Inbox
+from pddlink.serving.http_lent import BodyState, LentBody
 from pddlink.serving.http_types import (
     ConnectionGate,
     Handler,
@@ -121,6 +123,9 @@ class Conn:
         self.head_raw = bytearray()  # the bytes received while the current head was read
         self.after_body: bytes | None = None  # what followed a body h11 did not see (``_sized_body``)
         self.head_started = False  # a byte of the current request head has arrived
+        transport = inbox.transport
+        # a body may be read by another process from the socket: not through TLS
+        self.lendable = transport is not None and transport.get_extra_info("sslcontext") is None
 
     async def _read(self) -> bytes:
         data = await self.io.read()
@@ -170,14 +175,17 @@ class Conn:
         finally:
             self.tap = None
 
-    async def _body(self, ev: h11.Request) -> bytes:
+    async def _body(self, ev: h11.Request) -> bytes | LentBody:
         lim = self.limits
         headers = dict(ev.headers)
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > lim.max_body_bytes:
             raise _Refused(protocol_error(413, f"request body too large (limit {lim.max_body_bytes} bytes)"))
         if length is not None:
-            return await self._sized_body(int(length))
+            size = int(length)
+            if self.lendable and 0 < lim.lend_body_bytes <= size:
+                return self._lent_body(size)
+            return await self._sized_body(size)
         body = bytearray()
         try:
             if headers.get(b"transfer-encoding", b"").lower() == b"chunked":
@@ -220,6 +228,16 @@ class Conn:
             self.shared.budget.give(size)
             raise
 
+    def _lent_body(self, size: int) -> LentBody:
+        """A ``Content-Length`` body left on the socket (``pddlink.serving.http_lent``): receiving
+        stops here, what already arrived goes with it. Charged to the budget whole, as a read one."""
+        self._take(size)
+        self.io.hold()
+        pre = self.h11.trailing_data[0]
+        self.after_body = pre[size:]
+        first = pre[:size] + self.io.take(size - min(size, len(pre)))
+        return LentBody(self.io, size, first, time.monotonic() + self.limits.body_timeout_s)
+
     def _take(self, n: int) -> None:
         """``n`` more body bytes buffered, or 503 when the server's budget is spent."""
         if not self.shared.budget.take(n):
@@ -249,12 +267,17 @@ class Conn:
                 return await self.refuse(protocol_error(400, f"malformed request body: {exc}"))
             except TimeoutError:
                 return await self.refuse(protocol_error(408, "request body not received in time"))
+            lent = body if isinstance(body, LentBody) else None
             try:
                 await self._dispatch(ev, body)
             finally:
-                self.shared.budget.give(len(body))
+                self.shared.budget.give(body.size if isinstance(body, LentBody) else len(body))
+            if lent is not None and lent.state is not BodyState.READ:
+                return await self._linger()  # where the next request would start is unknown
             if self.h11.our_state is h11.MUST_CLOSE:
                 return
+            if lent is not None:
+                self.io.let_go()
             self._next_cycle()
             if self.gate is not None:
                 self.gate.idled(self.cid, time.monotonic())
@@ -304,6 +327,12 @@ class Conn:
         if resp.status in _KINDS:
             metrics.CLIENT_ERRORS.labels(api="http").inc()
         await self._write(closing_bytes(resp))
+        await self._linger()
+
+    async def _linger(self) -> None:
+        """Before closing, after a last answer: read and drop what the client still sends, briefly
+        (``refuse``)."""
+        self.io.let_go()
         if self.shared.lingering >= LINGERING:
             return
         self.shared.lingering += 1
@@ -314,15 +343,20 @@ class Conn:
         finally:
             self.shared.lingering -= 1
 
-    async def _dispatch(self, ev: h11.Request, body: bytes) -> None:
+    async def _dispatch(self, ev: h11.Request, body: bytes | LentBody) -> None:
         target = ev.target.decode("latin-1")
         path, _, query = target.partition("?")
         headers = tuple((k.decode("latin-1").lower(), v.decode("latin-1")) for k, v in ev.headers)
-        req = Request(ev.method.decode("latin-1"), path, query, body, headers, self.peer)
+        lent = body if isinstance(body, LentBody) else None
+        data = b"" if isinstance(body, LentBody) else body
+        req = Request(ev.method.decode("latin-1"), path, query, data, headers, self.peer, lent)
         try:
             resp = await self.handler(req)
         except Exception as exc:  # a handler bug answers 500 instead of dropping the connection
             resp = error_response(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
+        if lent is not None and lent.state is not BodyState.READ:  # the connection ends with this answer
+            closing = (*resp.headers, ("connection", "close"))
+            resp = Response(resp.status, resp.body, resp.content_type, closing, resp.send_by)
         await self._respond(resp)
 
     async def _respond(self, resp: Response) -> None:

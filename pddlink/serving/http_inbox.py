@@ -10,6 +10,9 @@ reads and writes an HTTP/1.1 server needs.
   no view of it is left). Issue 27: with ``asyncio.StreamReader`` a 1 MB body was copied five times
   on the event loop (the loop's read, the reader's buffer, its read, the parts' join), ~3 ms per MB.
 - ``discard(limit)``: drop what the client still sends (after a refusal), into the scratch buffer.
+- ``hold()`` / ``let_go()``: stop and restart receiving whatever is pending (a body another process
+  reads from the socket itself: ``pddlink.serving.http_lent``); ``take(n)``: up to ``n`` pending
+  bytes, at once.
 - ``write`` / ``drain``: the transport's writes with its flow control; ``closed``: set when the
   connection is gone.
 
@@ -44,6 +47,7 @@ class Inbox(asyncio.BufferedProtocol):
         self._error: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._reading_paused = False
+        self._held = False  # ``hold``: reading stays paused until ``let_go``
         self._writing_paused = False
         self._drained: asyncio.Future[None] | None = None
         self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -170,6 +174,26 @@ class Inbox(asyncio.BufferedProtocol):
         finally:
             self._dropping = False
 
+    def hold(self) -> None:
+        """Receive nothing more until ``let_go``: the socket's next bytes stay in the kernel."""
+        self._held = True
+        transport = self._open()
+        if not self._reading_paused and transport is not None:
+            self._reading_paused = True
+            transport.pause_reading()
+
+    def let_go(self) -> None:
+        """Receive again (``hold``)."""
+        self._held = False
+        self._resume_reading()
+
+    def take(self, n: int) -> bytes:
+        """Up to ``n`` of the bytes received and not yet read, without waiting."""
+        data = bytes(self.pending[:n])
+        del self.pending[:n]
+        self._resume_reading()
+        return data
+
     def abort(self) -> None:
         """Close at once, unsent bytes dropped."""
         assert self.transport is not None
@@ -206,7 +230,8 @@ class Inbox(asyncio.BufferedProtocol):
 
     def _resume_reading(self) -> None:
         transport = self._open()
-        if self._reading_paused and len(self.pending) <= SCRATCH_BYTES and transport is not None:
+        room = len(self.pending) <= SCRATCH_BYTES
+        if self._reading_paused and not self._held and room and transport is not None:
             self._reading_paused = False
             transport.resume_reading()
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any, Protocol
 
+from pddlink.serving.http_lent import LentBody
 from pddlink.serving.write_bound import SEND_BUFFER_BYTES, WRITE_STALL_S
 
 MAX_BODY_BYTES = 8 << 20
@@ -28,6 +29,9 @@ class HttpLimits:
     write_stall_s: float = WRITE_STALL_S  # one write's bytes must be taken by the client within this
     send_buffer_bytes: int = SEND_BUFFER_BYTES  # each connection's kernel send buffer (SO_SNDBUF)
     first_byte_timeout_s: float = READ_TIMEOUT_S  # a new connection's first byte must come within this
+    # a Content-Length body this large on a plaintext connection is handed to the handler unread
+    # (``Request.lent``: ``pddlink.serving.http_lent``); 0: every body is read first
+    lend_body_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +42,7 @@ class Request:
     body: bytes
     headers: tuple[tuple[str, str], ...] = ()  # names in lower case
     peer: str = ""  # the client's address ("" on a unix socket)
+    lent: LentBody | None = None  # the body, not yet received (``body`` is then b"")
 
     def header(self, name: str) -> str | None:
         for k, v in self.headers:

@@ -12,6 +12,7 @@ import json
 import multiprocessing
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -26,7 +27,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from harness import edge_bench as eb
 from pddlink.serving.client_guard import ApiConfig
-from pddlink.serving.http import Request, Response
+from pddlink.serving.http import Request, Response, serve_http
 from router.api import RouterApi
 from router.openai_schema import Endpoint
 from router.openai_text import TextCodec
@@ -120,7 +121,8 @@ def test_a_valid_large_body_gives_the_same_job(loop: asyncio.AbstractEventLoop) 
         for obj, endpoint in bodies:
             body = _padded(obj)
             here = api.parse(body, endpoint)
-            there = loop.run_until_complete(api.parsed(body, endpoint))
+            req = Request("POST", "/v1/completions", "", body, (), "")
+            there = loop.run_until_complete(api.parsed(req, endpoint))
             assert there == here and len(here.prompts[0]) > 1000
     finally:
         api.close()
@@ -234,3 +236,55 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
     except OSError:
         return False
+
+
+def test_a_body_left_on_the_socket_is_received_by_a_worker(loop: asyncio.AbstractEventLoop) -> None:
+    """Over real HTTP (plaintext): a 1 MB body is received by the worker from the client's socket
+    (the router holds only what came with the head), answered as the router's own parse answers it,
+    and the request after it on the same connection is served; a body that stops arriving gets 408
+    by its deadline and the connection ends."""
+    api = _api(1)
+    api.api = ApiConfig(parse_processes=1, body_timeout_s=1.5)
+    big = BODIES["over the byte limit"]
+    small = json.dumps({"prompt": [1, 2], "max_tokens": -1}).encode()  # refused on the loop
+    want = [_post(loop, _api(0), b).body for b in (big, small)]
+    head = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n"
+    lent: list[tuple[bool, str, int]] = []
+
+    async def handler(req: Request) -> Response:
+        resp = await api.http(req)
+        if req.lent is not None:
+            lent.append((req.lent.lent_out, req.lent.state.value, len(req.lent.first)))
+        return resp
+
+    def exchange(port: int, wire: bytes, answers: int) -> tuple[bytes, float]:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            t0 = time.monotonic()
+            s.sendall(wire)
+            got = b""
+            while got.count(b"HTTP/1.1 ") < answers or not got.endswith(b"}\n"):
+                if not (part := s.recv(65536)):
+                    break
+                got += part
+            return got, time.monotonic() - t0
+
+    async def main() -> None:
+        await api.start()
+        servers = await serve_http(handler, host="127.0.0.1", port=0, limits=api.http_limits())
+        port = servers[0].sockets[0].getsockname()[1]
+        try:
+            wire = head % len(big) + big + head % len(small) + small
+            got, _ = await asyncio.to_thread(exchange, port, wire, 2)
+            assert got.count(b"HTTP/1.1 400") == 2, got[:400]
+            assert all(isinstance(w, bytes) and w in got for w in want)
+            assert len(lent) == 1 and lent[0][:2] == (True, "read") and lent[0][2] < len(big) // 2
+            stalled, took = await asyncio.to_thread(exchange, port, head % len(big) + big[:200_000], 1)
+            assert b"HTTP/1.1 408" in stalled and b"connection: close" in stalled.lower()
+            assert 1.0 < took < 5, took
+            assert lent[1][:2] == (True, "lost")
+        finally:
+            for s in servers:
+                s.close()
+            api.close()
+
+    loop.run_until_complete(main())
