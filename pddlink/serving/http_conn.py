@@ -273,7 +273,8 @@ class Conn:
             finally:
                 self.shared.budget.give(body.size if isinstance(body, LentBody) else len(body))
             if lent is not None and lent.state is not BodyState.READ:
-                return await self._linger()  # where the next request would start is unknown
+                await self._linger()  # where the next request would start is unknown: the end
+                return lent.cut()
             if self.h11.our_state is h11.MUST_CLOSE:
                 return
             if lent is not None:

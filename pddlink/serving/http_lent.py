@@ -21,6 +21,7 @@ Not over TLS: the bytes on the socket are the TLS records, which only this proce
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import socket
 import time
@@ -67,6 +68,21 @@ class LentBody:
     def returned(self, whole: bool) -> None:
         """The reader that ``lend`` served is done: it received the whole body, or not."""
         self.state = BodyState.READ if whole else BodyState.LOST
+
+    def cut(self) -> None:
+        """End the client's connection itself, not only this process's descriptor of it, once a
+        duplicate was lent: one that a reader never closed (a worker that died before taking it
+        leaves it with ``multiprocessing``'s sharer) would keep the connection open."""
+        transport = self.inbox.transport
+        sock = None if transport is None or not self.lent_out else transport.get_extra_info("socket")
+        if sock is None:
+            return
+        with contextlib.suppress(OSError):
+            dup = socket.socket(fileno=socket.dup(sock.fileno()))
+            try:
+                dup.shutdown(socket.SHUT_RDWR)
+            finally:
+                dup.close()
 
     async def read(self) -> bytes:
         """The whole body, received here (``TimeoutError`` past the deadline)."""

@@ -197,3 +197,40 @@ def test_a_tls_connection_never_lends(tmp_path: Path) -> None:
             s.close()
 
     uvloop.run(main())
+
+
+def test_a_lost_body_ends_the_connection_whatever_duplicate_is_left() -> None:
+    """A reader that took a duplicate of the socket and never closed it (as a worker that died
+    before taking it leaves it with ``multiprocessing``'s sharer): the client still sees the
+    connection end after the answer."""
+    left_open: list[socket.socket] = []
+
+    async def handler(req: Request) -> Response:
+        assert req.lent is not None
+        sock = req.lent.lend()
+        assert sock is not None
+        left_open.append(sock)
+        req.lent.returned(False)
+        return error_response(503, "the process parsing this request stopped", "ServiceUnavailableError")
+
+    async def main() -> None:
+        port, servers = await _serve(handler)
+
+        def client() -> bytes:
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+                s.sendall(b"POST /x HTTP/1.1\r\nhost: x\r\ncontent-length: 1000000\r\n\r\n" + b"a" * 100_000)
+                got = b""
+                while part := s.recv(65536):  # a connection left open: TimeoutError after 5 s
+                    got += part
+                return got
+
+        try:
+            got = await asyncio.to_thread(client)
+            assert b"HTTP/1.1 503" in got and len(left_open) == 1 and left_open[0].fileno() >= 0
+        finally:
+            for sock in left_open:
+                sock.close()
+            for s in servers:
+                s.close()
+
+    uvloop.run(main())
