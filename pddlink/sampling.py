@@ -33,7 +33,9 @@ class SamplingParams:
     (over output tokens) and ``repetition_penalty`` (over prompt and output tokens);
     ``logit_bias`` ((token id, bias) pairs); ``min_tokens`` (stop tokens masked until then);
     ``allowed_token_ids``; ``bad_words``; ``logprobs`` (top-N logprobs per token, None: none);
-    ``prompt_logprobs`` (the prompt's, from the instance that prefills it: completions' ``echo``).
+    ``prompt_logprobs`` (the prompt's, from the instance that prefills it: completions' ``echo``);
+    ``logprobs_as_ids`` (the instances name logprob tokens by id, vLLM's
+    ``return_tokens_as_token_ids``: the router spells them, ``router.logprob_text``).
     """
 
     seed: int = 0
@@ -53,6 +55,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # asked of the instance that prefills (echo with logprobs)
     structured: str = ""  # vLLM's structured-output fields, a JSON object (no handoff: see the router)
+    logprobs_as_ids: bool = False
     prior_output_tokens: int = 0
 
     def __post_init__(self) -> None:

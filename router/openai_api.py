@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 from engines_adapter import SamplingParams
 from router.answer import GenerateEvent, RequestEnd
+from router.logprob_text import id_name, named_row
 from router.openai_job import Job
 from router.openai_schema import Endpoint
 from router.openai_text import ChoiceText, TextCodec
@@ -57,7 +58,7 @@ class Choice:
     text: ChoiceText
     sampling: SamplingParams
     tokens: list[int] = field(default_factory=list)
-    logprobs: list[dict[str, Any]] = field(default_factory=list)  # per token (``vllm_http.logprob_rows``)
+    logprobs: list[dict[str, Any]] = field(default_factory=list)  # per token, named (``logprob_text``)
     positions: list[int] = field(default_factory=list)
     sources: list[str] = field(default_factory=list)
     finish_reason: str | None = None
@@ -115,7 +116,11 @@ async def run_choice(
             choice.tokens.append(tok)
             choice.positions.append(ev.position)
             choice.sources.append(ev.source)
-            rows = [ev.logprobs] if ev.logprobs is not None else []
+            rows = (
+                []
+                if ev.logprobs is None
+                else [named_row(ev.logprobs, choice.tokens, choice.text.codec, job.tokens_as_ids)]
+            )
             choice.logprobs += rows
             is_stop = tok in s.stop_token_ids
             text = choice.text.push(tok, is_stop_token=is_stop)
@@ -360,15 +365,22 @@ class Responder:
         return [self._prompt_row(tok, entry) for tok, entry in zip(c.prompt, raw, strict=False)]
 
     def _prompt_row(self, tok: int, entry: dict[str, Any] | None) -> dict[str, Any]:
+        """One prompt token's row: P's ``decoded_token`` strings, or "token_id:N" when the client
+        asked for ids (vLLM's ``return_tokens_as_token_ids``)."""
+        as_ids = self.job.tokens_as_ids
         step = (entry or {}).get(str(tok))
         if entry is None or step is None:
             text = self.codec.decode([tok], skip_special_tokens=False) if self.codec else ""
-            return {"token": text, "logprob": None, "top": None}
+            return {"token": id_name(tok) if as_ids else text, "logprob": None, "top": None}
         name = step.get("decoded_token")
         if name is None and self.codec is not None:
             name = self.codec.decode([tok], skip_special_tokens=False)
-        top = [[e.get("decoded_token"), max(e["logprob"], -9999.0)] for e in entry.values()]
-        return {"token": name or "", "logprob": max(step["logprob"], -9999.0), "top": top}
+        top = [
+            [id_name(int(t)) if as_ids else e.get("decoded_token"), max(e["logprob"], -9999.0)]
+            for t, e in entry.items()
+        ]
+        token = id_name(tok) if as_ids else name or ""
+        return {"token": token, "logprob": max(step["logprob"], -9999.0), "top": top}
 
     def _usage(self, full: bool) -> dict[str, Any]:
         """vLLM's usage: every prompt once, every choice's tokens; the prefix hit is one prompt's
@@ -486,14 +498,19 @@ def completion_logprobs(rows: list[dict[str, Any]], offset: int = 0) -> dict[str
 
 def chat_logprobs(rows: list[dict[str, Any]], top: int) -> dict[str, Any]:
     """vLLM's chat ``logprobs`` (``_create_chat_logprobs``): per token its string, logprob, UTF-8
-    bytes, and the first ``top`` entries of its top logprobs (the drawn token first)."""
+    bytes (of its decoded text, even when it is named "token_id:N"), and the first ``top`` entries
+    of its top logprobs (the drawn token first), each with its own string's bytes."""
 
-    def entry(token: str, logprob: float) -> dict[str, Any]:
-        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8", errors="replace"))}
+    def entry(token: str, logprob: float, text: str | None = None) -> dict[str, Any]:
+        raw = token if text is None else text
+        return {"token": token, "logprob": logprob, "bytes": list(raw.encode("utf-8", errors="replace"))}
 
     return {
         "content": [
-            {**entry(r["token"], r["logprob"]), "top_logprobs": [entry(str(t), v) for t, v in r["top"][:top]]}
+            {
+                **entry(r["token"], r["logprob"], r.get("decoded")),
+                "top_logprobs": [entry(str(t), v) for t, v in r["top"][:top]],
+            }
             for r in rows
         ]
     }

@@ -59,6 +59,7 @@ class Job:
     seeded: bool = True  # the client gave a seed (else each choice draws a random one)
     logprobs: bool = False  # the answer carries each token's logprobs (``sampling.logprobs`` of them)
     echo: bool = False  # completions: the prompt leads the text (and the logprobs)
+    tokens_as_ids: bool = False  # logprob tokens named "token_id:N" (vLLM's ``return_tokens_as_token_ids``)
     prompt_texts: tuple[str | None, ...] = ()  # per prompt: its text as sent (None: token ids)
 
     def choice_sampling(self, i: int) -> SamplingParams:
@@ -117,8 +118,15 @@ def _check_prompt(ids: list[int], limits: Limits, where: str) -> tuple[int, ...]
 
 
 def _sampling(
-    body: _Sampling, limits: Limits, max_tokens: int | None, eos: int | None, logprobs: int | None, echo: bool
+    body: _Sampling,
+    limits: Limits,
+    max_tokens: int | None,
+    eos: int | None,
+    logprobs: int | None,
+    echo: bool,
+    spelled: bool,
 ) -> SamplingParams:
+    """``spelled``: the router can name logprob tokens itself (a tokenizer, or the client's ids)."""
     max_tokens = max_tokens or 16
     if max_tokens > limits.max_tokens_limit:
         raise RequestRefused(
@@ -156,6 +164,7 @@ def _sampling(
         logprobs=logprobs,
         prompt_logprobs=logprobs if echo else None,  # vLLM: echo answers the prompt's logprobs too
         structured=_structured(body),
+        logprobs_as_ids=logprobs is not None and spelled,  # the legs' rows keep each top token
     )
 
 
@@ -220,7 +229,8 @@ def completion_job(
     opts = parsed.stream_options
     if opts is not None and not parsed.stream:
         raise RequestRefused('"stream_options" is only allowed with "stream": true', "stream_options")
-    sampling = _sampling(parsed, limits, max_tokens, eos, logprobs, echo)
+    as_ids = bool(parsed.return_tokens_as_token_ids)
+    sampling = _sampling(parsed, limits, max_tokens, eos, logprobs, echo, as_ids or codec is not None)
     return Job(
         endpoint=endpoint,
         prompts=prompts,
@@ -240,6 +250,7 @@ def completion_job(
         logprobs=logprobs is not None,
         echo=echo,
         prompt_texts=texts,
+        tokens_as_ids=as_ids,
     )
 
 

@@ -126,7 +126,6 @@ VLLM_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "priority": (None, 0),
     "request_id": (_ANY,),
     "session_id": (_ANY,),
-    "return_tokens_as_token_ids": (None, False),
     "return_token_offsets": (None, False),
     "return_prompt_text": (None, False),
     "routed_experts_prompt_start": (None,),
@@ -232,6 +231,7 @@ class _Sampling(_Body):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
     min_tokens: int = Field(0, ge=0, le=1_000_000)
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None

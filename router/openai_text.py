@@ -44,10 +44,12 @@ class TextCodec:
     eos_token: str = ""
     eos_token_id: int | None = None
     max_token_bytes: int = 0  # the longest token's UTF-8 bytes (0: measured here)
+    space_marker: str = field(default="", init=False)  # ``leading_space_marker``'s
 
     def __post_init__(self) -> None:
         if not self.max_token_bytes:
             object.__setattr__(self, "max_token_bytes", longest_token_bytes(self.tokenizer))
+        object.__setattr__(self, "space_marker", leading_space_marker(self.tokenizer))
 
     @classmethod
     def load(cls, directory: str | Path) -> TextCodec:
@@ -103,6 +105,20 @@ def longest_token_bytes(tok: Tokenizer) -> int:
     decoded = tok.decode_batch([[i] for i in range(n)], skip_special_tokens=False)
     pieces = (tok.id_to_token(i) or "" for i in range(n))
     return max(max((len(t.encode()) for t in decoded), default=1), max(len(p.encode()) for p in pieces))
+
+
+def leading_space_marker(tok: Tokenizer) -> str:
+    """The space marker of a SentencePiece-style pre-tokenizer (``Metaspace``, alone or in a
+    ``Sequence``), whose leading instance decoding one token drops; "" for none. vLLM's
+    ``get_leading_space_marker``, read from the same JSON."""
+    try:
+        pre = json.loads(tok.to_str()).get("pre_tokenizer") or {}
+    except ValueError:
+        return ""
+    for p in [pre, *(pre.get("pretokenizers") or [] if pre.get("type") == "Sequence" else [])]:
+        if p.get("type") == "Metaspace":
+            return str(p.get("replacement", "\u2581"))
+    return ""
 
 
 T = TypeVar("T")

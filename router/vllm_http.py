@@ -1,12 +1,13 @@
 """vLLM's OpenAI API as the router's vLLM legs call it: the sampling fields of a request
 (``sampling_body``), one non-streaming completion with typed errors (``post_completion``), one vLLM
 generating alone as the exactness reference (``generate_alone``), and what its answers say
-(``error_text``, ``cached_tokens``). No state: ``router.vllm_legs`` holds the runs."""
+(``error_text``, ``cached_tokens``, ``logprob_rows``). No state: ``router.vllm_legs`` holds the runs."""
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -61,6 +62,8 @@ def _vllm_fields(s: SamplingParams) -> dict[str, Any]:
         body["bad_words"] = list(s.bad_words)
     if s.logprobs is not None:
         body["logprobs"] = s.logprobs
+    if s.logprobs_as_ids:  # "token_id:N": two tokens of one string stay two (``router.logprob_text``)
+        body["return_tokens_as_token_ids"] = True
     if s.prior_output_tokens:
         body["vllm_xargs"] = {PRIOR_OUTPUT_ARG: s.prior_output_tokens}
     if s.structured:
@@ -120,18 +123,31 @@ def error_text(chunk: dict[str, Any]) -> str:
     return str(err.get("message", err)) if isinstance(err, dict) else str(err)
 
 
-def logprob_rows(choice: dict[str, Any]) -> list[dict[str, Any]]:
+def logprob_rows(choice: dict[str, Any], as_ids: bool = False) -> list[dict[str, Any]]:
     """Per token of a completions choice (streamed or not): vLLM's logprobs entry as one row
     ``{"token", "logprob", "top": [[token, logprob], ...]}`` (``top`` in vLLM's order: the drawn
-    token, then by rank); [] when the choice has none."""
+    token, then by rank); [] when the choice has none. ``as_ids``: the call asked for
+    ``return_tokens_as_token_ids``, and each token is its id (an int) for the router to spell."""
     lp = choice.get("logprobs")
     if not lp:
         return []
+    read: Callable[[str], int | str] = token_id if as_ids else str
     tops = lp.get("top_logprobs") or [None] * len(lp["tokens"])
     return [
-        {"token": tok, "logprob": value, "top": [list(kv) for kv in (top or {}).items()]}
+        {"token": read(tok), "logprob": value, "top": [[read(t), v] for t, v in (top or {}).items()]}
         for tok, value, top in zip(lp["tokens"], lp["token_logprobs"], tops, strict=True)
     ]
+
+
+ID_PREFIX = "token_id:"  # vLLM's ``format_token_id_placeholder``
+
+
+def token_id(name: str) -> int:
+    """The id in vLLM's "token_id:N"."""
+    digits = name.removeprefix(ID_PREFIX)
+    if digits == name or not (digits.isascii() and digits.isdigit()):
+        raise RemoteError(f"vLLM named a logprob token {name[:40]!r}, not {ID_PREFIX}N")
+    return int(digits)
 
 
 def cached_tokens(out: dict[str, Any]) -> int:

@@ -205,7 +205,7 @@ class VllmCalls:
             return
         seconds = time.monotonic() - t0
         cached = cached_tokens(out)
-        for row in logprob_rows(out["choices"][0])[:1]:
+        for row in logprob_rows(out["choices"][0], leg.sampling.logprobs_as_ids)[:1]:
             self.r.logprobs[Role.P.value, len(leg.prompt)] = row
         if self.r.prompt_logprobs is None:
             self.r.prompt_logprobs = out["choices"][0].get("prompt_logprobs")
@@ -238,6 +238,7 @@ class VllmCalls:
         body = {**body, "stream": True, "stream_options": {"include_usage": True}}
         pos = len(prompt)
         finish = ""
+        as_ids = bool(body.get("return_tokens_as_token_ids"))  # the rows name tokens by id
         try:
             async with self.b.http.stream(
                 "POST", url + "/v1/completions", json=body, timeout=self.r.left()
@@ -253,7 +254,7 @@ class VllmCalls:
                         return StreamClosed(StreamEnd.FAILED, f"vllm_error:{error_text(chunk)}"[:200])
                     for choice in chunk.get("choices") or []:
                         ids = [int(t) for t in choice.get("token_ids") or []]
-                        rows = logprob_rows(choice)
+                        rows = logprob_rows(choice, as_ids)
                         finish = choice.get("finish_reason") or finish
                         for i, tok in enumerate(ids):
                             last = bool(finish) and i == len(ids) - 1

@@ -47,7 +47,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -81,17 +81,11 @@ NOT_YET = "the router refuses it (issue 27, item 1 not built): 400 naming the fi
 
 
 # Differences seen and not yet fixed in the router (each has its strict-xfail test below, which
-# fails the day it is gone): (predicate on the call's name, the difference's prefix) -> why
-KNOWN = {
-    "chat_top_logprobs_same_string": (
-        lambda name: name == "seeded_chat_logprobs",
-        "choice 0 token 21: logprob tokens",
-        "chat top_logprobs where two of a step's top tokens decode to the same string (here '' twice):"
-        " vLLM's chat lists both (by token id); the router's legs read vLLM's completions logprobs,"
-        " whose top_logprobs object is keyed by the string, so one of the two is gone and the next"
-        " token moves up",
-    ),
-}
+# fails the day it is gone): (predicate on the call's name, the difference's prefix) -> why. Empty:
+# the last one (chat top_logprobs where two top tokens decode to the same string, lost in vLLM's
+# completions object keyed by string) went when the legs asked for tokens by id and the router
+# named them itself (``router.logprob_text``)
+KNOWN: dict[str, tuple[Callable[[str], bool], str, str]] = {}
 
 
 def known(name: str, problem: str) -> str:
