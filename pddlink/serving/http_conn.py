@@ -159,6 +159,13 @@ class Conn:
     async def _head(self, first: bool) -> Any:
         """The next request head; the first byte must come within the first-byte timeout (a new
         connection) or the idle timeout (keep-alive), the whole head within the header timeout."""
+        self.io.expect_head(True)
+        try:
+            return await self._head_event(first)
+        finally:
+            self.io.expect_head(False)
+
+    async def _head_event(self, first: bool) -> Any:
         lim = self.limits
         self.head_raw[:] = self.h11.trailing_data[0]
         self.head_started = bool(self.head_raw)

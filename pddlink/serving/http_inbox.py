@@ -10,6 +10,7 @@ reads and writes an HTTP/1.1 server needs.
   no view of it is left). Issue 27: with ``asyncio.StreamReader`` a 1 MB body was copied five times
   on the event loop (the loop's read, the reader's buffer, its read, the parts' join), ~3 ms per MB.
 - ``discard(limit)``: drop what the client still sends (after a refusal), into the scratch buffer.
+- ``expect_head(on)``: while a request head is awaited, receive at most ``HEAD_LOOKAHEAD`` ahead.
 - ``hold()`` / ``let_go()``: stop and restart receiving whatever is pending (a body another process
   reads from the socket itself: ``pddlink.serving.http_lent``); ``take(n)``: up to ``n`` pending
   bytes, at once.
@@ -28,6 +29,10 @@ from typing import Any, cast
 
 SCRATCH_BYTES = 64 * 1024  # one receive into the scratch buffer, at most
 HIGH_WATER = 2 * SCRATCH_BYTES  # pending bytes beyond which reading pauses until they are read
+# while a request head is awaited (``heading``): one receive, and the pending bytes beyond which
+# reading pauses. What follows a head may be a body another process reads from the socket
+# (``pddlink.serving.http_lent``): what this process received of it must be handed over.
+HEAD_LOOKAHEAD = 16 * 1024
 
 
 class Inbox(asyncio.BufferedProtocol):
@@ -48,6 +53,7 @@ class Inbox(asyncio.BufferedProtocol):
         self._waiter: asyncio.Future[None] | None = None
         self._reading_paused = False
         self._held = False  # ``hold``: reading stays paused until ``let_go``
+        self._heading = True  # a request head is awaited (``expect_head``): small receives
         self._writing_paused = False
         self._drained: asyncio.Future[None] | None = None
         self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -72,7 +78,7 @@ class Inbox(asyncio.BufferedProtocol):
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._target is not None:
             return self._target[self._got :]
-        return self._scratch
+        return self._scratch[:HEAD_LOOKAHEAD] if self._heading else self._scratch
 
     def buffer_updated(self, nbytes: int) -> None:
         if self._target is not None:
@@ -87,7 +93,8 @@ class Inbox(asyncio.BufferedProtocol):
             return
         self.pending += self._scratch[:nbytes]
         transport = self._open()
-        if len(self.pending) > HIGH_WATER and not self._reading_paused and transport is not None:
+        high = HEAD_LOOKAHEAD if self._heading else HIGH_WATER
+        if len(self.pending) > high and not self._reading_paused and transport is not None:
             self._reading_paused = True
             transport.pause_reading()
         self._wake()
@@ -174,6 +181,11 @@ class Inbox(asyncio.BufferedProtocol):
         finally:
             self._dropping = False
 
+    def expect_head(self, heading: bool) -> None:
+        """A request head is awaited (receive little ahead of it: ``HEAD_LOOKAHEAD``), or not."""
+        self._heading = heading
+        self._resume_reading()
+
     def hold(self) -> None:
         """Receive nothing more until ``let_go``: the socket's next bytes stay in the kernel."""
         self._held = True
@@ -230,7 +242,7 @@ class Inbox(asyncio.BufferedProtocol):
 
     def _resume_reading(self) -> None:
         transport = self._open()
-        room = len(self.pending) <= SCRATCH_BYTES
+        room = len(self.pending) <= (HEAD_LOOKAHEAD if self._heading else SCRATCH_BYTES)
         if self._reading_paused and not self._held and room and transport is not None:
             self._reading_paused = False
             transport.resume_reading()

@@ -22,7 +22,7 @@ import pytest
 import uvloop
 
 from pddlink.serving.http import HttpLimits, Request, Response, json_response, serve_http
-from pddlink.serving.http_inbox import HIGH_WATER, SCRATCH_BYTES, Inbox
+from pddlink.serving.http_inbox import HEAD_LOOKAHEAD, HIGH_WATER, SCRATCH_BYTES, Inbox
 from pddlink.transport import PeerIdentity, load_or_create_pki
 
 
@@ -71,6 +71,7 @@ async def _inbox() -> tuple[Inbox, _Transport]:
 def test_a_body_is_received_into_its_own_buffer_and_nothing_past_it() -> None:
     async def main() -> None:
         inbox, _ = await _inbox()
+        inbox.expect_head(False)  # (a head was read)
         body = bytes(range(256)) * 4000  # 1,024,000 bytes
         head_part, rest = body[:1000], body[1000:]
         reading = asyncio.create_task(inbox.read_body(len(body), first=head_part))
@@ -91,12 +92,30 @@ def test_a_body_is_received_into_its_own_buffer_and_nothing_past_it() -> None:
 def test_pending_bytes_count_toward_the_body_and_reading_pauses_above_the_high_water_mark() -> None:
     async def main() -> None:
         inbox, transport = await _inbox()
+        inbox.expect_head(False)
         data = b"x" * (HIGH_WATER + SCRATCH_BYTES)
         _receive(inbox, data, most=SCRATCH_BYTES)
         assert transport.paused  # more than HIGH_WATER waits: the loop stops reading
         assert await inbox.read_body(HIGH_WATER) == data[:HIGH_WATER]  # from what was pending
         assert not transport.paused
         assert await inbox.read(10) == b"x" * 10
+
+    asyncio.run(main())
+
+
+def test_while_a_head_is_awaited_little_is_received_ahead_of_it() -> None:
+    """A new connection (or one between requests) receives at most ``HEAD_LOOKAHEAD`` at a time and
+    pauses beyond it, so that what follows a head (a body another process may read from the socket)
+    mostly stays in the kernel; once the head is read, reading goes on in full."""
+
+    async def main() -> None:
+        inbox, transport = await _inbox()
+        handed = _receive(inbox, b"h" * (3 * HEAD_LOOKAHEAD))
+        assert set(handed) == {HEAD_LOOKAHEAD} and transport.paused
+        assert len(await inbox.read()) == 3 * HEAD_LOOKAHEAD
+        assert not transport.paused
+        inbox.expect_head(False)
+        assert _receive(inbox, b"b" * SCRATCH_BYTES) == [SCRATCH_BYTES] and not transport.paused
 
     asyncio.run(main())
 
