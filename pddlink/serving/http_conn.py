@@ -188,6 +188,8 @@ class Conn:
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > lim.max_body_bytes:
             raise _Refused(protocol_error(413, f"request body too large (limit {lim.max_body_bytes} bytes)"))
+        if self.h11.they_are_waiting_for_100_continue:  # (curl's, for bodies over 1 MB) send it
+            await self._send(h11.InformationalResponse(status_code=100, headers=[]))
         if length is not None:
             size = int(length)
             if self.lendable and 0 < lim.lend_body_bytes <= size:

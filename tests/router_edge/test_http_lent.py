@@ -234,3 +234,39 @@ def test_a_lost_body_ends_the_connection_whatever_duplicate_is_left() -> None:
                 s.close()
 
     uvloop.run(main())
+
+
+@pytest.mark.parametrize("size", [1_000, 1_000_000], ids=["read", "lent"])
+def test_a_client_that_expects_100_continue_is_told_to_go_on(size: int) -> None:
+    """``Expect: 100-continue`` (curl sends it with bodies over 1 MB): the client hears ``100
+    Continue`` before it sends the body, not after its own wait, and then the answer."""
+
+    async def handler(req: Request) -> Response:
+        return _digest(req.body if req.lent is None else await req.lent.read())
+
+    async def main() -> None:
+        port, servers = await _serve(handler)
+        body = bytes(range(256)) * (size // 256)
+
+        def client() -> tuple[bytes, bytes]:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.9) as s:  # curl waits 1 s
+                s.sendall(
+                    b"POST /x HTTP/1.1\r\nhost: x\r\nexpect: 100-continue\r\ncontent-length: %d\r\n\r\n"
+                    % len(body)
+                )
+                interim = s.recv(65536)
+                s.sendall(body)
+                got = b""
+                while not got.endswith(b"}\n"):
+                    got += s.recv(65536)
+                return interim, got
+
+        try:
+            interim, got = await asyncio.to_thread(client)
+            assert interim.startswith(b"HTTP/1.1 100 ")
+            assert b"HTTP/1.1 200" in got and hashlib.sha256(body).hexdigest().encode() in got
+        finally:
+            for s in servers:
+                s.close()
+
+    uvloop.run(main())
