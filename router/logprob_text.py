@@ -27,8 +27,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from router.openai_text import TextCodec
-from router.vllm_http import ID_PREFIX
 
+ID_PREFIX = "token_id:"  # vLLM's ``format_token_id_placeholder`` (here: the router's base image has no httpx)
 CONTEXT_TOKENS = 4  # vLLM: ``LogprobsProcessor._get_sampled_context_ids(max_context=4)``
 REPLACEMENT = "\ufffd"
 

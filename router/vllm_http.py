@@ -14,6 +14,7 @@ import httpx
 
 from pddlink.errors import DeadlineExceeded, RemoteError
 from pddlink.sampling import SamplingParams
+from router.logprob_text import ID_PREFIX
 
 MIN_TIMEOUT_S = 0.01
 FINISHED = ("length", "stop")
@@ -137,9 +138,6 @@ def logprob_rows(choice: dict[str, Any], as_ids: bool = False) -> list[dict[str,
         {"token": read(tok), "logprob": value, "top": [[read(t), v] for t, v in (top or {}).items()]}
         for tok, value, top in zip(lp["tokens"], lp["token_logprobs"], tops, strict=True)
     ]
-
-
-ID_PREFIX = "token_id:"  # vLLM's ``format_token_id_placeholder``
 
 
 def token_id(name: str) -> int:
