@@ -188,13 +188,21 @@ class Conn:
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > lim.max_body_bytes:
             raise _Refused(protocol_error(413, f"request body too large (limit {lim.max_body_bytes} bytes)"))
-        if self.h11.they_are_waiting_for_100_continue:  # (curl's, for bodies over 1 MB) send it
-            await self._send(h11.InformationalResponse(status_code=100, headers=[]))
+        # a client that waits for ``100 Continue`` (curl does, with bodies over 1 MB) is told to
+        # send the body once it is to be read: a lent body's reader says so (a handler that
+        # answers without reading it, a 401, spares the client sending it at all)
+        go_on = h11.InformationalResponse(status_code=100, headers=[])
+        waiting = self.h11.they_are_waiting_for_100_continue
         if length is not None:
             size = int(length)
             if self.lendable and 0 < lim.lend_body_bytes <= size:
-                return self._lent_body(size)
+                owed = (self.h11.send(go_on) or b"") if waiting else b""
+                return self._lent_body(size, owed)
+            if waiting:
+                await self._send(go_on)
             return await self._sized_body(size)
+        if waiting:
+            await self._send(go_on)
         body = bytearray()
         try:
             if headers.get(b"transfer-encoding", b"").lower() == b"chunked":
@@ -237,15 +245,16 @@ class Conn:
             self.shared.budget.give(size)
             raise
 
-    def _lent_body(self, size: int) -> LentBody:
+    def _lent_body(self, size: int, go_on: bytes) -> LentBody:
         """A ``Content-Length`` body left on the socket (``pddlink.serving.http_lent``): receiving
-        stops here, what already arrived goes with it. Charged to the budget whole, as a read one."""
+        stops here, what already arrived goes with it. Charged to the budget whole, as a read one.
+        ``go_on``: the ``100 Continue`` to send before the body is read (b"": none)."""
         self._take(size)
         self.io.hold()
         pre = self.h11.trailing_data[0]
         self.after_body = pre[size:]
         first = pre[:size] + self.io.take(size - min(size, len(pre)))
-        return LentBody(self.io, size, first, time.monotonic() + self.limits.body_timeout_s)
+        return LentBody(self.io, size, first, time.monotonic() + self.limits.body_timeout_s, go_on)
 
     def _take(self, n: int) -> None:
         """``n`` more body bytes buffered, or 503 when the server's budget is spent."""

@@ -9,7 +9,8 @@ nothing (1.00x). So a large ``Content-Length`` body on a plaintext connection
 (``Inbox.hold``) and the handler gets a ``LentBody`` with the bytes already here (``first``) and a
 duplicate of the socket (``lend``) for a process that reads the ``rest`` itself, exactly that many
 bytes and by the body's deadline. Whoever read it says so (``returned``). A handler that would
-rather have the bytes ``read``s them here, as any other body.
+rather have the bytes ``read``s them here, as any other body. A client that waits for ``100
+Continue`` before it sends a body is told to go on only then: one answered unread never sends it.
 
 After the answer: a body read whole (here or elsewhere) lets the connection go on to its next
 request; one never read, or lost part-way, ends the connection (its answer says ``Connection:
@@ -39,8 +40,9 @@ class LentBody:
     """``size`` bytes declared, ``first`` of them received, the rest still on the socket by
     ``deadline`` (monotonic)."""
 
-    def __init__(self, inbox: Inbox, size: int, first: bytes, deadline: float) -> None:
+    def __init__(self, inbox: Inbox, size: int, first: bytes, deadline: float, go_on: bytes = b"") -> None:
         self.inbox, self.size, self.first, self.deadline = inbox, size, first, deadline
+        self.go_on = go_on  # ``100 Continue``, owed to a client that waits for it before sending
         self.state = BodyState.UNREAD
         self.lent_out = False  # ``lend`` gave the socket to a reader
 
@@ -62,8 +64,14 @@ class LentBody:
         sock = None if transport is None else transport.get_extra_info("socket")
         if sock is None:
             raise ConnectionError("the connection is gone")
+        self._go_on()
         self.lent_out = True
         return socket.socket(fileno=socket.dup(sock.fileno()))
+
+    def _go_on(self) -> None:
+        if self.go_on:
+            self.inbox.write(self.go_on)  # a few bytes on a connection that has sent nothing yet
+            self.go_on = b""
 
     def returned(self, whole: bool) -> None:
         """The reader that ``lend`` served is done: it received the whole body, or not."""
@@ -89,6 +97,7 @@ class LentBody:
         if self.state is not BodyState.UNREAD:
             raise RuntimeError(f"body already {self.state.value}")
         self.state = BodyState.LOST  # until it is whole
+        self._go_on()
         self.inbox.let_go()
         async with asyncio.timeout(max(0.0, self.deadline - time.monotonic())):
             body = await self.inbox.read_body(self.size, first=self.first)

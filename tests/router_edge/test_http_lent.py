@@ -270,3 +270,35 @@ def test_a_client_that_expects_100_continue_is_told_to_go_on(size: int) -> None:
                 s.close()
 
     uvloop.run(main())
+
+
+def test_a_client_waiting_for_100_continue_and_answered_unread_never_sends_its_body() -> None:
+    """A lent body's ``100 Continue`` goes out only when its body is to be read: a request
+    answered without reading it (here a 401) gets that answer instead, and the client, which sends
+    nothing until told, has its connection closed without sending the body."""
+
+    async def handler(req: Request) -> Response:
+        assert req.lent is not None
+        return error_response(401, "no key")
+
+    async def main() -> None:
+        port, servers = await _serve(handler)
+
+        def client() -> bytes:
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+                s.sendall(
+                    b"POST /x HTTP/1.1\r\nhost: x\r\nexpect: 100-continue\r\ncontent-length: 1000000\r\n\r\n"
+                )
+                got = b""
+                while part := s.recv(65536):
+                    got += part
+                return got
+
+        try:
+            got = await asyncio.to_thread(client)
+            assert got.startswith(b"HTTP/1.1 401 ") and b"HTTP/1.1 100" not in got
+        finally:
+            for s in servers:
+                s.close()
+
+    uvloop.run(main())
