@@ -50,7 +50,8 @@ class ApiConfig:
     retry_after_s: int = 1  # what a 429 / 503 tells the client
     tokenizer_workers: int = 2  # threads that tokenize and detokenize large texts, off the event loop
     # processes that parse (and tokenize) request bodies over 64 kB, so that the GIL they hold is
-    # not the router's; 0 = on the tokenizer_workers threads (the event loop waits while they parse)
+    # not the router's; over plaintext HTTP they also receive such a body from the client's socket
+    # (docs/api.md); 0 = on the tokenizer_workers threads (the event loop waits while they parse)
     parse_processes: int = 2
     max_prompt_bytes: int = 0  # a text prompt's UTF-8 bytes; 0 = what max_prompt_tokens allows at most
     # SIGTERM: how long a stopping router still answers requests on connections opened before, while
