@@ -124,6 +124,7 @@ class RouterApi:
             a.send_buffer_bytes,
             a.first_byte_timeout_s,
             PROCESS_BYTES + 1 if self.parsers is not None else 0,  # the workers receive such bodies
+            tuple(PATHS),  # (only the generating endpoints read a body a worker can take)
         )
 
     @property
@@ -232,9 +233,15 @@ class RouterApi:
         body the server left on the socket (``req.lent``) is received by the worker, or here while
         no worker runs. ``ParserLost`` when the worker process died, ``BodyNotReceived`` or
         ``TimeoutError`` when the body did not arrive whole."""
-        if req.lent is not None and self.parsers is not None and self.parsers.ready:
-            return self.validated(await self.parsers.job_lent(req.lent, endpoint))
-        body = req.body if req.lent is None else await req.lent.read()
+        lent = req.lent
+        if lent is not None and self.parsers is not None and self.parsers.ready:
+            job = await self.parsers.job_lent(lent, endpoint)
+            if job is not None:
+                return self.validated(job)  # (None: a slow client's body, given back part-way)
+        try:
+            body = req.body if lent is None else await lent.read()
+        except ConnectionError as exc:
+            raise BodyNotReceived(f"the client left mid-body: {exc}") from None
         if self.parsers is not None and len(body) > PROCESS_BYTES:
             if self.parsers.ready:
                 return self.validated(await self.parsers.job(body, endpoint))

@@ -17,10 +17,13 @@ A body the HTTP server left on the socket (``pddlink.serving.http_lent``: over 6
 is received by the worker itself, from a duplicate of the client's socket (``lent``): its bytes
 never pass through the router's event loop, which only hands over the socket and the few bytes that
 came with the head. Without that, receiving four concurrent 1 MB bodies and passing them to the
-workers cost another client's small request 1.57-1.72x its first-token time. The socket travels as
-multiprocessing passes sockets (``multiprocessing.resource_sharer``: a duplicate sent over a unix
-socket to the worker that unpickles it). A worker that received part of a body and then died leaves
-the client's connection unusable: it is closed (``BodyState.LOST``).
+workers cost another client's small request 1.57-1.72x its first-token time. A client slower than
+``GIVE_BACK_S`` gets its body received by the router as before: the worker gives back what it has.
+The socket travels as multiprocessing passes sockets (``multiprocessing.resource_sharer``: a
+duplicate sent over a unix socket to the worker that unpickles it). A worker that received part of
+a body and then died leaves the client's connection unusable: it is closed (``BodyState.LOST``).
+If a worker dies after its socket was pickled and before it took it, the duplicate stays with the
+sharer: one descriptor in the router per such death (the connection itself is shut down).
 
 A worker sends back only what the loop needs: the ``Job`` (token ids, sampling) or a ``Refused``
 (message, field), never an exception object (``RequestRefused``'s field would not survive
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import multiprocessing
 import os
 import signal
@@ -50,6 +54,10 @@ from router.openai_schema import Endpoint, Limits, RequestRefused
 from router.openai_text import TextCodec
 
 PROCESS_BYTES = 64 << 10  # a body this large is parsed in a worker process (smaller: on the router's threads)
+# how long a worker receives a lent body before it gives back what it has (a slow client's body
+# is then received by the router's loop, where slowness costs nothing): a slow client cannot hold
+# a worker, nor, with two, every request's large body behind it
+GIVE_BACK_S = 0.5
 
 
 class ParserLost(LocalError):
@@ -69,6 +77,13 @@ class Lost:
     """A worker's answer for a lent body it could not receive whole."""
 
     why: str
+
+
+@dataclass(frozen=True, slots=True)
+class Partial:
+    """A worker's answer for a lent body whose client sent too slowly: the bytes it received."""
+
+    received: bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,41 +147,52 @@ def _parse(body: bytes, endpoint: Endpoint) -> Job | Refused:
         return Refused(exc.message, getattr(exc, "param", "") or "")
 
 
-def receive(sock: socket.socket | None, first: bytes, rest: int, deadline: float) -> bytes | Lost:
+def receive(
+    sock: socket.socket | None, first: bytes, rest: int, deadline: float, give_back_s: float = math.inf
+) -> bytes | Partial | Lost:
     """``first`` and then exactly ``rest`` more bytes from ``sock`` by ``deadline`` (monotonic: one
-    clock for every process of the machine). The socket is non-blocking (it is the router's):
-    only timeouts here, never ``setblocking(True)``."""
+    clock for every process of the machine), or what arrived within ``give_back_s`` of the start
+    when the client is slower than that (``Partial``: the router reads the rest itself, so a slow
+    client holds a worker no longer). The socket is non-blocking (it is the router's): only
+    timeouts here, never ``setblocking(True)``."""
     buf = bytearray(len(first) + rest)
     buf[: len(first)] = first
     view, got = memoryview(buf), len(first)
+    give_back = min(deadline, time.monotonic() + give_back_s)
     while got < len(buf):
         assert sock is not None
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return Lost("request body not received in time")
-        sock.settimeout(left)
+        sock.settimeout(max(0.0, give_back - time.monotonic()))  # 0: one try that does not wait
         try:
             n = sock.recv_into(view[got:])
-        except TimeoutError:
-            return Lost("request body not received in time")
+        except (TimeoutError, BlockingIOError):
+            break
         except OSError as exc:
             return Lost(f"the client left mid-body: {exc}")
         if not n:
             return Lost("the client left mid-body")
         got += n
     view.release()
-    return bytes(buf)
+    if got == len(buf):
+        return bytes(buf)
+    if time.monotonic() >= deadline:
+        return Lost("request body not received in time")
+    return Partial(bytes(buf[:got]))
 
 
 def _receive_parse(
-    sock: socket.socket | None, first: bytes, rest: int, deadline: float, endpoint: Endpoint
-) -> Job | Refused | Lost:
+    sock: socket.socket | None,
+    first: bytes,
+    rest: int,
+    deadline: float,
+    give_back_s: float,
+    endpoint: Endpoint,
+) -> Job | Refused | Lost | Partial:
     try:
-        body = receive(sock, first, rest, deadline)
+        body = receive(sock, first, rest, deadline, give_back_s)
     finally:
         if sock is not None:
             sock.close()  # this process's duplicate only: the connection stays the router's
-    return body if isinstance(body, Lost) else _parse(body, endpoint)
+    return _parse(body, endpoint) if isinstance(body, bytes) else body
 
 
 class ParsePool:
@@ -174,6 +200,7 @@ class ParsePool:
 
     def __init__(self, workers: int, limits: Limits, codec: TextCodec | None, eos: int | None) -> None:
         self.workers = workers
+        self.give_back_s = GIVE_BACK_S
         self.schema = _Schema(limits, codec, eos)
         self.pool = self._new_pool()
         self.restart: asyncio.Task[None] | None = None  # the workers spawning (woken or replaced)
@@ -207,23 +234,31 @@ class ParsePool:
             raise RequestRefused(got.message, got.param)
         return got
 
-    async def job_lent(self, lent: LentBody, endpoint: Endpoint) -> Job:
+    async def job_lent(self, lent: LentBody, endpoint: Endpoint) -> Job | None:
         """``job`` for a body still on the client's socket, received by the worker (``receive``);
-        ``BodyNotReceived`` when it did not arrive whole. ``lent`` is told how it went."""
+        None when its client sent too slowly and the worker gave back what it received (in
+        ``lent``: the caller reads the rest); ``BodyNotReceived`` when it did not arrive whole by
+        its deadline. ``lent`` is told how it went."""
         pool = self.pool
         sock = lent.lend()
-        whole = False
+        got: Job | Refused | Lost | Partial = Lost("the worker did not answer")
         try:
-            call = pool.submit(_receive_parse, sock, lent.first, lent.rest, lent.deadline, endpoint)
+            call = pool.submit(
+                _receive_parse, sock, lent.first, lent.rest, lent.deadline, self.give_back_s, endpoint
+            )
             got = await asyncio.wrap_future(call)
-            whole = not isinstance(got, Lost)
         except BrokenProcessPool:
             self._replace(pool)
             raise ParserLost("the process parsing this request stopped; send it again") from None
         finally:
-            lent.returned(whole)
+            if isinstance(got, Partial):
+                lent.given_back(got.received)
+            else:
+                lent.returned(not isinstance(got, Lost))
             if sock is not None:
                 sock.close()  # the worker received its own duplicate (or never will: the pool is gone)
+        if isinstance(got, Partial):
+            return None
         if isinstance(got, Lost):
             raise BodyNotReceived(got.why)
         if isinstance(got, Refused):

@@ -195,7 +195,7 @@ class Conn:
         waiting = self.h11.they_are_waiting_for_100_continue
         if length is not None:
             size = int(length)
-            if self.lendable and 0 < lim.lend_body_bytes <= size:
+            if self.lendable and 0 < lim.lend_body_bytes <= size and self._path(ev) in lim.lend_paths:
                 owed = (self.h11.send(go_on) or b"") if waiting else b""
                 return self._lent_body(size, owed)
             if waiting:
@@ -245,6 +245,10 @@ class Conn:
             self.shared.budget.give(size)
             raise
 
+    @staticmethod
+    def _path(ev: h11.Request) -> str:
+        return ev.target.partition(b"?")[0].decode("latin-1")
+
     def _lent_body(self, size: int, go_on: bytes) -> LentBody:
         """A ``Content-Length`` body left on the socket (``pddlink.serving.http_lent``): receiving
         stops here, what already arrived goes with it. Charged to the budget whole, as a read one.
@@ -288,6 +292,10 @@ class Conn:
             lent = body if isinstance(body, LentBody) else None
             try:
                 await self._dispatch(ev, body)
+            except BaseException:
+                if lent is not None and lent.state is not BodyState.READ:
+                    lent.cut()  # (cancelled mid-read, or the answer failed): a lent duplicate ends too
+                raise
             finally:
                 self.shared.budget.give(body.size if isinstance(body, LentBody) else len(body))
             if lent is not None and lent.state is not BodyState.READ:

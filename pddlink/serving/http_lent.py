@@ -77,6 +77,11 @@ class LentBody:
         """The reader that ``lend`` served is done: it received the whole body, or not."""
         self.state = BodyState.READ if whole else BodyState.LOST
 
+    def given_back(self, received: bytes) -> None:
+        """The reader that ``lend`` served stopped part-way and gives back what it received (the
+        start of the body, ``first`` included): the rest is still on the socket, to ``read``."""
+        self.first, self.state = received, BodyState.UNREAD
+
     def cut(self) -> None:
         """End the client's connection itself, not only this process's descriptor of it, once a
         duplicate was lent: one that a reader never closed (a worker that died before taking it

@@ -32,6 +32,9 @@ class HttpLimits:
     # a Content-Length body this large on a plaintext connection is handed to the handler unread
     # (``Request.lent``: ``pddlink.serving.http_lent``); 0: every body is read first
     lend_body_bytes: int = 0
+    lend_paths: tuple[
+        str, ...
+    ] = ()  # the request paths whose bodies may be lent (their handlers read ``lent``)
 
 
 @dataclass(frozen=True, slots=True)

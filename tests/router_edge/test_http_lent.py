@@ -29,7 +29,7 @@ from router.parse_pool import Lost, receive
 
 pytestmark = pytest.mark.timeout(30)
 
-LIMITS = HttpLimits(max_body_bytes=2 << 20, lend_body_bytes=64 << 10, body_timeout_s=2.0)
+LIMITS = HttpLimits(max_body_bytes=2 << 20, lend_body_bytes=64 << 10, body_timeout_s=2.0, lend_paths=("/x",))
 BODIES = [b"a" * 1_000_000, bytes(range(256)) * 4096, b"{}"]  # lent, lent, read
 LOOPS = pytest.mark.parametrize("run", [asyncio.run, uvloop.run], ids=["asyncio", "uvloop"])
 
@@ -167,6 +167,26 @@ def test_a_body_that_stops_arriving_is_lost_by_its_deadline() -> None:
         assert b"HTTP/1.1 408" in got and b"connection: close" in got.lower()
         assert 1.5 < took < 5, took  # LIMITS.body_timeout_s is 2 s
         assert outcome == [Lost("request body not received in time")]
+        for s in servers:
+            s.close()
+
+    uvloop.run(main())
+
+
+def test_a_path_not_named_never_lends() -> None:
+    """Only the paths in ``lend_paths`` get their bodies lent: any other handler reads ``body``."""
+    lent: list[bool] = []
+
+    async def handler(req: Request) -> Response:
+        lent.append(req.lent is not None)
+        return _digest(req.body if req.lent is None else await req.lent.read())
+
+    async def main() -> None:
+        port, servers = await _serve(handler)
+        wire = _wire(BODIES[:1]).replace(b"POST /x ", b"POST /y ") + _wire(BODIES[:1])
+        got = await asyncio.to_thread(_exchange, port, wire, 2)
+        assert got.count(hashlib.sha256(BODIES[0]).hexdigest().encode()) == 2
+        assert lent == [False, True]
         for s in servers:
             s.close()
 

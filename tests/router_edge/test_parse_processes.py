@@ -288,3 +288,47 @@ def test_a_body_left_on_the_socket_is_received_by_a_worker(loop: asyncio.Abstrac
             api.close()
 
     loop.run_until_complete(main())
+
+
+def test_a_slow_client_gives_its_worker_back(loop: asyncio.AbstractEventLoop) -> None:
+    """A client that sends part of its 1 MB body and pauses holds the one worker no longer than
+    ``give_back_s``: the worker gives back what it received, the router receives the rest, and the
+    answer is the router's own; meanwhile another client's 1 MB body is answered by the freed worker."""
+    api = _api(1)
+    big = BODIES["over the byte limit"]
+    want = _post(loop, _api(0), big).body
+    assert isinstance(want, bytes)
+    head = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n" % len(big)
+
+    def send(port: int, pause_s: float) -> tuple[bytes, float]:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            t0 = time.monotonic()
+            s.sendall(head + big[:200_000])
+            time.sleep(pause_s)
+            s.sendall(big[200_000:])
+            got = b""
+            while not got.endswith(b"}\n"):
+                if not (part := s.recv(65536)):
+                    break
+                got += part
+            return got, time.monotonic() - t0
+
+    async def main() -> None:
+        await api.start()
+        assert api.parsers is not None
+        api.parsers.give_back_s = 0.3
+        servers = await serve_http(api.http, host="127.0.0.1", port=0, limits=api.http_limits())
+        port = servers[0].sockets[0].getsockname()[1]
+        try:
+            slow = asyncio.ensure_future(asyncio.to_thread(send, port, 1.5))
+            await asyncio.sleep(0.1)  # the slow body is with the worker
+            fast, fast_s = await asyncio.to_thread(send, port, 0.0)
+            (slow_got, slow_s) = await slow
+            assert want in fast and fast_s < 1.2, fast_s  # not behind the slow client's 1.5 s pause
+            assert want in slow_got and slow_s >= 1.5
+        finally:
+            for s in servers:
+                s.close()
+            api.close()
+
+    loop.run_until_complete(main())
