@@ -75,6 +75,22 @@ def _padded(obj: dict[str, Any]) -> bytes:
     return body + b" " * max(0, PROCESS_BYTES + 1 - len(body))
 
 
+def _exchange(port: int, parts: list[bytes], answers: int, pause_s: float = 0.0) -> tuple[bytes, float]:
+    """``parts`` sent on one connection, ``pause_s`` apart: what comes back until ``answers`` answers
+    (or the server closes), and the seconds that took."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        t0 = time.monotonic()
+        for i, part in enumerate(parts):
+            time.sleep(pause_s if i else 0.0)
+            s.sendall(part)
+        got = b""
+        while got.count(b"HTTP/1.1 ") < answers or not got.endswith(b"}\n"):
+            if not (data := s.recv(65536)):
+                break
+            got += data
+        return got, time.monotonic() - t0
+
+
 BODIES = {
     "over the byte limit": json.dumps({"prompt": eb.text(1_000_000, 1), "max_tokens": 2}).encode(),
     "over the token limit": json.dumps({"prompt": eb.text(120_000, 1), "max_tokens": 2}).encode(),
@@ -257,28 +273,17 @@ def test_a_body_left_on_the_socket_is_received_by_a_worker(loop: asyncio.Abstrac
             lent.append((req.lent.lent_out, req.lent.state.value, len(req.lent.first)))
         return resp
 
-    def exchange(port: int, wire: bytes, answers: int) -> tuple[bytes, float]:
-        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
-            t0 = time.monotonic()
-            s.sendall(wire)
-            got = b""
-            while got.count(b"HTTP/1.1 ") < answers or not got.endswith(b"}\n"):
-                if not (part := s.recv(65536)):
-                    break
-                got += part
-            return got, time.monotonic() - t0
-
     async def main() -> None:
         await api.start()
         servers = await serve_http(handler, host="127.0.0.1", port=0, limits=api.http_limits())
         port = servers[0].sockets[0].getsockname()[1]
         try:
             wire = head % len(big) + big + head % len(small) + small
-            got, _ = await asyncio.to_thread(exchange, port, wire, 2)
+            got, _ = await asyncio.to_thread(_exchange, port, [wire], 2)
             assert got.count(b"HTTP/1.1 400") == 2, got[:400]
             assert all(isinstance(w, bytes) and w in got for w in want)
             assert len(lent) == 1 and lent[0][:2] == (True, "read") and lent[0][2] < len(big) // 2
-            stalled, took = await asyncio.to_thread(exchange, port, head % len(big) + big[:200_000], 1)
+            stalled, took = await asyncio.to_thread(_exchange, port, [head % len(big) + big[:200_000]], 1)
             assert b"HTTP/1.1 408" in stalled and b"connection: close" in stalled.lower()
             assert 1.0 < took < 5, took
             assert lent[1][:2] == (True, "lost")
@@ -300,19 +305,6 @@ def test_a_slow_client_gives_its_worker_back(loop: asyncio.AbstractEventLoop) ->
     assert isinstance(want, bytes)
     head = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n" % len(big)
 
-    def send(port: int, pause_s: float) -> tuple[bytes, float]:
-        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
-            t0 = time.monotonic()
-            s.sendall(head + big[:200_000])
-            time.sleep(pause_s)
-            s.sendall(big[200_000:])
-            got = b""
-            while not got.endswith(b"}\n"):
-                if not (part := s.recv(65536)):
-                    break
-                got += part
-            return got, time.monotonic() - t0
-
     async def main() -> None:
         await api.start()
         assert api.parsers is not None
@@ -320,9 +312,10 @@ def test_a_slow_client_gives_its_worker_back(loop: asyncio.AbstractEventLoop) ->
         servers = await serve_http(api.http, host="127.0.0.1", port=0, limits=api.http_limits())
         port = servers[0].sockets[0].getsockname()[1]
         try:
-            slow = asyncio.ensure_future(asyncio.to_thread(send, port, 1.5))
+            parts = [head + big[:200_000], big[200_000:]]
+            slow = asyncio.ensure_future(asyncio.to_thread(_exchange, port, parts, 1, 1.5))
             await asyncio.sleep(0.1)  # the slow body is with the worker
-            fast, fast_s = await asyncio.to_thread(send, port, 0.0)
+            fast, fast_s = await asyncio.to_thread(_exchange, port, parts, 1)
             (slow_got, slow_s) = await slow
             assert want in fast and fast_s < 1.2, fast_s  # not behind the slow client's 1.5 s pause
             assert want in slow_got and slow_s >= 1.5

@@ -8,13 +8,12 @@ strings. ``tests/vllm/test_logprob_text_vllm.py`` holds the same against vLLM's 
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 from collections.abc import AsyncGenerator
 from typing import Any
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from pddlink.errors import RemoteError
 from pddlink.lifecycle import RunOutcome
@@ -26,23 +25,14 @@ from router.openai_job import Job, completion_job
 from router.openai_schema import Endpoint, Limits
 from router.openai_text import TextCodec, leading_space_marker
 from router.vllm_http import logprob_rows, sampling_body
+from tests.sidecar.test_openai_sampling_surface import _codec as sampling_surface_codec
 
-WORDS = ["prefill", "decode", "relay", "main", "wan", "token", "stream"]
 LIMITS = Limits(300, 4000, 4000)
 MSG = [{"role": "user", "content": "x"}]
 
 
-@functools.cache
-def _codec() -> TextCodec:
-    """Byte-level BPE trained on ASCII words: "日" is three byte tokens, each '\ufffd' alone."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tok.train_from_iterator([" ".join(WORDS[i:] + WORDS[:i]) for i in range(len(WORDS))] * 20, trainer)
-    return TextCodec(tok, "{% for m in messages %}{{ m['content'] }}\n{% endfor %}", "<s>", "</s>", 1)
+# byte-level BPE trained on ASCII words: "日" is three byte tokens, each '\ufffd' alone
+_codec = sampling_surface_codec
 
 
 def _ids(text: str) -> list[int]:
