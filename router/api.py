@@ -114,17 +114,18 @@ class RouterApi:
     def http_limits(self) -> HttpLimits:
         a = self.api
         return HttpLimits(
-            a.max_body_bytes,
-            a.body_budget_bytes,
-            a.header_timeout_s,
-            a.body_timeout_s,
-            a.idle_timeout_s,
-            a.retry_after_s,
-            a.write_stall_s,
-            a.send_buffer_bytes,
-            a.first_byte_timeout_s,
-            PROCESS_BYTES + 1 if self.parsers is not None else 0,  # the workers receive such bodies
-            tuple(PATHS),  # (only the generating endpoints read a body a worker can take)
+            max_body_bytes=a.max_body_bytes,
+            body_budget_bytes=a.body_budget_bytes,
+            header_timeout_s=a.header_timeout_s,
+            body_timeout_s=a.body_timeout_s,
+            idle_timeout_s=a.idle_timeout_s,
+            retry_after_s=a.retry_after_s,
+            write_stall_s=a.write_stall_s,
+            send_buffer_bytes=a.send_buffer_bytes,
+            first_byte_timeout_s=a.first_byte_timeout_s,
+            # bodies the parse workers receive themselves, on the endpoints that read them that way
+            lend_body_bytes=PROCESS_BYTES + 1 if self.parsers is not None else 0,
+            lend_paths=tuple(PATHS),
         )
 
     @property

@@ -188,21 +188,20 @@ class Conn:
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > lim.max_body_bytes:
             raise _Refused(protocol_error(413, f"request body too large (limit {lim.max_body_bytes} bytes)"))
+        size = int(length) if length is not None else -1
+        lend = self.lendable and 0 < lim.lend_body_bytes <= size and self._path(ev) in lim.lend_paths
         # a client that waits for ``100 Continue`` (curl does, with bodies over 1 MB) is told to
         # send the body once it is to be read: a lent body's reader says so (a handler that
         # answers without reading it, a 401, spares the client sending it at all)
-        go_on = h11.InformationalResponse(status_code=100, headers=[])
-        waiting = self.h11.they_are_waiting_for_100_continue
-        if length is not None:
-            size = int(length)
-            if self.lendable and 0 < lim.lend_body_bytes <= size and self._path(ev) in lim.lend_paths:
-                owed = (self.h11.send(go_on) or b"") if waiting else b""
-                return self._lent_body(size, owed)
-            if waiting:
-                await self._send(go_on)
+        go_on = b""
+        if self.h11.they_are_waiting_for_100_continue:
+            go_on = self.h11.send(h11.InformationalResponse(status_code=100, headers=[])) or b""
+            if not lend:
+                await self._write(go_on)
+        if lend:
+            return self._lent_body(size, go_on)
+        if size >= 0:
             return await self._sized_body(size)
-        if waiting:
-            await self._send(go_on)
         body = bytearray()
         try:
             if headers.get(b"transfer-encoding", b"").lower() == b"chunked":
