@@ -19,8 +19,10 @@ read (``harness.vllm.pool.VllmPool``; float32, ``PositionSeededSampling`` loaded
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import shutil
+import signal
 import tempfile
 import time
 from collections.abc import Iterator
@@ -268,6 +270,10 @@ def test_a_killed_md_leaves_placement_at_once_and_is_placed_on_again_once_restar
                         router.drain("md-b0", undo=True)  # the MD it can move to
                     if len(got) == 8:
                         t0 = time.monotonic()
+                        # SIGKILL now, from the loop: a thread of the executor started it late once,
+                        # after md-b1 had streamed the other 152 tokens (CI, 2026-12-05); it reaps
+                        assert md1.proc is not None
+                        os.killpg(md1.proc.pid, signal.SIGKILL)
                         killed = asyncio.get_running_loop().run_in_executor(None, md1.kill)
                 assert killed is not None, final
                 await killed
