@@ -4,60 +4,71 @@ router's threads one client's large bodies held every other client's requests (f
 once: the loop's longest stall 7-14 ms; in worker processes 1 ms, on 2 busy cores).
 
 Lifecycle: ``ParsePool(n, limits, codec, eos)`` names the pool (no process yet); ``start()`` spawns
-its ``n`` workers (``spawn``, not ``fork``: the router has gRPC's threads), each of which unpickles
-the tokenizer once and runs only on CPU time nothing else wants, and sets ``ready``; ``wake()``
-starts them in the background (the router does at its first large body, which, like every body
-until ``ready``, is parsed on its threads: a router that never sees one never spawns a process,
-and none waits 2-5 s of imports); ``job(body, endpoint)``
+its ``n`` workers (``spawn``, not ``fork``: the router has gRPC's threads; ``router.parse_worker``),
+each of which unpickles the tokenizer once, runs only on CPU time nothing else wants, and says it
+is ready; ``ready`` while one is; ``wake()`` starts them in the background (the router does at its
+first large body, which, like every body until ``ready``, is parsed on its threads: a router that
+never sees one never spawns a process, and none waits 2-5 s of imports); ``job(body, endpoint)``
 answers the validated ``Job`` or raises the schema's ``RequestRefused``, as
-``router.openai_job.completion_job`` does in the router; ``close()`` lets the workers finish
-what they hold and exit.
+``router.openai_job.completion_job`` does in the router; ``close()`` lets the workers finish what
+they hold and exit.
+
+Each worker is one process and one unix socket to it, and holds one task at a time: a task waits
+for an idle worker here, in arrival order. The loop only sends, and reads the answer when the
+socket says it is there; nothing else runs in the router for a worker (no thread).
 
 A body the HTTP server left on the socket (``pddlink.serving.http_lent``: over 64 kB, plaintext)
-is received by the worker itself, from a duplicate of the client's socket (``lent``): its bytes
-never pass through the router's event loop, which only hands over the socket and the few bytes that
-came with the head. Without that, receiving four concurrent 1 MB bodies and passing them to the
-workers cost another client's small request 1.57-1.72x its first-token time. A client slower than
+is received by the worker itself (``job_lent``): the client's socket goes to the worker as a
+descriptor with the task, and the body's bytes never pass through the router. A client slower than
 ``GIVE_BACK_S`` gets its body received by the router as before: the worker gives back what it has.
-The socket travels as multiprocessing passes sockets (``multiprocessing.resource_sharer``: a
-duplicate sent over a unix socket to the worker that unpickles it). A worker that received part of
-a body and then died leaves the client's connection unusable: it is closed (``BodyState.LOST``).
-If a worker dies after its socket was pickled and before it took it, the duplicate stays with the
-sharer: one descriptor in the router per such death (the connection itself is shut down).
+A worker that received part of a body and then died leaves the client's connection unusable: it is
+closed (``BodyState.LOST``).
 
-A worker sends back only what the loop needs: the ``Job`` (token ids, sampling) or a ``Refused``
-(message, field), never an exception object (``RequestRefused``'s field would not survive
-pickling). A worker that dies takes the pool's requests with it: each gets ``ParserLost``
-(503, send it again), the pool is replaced at once, and the next request is parsed by the new one.
+A worker that dies takes its task with it: that request gets ``ParserLost`` (503, send it again)
+and the worker is replaced in the background; an idle worker's death is seen at once (its socket
+reads end of file) and a task never goes to a worker known dead. With every worker gone,
+``ready`` is false and bodies are parsed on the router's threads until a replacement answers.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
-import math
+import logging
 import multiprocessing
-import os
-import signal
+import pickle
 import socket
-import threading
-import time
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 
-from pddlink.errors import ErrorCode, InvalidInput, LocalError
+from pddlink.errors import ErrorCode, LocalError
 from pddlink.serving.http_lent import LentBody
-from router.openai_job import Job, completion_job
+from router.openai_job import Job
 from router.openai_schema import Endpoint, Limits, RequestRefused
 from router.openai_text import TextCodec
+from router.parse_worker import (
+    LENGTH_BYTES,
+    READY,
+    Answer,
+    Failed,
+    LentTask,
+    Lost,
+    ParseTask,
+    Partial,
+    Refused,
+    Schema,
+    serve,
+)
+
+log = logging.getLogger(__name__)
 
 PROCESS_BYTES = 64 << 10  # a body this large is parsed in a worker process (smaller: on the router's threads)
 # how long a worker receives a lent body before it gives back what it has (a slow client's body
 # is then received by the router's loop, where slowness costs nothing): a slow client cannot hold
 # a worker, nor, with two, every request's large body behind it
 GIVE_BACK_S = 0.5
+READY_S = 120.0  # a worker that has not loaded its tokenizer by then is killed
 
 
 class ParserLost(LocalError):
@@ -72,127 +83,56 @@ class BodyNotReceived(LocalError):
     code = ErrorCode.DEADLINE_EXCEEDED
 
 
-@dataclass(frozen=True, slots=True)
-class Lost:
-    """A worker's answer for a lent body it could not receive whole."""
-
-    why: str
+class _Gone(Exception):
+    """A worker's socket ended: the worker died (or was killed)."""
 
 
-@dataclass(frozen=True, slots=True)
-class Partial:
-    """A worker's answer for a lent body whose client sent too slowly: the bytes it received."""
+@dataclass(eq=False)
+class _Worker:
+    proc: BaseProcess
+    conn: socket.socket  # the router's end: non-blocking
+    head: bytearray = field(default_factory=lambda: bytearray(LENGTH_BYTES))
 
-    received: bytes
+    async def send(self, message: object, fd: int | None = None) -> None:
+        """``message``, with ``fd`` (the client's socket) on its length bytes."""
+        payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        length = len(payload).to_bytes(LENGTH_BYTES, "big")
+        loop = asyncio.get_running_loop()
+        sent = await _send_fd(loop, self.conn, length, fd) if fd is not None else 0
+        await loop.sock_sendall(self.conn, length[sent:] + payload)
 
+    async def answer(self) -> object:
+        await self._exactly(self.head)
+        buf = bytearray(int.from_bytes(self.head, "big"))
+        await self._exactly(buf)
+        return pickle.loads(buf)
 
-@dataclass(frozen=True, slots=True)
-class Refused:
-    """A worker's answer for a body the schema refuses: ``RequestRefused``'s message and field."""
+    async def _exactly(self, buf: bytearray) -> None:
+        loop, view, got = asyncio.get_running_loop(), memoryview(buf), 0
+        while got < len(buf):
+            n = await loop.sock_recv_into(self.conn, view[got:])
+            if not n:
+                raise _Gone
+            got += n
 
-    message: str
-    param: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class _Schema:
-    """What a worker parses with: sent to each worker once, when it starts."""
-
-    limits: Limits
-    codec: TextCodec | None
-    eos: int | None
-
-
-_schema: _Schema | None = None  # a worker's, set by ``_start_worker``
-
-
-def _start_worker(schema: _Schema) -> None:
-    global _schema
-    _schema = schema
-    _yield_cpu()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C stops the router, which stops us
-    parent = multiprocessing.parent_process()
-    if parent is not None:  # a router killed outright (SIGKILL) leaves no worker behind
-        threading.Thread(target=_exit_with, args=(parent,), name="parent-watch", daemon=True).start()
+    def end(self) -> None:
+        self.conn.close()
+        with contextlib.suppress(OSError, ValueError):
+            self.proc.kill()
 
 
-def _yield_cpu() -> None:
-    """Run only on CPU time nothing else wants (Linux ``SCHED_IDLE``; a nice of 19 elsewhere): the
-    scheduler gives the CPU to a waking router or sidecar at once, where a nice of 10 leaves a
-    parse running to the end of its slice. ``pddlink bench edge``'s load on 2 shared cores does not
-    resolve the difference (the small request's loaded first token with four 1 MB bodies parsed,
-    minus with them read and not parsed: -0.8 and +5.6 ms in two runs; nice 10: +2.0 ms). Under a
-    saturated CPU a parse still advances, slowly: only its own request waits."""
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # this thread and those it starts
-    except (AttributeError, OSError):
-        with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, 0, 19)
-
-
-def _exit_with(parent: BaseProcess) -> None:
-    parent.join()  # returns when the parent process has ended
-    os._exit(1)
-
-
-def _ready() -> None:
-    pass
-
-
-def _parse(body: bytes, endpoint: Endpoint) -> Job | Refused:
-    assert _schema is not None, "not a ParsePool worker"
-    try:
-        return completion_job(body, endpoint, _schema.limits, _schema.codec, _schema.eos)
-    except InvalidInput as exc:
-        return Refused(exc.message, getattr(exc, "param", "") or "")
-
-
-def receive(
-    sock: socket.socket | None, first: bytes, rest: int, deadline: float, give_back_s: float = math.inf
-) -> bytes | Partial | Lost:
-    """``first`` and then exactly ``rest`` more bytes from ``sock`` by ``deadline`` (monotonic: one
-    clock for every process of the machine), or what arrived within ``give_back_s`` of the start
-    when the client is slower than that (``Partial``: the router reads the rest itself, so a slow
-    client holds a worker no longer). The socket is non-blocking (it is the router's): only
-    timeouts here, never ``setblocking(True)``."""
-    buf = bytearray(len(first) + rest)
-    buf[: len(first)] = first
-    view, got = memoryview(buf), len(first)
-    give_back = min(deadline, time.monotonic() + give_back_s)
-    while got < len(buf):
-        assert sock is not None
-        sock.settimeout(max(0.0, give_back - time.monotonic()))  # 0: one try that does not wait
+async def _send_fd(loop: asyncio.AbstractEventLoop, conn: socket.socket, data: bytes, fd: int) -> int:
+    """Send a first part of ``data`` with ``fd`` (one ``sendmsg``); the bytes it took."""
+    while True:
         try:
-            n = sock.recv_into(view[got:])
-        except (TimeoutError, BlockingIOError):
-            break
-        except OSError as exc:
-            return Lost(f"the client left mid-body: {exc}")
-        if not n:
-            return Lost("the client left mid-body")
-        got += n
-    view.release()
-    if got == len(buf):
-        return bytes(buf)
-    if time.monotonic() >= deadline:
-        return Lost("request body not received in time")
-    return Partial(bytes(buf[:got]))
-
-
-def _receive_parse(
-    sock: socket.socket | None,
-    first: bytes,
-    rest: int,
-    deadline: float,
-    give_back_s: float,
-    endpoint: Endpoint,
-) -> Job | Refused | Lost | Partial:
-    try:
-        body = receive(sock, first, rest, deadline, give_back_s)
-    finally:
-        if sock is not None:
-            sock.close()  # this process's duplicate only: the connection stays the router's
-    return _parse(body, endpoint) if isinstance(body, bytes) else body
+            return socket.send_fds(conn, [data], [fd])
+        except BlockingIOError:  # the worker's socket buffer is full (it holds no task: rare)
+            writable: asyncio.Future[None] = loop.create_future()
+            loop.add_writer(conn.fileno(), _settle, writable)
+            try:
+                await writable
+            finally:
+                loop.remove_writer(conn.fileno())
 
 
 class ParsePool:
@@ -201,85 +141,215 @@ class ParsePool:
     def __init__(self, workers: int, limits: Limits, codec: TextCodec | None, eos: int | None) -> None:
         self.workers = workers
         self.give_back_s = GIVE_BACK_S
-        self.schema = _Schema(limits, codec, eos)
-        self.pool = self._new_pool()
-        self.restart: asyncio.Task[None] | None = None  # the workers spawning (woken or replaced)
-        self.ready = False  # a worker of the current pool has answered
+        self.schema = Schema(limits, codec, eos)
+        self.live: set[_Worker] = set()  # ready and not known dead
+        self.idle: list[_Worker] = []
+        self.waiting: collections.deque[asyncio.Future[_Worker]] = collections.deque()
+        self.spawning: set[asyncio.Task[None]] = set()
+        self.restart: asyncio.Task[None] | None = None  # ``wake``'s start
+        self.closed = False
+        self.loop: asyncio.AbstractEventLoop  # the router's, where idle workers are watched
 
-    def _new_pool(self) -> ProcessPoolExecutor:
-        ctx = multiprocessing.get_context("spawn")
-        return ProcessPoolExecutor(self.workers, ctx, initializer=_start_worker, initargs=(self.schema,))
+    @property
+    def ready(self) -> bool:
+        """A worker is up (tasks go to the pool, not to the router's threads)."""
+        return bool(self.live)
 
     async def start(self) -> None:
-        """Spawn every worker now, not at the first large body: the pool spawns one for each call
-        submitted while none is idle. Returns once a worker answers (the others may be loading)."""
-        pool = self.pool
-        await asyncio.gather(*(asyncio.wrap_future(pool.submit(_ready)) for _ in range(self.workers)))
-        self.ready = self.pool is pool
+        """Spawn every worker not yet running or spawning; returns once each has answered."""
+        for _ in range(self.workers - len(self.live) - len(self.spawning)):
+            self._spawn()
+        await asyncio.gather(*self.spawning, return_exceptions=True)
 
     def wake(self) -> None:
-        """Start the workers in the background, once (``ready`` when they answer)."""
+        """Start the workers in the background, once (``ready`` when one answers)."""
         if self.restart is None and not self.ready:
-            self.restart = asyncio.get_running_loop().create_task(self._start_quietly())
+            self.restart = asyncio.get_running_loop().create_task(self.start())
 
     async def job(self, body: bytes, endpoint: Endpoint) -> Job:
         """The validated job; ``RequestRefused`` (400) or ``ParserLost`` (503) else."""
-        pool = self.pool
-        try:
-            got = await asyncio.wrap_future(pool.submit(_parse, body, endpoint))
-        except BrokenProcessPool:
-            self._replace(pool)
-            raise ParserLost("the process parsing this request stopped; send it again") from None
-        if isinstance(got, Refused):
-            raise RequestRefused(got.message, got.param)
-        return got
+        got = await self._run(ParseTask(body, endpoint))
+        return _job(got)
 
     async def job_lent(self, lent: LentBody, endpoint: Endpoint) -> Job | None:
-        """``job`` for a body still on the client's socket, received by the worker (``receive``);
-        None when its client sent too slowly and the worker gave back what it received (in
-        ``lent``: the caller reads the rest); ``BodyNotReceived`` when it did not arrive whole by
-        its deadline. ``lent`` is told how it went."""
-        pool = self.pool
-        sock = lent.lend()
-        got: Job | Refused | Lost | Partial = Lost("the worker did not answer")
+        """``job`` for a body still on the client's socket, received by the worker (its
+        ``receive``); None when its client sent too slowly and the worker gave back what it
+        received (in ``lent``: the caller reads the rest); ``BodyNotReceived`` when it did not
+        arrive whole by its deadline. ``lent`` is told how it went."""
+        task = LentTask(lent.first, lent.rest, lent.deadline, self.give_back_s, endpoint)
+        got: Answer = Lost("the worker did not answer")
         try:
-            call = pool.submit(
-                _receive_parse, sock, lent.first, lent.rest, lent.deadline, self.give_back_s, endpoint
-            )
-            got = await asyncio.wrap_future(call)
-        except BrokenProcessPool:
-            self._replace(pool)
-            raise ParserLost("the process parsing this request stopped; send it again") from None
+            got = await self._run(task, lent)
         finally:
             if isinstance(got, Partial):
                 lent.given_back(got.received)
             else:
                 lent.returned(not isinstance(got, Lost))
-            if sock is not None:
-                sock.close()  # the worker received its own duplicate (or never will: the pool is gone)
         if isinstance(got, Partial):
             return None
         if isinstance(got, Lost):
             raise BodyNotReceived(got.why)
-        if isinstance(got, Refused):
-            raise RequestRefused(got.message, got.param)
-        return got
+        return _job(got)
 
-    def _replace(self, broken: ProcessPoolExecutor) -> None:
-        """A new pool for a broken one (once, however many of its requests notice), its workers
-        spawning in the background: the requests that noticed are answered at once."""
-        if self.pool is not broken:
+    async def _run(self, task: ParseTask | LentTask, lent: LentBody | None = None) -> Answer:
+        """``task`` on the next idle worker; the client's socket from ``lent`` goes with it. The
+        exchange runs to its answer even when the caller is cancelled, so that the worker's next
+        task starts on a clean socket."""
+        while True:
+            worker = await self._take()
+            sock = None
+            try:
+                sock = lent.lend() if lent is not None else None
+            except BaseException:
+                self._give(worker)
+                raise
+            exchange = asyncio.ensure_future(self._exchange(worker, task, sock))
+            exchange.add_done_callback(_retrieved)  # a caller cancelled meanwhile never reads it
+            got = await asyncio.shield(exchange)
+            if got is not None:
+                return got
+            # None: the worker was dead before it took the task; the next one gets it
+
+    async def _exchange(self, worker: _Worker, task: object, sock: socket.socket | None) -> Answer | None:
+        try:
+            try:
+                await worker.send(task, None if sock is None else sock.fileno())
+            finally:
+                if sock is not None:
+                    sock.close()  # in flight, the descriptor is the kernel's until the worker takes it
+        except OSError:
+            self._lost(worker)
+            return None
+        try:
+            got = await worker.answer()
+        except (OSError, _Gone):
+            self._lost(worker)
+            raise ParserLost("the process parsing this request stopped; send it again") from None
+        self._give(worker)
+        return got  # type: ignore[return-value]
+
+    async def _take(self) -> _Worker:
+        if self.idle:
+            worker = self.idle.pop()
+            self.loop.remove_reader(worker.conn.fileno())
+            return worker
+        if not self.live:
+            raise ParserLost("no process is parsing requests; send it again")
+        waiter: asyncio.Future[_Worker] = asyncio.get_running_loop().create_future()
+        self.waiting.append(waiter)
+        try:
+            return await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():
+                self._give(waiter.result())  # handed over just as the caller gave up
+            raise
+
+    def _give(self, worker: _Worker) -> None:
+        """``worker`` is idle: to the first task waiting, or watched until one comes (an idle
+        worker sends nothing: its socket becoming readable is its end)."""
+        if worker not in self.live:
             return
-        broken.shutdown(wait=False, cancel_futures=True)
-        self.pool = self._new_pool()
-        self.ready = False
-        self.restart = asyncio.get_running_loop().create_task(self._start_quietly())
+        while self.waiting:
+            waiter = self.waiting.popleft()
+            if not waiter.done():
+                waiter.set_result(worker)
+                return
+        self.idle.append(worker)
+        self.loop = asyncio.get_running_loop()
+        self.loop.add_reader(worker.conn.fileno(), self._idle_ended, worker)
 
-    async def _start_quietly(self) -> None:
-        with contextlib.suppress(BrokenProcessPool, RuntimeError):  # broken again, or closed
-            await self.start()
+    def _idle_ended(self, worker: _Worker) -> None:
+        self.loop.remove_reader(worker.conn.fileno())
+        self.idle.remove(worker)
+        self._lost(worker)
+
+    def _lost(self, worker: _Worker) -> None:
+        """``worker`` is dead: the tasks waiting get ``ParserLost`` if none is left, and a new
+        worker spawns in the background."""
+        if worker not in self.live:
+            return
+        self.live.discard(worker)
+        worker.end()
+        asyncio.get_running_loop().run_in_executor(None, _reap, worker.proc)
+        if not self.live:
+            while self.waiting:
+                waiter = self.waiting.popleft()
+                if not waiter.done():
+                    waiter.set_exception(ParserLost("the processes parsing requests stopped; send it again"))
+        if not self.closed:
+            self._spawn()
+
+    def _spawn(self) -> None:
+        task = asyncio.get_running_loop().create_task(self._spawn_one())
+        self.spawning.add(task)
+        task.add_done_callback(self._spawned)
+
+    def _spawned(self, task: asyncio.Task[None]) -> None:
+        self.spawning.discard(task)
+        if not task.cancelled() and task.exception() is not None and not self.closed:
+            log.warning("a parse worker did not start: %r", task.exception())
+
+    async def _spawn_one(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        ctx = multiprocessing.get_context("spawn")
+        proc = ctx.Process(target=serve, args=(theirs, self.schema), name="pddlink-parse", daemon=True)
+        try:
+            await asyncio.to_thread(proc.start)  # writes the pickled tokenizer to the child: not on the loop
+        finally:
+            theirs.close()
+        ours.setblocking(False)
+        worker = _Worker(proc, ours)
+        try:
+            async with asyncio.timeout(READY_S):
+                said = await worker.answer()
+            if said != READY or self.closed:
+                raise _Gone
+        except BaseException:
+            worker.end()
+            raise
+        self.live.add(worker)
+        self._give(worker)
 
     def close(self) -> None:
-        if self.restart is not None:
-            self.restart.cancel()
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        """The workers finish what they hold and exit (their sockets end)."""
+        self.closed = True
+        for task in (*self.spawning, *([self.restart] if self.restart else [])):
+            task.cancel()
+        for worker in self.idle:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: no reader to remove
+                self.loop.remove_reader(worker.conn.fileno())
+        for worker in [*self.live]:
+            worker.conn.close()
+        self.live.clear()
+        self.idle.clear()
+        for waiter in self.waiting:
+            if not waiter.done():
+                waiter.set_exception(ParserLost("the router is stopping"))
+
+
+def _job(got: Answer) -> Job:
+    if isinstance(got, Refused):
+        raise RequestRefused(got.message, got.param)
+    if isinstance(got, Failed):
+        raise RuntimeError(f"the parse worker failed: {got.error}")
+    if isinstance(got, Lost | Partial):
+        raise RuntimeError(f"a body not lent came back {type(got).__name__}")
+    return got
+
+
+def _retrieved(task: asyncio.Future[Answer | None]) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
+def _settle(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def _reap(proc: BaseProcess) -> None:
+    """Wait for a killed worker (no zombie) and close what ``multiprocessing`` holds of it (its
+    sentinel pipe)."""
+    proc.join(10)
+    with contextlib.suppress(ValueError):  # still running after all: left to ``multiprocessing``
+        proc.close()

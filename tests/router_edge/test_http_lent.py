@@ -4,7 +4,7 @@ the server itself) gets exactly its bytes, and the connection's next request is 
 body nobody read ends the connection; a TLS connection never lends.
 
 Real sockets, on both event loops (the router runs on uvloop). The reader here is a thread with
-``router.parse_pool.receive``, which the parse workers run; ``test_parse_processes`` has the
+``router.parse_worker.receive``, which the parse workers run; ``test_parse_processes`` has the
 workers themselves.
 """
 
@@ -25,7 +25,7 @@ import uvloop
 from pddlink.serving.http import HttpLimits, Request, Response, error_response, json_response, serve_http
 from pddlink.serving.http_lent import BodyState
 from pddlink.transport import PeerIdentity, load_or_create_pki
-from router.parse_pool import Lost, receive
+from router.parse_worker import Lost, receive
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -1,6 +1,8 @@
 """Request bodies over 64 kB are parsed in worker processes (``router.parse_pool``, issue 27): the
 answers are the ones the router's own parse gives (same status, same error body), and a worker
-killed mid-parse gives its request a typed 503 while the next request is parsed by a new pool.
+killed mid-parse gives its request a typed 503 while the next request is parsed by its replacement;
+an idle worker's death costs no request, and a worker killed holding a client's socket leaves no
+descriptor of it in the router.
 
 In memory (``RouterApi.http`` with a stand-in router), with real worker processes.
 """
@@ -8,6 +10,7 @@ In memory (``RouterApi.http`` with a stand-in router), with real worker processe
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import multiprocessing
 import os
@@ -325,3 +328,86 @@ def test_a_slow_client_gives_its_worker_back(loop: asyncio.AbstractEventLoop) ->
             api.close()
 
     loop.run_until_complete(main())
+
+
+def test_an_idle_worker_killed_costs_no_request(loop: asyncio.AbstractEventLoop) -> None:
+    """A worker killed while idle is seen at once (its socket ends): the requests after it go to
+    the live worker, none gets 503, and a replacement joins."""
+    api = _api(2)
+    body = BODIES["over the byte limit"]
+
+    async def main() -> None:
+        await api.start()
+        pool = api.parsers
+        assert pool is not None and len(pool.live) == 2
+        victim = next(iter(pool.live)).proc
+        os.kill(victim.pid or 0, signal.SIGKILL)
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if len(pool.live) == 1:
+                break
+        assert len(pool.live) == 1 and all(w.proc is not victim for w in pool.live)
+        answers = await asyncio.gather(
+            *(api.http(Request("POST", "/v1/completions", "", body, (), "")) for _ in range(4))
+        )
+        assert [a.status for a in answers] == [400] * 4, [a.body for a in answers]
+        for _ in range(600):  # the replacement loads
+            if len(pool.live) == 2:
+                break
+            await asyncio.sleep(0.05)
+        assert len(pool.live) == 2
+
+    try:
+        loop.run_until_complete(asyncio.wait_for(main(), 60))
+    finally:
+        api.close()
+
+
+def test_a_worker_killed_holding_a_lent_socket_leaves_no_descriptor(loop: asyncio.AbstractEventLoop) -> None:
+    """A worker killed while it receives a lent body: the client gets its answer (408, closed), the
+    router holds no descriptor of that connection afterwards, and the next lent body is received
+    by the replacement."""
+    api = _api(1)
+    api.api = ApiConfig(parse_processes=1, body_timeout_s=3.0)
+    big = BODIES["over the byte limit"]
+    head = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n" % len(big)
+
+    def sockets() -> int:
+        """The router's sockets (the test's own pipes and files vary: not counted)."""
+        names = []
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):  # the listing's own descriptor, closed by now
+                names.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return sum(name.startswith("socket:") for name in names)
+
+    async def main() -> None:
+        await api.start()
+        pool = api.parsers
+        assert pool is not None
+        servers = await serve_http(api.http, host="127.0.0.1", port=0, limits=api.http_limits())
+        port = servers[0].sockets[0].getsockname()[1]
+        try:
+            before = sockets()
+            stalled = asyncio.ensure_future(asyncio.to_thread(_exchange, port, [head + big[:300_000]], 1))
+            await asyncio.sleep(0.3)  # the worker holds the socket, waiting for the rest
+            (worker,) = pool.live
+            os.kill(worker.proc.pid or 0, signal.SIGKILL)
+            got, took = await stalled
+            assert got.startswith(b"HTTP/1.1 ") and b"connection: close" in got.lower(), got[:300]
+            assert took < 3.0, took
+            for _ in range(600):
+                if pool.live:
+                    break
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.2)
+            assert sockets() == before  # the replacement's for the old worker's; none of the client's
+            whole, _ = await asyncio.to_thread(_exchange, port, [head + big], 1)
+            assert b"HTTP/1.1 400" in whole and b"bytes of text" in whole
+        finally:
+            for s in servers:
+                s.close()
+
+    try:
+        loop.run_until_complete(asyncio.wait_for(main(), 60))
+    finally:
+        api.close()
