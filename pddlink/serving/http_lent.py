@@ -84,8 +84,8 @@ class LentBody:
 
     def cut(self) -> None:
         """End the client's connection itself, not only this process's descriptor of it, once a
-        duplicate was lent: one that a reader never closed (a worker that died before taking it
-        leaves it with ``multiprocessing``'s sharer) would keep the connection open."""
+        duplicate was lent: one that a reader has not closed yet (a worker stuck in a parse) would
+        keep the connection open."""
         transport = self.inbox.transport
         sock = None if transport is None or not self.lent_out else transport.get_extra_info("socket")
         if sock is None:
