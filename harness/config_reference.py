@@ -193,8 +193,8 @@ MEANINGS: dict[str, str] = {
     "api.tokenizer_workers": "threads that tokenize large text prompts (and detokenize), off the event loop",
     "api.parse_processes": "worker processes that parse and tokenize request bodies over 64 kB, so the"
     " GIL they hold is not the router's; over plaintext HTTP they also receive such a body from the"
-    " client's socket, so the router's event loop never does (docs/api.md; a dead one: its requests"
-    " get 503, the pool is replaced); 0 = on the tokenizer_workers threads, the router receiving"
+    " client's socket, so the router's event loop never does (docs/api.md; a dead one: its request"
+    " gets 503 and it is replaced); 0 = on the tokenizer_workers threads, the router receiving"
     " every body",
     "api.max_prompt_bytes": "a text prompt's UTF-8 bytes, checked before tokenizing (400 beyond);"
     " 0 = max_prompt_tokens x the tokenizer's longest token in bytes (no prompt within the token"
