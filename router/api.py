@@ -31,6 +31,7 @@ deadline there is answered 408.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -64,7 +65,7 @@ from router.openai_api import Responder, error_body, models_body
 from router.openai_job import Job, completion_job, generate_job
 from router.openai_schema import Endpoint, Limits, RequestRefused
 from router.openai_text import TextCodec, TextWorkers
-from router.parse_pool import PROCESS_BYTES, BodyNotReceived, ParsePool, ParserLost
+from router.parse_pool import PROCESS_BYTES, BodyNotReceived, NoParser, ParsePool, ParserLost
 
 pb2, pb2_grpc = stubs()
 
@@ -234,9 +235,10 @@ class RouterApi:
         body the server left on the socket (``req.lent``) is received by the worker, or here while
         no worker runs. ``ParserLost`` when the worker process died, ``BodyNotReceived`` or
         ``TimeoutError`` when the body did not arrive whole."""
-        lent = req.lent
+        lent, job = req.lent, None
         if lent is not None and self.parsers is not None and self.parsers.ready:
-            job = await self.parsers.job_lent(lent, endpoint)
+            with contextlib.suppress(NoParser):  # every worker died meanwhile: received here
+                job = await self.parsers.job_lent(lent, endpoint)
             if job is not None:
                 return self.validated(job)  # (None: a slow client's body, given back part-way)
         try:
@@ -245,7 +247,8 @@ class RouterApi:
             raise BodyNotReceived(f"the client left mid-body: {exc}") from None
         if self.parsers is not None and len(body) > PROCESS_BYTES:
             if self.parsers.ready:
-                return self.validated(await self.parsers.job(body, endpoint))
+                with contextlib.suppress(NoParser):  # as above: parsed on a thread
+                    return self.validated(await self.parsers.job(body, endpoint))
             self.parsers.wake()  # this body on a thread, the next ones in the workers once they run
         return await self.workers.run(lambda: self.parse(body, endpoint), len(body))
 

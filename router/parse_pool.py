@@ -10,11 +10,12 @@ is ready; ``ready`` while one is; ``wake()`` starts them in the background (the 
 first large body, which, like every body until ``ready``, is parsed on its threads: a router that
 never sees one never spawns a process, and none waits 2-5 s of imports); ``job(body, endpoint)``
 answers the validated ``Job`` or raises the schema's ``RequestRefused``, as
-``router.openai_job.completion_job`` does in the router; ``close()`` lets the workers finish what
-they hold and exit.
+``router.openai_job.completion_job`` does in the router; ``close()`` ends the idle workers and
+drops the busy ones' answers (their tasks get ``ParserLost``; each exits once its task is done).
 
 Each worker is one process and one unix socket to it, and holds one task at a time: a task waits
-for an idle worker here, in arrival order. The loop only sends, and reads the answer when the
+for an idle worker here, in arrival order, for as long as it takes (a parse is bounded by its
+body's deadline, a tokenizing by the request's size). The loop only sends, and reads the answer when the
 socket says it is there; nothing else runs in the router for a worker (no thread).
 
 A body the HTTP server left on the socket (``pddlink.serving.http_lent``: over 64 kB, plaintext)
@@ -25,7 +26,8 @@ A worker that received part of a body and then died leaves the client's connecti
 closed (``BodyState.LOST``).
 
 A worker that dies takes its task with it: that request gets ``ParserLost`` (503, send it again)
-and the worker is replaced in the background; an idle worker's death is seen at once (its socket
+and the worker is replaced in the background (one that fails to start is tried again every
+``RESPAWN_S``); an idle worker's death is seen at once (its socket
 reads end of file) and a task never goes to a worker known dead. With every worker gone,
 ``ready`` is false and bodies are parsed on the router's threads until a replacement answers.
 """
@@ -69,12 +71,18 @@ PROCESS_BYTES = 64 << 10  # a body this large is parsed in a worker process (sma
 # a worker, nor, with two, every request's large body behind it
 GIVE_BACK_S = 0.5
 READY_S = 120.0  # a worker that has not loaded its tokenizer by then is killed
+RESPAWN_S = 5.0  # a worker that failed to start is tried again after this
 
 
 class ParserLost(LocalError):
     """The worker process parsing a request died (killed, out of memory): the request was not run."""
 
     code = ErrorCode.UNAVAILABLE
+
+
+class NoParser(ParserLost):
+    """No worker is up to take the task (every one died since ``ready`` was read): nothing of the
+    request was sent to a worker, so the caller parses it itself, as before the workers ran."""
 
 
 class BodyNotReceived(LocalError):
@@ -117,7 +125,7 @@ class _Worker:
 
     def end(self) -> None:
         self.conn.close()
-        with contextlib.suppress(OSError, ValueError):
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # AttributeError: not started yet
             self.proc.kill()
 
 
@@ -146,8 +154,10 @@ class ParsePool:
         self.idle: list[_Worker] = []
         self.waiting: collections.deque[asyncio.Future[_Worker]] = collections.deque()
         self.spawning: set[asyncio.Task[None]] = set()
-        self.restart: asyncio.Task[None] | None = None  # ``wake``'s start
+        self.starting: set[_Worker] = set()  # spawned, not ready yet
+        self.waking: asyncio.Task[None] | None = None  # ``wake``'s start
         self.closed = False
+        self.retry: asyncio.TimerHandle | None = None  # a failed spawn tried again
         self.loop: asyncio.AbstractEventLoop  # the router's, where idle workers are watched
 
     @property
@@ -156,18 +166,23 @@ class ParsePool:
         return bool(self.live)
 
     async def start(self) -> None:
-        """Spawn every worker not yet running or spawning; returns once each has answered."""
+        """Spawn every worker not yet running or spawning; returns once each has answered or
+        failed (raising the first failure when no worker is up)."""
         for _ in range(self.workers - len(self.live) - len(self.spawning)):
             self._spawn()
-        await asyncio.gather(*self.spawning, return_exceptions=True)
+        failed = await asyncio.gather(*self.spawning, return_exceptions=True)
+        errors = [e for e in failed if isinstance(e, BaseException)]
+        if errors and not self.live:
+            raise errors[0]
 
     def wake(self) -> None:
         """Start the workers in the background, once (``ready`` when one answers)."""
-        if self.restart is None and not self.ready:
-            self.restart = asyncio.get_running_loop().create_task(self.start())
+        if self.waking is None and not self.ready:
+            self.waking = asyncio.get_running_loop().create_task(self.start())
 
     async def job(self, body: bytes, endpoint: Endpoint) -> Job:
-        """The validated job; ``RequestRefused`` (400) or ``ParserLost`` (503) else."""
+        """The validated job; ``RequestRefused`` (400) or ``ParserLost`` (503) else (``NoParser``:
+        no worker took it, parse it elsewhere)."""
         got = await self._run(ParseTask(body, endpoint))
         return _job(got)
 
@@ -177,14 +192,17 @@ class ParsePool:
         received (in ``lent``: the caller reads the rest); ``BodyNotReceived`` when it did not
         arrive whole by its deadline. ``lent`` is told how it went."""
         task = LentTask(lent.first, lent.rest, lent.deadline, self.give_back_s, endpoint)
-        got: Answer = Lost("the worker did not answer")
         try:
             got = await self._run(task, lent)
-        finally:
-            if isinstance(got, Partial):
-                lent.given_back(got.received)
-            else:
-                lent.returned(not isinstance(got, Lost))
+        except NoParser:
+            raise  # no worker took the socket: the body is whole on it, still ``lent``'s to read
+        except BaseException:
+            lent.returned(False)
+            raise
+        if isinstance(got, Partial):
+            lent.given_back(got.received)
+        else:  # whole only when parsed: a ``Failed`` may come from mid-body
+            lent.returned(isinstance(got, Job | Refused))
         if isinstance(got, Partial):
             return None
         if isinstance(got, Lost):
@@ -222,7 +240,7 @@ class ParsePool:
             return None
         try:
             got = await worker.answer()
-        except (OSError, _Gone):
+        except Exception:  # the socket ended or the answer is garbled: the stream is no longer usable
             self._lost(worker)
             raise ParserLost("the process parsing this request stopped; send it again") from None
         self._give(worker)
@@ -234,13 +252,13 @@ class ParsePool:
             self.loop.remove_reader(worker.conn.fileno())
             return worker
         if not self.live:
-            raise ParserLost("no process is parsing requests; send it again")
+            raise NoParser("no process is parsing requests")
         waiter: asyncio.Future[_Worker] = asyncio.get_running_loop().create_future()
         self.waiting.append(waiter)
         try:
             return await waiter
         except asyncio.CancelledError:
-            if waiter.done() and not waiter.cancelled():
+            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
                 self._give(waiter.result())  # handed over just as the caller gave up
             raise
 
@@ -270,12 +288,12 @@ class ParsePool:
             return
         self.live.discard(worker)
         worker.end()
-        asyncio.get_running_loop().run_in_executor(None, _reap, worker.proc)
+        _reap_later(worker.proc)
         if not self.live:
             while self.waiting:
                 waiter = self.waiting.popleft()
                 if not waiter.done():
-                    waiter.set_exception(ParserLost("the processes parsing requests stopped; send it again"))
+                    waiter.set_exception(NoParser("the processes parsing requests stopped"))
         if not self.closed:
             self._spawn()
 
@@ -287,40 +305,63 @@ class ParsePool:
     def _spawned(self, task: asyncio.Task[None]) -> None:
         self.spawning.discard(task)
         if not task.cancelled() and task.exception() is not None and not self.closed:
-            log.warning("a parse worker did not start: %r", task.exception())
+            log.warning("a parse worker did not start (again in %.0f s): %r", RESPAWN_S, task.exception())
+            self.retry = asyncio.get_running_loop().call_later(RESPAWN_S, self._respawn)
+
+    def _respawn(self) -> None:
+        if not self.closed and len(self.live) + len(self.spawning) < self.workers:
+            self._spawn()
 
     async def _spawn_one(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        ours.setblocking(False)
         ctx = multiprocessing.get_context("spawn")
         proc = ctx.Process(target=serve, args=(theirs, self.schema), name="pddlink-parse", daemon=True)
-        try:
-            await asyncio.to_thread(proc.start)  # writes the pickled tokenizer to the child: not on the loop
-        finally:
-            theirs.close()
-        ours.setblocking(False)
         worker = _Worker(proc, ours)
+        self.starting.add(worker)
+        # the start writes the pickled tokenizer to the child: on a thread, not the loop; shielded,
+        # so that a cancelled spawn still knows the start is over before it ends what started
+        started = asyncio.ensure_future(asyncio.to_thread(proc.start))
         try:
+            try:
+                await asyncio.shield(started)
+            finally:
+                with contextlib.suppress(BaseException):
+                    await started
+                theirs.close()
             async with asyncio.timeout(READY_S):
                 said = await worker.answer()
             if said != READY or self.closed:
                 raise _Gone
         except BaseException:
             worker.end()
+            _reap_later(proc)
             raise
+        finally:
+            self.starting.discard(worker)
         self.live.add(worker)
         self._give(worker)
 
     def close(self) -> None:
-        """The workers finish what they hold and exit (their sockets end)."""
+        """Idle and starting workers end now; a busy one finishes its task, its answer dropped
+        (its socket is shut down, so the exchange awaiting it ends with ``ParserLost``, and the
+        worker exits when it cannot send). Callable with or without a running loop."""
         self.closed = True
-        for task in (*self.spawning, *([self.restart] if self.restart else [])):
+        for task in (*self.spawning, *([self.waking] if self.waking else [])):
             task.cancel()
+        if self.retry is not None:
+            self.retry.cancel()
         for worker in self.idle:
             with contextlib.suppress(RuntimeError):  # the loop is closed: no reader to remove
                 self.loop.remove_reader(worker.conn.fileno())
-        for worker in [*self.live]:
-            worker.conn.close()
-        self.live.clear()
+            worker.end()
+            _reap_now(worker.proc, 1.0)
+        for worker in [*self.starting]:  # a spawn cancelled here may not run again
+            worker.end()
+        for worker in self.live.difference(self.idle):
+            with contextlib.suppress(OSError):
+                worker.conn.shutdown(socket.SHUT_RDWR)  # not close: the loop still reads from it
+        self.live.difference_update(self.idle)
         self.idle.clear()
         for waiter in self.waiting:
             if not waiter.done():
@@ -347,9 +388,17 @@ def _settle(future: asyncio.Future[None]) -> None:
         future.set_result(None)
 
 
-def _reap(proc: BaseProcess) -> None:
+def _reap_later(proc: BaseProcess) -> None:
+    """Reap a killed worker on a thread (the loop does not wait), or now without a running loop."""
+    try:
+        asyncio.get_running_loop().run_in_executor(None, _reap_now, proc)
+    except RuntimeError:
+        _reap_now(proc, 1.0)
+
+
+def _reap_now(proc: BaseProcess, wait_s: float = 10.0) -> None:
     """Wait for a killed worker (no zombie) and close what ``multiprocessing`` holds of it (its
     sentinel pipe)."""
-    proc.join(10)
-    with contextlib.suppress(ValueError):  # still running after all: left to ``multiprocessing``
+    with contextlib.suppress(ValueError, AssertionError):  # never started, or still running
+        proc.join(wait_s)
         proc.close()

@@ -173,8 +173,9 @@ def send_message(conn: socket.socket, message: object) -> None:
 
 def recv_message(conn: socket.socket) -> tuple[object, list[int]]:
     """One message and the descriptors sent with it, from a blocking socket (``EOFError``: the
-    router's end closed). The length is read on its own: descriptors ride on its bytes, and a
-    receive never runs past a message."""
+    router's end closed). The router sends a task's descriptor with its length bytes and never a
+    second task before the answer, and each receive here asks for no more than the current
+    message's bytes: so the descriptors that arrive with a length are that message's."""
     head, fds = b"", []
     while len(head) < LENGTH_BYTES:
         data, got, _, _ = socket.recv_fds(conn, LENGTH_BYTES - len(head), 4)

@@ -26,6 +26,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import uvloop
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from harness import edge_bench as eb
@@ -59,9 +60,10 @@ def _api(processes: int, max_prompt_tokens: int = 8000) -> RouterApi:
     return RouterApi(router, ApiConfig(parse_processes=processes), _codec())
 
 
-@pytest.fixture(scope="module")
-def loop() -> Iterator[asyncio.AbstractEventLoop]:
-    loop = asyncio.new_event_loop()
+@pytest.fixture(scope="module", params=["asyncio", "uvloop"])
+def loop(request: pytest.FixtureRequest) -> Iterator[asyncio.AbstractEventLoop]:
+    """Both loops: the router runs on uvloop, whose sockets and readers differ from asyncio's."""
+    loop = uvloop.new_event_loop() if request.param == "uvloop" else asyncio.new_event_loop()
     yield loop
     loop.close()
 
@@ -153,7 +155,7 @@ def test_a_first_large_body_is_parsed_on_a_thread_and_wakes_workers(loop: asynci
     body = BODIES["over the byte limit"]
     try:
         first = _post(loop, api, body, "/v1/completions")
-        assert first.status == 400 and multiprocessing.active_children()  # answered; workers spawning
+        assert first.status == 400 and api.parsers.spawning  # answered; a worker spawning
 
         async def ready() -> None:
             while not api.parsers.ready:  # type: ignore[union-attr]
@@ -411,3 +413,30 @@ def test_a_worker_killed_holding_a_lent_socket_leaves_no_descriptor(loop: asynci
         loop.run_until_complete(asyncio.wait_for(main(), 60))
     finally:
         api.close()
+
+
+def test_closing_the_pool_answers_a_busy_request(loop: asyncio.AbstractEventLoop, tmp_path: Path) -> None:
+    """The router stopping while a worker is stuck in a parse: that request gets its 503 at once
+    (it does not wait on the worker; on asyncio's loop a closed socket it still read left it
+    waiting for good)."""
+    entered = tmp_path / "entered"
+    api = _api(1)
+    api.parsers = ParsePool(1, api.limits, _StuckCodec(_codec(), str(entered)), None)  # type: ignore[arg-type]
+    slow = _padded({"prompt": "prefill decode", "max_tokens": 2})
+
+    async def main() -> tuple[Response, list[int]]:
+        await api.start()
+        pids = [w.proc.pid or 0 for w in api.parsers.live]  # type: ignore[union-attr]
+        answer = asyncio.ensure_future(api.http(Request("POST", "/v1/completions", "", slow, (), "")))
+        for _ in range(600):
+            await asyncio.sleep(0.05)
+            if entered.exists():
+                break
+        assert entered.exists() and not answer.done()
+        api.close()
+        return await asyncio.wait_for(answer, 5), pids
+
+    lost, pids = loop.run_until_complete(main())
+    assert lost.status == 503, lost.body
+    for pid in pids:  # stuck in the tokenizer for an hour: it exits only when killed
+        os.kill(pid, signal.SIGKILL)
