@@ -201,10 +201,8 @@ class ParsePool:
             raise
         if isinstance(got, Partial):
             lent.given_back(got.received)
-        else:  # whole only when parsed: a ``Failed`` may come from mid-body
-            lent.returned(isinstance(got, Job | Refused))
-        if isinstance(got, Partial):
             return None
+        lent.returned(isinstance(got, Job | Refused))  # whole only when parsed: ``Failed`` may be mid-body
         if isinstance(got, Lost):
             raise BodyNotReceived(got.why)
         return _job(got)
@@ -273,7 +271,6 @@ class ParsePool:
                 waiter.set_result(worker)
                 return
         self.idle.append(worker)
-        self.loop = asyncio.get_running_loop()
         self.loop.add_reader(worker.conn.fileno(), self._idle_ended, worker)
 
     def _idle_ended(self, worker: _Worker) -> None:
@@ -298,7 +295,8 @@ class ParsePool:
             self._spawn()
 
     def _spawn(self) -> None:
-        task = asyncio.get_running_loop().create_task(self._spawn_one())
+        self.loop = asyncio.get_running_loop()  # every worker's first: none is idle before it spawned
+        task = self.loop.create_task(self._spawn_one())
         self.spawning.add(task)
         task.add_done_callback(self._spawned)
 

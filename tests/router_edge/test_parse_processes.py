@@ -19,7 +19,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -344,20 +344,13 @@ def test_an_idle_worker_killed_costs_no_request(loop: asyncio.AbstractEventLoop)
         assert pool is not None and len(pool.live) == 2
         victim = next(iter(pool.live)).proc
         os.kill(victim.pid or 0, signal.SIGKILL)
-        for _ in range(100):
-            await asyncio.sleep(0.02)
-            if len(pool.live) == 1:
-                break
-        assert len(pool.live) == 1 and all(w.proc is not victim for w in pool.live)
+        await _until(lambda: len(pool.live) == 1, 2.0)
+        assert all(w.proc is not victim for w in pool.live)
         answers = await asyncio.gather(
             *(api.http(Request("POST", "/v1/completions", "", body, (), "")) for _ in range(4))
         )
         assert [a.status for a in answers] == [400] * 4, [a.body for a in answers]
-        for _ in range(600):  # the replacement loads
-            if len(pool.live) == 2:
-                break
-            await asyncio.sleep(0.05)
-        assert len(pool.live) == 2
+        await _until(lambda: len(pool.live) == 2, 30.0)  # the replacement loads
 
     try:
         loop.run_until_complete(asyncio.wait_for(main(), 60))
@@ -366,9 +359,9 @@ def test_an_idle_worker_killed_costs_no_request(loop: asyncio.AbstractEventLoop)
 
 
 def test_a_worker_killed_holding_a_lent_socket_leaves_no_descriptor(loop: asyncio.AbstractEventLoop) -> None:
-    """A worker killed while it receives a lent body: the client gets its answer (408, closed), the
-    router holds no descriptor of that connection afterwards, and the next lent body is received
-    by the replacement."""
+    """A worker killed while it receives a lent body: the client gets an answer and its connection
+    is closed, the router holds no descriptor of that connection afterwards, and the next lent
+    body is received by the replacement."""
     api = _api(1)
     api.api = ApiConfig(parse_processes=1, body_timeout_s=3.0)
     big = BODIES["over the byte limit"]
@@ -397,10 +390,7 @@ def test_a_worker_killed_holding_a_lent_socket_leaves_no_descriptor(loop: asynci
             got, took = await stalled
             assert got.startswith(b"HTTP/1.1 ") and b"connection: close" in got.lower(), got[:300]
             assert took < 3.0, took
-            for _ in range(600):
-                if pool.live:
-                    break
-                await asyncio.sleep(0.05)
+            await _until(lambda: bool(pool.live), 30.0)
             await asyncio.sleep(0.2)
             assert sockets() == before  # the replacement's for the old worker's; none of the client's
             whole, _ = await asyncio.to_thread(_exchange, port, [head + big], 1)
@@ -428,11 +418,8 @@ def test_closing_the_pool_answers_a_busy_request(loop: asyncio.AbstractEventLoop
         await api.start()
         pids = [w.proc.pid or 0 for w in api.parsers.live]  # type: ignore[union-attr]
         answer = asyncio.ensure_future(api.http(Request("POST", "/v1/completions", "", slow, (), "")))
-        for _ in range(600):
-            await asyncio.sleep(0.05)
-            if entered.exists():
-                break
-        assert entered.exists() and not answer.done()
+        await _until(entered.exists, 30.0)
+        assert not answer.done()
         api.close()
         return await asyncio.wait_for(answer, 5), pids
 
@@ -440,3 +427,11 @@ def test_closing_the_pool_answers_a_busy_request(loop: asyncio.AbstractEventLoop
     assert lost.status == 503, lost.body
     for pid in pids:  # stuck in the tokenizer for an hour: it exits only when killed
         os.kill(pid, signal.SIGKILL)
+
+
+async def _until(condition: Callable[[], bool], within_s: float) -> None:
+    """Poll ``condition`` until it holds; fail the test if it does not within ``within_s``."""
+    deadline = time.monotonic() + within_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {within_s} s"
+        await asyncio.sleep(0.02)
