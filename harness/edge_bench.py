@@ -43,6 +43,7 @@ HEAVY_KEY = "k-edge-heavy-0123456789"  # the heavy prompts' client
 FLOOD = 3000
 CAP = 512  # ApiConfig's default max_connections
 HEAVY_TARGET, IDLE_TARGET = 1.2, 1.5
+WORKERS_UP_S = 6.0  # the router's parse workers, woken by a first large body, load the tokenizer
 
 
 def tokenizer_dir(out: Path) -> Path:
@@ -120,16 +121,22 @@ port, path, key = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 body = open(path, "rb").read()
 head = {"content-type": "application/json", "authorization": "Bearer " + key}
 lock = threading.Lock()
-def send():
-    t0 = time.monotonic()
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60, source_address=("127.0.0.3", 0))
-    conn.request("POST", "/v1/completions", body, head)
-    r = conn.getresponse(); r.read(); conn.close()
-    with lock:
-        print(f"{r.status} {time.monotonic() - t0:.4f}", flush=True)
+def client(go):
+    while True:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60, source_address=("127.0.0.3", 0))
+        conn.connect()  # open before the round: its request is on the wire at once
+        go.acquire()
+        t0 = time.monotonic()
+        conn.request("POST", "/v1/completions", body, head)
+        r = conn.getresponse(); r.read(); conn.close()
+        with lock:
+            print(f"{r.status} {time.monotonic() - t0:.4f}", flush=True)
+gos = [threading.Semaphore(0) for _ in range(4)]
+for go in gos:
+    threading.Thread(target=client, args=(go,), daemon=True).start()
 for line in sys.stdin:
-    for _ in range(4):
-        threading.Thread(target=send).start()
+    for go in gos:
+        go.release()
 """
 
 
@@ -154,7 +161,10 @@ class Paired:
 
 def paired(port: int, body: bytes, rounds: int, work: Path) -> Paired:
     """The small request alone, then 5 ms after another process (another client, 127.0.0.3) has
-    sent four requests with ``body`` at once, round after round."""
+    sent four requests with ``body`` at once, round after round. The other client's four
+    connections are open before its round starts, so that its requests are on the wire at once
+    (started on the round, its threads' connects and heads came 1-10 ms late, some after the small
+    request). One uncounted round first."""
     path = work / "heavy-body.json"
     path.write_bytes(body)
     sender = [sys.executable, "-c", _SENDER, str(port), str(path), HEAVY_KEY]
@@ -162,16 +172,19 @@ def paired(port: int, body: bytes, rounds: int, work: Path) -> Paired:
     assert proc.stdin is not None and proc.stdout is not None
     out = Paired([], [], [])
     try:
-        time.sleep(0.5)  # the sender's interpreter is up
-        for _ in range(rounds):
-            out.alone.append(first_token_s(port))
+        time.sleep(0.5)  # the sender's interpreter is up, its connections open
+        for i in range(rounds + 1):
+            alone = first_token_s(port)
             proc.stdin.write("go\n")
             proc.stdin.flush()
             time.sleep(0.005)
-            out.loaded.append(first_token_s(port))
-            for _ in range(4):
-                status, took = proc.stdout.readline().split()
-                out.heavy.append((int(status), float(took)))
+            loaded = first_token_s(port)
+            answers = (proc.stdout.readline().split() for _ in range(4))
+            heavy = [(int(status), float(took)) for status, took in answers]
+            if i:  # the first round is not counted
+                out.alone.append(alone)
+                out.loaded.append(loaded)
+                out.heavy.extend(heavy)
     finally:
         proc.kill()
         proc.wait(10)
@@ -257,6 +270,8 @@ def run(rounds: int = 21, work: Path | None = None, say: Callable[[str], None] =
     say("edge: starting P, RLD, MD (reference engine) and a router process")
     with deployment(work, edge_api(work)) as router:
         first_token_s(router.port)  # warm: the router's channels, the engines
+        post(router.port, json.dumps({"prompt": "x" * 100_000}).encode(), "127.0.0.3")  # wakes the parsers
+        time.sleep(WORKERS_UP_S)
         for name, n_bytes in (("heavy_1mb", 1_000_000), ("heavy_under_limit", 0)):
             size = n_bytes or limit_bytes(router.port) - 1000
             body = json.dumps({"prompt": text(size, 2), "max_tokens": 2}).encode()

@@ -393,19 +393,21 @@ class Conn:
         if isinstance(resp.body, bytes):
             headers.append(("content-length", str(len(resp.body))))
             head = h11.Response(status_code=resp.status, headers=headers, reason=reason_phrase(resp.status))
-            await self._send(head, bound)
+            # one write, so one segment to the client: the head, the body and its end
+            data = self.h11.send(head) or b""
             if resp.body:
-                await self._send(h11.Data(data=resp.body), bound)
-        else:
-            headers.append(("cache-control", "no-cache"))
-            head = h11.Response(status_code=resp.status, headers=headers, reason=reason_phrase(resp.status))
-            body = resp.body
-            try:
-                await self._send(head, bound)
-                async for chunk in body:
-                    await self._send(h11.Data(data=chunk), bound)
-            finally:
-                aclose = getattr(body, "aclose", None)
-                if aclose is not None:  # the client left or was cut mid-stream: its request is cancelled
-                    await aclose()
+                data += self.h11.send(h11.Data(data=resp.body)) or b""
+            data += self.h11.send(h11.EndOfMessage()) or b""
+            return await self._write(data, bound)
+        headers.append(("cache-control", "no-cache"))
+        head = h11.Response(status_code=resp.status, headers=headers, reason=reason_phrase(resp.status))
+        body = resp.body
+        try:
+            await self._send(head, bound)
+            async for chunk in body:
+                await self._send(h11.Data(data=chunk), bound)
+        finally:
+            aclose = getattr(body, "aclose", None)
+            if aclose is not None:  # the client left or was cut mid-stream: its request is cancelled
+                await aclose()
         await self._send(h11.EndOfMessage(), bound)

@@ -32,7 +32,7 @@ HIGH_WATER = 2 * SCRATCH_BYTES  # pending bytes beyond which reading pauses unti
 # while a request head is awaited (``heading``): one receive, and the pending bytes beyond which
 # reading pauses. What follows a head may be a body another process reads from the socket
 # (``pddlink.serving.http_lent``): what this process received of it must be handed over.
-HEAD_LOOKAHEAD = 16 * 1024
+HEAD_LOOKAHEAD = 4 * 1024
 
 
 class Inbox(asyncio.BufferedProtocol):
@@ -78,7 +78,9 @@ class Inbox(asyncio.BufferedProtocol):
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._target is not None:
             return self._target[self._got :]
-        return self._scratch[:HEAD_LOOKAHEAD] if self._heading else self._scratch
+        if self._heading:  # at most HEAD_LOOKAHEAD pending, all receives together
+            return self._scratch[: max(1, HEAD_LOOKAHEAD - len(self.pending))]
+        return self._scratch
 
     def buffer_updated(self, nbytes: int) -> None:
         if self._target is not None:
@@ -92,11 +94,8 @@ class Inbox(asyncio.BufferedProtocol):
             self._wake()
             return
         self.pending += self._scratch[:nbytes]
-        transport = self._open()
-        high = HEAD_LOOKAHEAD if self._heading else HIGH_WATER
-        if len(self.pending) > high and not self._reading_paused and transport is not None:
-            self._reading_paused = True
-            transport.pause_reading()
+        if len(self.pending) >= HEAD_LOOKAHEAD if self._heading else len(self.pending) > HIGH_WATER:
+            self._pause_reading()
         self._wake()
 
     def eof_received(self) -> bool:
@@ -132,10 +131,14 @@ class Inbox(asyncio.BufferedProtocol):
                 raise self._error
             if self._eof:
                 return b""
+            self._resume_reading()
             await self._wait()
         data = bytes(self.pending[:n])
         del self.pending[:n]
-        self._resume_reading()
+        if self._heading:  # a head's reader receives again only when it needs more
+            self._pause_reading()
+        else:
+            self._resume_reading()
         return data
 
     async def read_body(self, size: int, first: bytes = b"") -> bytes:
@@ -182,17 +185,18 @@ class Inbox(asyncio.BufferedProtocol):
             self._dropping = False
 
     def expect_head(self, heading: bool) -> None:
-        """A request head is awaited (receive little ahead of it: ``HEAD_LOOKAHEAD``), or not."""
+        """A request head is awaited, or not. While it is, what arrives is received only as the
+        head's reader asks for it (``read`` when nothing is pending), at most ``HEAD_LOOKAHEAD``
+        at a time: what follows a head may be a body another process reads from the socket, and
+        whatever this process received of it is copied and handed over."""
         self._heading = heading
-        self._resume_reading()
+        if not heading:
+            self._resume_reading()
 
     def hold(self) -> None:
         """Receive nothing more until ``let_go``: the socket's next bytes stay in the kernel."""
         self._held = True
-        transport = self._open()
-        if not self._reading_paused and transport is not None:
-            self._reading_paused = True
-            transport.pause_reading()
+        self._pause_reading()
 
     def let_go(self) -> None:
         """Receive again (``hold``)."""
@@ -239,6 +243,12 @@ class Inbox(asyncio.BufferedProtocol):
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
+
+    def _pause_reading(self) -> None:
+        transport = self._open()
+        if not self._reading_paused and transport is not None:
+            self._reading_paused = True
+            transport.pause_reading()
 
     def _resume_reading(self) -> None:
         transport = self._open()

@@ -103,18 +103,37 @@ def test_pending_bytes_count_toward_the_body_and_reading_pauses_above_the_high_w
     asyncio.run(main())
 
 
+def _arrive(inbox: Inbox, transport: _Transport, data: bytes, piece: int) -> bytes:
+    """``data`` arriving ``piece`` bytes at a time, received as a loop does: not while paused.
+    What was left in the kernel."""
+    while data and not transport.paused:
+        buf = inbox.get_buffer(-1)
+        n = min(len(buf), len(data), piece)
+        buf[:n] = data[:n]
+        inbox.buffer_updated(n)
+        data = data[n:]
+    return data
+
+
 def test_while_a_head_is_awaited_little_is_received_ahead_of_it() -> None:
-    """A new connection (or one between requests) receives at most ``HEAD_LOOKAHEAD`` at a time and
-    pauses beyond it, so that what follows a head (a body another process may read from the socket)
-    mostly stays in the kernel; once the head is read, reading goes on in full."""
+    """A new connection (or one between requests) receives at most ``HEAD_LOOKAHEAD`` bytes, in
+    pieces or at once, and then only when the head's reader asks for more, so that what follows a
+    head (a body another process may read from the socket) stays in the kernel; once the head is
+    read, reading goes on in full."""
 
     async def main() -> None:
         inbox, transport = await _inbox()
-        handed = _receive(inbox, b"h" * (3 * HEAD_LOOKAHEAD))
-        assert set(handed) == {HEAD_LOOKAHEAD} and transport.paused
-        assert len(await inbox.read()) == 3 * HEAD_LOOKAHEAD
-        assert not transport.paused
+        left = _arrive(inbox, transport, b"h" * (3 * HEAD_LOOKAHEAD), piece=1000)
+        assert transport.paused and len(left) == 2 * HEAD_LOOKAHEAD  # the rest stays in the kernel
+        assert len(await inbox.read()) == HEAD_LOOKAHEAD
+        assert transport.paused  # handed over: nothing more is received until it is asked for
+        reading = asyncio.ensure_future(inbox.read())
+        await asyncio.sleep(0)
+        assert not transport.paused and not reading.done()  # asked for with nothing pending
+        assert _arrive(inbox, transport, left, piece=len(left)) == left[HEAD_LOOKAHEAD:]
+        assert len(await reading) == HEAD_LOOKAHEAD and transport.paused
         inbox.expect_head(False)
+        assert not transport.paused
         assert _receive(inbox, b"b" * SCRATCH_BYTES) == [SCRATCH_BYTES] and not transport.paused
 
     asyncio.run(main())
