@@ -5,6 +5,11 @@ router's HTTP edge (issue 27), each figure a ratio to the same request unloaded 
   (another process, another address) has sent four ~1 MB text prompts at once (refused on their
   bytes before any tokenizing). Rounds alternate alone / loaded, so both see the same background.
   Target: loaded median <= 1.2x alone.
+- ``heavy_1mb_to_bare``, ``heavy_1mb_to_router``: the same prompts sent elsewhere on this machine
+  (the small request still through the router): to a process that only receives each body and
+  answers 400, at idle priority, and to a second router process with parse workers of its own.
+  What the bytes alone cost the small request, and what the prompts' handling costs it when no
+  event loop of its own router takes part. Reported, no target.
 - ``heavy_under_limit``: the same with prompts just under the router's byte limit (tokenized on the
   router's worker threads, then refused on their token count). Reported, no target.
 - ``idle_flood``: a keyed client's first token, alone and with 3,000 idle unauthenticated
@@ -140,6 +145,62 @@ for line in sys.stdin:
 """
 
 
+_BARE = """
+import os, socket, sys, threading
+os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+srv = socket.socket()
+srv.bind(("127.0.0.1", 0))
+srv.listen(64)
+print(srv.getsockname()[1], flush=True)
+answer = b'{"error":{"message":"too long","type":"BadRequestError","param":"prompt","code":400}}'
+head = b"HTTP/1.1 400 Bad Request\\r\\ncontent-type: application/json\\r\\ncontent-length: %d\\r\\n\\r\\n"
+answer = head % len(answer) + answer
+def serve(c):
+    got = b""
+    while b"\\r\\n\\r\\n" not in got:
+        more = c.recv(65536)
+        if not more:
+            return c.close()
+        got += more
+    head, _, rest = got.partition(b"\\r\\n\\r\\n")
+    size = int(next(v for k, _, v in (line.partition(b":") for line in head.split(b"\\r\\n"))
+                    if k.strip().lower() == b"content-length"))
+    left = size - len(rest)
+    while left > 0:
+        more = c.recv(1 << 20)
+        if not more:
+            return c.close()
+        left -= len(more)
+    c.sendall(answer)
+    c.recv(16)
+    c.close()
+while True:
+    c, _ = srv.accept()
+    threading.Thread(target=serve, args=(c,), daemon=True).start()
+"""
+
+
+@contextmanager
+def elsewhere(work: Path, kind: str) -> Iterator[int]:
+    """A port on this machine, not the router's, for the other client's prompts: ``bare``, a
+    process that only receives each body and answers 400, at idle priority (what the bytes alone
+    cost the machine); ``router``, a second router process with parse workers of its own."""
+    if kind == "router":
+        (work / kind).mkdir(exist_ok=True)
+        with router_process(work / kind, edge_api(work / kind)) as other:
+            post(other.port, json.dumps({"prompt": "x" * 100_000}).encode(), "127.0.0.3")  # wakes its parsers
+            time.sleep(WORKERS_UP_S)
+            yield other.port
+        return
+    proc = subprocess.Popen([sys.executable, "-c", _BARE], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        yield int(proc.stdout.readline())
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
 @dataclass(frozen=True, slots=True)
 class Paired:
     alone: list[float]  # the small request's first-token seconds
@@ -159,15 +220,16 @@ class Paired:
         }
 
 
-def paired(port: int, body: bytes, rounds: int, work: Path) -> Paired:
+def paired(port: int, body: bytes, rounds: int, work: Path, heavy_port: int | None = None) -> Paired:
     """The small request alone, then 5 ms after another process (another client, 127.0.0.3) has
     sent four requests with ``body`` at once, round after round. The other client's four
     connections are open before its round starts, so that its requests are on the wire at once
     (started on the round, its threads' connects and heads came 1-10 ms late, some after the small
-    request). One uncounted round first."""
+    request). One uncounted round first. ``heavy_port``: where the other client sends (the same
+    router by default; ``elsewhere``)."""
     path = work / "heavy-body.json"
     path.write_bytes(body)
-    sender = [sys.executable, "-c", _SENDER, str(port), str(path), HEAVY_KEY]
+    sender = [sys.executable, "-c", _SENDER, str(heavy_port or port), str(path), HEAVY_KEY]
     proc = subprocess.Popen(sender, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert proc.stdin is not None and proc.stdout is not None
     out = Paired([], [], [])
@@ -278,6 +340,12 @@ def run(rounds: int = 21, work: Path | None = None, say: Callable[[str], None] =
             say(f"edge: {name}: {rounds} rounds, four {size / 1e6:.2f} MB prompts each")
             out[name] = paired(router.port, body, rounds, work).figures()
             say(f"edge: {name}: {out[name]}")
+            if name != "heavy_1mb":
+                continue
+            for kind in ("bare", "router"):  # the same prompts sent elsewhere on this machine
+                with elsewhere(work, kind) as port:
+                    out[f"heavy_1mb_to_{kind}"] = paired(router.port, body, rounds, work, port).figures()
+                say(f"edge: heavy_1mb_to_{kind}: {out[f'heavy_1mb_to_{kind}']}")
         say(f"edge: idle_flood: {FLOOD} idle connections, {rounds} requests before, during, after")
         out["idle_flood"] = idle_flood(router, rounds, say)
     h, i = out["heavy_1mb"], out["idle_flood"]

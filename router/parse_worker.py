@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 
 from pddlink.errors import InvalidInput
+from pddlink.serving.malloc_trim import keep_heap
 from router.openai_job import Job, completion_job
 from router.openai_schema import Endpoint, Limits
 from router.openai_text import TextCodec
@@ -97,6 +98,7 @@ def serve(conn: socket.socket, schema: Schema) -> None:
     """The worker's main: ``READY``, then a task and its answer at a time until the router's end
     closes."""
     _yield_cpu()
+    keep_heap()  # each body's buffers reuse the last one's pages
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C stops the router, which stops us
     with contextlib.suppress(OSError):
         send_message(conn, READY)

@@ -131,7 +131,8 @@ async def serve_http(
                 conn.gate.closed(cid)
             transport.close()
             with contextlib.suppress(OSError, TimeoutError, ssl.SSLError):
-                await asyncio.wait_for(asyncio.shield(inbox.closed), 5.0)
+                async with asyncio.timeout(5.0):
+                    await asyncio.shield(inbox.closed)
             if transport.get_write_buffer_size():
                 transport.abort()  # bytes the client never takes would keep the socket open
 

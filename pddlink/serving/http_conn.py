@@ -171,7 +171,8 @@ class Conn:
         self.head_started = bool(self.head_raw)
         if not self.head_started:
             wait_s = min(lim.first_byte_timeout_s, lim.idle_timeout_s) if first else lim.idle_timeout_s
-            data = await asyncio.wait_for(self.io.read(), wait_s)
+            async with asyncio.timeout(wait_s):  # (``wait_for`` would run the read as a task of its own)
+                data = await self.io.read()
             self.head_started = bool(data)
             self.head_raw += data
             self.h11.receive_data(data)

@@ -188,3 +188,40 @@ def test_heap_stats_name_the_types_that_grew() -> None:
     )
     types = json.loads(out.stdout)
     assert len(types) == 3 and types.get("Marker", 0) >= 50_000, types
+
+
+KEEP = textwrap.dedent(
+    """
+    import json, sys
+    from pddlink.serving.malloc_trim import keep_heap
+
+    def faults():  # minor page faults so far (/proc/self/stat's 10th field)
+        return int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[7])
+
+    kept = keep_heap() if sys.argv[1] == "keep" else False
+    body = b"x" * 1_000_000
+    bytes(bytearray(body))  # the first body's pages are new either way
+    before = faults()
+    for _ in range(20):  # a parse worker's pattern: a receive buffer, its copy, both freed
+        buf = bytearray(body)
+        copy = bytes(buf)
+        del buf, copy
+    print(json.dumps({"kept": kept, "faults_per_body": (faults() - before) / 20}))
+    """
+)
+
+
+@pytest.mark.skipif(not malloc_trim.available(), reason="not glibc")
+def test_a_kept_heap_serves_each_body_from_the_last_ones_pages() -> None:
+    """``keep_heap`` (the parse workers): 1 MB buffers allocated and freed over and over reuse the
+    same pages; glibc by default hands them back and faults them in again for each body (2 x 256
+    pages a body here)."""
+    got = {}
+    for mode in ("keep", "default"):
+        out = subprocess.run(
+            [sys.executable, "-c", KEEP, mode], capture_output=True, text=True, timeout=50, check=True
+        )
+        got[mode] = json.loads(out.stdout)
+    assert got["keep"]["kept"] is True
+    assert got["keep"]["faults_per_body"] < 20, got
+    assert got["default"]["faults_per_body"] > 200, got
