@@ -10,8 +10,9 @@ engine process (``pddlink engine --sidecar ADDR``).
 Memory: the engine process moves every request's KV (exports on P, imports on RLD and MD), MiBs a
 command, queued by the link under load; like a sidecar (``pddlink.serving.malloc_trim``) it gives freed
 heap pages back every ``TRIM_EVERY_S`` while it waits for commands, and ``pddlink engine`` pins
-glibc's mmap threshold, so those buffers are unmapped when freed: without, MD's engine process
-kept 33-39 MiB more after the chaos load than after its warm-up (issue 16).
+glibc's mmap threshold (at 1 MiB: ``ENGINE_MMAP_THRESHOLD``), so those buffers are unmapped when
+freed: without, MD's engine process kept 33-39 MiB more after the chaos load than after its warm-up
+(issue 16).
 """
 
 from __future__ import annotations

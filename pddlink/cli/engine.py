@@ -75,9 +75,9 @@ def command(
 
     from engines_adapter import load_engine
     from engines_adapter.link_client import serve_engine
-    from pddlink.serving.malloc_trim import fix_mmap_threshold, freeze_startup
+    from pddlink.serving.malloc_trim import ENGINE_MMAP_THRESHOLD, fix_mmap_threshold, freeze_startup
 
-    fix_mmap_threshold()  # KV buffers are unmapped when freed (engines_adapter.link_client)
+    fix_mmap_threshold(ENGINE_MMAP_THRESHOLD)  # KV buffers unmapped when freed (engines_adapter.link_client)
     torch.set_num_threads(max(1, threads))
     slow = {"prefill_slowdown": prefill_slowdown} if prefill_slowdown > 1 else {}
     engine = load_engine(

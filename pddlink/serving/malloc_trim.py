@@ -41,6 +41,11 @@ from typing import Any
 
 TRIM_EVERY_S = 5.0  # what a burst left is back within 5 s of its end (a 10 s quiet sees two)
 MMAP_THRESHOLD = 256 << 10  # KV buffers (a block's bytes and more) are mapped on their own
+# An engine process's: its KV buffers (MiBs a command) are still mapped on their own, while a
+# prefill's activations under 1 MiB come from the heap. At 256 KiB each of them was a fresh mapping
+# faulted in page by page: the tiny preset prefilled 26-28K tokens/s against 40-42K with glibc's
+# default and 37K at 1 MiB (``pddlink bench engine``, one thread, same machine).
+ENGINE_MMAP_THRESHOLD = 1 << 20
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameter numbers
 KEEP_HEAP_BYTES = 32 << 20  # ``keep_heap``: glibc's largest mmap threshold on 64-bit
 
