@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from harness.cluster import Cluster, ClusterError, ClusterSpec, NoWan
 from harness.router_proc import RouterProc, router_process
@@ -180,16 +180,22 @@ while True:
 """
 
 
+def wake_parsers(port: int) -> None:
+    """A first large body starts a router's parse workers; they are up once they loaded the
+    tokenizer."""
+    post(port, json.dumps({"prompt": "x" * 100_000}).encode(), "127.0.0.3")
+    time.sleep(WORKERS_UP_S)
+
+
 @contextmanager
-def elsewhere(work: Path, kind: str) -> Iterator[int]:
+def elsewhere(work: Path, kind: Literal["bare", "router"]) -> Iterator[int]:
     """A port on this machine, not the router's, for the other client's prompts: ``bare``, a
     process that only receives each body and answers 400, at idle priority (what the bytes alone
     cost the machine); ``router``, a second router process with parse workers of its own."""
     if kind == "router":
         (work / kind).mkdir(exist_ok=True)
         with router_process(work / kind, edge_api(work / kind)) as other:
-            post(other.port, json.dumps({"prompt": "x" * 100_000}).encode(), "127.0.0.3")  # wakes its parsers
-            time.sleep(WORKERS_UP_S)
+            wake_parsers(other.port)
             yield other.port
         return
     proc = subprocess.Popen([sys.executable, "-c", _BARE], stdout=subprocess.PIPE, text=True)
@@ -332,8 +338,7 @@ def run(rounds: int = 21, work: Path | None = None, say: Callable[[str], None] =
     say("edge: starting P, RLD, MD (reference engine) and a router process")
     with deployment(work, edge_api(work)) as router:
         first_token_s(router.port)  # warm: the router's channels, the engines
-        post(router.port, json.dumps({"prompt": "x" * 100_000}).encode(), "127.0.0.3")  # wakes the parsers
-        time.sleep(WORKERS_UP_S)
+        wake_parsers(router.port)
         for name, n_bytes in (("heavy_1mb", 1_000_000), ("heavy_under_limit", 0)):
             size = n_bytes or limit_bytes(router.port) - 1000
             body = json.dumps({"prompt": text(size, 2), "max_tokens": 2}).encode()
@@ -342,7 +347,8 @@ def run(rounds: int = 21, work: Path | None = None, say: Callable[[str], None] =
             say(f"edge: {name}: {out[name]}")
             if name != "heavy_1mb":
                 continue
-            for kind in ("bare", "router"):  # the same prompts sent elsewhere on this machine
+            kinds: tuple[Literal["bare", "router"], ...] = ("bare", "router")
+            for kind in kinds:  # the same prompts sent elsewhere on this machine
                 with elsewhere(work, kind) as port:
                     out[f"heavy_1mb_to_{kind}"] = paired(router.port, body, rounds, work, port).figures()
                 say(f"edge: heavy_1mb_to_{kind}: {out[f'heavy_1mb_to_{kind}']}")

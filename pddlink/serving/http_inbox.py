@@ -29,9 +29,9 @@ from typing import Any, cast
 
 SCRATCH_BYTES = 64 * 1024  # one receive into the scratch buffer, at most
 HIGH_WATER = 2 * SCRATCH_BYTES  # pending bytes beyond which reading pauses until they are read
-# while a request head is awaited (``heading``): one receive, and the pending bytes beyond which
-# reading pauses. What follows a head may be a body another process reads from the socket
-# (``pddlink.serving.http_lent``): what this process received of it must be handed over.
+# while a request head is awaited (``heading``): the most received ahead of the head's reader, and
+# only as it asks (``read``). What follows a head may be a body another process reads from the
+# socket (``pddlink.serving.http_lent``): what this process received of it must be handed over.
 HEAD_LOOKAHEAD = 4 * 1024
 
 
