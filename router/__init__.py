@@ -95,6 +95,7 @@ class Router:
         self.labels_in_flight: set[str] = set()  # the clients' ids of those requests
         self.running_at: dict[str, tuple[int, int]] = {}  # label -> in flight on its MD, RLD when admitted
         self.routes: dict[str, Route] = {}  # a run's key -> where it runs (now: moves change it)
+        self.bounds: dict[str, int] = {}  # a run's key -> its output bound (max_tokens)
         self.moves: dict[str, list[dict[str, str]]] = {}  # a run's key -> its moves within a role
         self.caller_check: CallerCheck | None = None  # set by the gRPC server (who calls, with TLS)
 
@@ -174,7 +175,12 @@ class Router:
         if md_out and routing.rld_available and routing.rld_active < self.cfg.rld_capacity:
             return OptionDecision(Option.SINGULAR, DecisionReason.MD_UNAVAILABLE, 0, 0.0, ()), matched, route
         md_running = self.fleet.running[route.md.name]
-        return decide_option(self, routing, deadline_s, md_running), matched, route
+        bounds = self.output_bounds(route.md.name) if self.cfg.slo_tpot_ms else ()
+        return decide_option(self, routing, deadline_s, md_running, bounds), matched, route
+
+    def output_bounds(self, md: str) -> tuple[int, ...]:
+        """The output bounds (``max_tokens``) of the runs on ``md`` now."""
+        return tuple(self.bounds[sid] for sid, route in self.routes.items() if route.md.name == md)
 
     def rld_tpot_s(self, route: Route) -> float:
         """RLD's time per token for the policy: the configured figure, or under a TPOT SLO what
@@ -389,6 +395,7 @@ class Router:
             else math.inf,
         )
         self.routes[sid] = route
+        self.bounds[sid] = sampling.max_tokens
         self.fleet.begin(route, relayed=option.pipeline is not Pipeline.P_MD)
         legs = lambda deadline: self.backend.legs(self, deadline, route)  # noqa: E731
 
@@ -418,6 +425,7 @@ class Router:
         option = decision.option
         assert option is not None
         self.routes.pop(sid, None)
+        self.bounds.pop(sid, None)
         self.fleet.end(route, relayed=option.pipeline is not Pipeline.P_MD)
         self.md_book.finish(sid)
         self.p_book.finish(sid)

@@ -9,7 +9,8 @@ request still has time for a fallback.
 
 The SLO (``slo_ttft_ms``, ``slo_tpot_ms``; 0: none) bounds the choice too: the TTFT half as the
 option's first-token deadline, the TPOT half as the decode-speed bound recompute is charged against,
-with the requests MD runs now (``md_running``) and the output lengths of those that finished lately
+with the requests MD runs now (``md_running``, and their ``max_tokens``: one bounded shorter than
+what a stall pushes over counts for certain) and the output lengths of those that finished lately
 (``OutputBook``), by which a recompute's stall is judged; MD's and RLD's time per
 token are what the requests each finished saw, fitted against how many were in flight there when
 each was admitted and read at the count now (``TpotBook``), and RLD's share of their tokens is
@@ -51,14 +52,24 @@ class RouterState(Protocol):
 
 
 def decide_option(
-    router: RouterState, routing: RoutingInputs, deadline_s: float, md_running: int = 0
+    router: RouterState,
+    routing: RoutingInputs,
+    deadline_s: float,
+    md_running: int = 0,
+    md_bounds: tuple[int, ...] = (),
 ) -> OptionDecision:
-    """``choose_option`` on what the router knows; ``md_running``: the requests the chosen MD runs."""
-    return choose_option(option_inputs(router, routing, deadline_s, md_running), router.policy)
+    """``choose_option`` on what the router knows; ``md_running``: the requests the chosen MD runs,
+    ``md_bounds``: their output bounds (``max_tokens``)."""
+    inputs = option_inputs(router, routing, deadline_s, md_running, md_bounds)
+    return choose_option(inputs, router.policy)
 
 
 def option_inputs(
-    router: RouterState, routing: RoutingInputs, deadline_s: float, md_running: int = 0
+    router: RouterState,
+    routing: RoutingInputs,
+    deadline_s: float,
+    md_running: int = 0,
+    md_bounds: tuple[int, ...] = (),
 ) -> OptionInputs:
     cfg = router.cfg
     p = router.p_book
@@ -74,6 +85,7 @@ def option_inputs(
         tpot_bound_s=cfg.slo_tpot_ms / 1e3 if cfg.slo_tpot_ms else None,
         md_running=md_running,
         md_outputs=router.outputs.lengths(),
+        md_running_bounds=md_bounds,
         rld_token_share=router.outputs.rld_share(),
     )
 

@@ -41,10 +41,11 @@ pushed over the bound when it is shorter than ``work / slack`` (``MdPrefill.push
 than one decode step pushes nobody over, whatever the slack). The requests MD is
 decoding are length-biased (a request runs as long as its output), so the share of them that
 short is the share of output *tokens* that belong to such requests (``OutputLengths``, from what
-requests produced lately). Recompute keeps the bound while the requests it is expected to push
-over (that share of ``md_running``; an idle MD pushes nobody over: a request that joins during
-the prefill is judged by its own estimate, which counts MD's prefill queue) stay under
-``PUSHED_OVER_LIMIT`` (0.02) while a relay option keeps every bound, else under
+requests produced lately), and one whose output bound is that short counts for certain while a
+relay option keeps every bound (``expected_pushed_over``). Recompute keeps the bound while the
+requests it is expected to push over (that share of ``md_running``; an idle MD pushes nobody
+over: a request that joins during the prefill is judged by its own estimate, which counts MD's
+prefill queue) stay under ``PUSHED_OVER_LIMIT`` (0.02) while a relay option keeps every bound, else under
 ``PUSHED_OVER_LIMIT_WITHOUT_RELAY`` (1: serving this request is worth more than what it costs
 the others). Counting one request on an idle MD, as before, refused every low-hit prompt once MD's
 own step neared the bound (slack near 0: the simulator's demo-overload at half the engine's speed
@@ -75,7 +76,7 @@ import itertools
 import math
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import IntEnum, StrEnum
 
 from pddlink.errors import ConfigError
@@ -275,7 +276,9 @@ class OptionInputs:
     ``tpot_bound_s``: the SLO's time per output token (None: no decode-speed bound, as before it
     existed). ``md_running``: sequences MD is decoding now (a chunked prefill rides on their decode
     steps); ``md_outputs``: the output lengths of the requests that finished lately
-    (``OutputBook.lengths``; none known: every stall is charged in full). ``rld_token_share``:
+    (``OutputBook.lengths``; none known: every stall is charged in full); ``md_running_bounds``:
+    the output bounds (``max_tokens``) of those MD runs now, where known (see
+    ``expected_pushed_over``). ``rld_token_share``:
     RelayDecode's share of the output tokens produced lately (``OutputBook.rld_share``), against
     ``RoutingPolicy.rld_token_budget``.
     """
@@ -291,12 +294,14 @@ class OptionInputs:
     tpot_bound_s: float | None = None
     md_running: int = 0
     md_outputs: OutputLengths = field(default_factory=lambda: OutputLengths())
+    md_running_bounds: tuple[int, ...] = ()
     rld_token_share: float = 0.0
 
     def __post_init__(self) -> None:
         _require(self.deadline_s is None or self.deadline_s > 0, "deadline_s must be > 0 or None")
         _require(self.tpot_bound_s is None or self.tpot_bound_s > 0, "tpot_bound_s must be > 0 or None")
         _require(self.md_running >= 0, "md_running must be >= 0")
+        _require(all(b >= 1 for b in self.md_running_bounds), "md_running_bounds must be >= 1 each")
         _require(0 <= self.rld_token_share <= 1, "rld_token_share must be in [0, 1]")
         _require(self.ttft_deadline_s is None or self.ttft_deadline_s > 0, "ttft_deadline_s must be > 0")
         for name in ("p_prefill_s", "fast_s", "extend_s"):
@@ -394,8 +399,7 @@ def estimate_options(inputs: OptionInputs, policy: RoutingPolicy) -> tuple[Optio
         if inputs.tpot_bound_s is not None:
             headroom = tpot_headroom_s(inputs.tpot_bound_s, inputs.md_tpot_s)
             below = md.pushed_over_below(r.missing_tokens, headroom, inputs.md_tpot_s)
-            shorter = lengths.token_share_below(below)
-            pushed = inputs.md_running * shorter
+            pushed = expected_pushed_over(inputs.md_running, inputs.md_running_bounds, below, lengths)
     rld_first = inputs.p_prefill_s + inputs.fast_s + r.rld_tpot_s
     rld_alone = rld_first + (out_tokens - 1) * r.rld_tpot_s
     md_decode = (out_tokens - 1) * inputs.md_tpot_s
@@ -427,6 +431,25 @@ def estimate_options(inputs: OptionInputs, policy: RoutingPolicy) -> tuple[Optio
     return tuple(estimates)
 
 
+def expected_pushed_over(
+    running: int, bounds: tuple[int, ...], below: float, lengths: OutputLengths
+) -> float:
+    """How many of the ``running`` requests MD decodes a stall is expected to push over the TPOT
+    bound, where it pushes over those shorter than ``below`` tokens: each whose output bound
+    (``bounds``, their ``max_tokens``) is under ``below`` for certain (it ends within its bound),
+    the others by the share of recent output tokens in requests that short (``OutputLengths``).
+    The share alone let a recompute stall a request known to be short: the wan-overload
+    conversation trace (2026-12-06) lost 1-3 requests a run of 8-12 output tokens to one or two
+    recomputes of 70-200 ms started while they decoded (TPOT 13-21 ms against 10), in the
+    bounded run and the unbounded one alike, since 8-token requests hold too few of the tokens
+    for the share to see them."""
+    # Only where a relay option keeps every bound (``choose_option``): without one, refusing this
+    # request to spare one that may be pushed over trades a request for a request, and the same
+    # trace refused 2 a run that unbounded recompute served within the SLO (pushed 1.04 and 1.28)
+    certain = min(running, sum(1 for b in bounds if b < below))
+    return certain + (running - certain) * lengths.token_share_below(below)
+
+
 def choose_option(inputs: OptionInputs, policy: RoutingPolicy) -> OptionDecision:
     """Pick one option for one request, or reject it (see the module docstring). Pure and cheap."""
     r = inputs.routing
@@ -436,6 +459,8 @@ def choose_option(inputs: OptionInputs, policy: RoutingPolicy) -> OptionDecision
     fits = {e.option: e for e in every if e.meets(inputs.deadline_s, inputs.ttft_deadline_s, bound)}
     if not any(o.relays for o in fits):  # no relay keeps the bounds: recompute may cost a little more
         loose = PUSHED_OVER_LIMIT_WITHOUT_RELAY
+        if inputs.md_running_bounds:  # a request known short is spared only where RLD can serve this one
+            every = estimate_options(replace(inputs, md_running_bounds=()), policy)
         fits = {
             e.option: e for e in every if e.meets(inputs.deadline_s, inputs.ttft_deadline_s, bound, loose)
         }

@@ -394,9 +394,15 @@ class Simulation:
             tpot_bound_s=d.tpot_bound_s,
             md_running=md.running,
             md_outputs=self.outputs.lengths(),
+            md_running_bounds=self._bounds(md) if d.tpot_bound_s is not None else (),
             rld_token_share=self.finished.rld_share(),
         )
         return choose_option(inputs, policy).option
+
+    @staticmethod
+    def _bounds(md: DecodeInstance) -> tuple[int, ...]:
+        """The output bounds (``max_tokens``) of the requests ``md`` decodes now, as a router knows them."""
+        return tuple(a.trace.max_tokens for a in md.running_args() if isinstance(a, _Req))
 
     @staticmethod
     def _md_prefill(lane: MdPrefillLane, missing: int, matched: int, now: float) -> MdPrefill:

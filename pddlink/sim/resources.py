@@ -148,6 +148,10 @@ class DecodeInstance:
         """Sequences in the batch (decoding now)."""
         return self._n
 
+    def running_args(self) -> list[Any]:
+        """The ``arg`` of each sequence in the batch."""
+        return [seq.arg for _, _, seq in self._running if not seq.gone]
+
     @property
     def kv_use_fraction(self) -> float:
         return self._kv_used / self._kv_capacity

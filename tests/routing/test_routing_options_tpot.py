@@ -26,6 +26,7 @@ from pddlink.routing.options import (
     PUSHED_OVER_LIMIT_WITHOUT_RELAY,
     RESERVED_SHARE_OF_BOUND,
     OutputLengths,
+    expected_pushed_over,
     tpot_headroom_s,
 )
 from tests.routing.test_routing_options import LINE, PDD_RECOMPUTE, option_inputs, policies, routing
@@ -111,6 +112,30 @@ def test_the_share_of_running_requests_pushed_over_is_the_share_of_tokens_in_sho
     assert d.option is Option.RECOMPUTE
     d = choose_option(overloaded(md_outputs=rare, md_running=2), PDD_RECOMPUTE)
     assert d.option is Option.RELAY  # 0.03 expected
+
+
+def test_a_running_request_bounded_shorter_than_a_stall_breaks_is_pushed_over_for_certain() -> None:
+    """96 ms of prefill against 7 ms of headroom breaks requests under 13.7 tokens. Recent outputs
+    hold 1.5% of their tokens in requests that short, so the share alone recomputes; a running
+    request whose max_tokens is 8 ends that short whatever the share says."""
+    rare = OutputLengths.of([10] * 9 + [5910])
+    assert choose_option(overloaded(md_outputs=rare, md_running=1), PDD_RECOMPUTE).option is Option.RECOMPUTE
+    d = choose_option(overloaded(md_outputs=rare, md_running=1, md_running_bounds=(8,)), PDD_RECOMPUTE)
+    rec = d.estimate(Option.RECOMPUTE)
+    assert rec is not None and rec.md_pushed_over == pytest.approx(1.0)
+    assert d.option is Option.RELAY  # RLD serves it and the short request keeps its TPOT
+    no_relay = replace(PDD_RECOMPUTE, relay_enabled=False)  # refusing it would trade one for one
+    kept = choose_option(overloaded(md_outputs=rare, md_running=1, md_running_bounds=(8,)), no_relay)
+    assert kept.option is Option.RECOMPUTE
+    rec = kept.estimate(Option.RECOMPUTE)
+    assert rec is not None and rec.md_pushed_over == pytest.approx(0.015)  # the share's estimate
+    long = overloaded(md_outputs=rare, md_running=1, md_running_bounds=(14,))  # not under 13.7
+    assert choose_option(long, PDD_RECOMPUTE).option is Option.RECOMPUTE
+    assert expected_pushed_over(3, (8, 9, 500), 13.7, rare) == pytest.approx(2.015)
+    assert expected_pushed_over(1, (8, 9), 13.7, rare) == 1.0  # never more than MD runs
+    assert expected_pushed_over(0, (8,), 13.7, rare) == 0.0
+    with pytest.raises(ConfigError):
+        overloaded(md_running_bounds=(0,))
 
 
 def test_an_idle_md_pushes_nobody_over_and_rides_no_decode_steps() -> None:

@@ -122,6 +122,32 @@ def test_md_running_is_what_the_fleet_counts_on_that_md() -> None:
     in_router(config(slo_tpot_ms=20.0), body)
 
 
+@pytest.mark.timeout(30)
+def test_a_run_on_md_bounded_short_counts_as_pushed_over_by_a_recompute() -> None:
+    """768 tokens at 1000 tok/s stall MD 0.77 s; with 3 ms of headroom that breaks requests under
+    256 tokens. The outputs learned are long (the share sees nobody that short), but the run on MD
+    asked for 8 tokens: the router passes its bound and the recompute counts it (so RLD serves this
+    request instead)."""
+
+    async def body(router: Router) -> None:
+        for _ in range(10):
+            router.outputs.add(5000)
+        route = router.fleet.place(tuple(PROMPT), time.monotonic())
+        router.fleet.begin(route, relayed=False)
+        router.routes["short"], router.bounds["short"] = route, 8  # what a run registers on its MD
+        assert router.output_bounds(route.md.name) == (8,) and router.output_bounds("elsewhere") == ()
+        decision, _ = router.decide(tuple(PROMPT), 64, "", 30.0)
+        rec = decision.estimate(Option.RECOMPUTE)
+        assert rec is not None and rec.md_pushed_over == pytest.approx(1.0)
+        assert decision.option is not Option.RECOMPUTE
+        router.bounds["short"] = 5000
+        decision, _ = router.decide(tuple(PROMPT), 64, "", 30.0)
+        rec = decision.estimate(Option.RECOMPUTE)
+        assert rec is not None and rec.md_pushed_over == 0.0
+
+    in_router(config(slo_tpot_ms=20.0, relay_enabled=True), body)  # it counts where RLD could serve
+
+
 def test_negative_slo_is_refused() -> None:
     from pddlink.errors import InvalidInput
 
