@@ -18,6 +18,7 @@ import collections
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -99,17 +100,48 @@ _ISSUED: collections.deque[int] = collections.deque(maxlen=4096)  # ports free_p
 
 
 def free_port() -> int:
-    """A TCP port free on loopback now and not handed out by this process lately. The kernel may
-    hand the same port to two ``bind(0)`` calls once the first socket is closed, and a port free on
-    the host says nothing of a netlab namespace where an earlier cluster's process may still hold
-    it: CI saw an RLD fail to bind 198.18.1.1:50445 ("Address already in use")."""
-    while True:
+    """A TCP port free on loopback now and not handed out by this process lately, below the kernel's
+    ephemeral range where it can (``FREE_PORTS``). The kernel may hand the same port to two
+    ``bind(0)`` calls once the first socket is closed, and a port free on the host says nothing of a
+    netlab namespace where an earlier cluster's process may still hold it: CI saw an RLD fail to
+    bind 198.18.1.1:50445 ("Address already in use"). A port from the ephemeral range may also become
+    some connection's source port before its server binds it: CI saw an RLD fail to bind
+    127.0.0.1:41425 while the cluster's other processes connected to each other."""
+    low, _ = _ephemeral_range()
+    top = min(FREE_PORTS[1], low - 1)
+    for _ in range(200 if top > FREE_PORTS[0] else 0):
+        port = random.randint(FREE_PORTS[0], top)
+        if port not in _ISSUED and _bindable(port):
+            _ISSUED.append(port)
+            return port
+    while True:  # no room below the ephemeral range: the kernel's choice
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = int(s.getsockname()[1])
         if port not in _ISSUED:
             _ISSUED.append(port)
             return port
+
+
+FREE_PORTS = (20000, 32767)  # where ``free_port`` looks first (Linux's ephemeral range starts at 32768)
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for ``bind(0)`` and outgoing connections' source ports."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 class NoWan:

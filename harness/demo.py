@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,16 @@ from tqdm import tqdm
 from harness.cluster import Cluster, ClusterSpec, datacenter_cpus
 from harness.demo_load import RequestResult, replay
 from harness.demo_overload import offered_suffix_bytes_s, overload_line_mbit
-from harness.demo_report import Slo, document, plot, summarize, table
+from harness.demo_report import (
+    DEFAULT_SLO_TPOT_MS,
+    MEASURED_TPOT_SLO_FACTOR,
+    Slo,
+    document,
+    measured_tpot_slo_ms,
+    plot,
+    summarize,
+    table,
+)
 from harness.demo_workload import DemoRequest, build_trace, demo_requests
 from netlab.lab import Lab
 from netlab.profile import parse_profile
@@ -63,26 +72,49 @@ def sim_prediction(
     md_prefill_slowdown: float = 1.0,
 ) -> dict[str, Any]:
     """The simulator on the same requests, line and SLO (``pddlink.sim.demo_overload``): its
-    goodput ranking of the three policies beside the one this run measured; the tiny engine at its
-    quiet-machine speed, and (``at_measured_speed``) slowed to the baseline TPOT P50 this run saw
-    (``base_tpot_s``: the machine is shared, and how much recompute costs follows its speed)."""
+    goodput ranking of the three policies beside the one this run measured, with the tiny engine
+    scaled to the baseline TPOT P50 this run saw (``base_tpot_s``; ``slowdown``: its step time over
+    the one the simulator was calibrated at, < 1 for a faster engine: the machine is shared, the
+    engine has got faster since, and how much recompute costs and what the SLO allows follow its
+    speed), and (``at_calibrated_speed``) at the calibrated speed."""
     sla = Sla(slo.ttft_ms / 1e3, slo.tpot_ms / 1e3)
     knobs = replace(OVERLOAD_KNOBS, md_prefill_slowdown=md_prefill_slowdown)  # MD's chips as the demo's
-    predicted = predict(trace, warmup, line_mbit, sla, knobs)
-    quiet_tpot_s = predicted["policies"]["baseline"]["tpot_p50_s"]
-    slowdown = max(1.0, base_tpot_s / quiet_tpot_s) if quiet_tpot_s > 0 else 1.0
-    slowed = predict(trace, warmup, line_mbit, sla, knobs.slowed(slowdown))
+    calibrated = predict(trace, warmup, line_mbit, sla, knobs)
+    calibrated_tpot_s = calibrated["policies"]["baseline"]["tpot_p50_s"]
+    slowdown = base_tpot_s / calibrated_tpot_s if calibrated_tpot_s and base_tpot_s > 0 else 1.0
+    predicted = (
+        predict(trace, warmup, line_mbit, sla, knobs.slowed(slowdown)) if slowdown != 1.0 else calibrated
+    )
     order = ranking(measured)
     agrees = ranking_agrees(predicted["ranking"], order)
-    slowed["slowdown"], slowed["agrees"] = round(slowdown, 3), ranking_agrees(slowed["ranking"], order)
+    calibrated = {**calibrated, "agrees": ranking_agrees(calibrated["ranking"], order)}
     verdict = "agree" if agrees else "DIFFER"
     say(f"simulator: goodput ranking {predicted['ranking']}, measured {order}: {verdict}")
-    return {**predicted, "measured_ranking": order, "agrees": agrees, "at_measured_speed": slowed}
+    return {
+        **predicted,
+        "slowdown": round(slowdown, 3),
+        "measured_ranking": order,
+        "agrees": agrees,
+        "at_calibrated_speed": calibrated,
+    }
 
 
 def say(msg: str) -> None:
     sys.stderr.write(msg + "\n")
     sys.stderr.flush()
+
+
+def measured_slo(slo: Slo, warm: list[RequestResult]) -> tuple[Slo, str]:
+    """``slo`` with its TPOT half measured from a warm-up (``measured_tpot_slo_ms``), and what it says
+    of where that came from; the default where the warm-up decoded nothing."""
+    tpot_ms = measured_tpot_slo_ms(warm)
+    if tpot_ms is None:
+        say(f"goodput SLO: TPOT {DEFAULT_SLO_TPOT_MS:g} ms (the default: the warm-up decoded nothing)")
+        return replace(slo, tpot_ms=DEFAULT_SLO_TPOT_MS), "default: nothing measured"
+    k = MEASURED_TPOT_SLO_FACTOR
+    how = f"measured: {k:g}x MD's TPOT P50 over the baseline's warm-up ({tpot_ms / k:.2f} ms)"
+    say(f"goodput SLO: TPOT {tpot_ms:g} ms, {how}: output at least {1 / k:.2g}x MD's speed decoding alone")
+    return replace(slo, tpot_ms=tpot_ms), how
 
 
 def wan_profile(spec: ClusterSpec) -> str:
@@ -100,9 +132,11 @@ def run_once(
     label: str,
     deployment: Any = Cluster,  # Cluster, or harness.demo_compose.ComposeDeployment
     warm_pipeline: str = "p_md",
-) -> tuple[list[RequestResult], dict[str, float], float]:
-    """One replay on a fresh deployment: the results, the sidecars' counters over it, its wall time."""
+) -> Replayed:
+    """One replay on a fresh deployment: the results, the sidecars' counters over it, its wall time
+    and the warm-up's results."""
     t0 = time.monotonic()
+    warm: list[RequestResult] = []
     with deployment(lab, spec) as cluster:
         say(f"[{label}] deployment up in {time.monotonic() - t0:.1f} s ({lab.mode} lab)")
         if warmup:
@@ -157,7 +191,18 @@ def run_once(
                 )
         time.sleep(1.0)  # shipments that outlive their request (RLD finished it) land on MD
         after = sidecar_counters(cluster)
-    return results, {k: after[k] - before.get(k, 0.0) for k in after}, replay_s
+    return Replayed(results, {k: after[k] - before.get(k, 0.0) for k in after}, replay_s, warm)
+
+
+@dataclass(frozen=True, slots=True)
+class Replayed:
+    """One run: the measured requests' results, the sidecars' counters over them, the replay's wall
+    time, and the warm-up's results (``measured_tpot_slo_ms`` reads MD's speed from them)."""
+
+    results: list[RequestResult]
+    counters: dict[str, float]
+    replay_s: float
+    warm: list[RequestResult]
 
 
 def sidecar_counters(cluster: Any) -> dict[str, float]:
@@ -225,8 +270,12 @@ def main(
     lab_kind: str = "auto",
     slo: Slo | None = None,
     md_prefill_slowdown: float = 1.0,
+    measure_tpot_slo: bool = False,
 ) -> dict[str, Any]:
+    """``measure_tpot_slo``: the TPOT half of ``slo`` is replaced by what the baseline run's warm-up
+    measured (``measured_tpot_slo_ms``), before PDD's runs start."""
     slo = slo or Slo()
+    tpot_source = "given"
     work = Path(tempfile.mkdtemp(prefix="pddlink-demo-"))
     replayed = build_trace(
         requests=requests + warmup, rate_rps=rate_rps, seed=seed, workload=workload, trace_file=trace
@@ -288,6 +337,8 @@ def main(
         # MD prefills the warm-up prompts itself, P too, in both runs alike
         warm_how = "recompute" if overload else "p_md"
         base_run = run_once(lab, spec, warm, reqs, "P->MD baseline", deployment, warm_how)
+        if measure_tpot_slo:
+            slo, tpot_source = measured_slo(slo, base_run.warm)
         pdd_spec = replace(spec, run_dir=work / "pdd", relay=True, recompute=overload, admission=overload)
         unbounded_spec = None
         if overload:  # both PDD runs start from the tiny engine's time per token; PDD holds the SLO
@@ -310,7 +361,7 @@ def main(
     say("reference: one engine generating every request alone (separate process, float64)")
     reference = reference_tokens(reqs, spec, work)
     base, pdd, unbounded = (
-        summarize(run[0], reference, run[1], slo, run[2]) if run else None
+        summarize(run.results, reference, run.counters, slo, run.replay_s) if run else None
         for run in (base_run, pdd_run, unbounded_run)
     )
     assert base is not None and pdd is not None
@@ -329,6 +380,7 @@ def main(
         "md_prefill_slowdown": spec.md_prefill_slowdown,
         "pdd_admission": overload,
         "slo": asdict(slo),  # what goodput counts against (defaults: harness.demo_report.Slo)
+        "slo_tpot_source": tpot_source,  # "given", or how it was measured
         "pdd_slo_in_router": overload,  # "unbounded" (wan-overload's third run): it does not
         "pdd_rld_token_budget": RLD_TOKEN_BUDGET if overload else None,
         **lab_figures,

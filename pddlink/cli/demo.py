@@ -59,10 +59,10 @@ import click
 @click.option(
     "--slo-tpot-ms",
     type=click.FloatRange(min=0, min_open=True),
-    default=10.0,
-    show_default=True,
-    help="TPOT SLO (mean time per output token after the first; the tiny engine decodes one in 3-4 ms "
-    "here with MD on a CPU of its own); on wan-overload the bounded PDD run's decode-speed bound.",
+    default=None,
+    help="TPOT SLO (mean time per output token after the first); on wan-overload the bounded PDD run's "
+    "decode-speed bound. Default: measured, 1.25x MD's TPOT P50 over the baseline run's warm-up (MD "
+    "decoding requests one at a time: output at least 0.8x that speed; 10 ms if nothing decoded).",
 )
 @click.option(
     "--md-prefill-slowdown",
@@ -152,7 +152,7 @@ def command(
     topology_path: str | None,
     placements: str,
     slo_ttft_ms: float,
-    slo_tpot_ms: float,
+    slo_tpot_ms: float | None,
     md_prefill_slowdown: float,
     routers: int,
     rolling_restart: bool,
@@ -229,7 +229,7 @@ def command(
         )  # fmt: skip
         return
     from harness.demo import main
-    from harness.demo_report import Slo
+    from harness.demo_report import DEFAULT_SLO_TPOT_MS, Slo
     from pddlink.cli.preflight import check_output_file, check_writable
 
     if requests < 1:
@@ -255,8 +255,9 @@ def command(
         engine_mode=engine_mode,
         scenario=scenario,
         lab_kind=lab_kind,
-        slo=Slo(slo_ttft_ms, slo_tpot_ms),
+        slo=Slo(slo_ttft_ms, slo_tpot_ms or DEFAULT_SLO_TPOT_MS),
         md_prefill_slowdown=md_prefill_slowdown,
+        measure_tpot_slo=slo_tpot_ms is None,
     )
 
 

@@ -425,8 +425,9 @@ def test_closing_the_pool_answers_a_busy_request(loop: asyncio.AbstractEventLoop
 
     lost, pids = loop.run_until_complete(main())
     assert lost.status == 503, lost.body
-    for pid in pids:  # stuck in the tokenizer for an hour: it exits only when killed
-        os.kill(pid, signal.SIGKILL)
+    for pid in pids:  # stuck in the tokenizer for an hour: killed, unless it saw the router go first
+        with contextlib.suppress(ProcessLookupError):  # (a worker exits when the router's end closes)
+            os.kill(pid, signal.SIGKILL)
 
 
 async def _until(condition: Callable[[], bool], within_s: float) -> None:

@@ -11,8 +11,18 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
+from harness.demo import measured_slo
 from harness.demo_load import RequestResult
-from harness.demo_report import Slo, document, goodput, summarize, table, tpot_s
+from harness.demo_report import (
+    MEASURED_TPOT_SLO_FACTOR,
+    Slo,
+    document,
+    goodput,
+    measured_tpot_slo_ms,
+    summarize,
+    table,
+    tpot_s,
+)
 from pddlink.cli.demo import command as demo_command
 from pddlink.errors import ConfigError
 
@@ -82,5 +92,21 @@ def test_demo_slo_defaults_are_the_reports_and_stated_in_help() -> None:
     out = " ".join(CliRunner().invoke(demo_command, ["--help"]).output.split())
     ttft = next(p for p in demo_command.params if p.name == "slo_ttft_ms")
     tpot = next(p for p in demo_command.params if p.name == "slo_tpot_ms")
-    assert (ttft.default, tpot.default) == (Slo().ttft_ms, Slo().tpot_ms)
-    assert f"[default: {Slo().ttft_ms}; x>0]" in out and f"[default: {Slo().tpot_ms}; x>0]" in out
+    assert ttft.default == Slo().ttft_ms and tpot.default is None  # the TPOT half measured unless given
+    assert f"[default: {Slo().ttft_ms}; x>0]" in out
+    k = MEASURED_TPOT_SLO_FACTOR
+    assert f"Default: measured, {k:g}x MD's TPOT P50 over the baseline run's warm-up" in out
+    assert f"{Slo().tpot_ms:g} ms if nothing decoded" in out
+
+
+def test_the_measured_tpot_slo_is_a_multiple_of_the_warmups_median_tpot() -> None:
+    """MD decoding the warm-up one request at a time: 2, 3 and 4 ms per token; one-token and
+    failed requests say nothing about its speed."""
+    warm = [result(i, 0.1, 0.1 + 10 * t, 11) for i, t in enumerate((0.002, 0.004, 0.003))]
+    silent = [result(3, 0.1, 0.1, 1), result(4, None, 30.0, 0, "failed")]
+    assert measured_tpot_slo_ms(warm + silent) == pytest.approx(MEASURED_TPOT_SLO_FACTOR * 3.0)
+    assert measured_tpot_slo_ms(silent) is None
+    slo, how = measured_slo(SLO, warm)
+    assert slo == Slo(SLO.ttft_ms, MEASURED_TPOT_SLO_FACTOR * 3.0) and how.startswith("measured")
+    slo, how = measured_slo(SLO, silent)
+    assert slo.tpot_ms == Slo().tpot_ms and how.startswith("default")

@@ -125,11 +125,15 @@ def test_the_demo_reports_both_predictions_and_whether_each_agrees() -> None:
     got = sim_prediction(trace, 16, line, Slo(), swapped, base_tpot_s=0.0)
     assert got["measured_ranking"] == [["unbounded"], ["pdd"], ["baseline"]]
     assert got["agrees"] is ranking_agrees(got["ranking"], got["measured_ranking"])
-    quiet = got["at_measured_speed"]
-    assert quiet["slowdown"] == 1.0 and quiet["policies"] == got["policies"]  # never faster than quiet
-    slow = sim_prediction(trace, 16, line, Slo(), swapped, base_tpot_s=0.0084)["at_measured_speed"]
+    calibrated = got["at_calibrated_speed"]
+    assert got["slowdown"] == 1.0 and calibrated["policies"] == got["policies"]  # nothing measured
+    fast = sim_prediction(trace, 16, line, Slo(), swapped, base_tpot_s=0.0015)
+    assert fast["slowdown"] < 1.0  # the engine got faster than the simulator was calibrated at
+    assert fast["policies"]["unbounded"]["tpot_p50_s"] < calibrated["policies"]["unbounded"]["tpot_p50_s"]
+    assert fast["at_calibrated_speed"]["policies"] == calibrated["policies"]
+    slow = sim_prediction(trace, 16, line, Slo(), swapped, base_tpot_s=0.0084)
     assert slow["slowdown"] > 1.5
-    assert slow["policies"]["unbounded"]["tpot_p50_s"] > got["policies"]["unbounded"]["tpot_p50_s"]
+    assert slow["policies"]["unbounded"]["tpot_p50_s"] > calibrated["policies"]["unbounded"]["tpot_p50_s"]
 
 
 def test_md_prefill_slowdown_gives_mds_pool_a_chip_that_prefills_that_much_slower() -> None:
