@@ -61,8 +61,9 @@ import click
     type=click.FloatRange(min=0, min_open=True),
     default=None,
     help="TPOT SLO (mean time per output token after the first); on wan-overload the bounded PDD run's "
-    "decode-speed bound. Default: measured, 1.25x MD's TPOT P50 over the baseline run's warm-up (MD "
-    "decoding requests one at a time: output at least 0.8x that speed; 10 ms if nothing decoded).",
+    "decode-speed bound. Default: measured, 1.25x the TPOT P50 of the requests the baseline run "
+    "finished (its warm-up's if none: output at least 0.8x the baseline's speed; 10 ms if nothing "
+    "decoded).",
 )
 @click.option(
     "--md-prefill-slowdown",

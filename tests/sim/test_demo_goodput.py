@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from harness.demo import measured_slo
+from harness.demo import Replayed, measured_slo
 from harness.demo_load import RequestResult
 from harness.demo_report import (
     MEASURED_TPOT_SLO_FACTOR,
@@ -95,18 +95,21 @@ def test_demo_slo_defaults_are_the_reports_and_stated_in_help() -> None:
     assert ttft.default == Slo().ttft_ms and tpot.default is None  # the TPOT half measured unless given
     assert f"[default: {Slo().ttft_ms}; x>0]" in out
     k = MEASURED_TPOT_SLO_FACTOR
-    assert f"Default: measured, {k:g}x MD's TPOT P50 over the baseline run's warm-up" in out
+    assert f"Default: measured, {k:g}x the TPOT P50 of the requests the baseline run finished" in out
     assert f"{Slo().tpot_ms:g} ms if nothing decoded" in out
 
 
-def test_the_measured_tpot_slo_is_a_multiple_of_the_warmups_median_tpot() -> None:
-    """MD decoding the warm-up one request at a time: 2, 3 and 4 ms per token; one-token and
-    failed requests say nothing about its speed."""
-    warm = [result(i, 0.1, 0.1 + 10 * t, 11) for i, t in enumerate((0.002, 0.004, 0.003))]
+def test_the_measured_tpot_slo_is_a_multiple_of_the_baselines_median_tpot() -> None:
+    """The baseline's finished requests at 2, 3 and 4 ms per token; one-token and failed requests
+    say nothing of its speed; where it finished none, its warm-up's, else the default."""
+    done = [result(i, 0.1, 0.1 + 10 * t, 11) for i, t in enumerate((0.002, 0.004, 0.003))]
     silent = [result(3, 0.1, 0.1, 1), result(4, None, 30.0, 0, "failed")]
-    assert measured_tpot_slo_ms(warm + silent) == pytest.approx(MEASURED_TPOT_SLO_FACTOR * 3.0)
+    warm = [result(5, 0.1, 0.1 + 10 * 0.001, 11)]
+    assert measured_tpot_slo_ms(done + silent) == pytest.approx(MEASURED_TPOT_SLO_FACTOR * 3.0)
     assert measured_tpot_slo_ms(silent) is None
-    slo, how = measured_slo(SLO, warm)
-    assert slo == Slo(SLO.ttft_ms, MEASURED_TPOT_SLO_FACTOR * 3.0) and how.startswith("measured")
-    slo, how = measured_slo(SLO, silent)
+    slo, how = measured_slo(SLO, Replayed(done + silent, {}, 1.0, warm))
+    assert slo == Slo(SLO.ttft_ms, MEASURED_TPOT_SLO_FACTOR * 3.0) and "baseline finished" in how
+    slo, how = measured_slo(SLO, Replayed(silent, {}, 1.0, warm))
+    assert slo.tpot_ms == pytest.approx(MEASURED_TPOT_SLO_FACTOR * 1.0) and "warm-up" in how
+    slo, how = measured_slo(SLO, Replayed(silent, {}, 1.0, silent))
     assert slo.tpot_ms == Slo().tpot_ms and how.startswith("default")
