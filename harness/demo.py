@@ -36,6 +36,7 @@ from harness.demo_report import (
     Slo,
     document,
     measured_tpot_slo_ms,
+    median_tpot_s,
     plot,
     summarize,
     table,
@@ -51,9 +52,9 @@ from pddlink.sim.trace import Trace
 
 VOCAB = 2048  # the reference engine's tiny preset
 KV_BYTES_PER_TOKEN = 2048
-# what the tiny preset decodes a token in on this machine at a small batch (the baseline's TPOT P50
-# in the wan-overload scenario): the router's starting figure for MD and RLD in that scenario, where
-# its TPOT bound judges them (the router refines both from the requests they finish)
+# the router's starting figure for MD's and RLD's time per token in the wan-overload scenario, where
+# its TPOT bound judges them, when the baseline run measured none (``start_tpot_s``): what the tiny
+# preset once took at a small batch (the router refines both from the requests they finish)
 TINY_TPOT_S = 0.008
 # wan-overload's PDD router: RelayDecode's share of the output tokens it may take over from MD
 # under the TPOT bound. A relayed request's KV crosses the thin line late or not at all, so the
@@ -120,6 +121,18 @@ def measured_slo(slo: Slo, baseline: Replayed) -> tuple[Slo, str]:
             return replace(slo, tpot_ms=tpot_ms), how
     say(f"goodput SLO: TPOT {DEFAULT_SLO_TPOT_MS:g} ms (the default: the baseline decoded nothing)")
     return replace(slo, tpot_ms=DEFAULT_SLO_TPOT_MS), "default: nothing measured"
+
+
+def start_tpot_s(baseline: Replayed) -> float:
+    """The router's starting figure for MD's and RLD's time per token: the TPOT P50 the baseline run
+    measured (its finished requests', else its warm-up's), else ``TINY_TPOT_S``. A stale figure stays:
+    RLD's book learns only from relays it finishes, and a bound that its figure breaks sends it none
+    (the conversation trace at 2.49 ms relayed nothing from a start of 8 ms, and refused 72)."""
+    for results in (baseline.results, baseline.warm):
+        tpot = median_tpot_s(results)
+        if tpot is not None:
+            return round(tpot, 5)
+    return TINY_TPOT_S
 
 
 def wan_profile(spec: ClusterSpec) -> str:
@@ -346,10 +359,9 @@ def main(
             slo, tpot_source = measured_slo(slo, base_run)
         pdd_spec = replace(spec, run_dir=work / "pdd", relay=True, recompute=overload, admission=overload)
         unbounded_spec = None
-        if overload:  # both PDD runs start from the tiny engine's time per token; PDD holds the SLO
-            unbounded_spec = replace(
-                pdd_spec, run_dir=work / "unbounded", md_tpot_s=TINY_TPOT_S, rld_tpot_s=TINY_TPOT_S
-            )
+        if overload:  # both PDD runs start from the baseline's time per token; PDD holds the SLO
+            start = start_tpot_s(base_run)
+            unbounded_spec = replace(pdd_spec, run_dir=work / "unbounded", md_tpot_s=start, rld_tpot_s=start)
             pdd_spec = replace(
                 unbounded_spec,
                 run_dir=work / "pdd",

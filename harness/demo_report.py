@@ -54,13 +54,16 @@ def tpot_s(r: RequestResult) -> float:
     return max(0.0, r.e2e_s - (r.ttft_s or 0.0)) / (n - 1) if n > 1 else 0.0
 
 
-def measured_tpot_slo_ms(results: list[RequestResult]) -> float | None:
-    """``MEASURED_TPOT_SLO_FACTOR`` times the TPOT P50 of the requests that finished with more than
-    one token, in ms; None when there is none."""
+def median_tpot_s(results: list[RequestResult]) -> float | None:
+    """The TPOT P50 of the requests that finished with more than one token; None when there is none."""
     tpots = [tpot_s(r) for r in results if r.outcome == "finished" and len(r.tokens) > 1]
-    if not tpots:
-        return None
-    return round(MEASURED_TPOT_SLO_FACTOR * float(np.median(tpots)) * 1e3, 2)
+    return float(np.median(tpots)) if tpots else None
+
+
+def measured_tpot_slo_ms(results: list[RequestResult]) -> float | None:
+    """``MEASURED_TPOT_SLO_FACTOR`` times ``median_tpot_s``, in ms; None when there is none."""
+    tpot = median_tpot_s(results)
+    return None if tpot is None else round(MEASURED_TPOT_SLO_FACTOR * tpot * 1e3, 2)
 
 
 def goodput(results: list[RequestResult], slo: Slo, span_s: float) -> dict[str, Any]:

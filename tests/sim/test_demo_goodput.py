@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from harness.demo import Replayed, measured_slo
+from harness.demo import TINY_TPOT_S, Replayed, measured_slo, start_tpot_s
 from harness.demo_load import RequestResult
 from harness.demo_report import (
     MEASURED_TPOT_SLO_FACTOR,
@@ -113,3 +113,12 @@ def test_the_measured_tpot_slo_is_a_multiple_of_the_baselines_median_tpot() -> N
     assert slo.tpot_ms == pytest.approx(MEASURED_TPOT_SLO_FACTOR * 1.0) and "warm-up" in how
     slo, how = measured_slo(SLO, Replayed(silent, {}, 1.0, silent))
     assert slo.tpot_ms == Slo().tpot_ms and how.startswith("default")
+
+
+def test_the_routers_starting_time_per_token_is_the_baselines() -> None:
+    done = [result(i, 0.1, 0.1 + 10 * t, 11) for i, t in enumerate((0.002, 0.004, 0.003))]
+    silent = [result(3, 0.1, 0.1, 1)]
+    warm = [result(5, 0.1, 0.1 + 10 * 0.001, 11)]
+    assert start_tpot_s(Replayed(done, {}, 1.0, warm)) == pytest.approx(0.003)
+    assert start_tpot_s(Replayed(silent, {}, 1.0, warm)) == pytest.approx(0.001)
+    assert start_tpot_s(Replayed(silent, {}, 1.0, silent)) == TINY_TPOT_S
