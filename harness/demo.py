@@ -31,11 +31,8 @@ from harness.cluster import Cluster, ClusterSpec, datacenter_cpus
 from harness.demo_load import RequestResult, replay
 from harness.demo_overload import offered_suffix_bytes_s, overload_line_mbit
 from harness.demo_report import (
-    DEFAULT_SLO_TPOT_MS,
-    MEASURED_TPOT_SLO_FACTOR,
     Slo,
     document,
-    measured_tpot_slo_ms,
     median_tpot_s,
     plot,
     summarize,
@@ -105,29 +102,11 @@ def say(msg: str) -> None:
     sys.stderr.flush()
 
 
-def measured_slo(slo: Slo, baseline: Replayed) -> tuple[Slo, str]:
-    """``slo`` with its TPOT half measured from the baseline run (``measured_tpot_slo_ms``: the
-    requests it finished, else its warm-up's), and what it says of where that came from; the
-    default where neither decoded anything."""
-    k = MEASURED_TPOT_SLO_FACTOR
-    for what, results in (
-        ("the requests the baseline finished", baseline.results),
-        ("its warm-up", baseline.warm),
-    ):
-        tpot_ms = measured_tpot_slo_ms(results)
-        if tpot_ms is not None:
-            how = f"measured: {k:g}x the TPOT P50 of {what} ({tpot_ms / k:.2f} ms)"
-            say(f"goodput SLO: TPOT {tpot_ms:g} ms, {how}: output at least {1 / k:.2g}x the baseline's speed")
-            return replace(slo, tpot_ms=tpot_ms), how
-    say(f"goodput SLO: TPOT {DEFAULT_SLO_TPOT_MS:g} ms (the default: the baseline decoded nothing)")
-    return replace(slo, tpot_ms=DEFAULT_SLO_TPOT_MS), "default: nothing measured"
-
-
 def start_tpot_s(baseline: Replayed) -> float:
     """The router's starting figure for MD's and RLD's time per token: the TPOT P50 the baseline run
     measured (its finished requests', else its warm-up's), else ``TINY_TPOT_S``. A stale figure stays:
     RLD's book learns only from relays it finishes, and a bound that its figure breaks sends it none
-    (the conversation trace at 2.49 ms relayed nothing from a start of 8 ms, and refused 72)."""
+    (the conversation trace under a 2.49 ms bound relayed nothing from a start of 8 ms)."""
     for results in (baseline.results, baseline.warm):
         tpot = median_tpot_s(results)
         if tpot is not None:
@@ -288,12 +267,8 @@ def main(
     lab_kind: str = "auto",
     slo: Slo | None = None,
     md_prefill_slowdown: float = 1.0,
-    measure_tpot_slo: bool = False,
 ) -> dict[str, Any]:
-    """``measure_tpot_slo``: the TPOT half of ``slo`` is replaced by what the baseline run measured
-    (``measured_slo``), before PDD's runs start."""
     slo = slo or Slo()
-    tpot_source = "given"
     work = Path(tempfile.mkdtemp(prefix="pddlink-demo-"))
     replayed = build_trace(
         requests=requests + warmup, rate_rps=rate_rps, seed=seed, workload=workload, trace_file=trace
@@ -355,8 +330,6 @@ def main(
         # MD prefills the warm-up prompts itself, P too, in both runs alike
         warm_how = "recompute" if overload else "p_md"
         base_run = run_once(lab, spec, warm, reqs, "P->MD baseline", deployment, warm_how)
-        if measure_tpot_slo:
-            slo, tpot_source = measured_slo(slo, base_run)
         pdd_spec = replace(spec, run_dir=work / "pdd", relay=True, recompute=overload, admission=overload)
         unbounded_spec = None
         if overload:  # both PDD runs start from the baseline's time per token; PDD holds the SLO
@@ -397,7 +370,6 @@ def main(
         "md_prefill_slowdown": spec.md_prefill_slowdown,
         "pdd_admission": overload,
         "slo": asdict(slo),  # what goodput counts against (defaults: harness.demo_report.Slo)
-        "slo_tpot_source": tpot_source,  # "given", or how it was measured
         "pdd_slo_in_router": overload,  # "unbounded" (wan-overload's third run): it does not
         "pdd_rld_token_budget": RLD_TOKEN_BUDGET if overload else None,
         **lab_figures,
