@@ -51,12 +51,6 @@ def tpot_s(r: RequestResult) -> float:
     return max(0.0, r.e2e_s - (r.ttft_s or 0.0)) / (n - 1) if n > 1 else 0.0
 
 
-def median_tpot_s(results: list[RequestResult]) -> float | None:
-    """The TPOT P50 of the requests that finished with more than one token; None when there is none."""
-    tpots = [tpot_s(r) for r in results if r.outcome == "finished" and len(r.tokens) > 1]
-    return float(np.median(tpots)) if tpots else None
-
-
 def goodput(results: list[RequestResult], slo: Slo, span_s: float) -> dict[str, Any]:
     met = sum(slo.met(r) for r in results)
     return {"goodput_rps": met / span_s if span_s > 0 else 0.0, "slo_met": met, "replay_s": span_s}

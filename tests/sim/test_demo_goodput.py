@@ -11,16 +11,8 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from harness.demo import TINY_TPOT_S, Replayed, start_tpot_s
 from harness.demo_load import RequestResult
-from harness.demo_report import (
-    Slo,
-    document,
-    goodput,
-    summarize,
-    table,
-    tpot_s,
-)
+from harness.demo_report import Slo, document, goodput, summarize, table, tpot_s
 from pddlink.cli.demo import command as demo_command
 from pddlink.errors import ConfigError
 
@@ -92,12 +84,3 @@ def test_demo_slo_defaults_are_the_reports_and_stated_in_help() -> None:
     tpot = next(p for p in demo_command.params if p.name == "slo_tpot_ms")
     assert (ttft.default, tpot.default) == (Slo().ttft_ms, Slo().tpot_ms)
     assert f"[default: {Slo().ttft_ms}; x>0]" in out and f"[default: {Slo().tpot_ms}; x>0]" in out
-
-
-def test_the_routers_starting_time_per_token_is_the_baselines() -> None:
-    done = [result(i, 0.1, 0.1 + 10 * t, 11) for i, t in enumerate((0.002, 0.004, 0.003))]
-    silent = [result(3, 0.1, 0.1, 1)]
-    warm = [result(5, 0.1, 0.1 + 10 * 0.001, 11)]
-    assert start_tpot_s(Replayed(done, {}, 1.0, warm)) == pytest.approx(0.003)
-    assert start_tpot_s(Replayed(silent, {}, 1.0, warm)) == pytest.approx(0.001)
-    assert start_tpot_s(Replayed(silent, {}, 1.0, silent)) == TINY_TPOT_S
