@@ -180,7 +180,8 @@ class Router:
 
     def output_bounds(self, md: str) -> tuple[int, ...]:
         """The output bounds (``max_tokens``) of the runs on ``md`` now."""
-        return tuple(self.bounds[sid] for sid, route in self.routes.items() if route.md.name == md)
+        on_md = (sid for sid, route in self.routes.items() if route.md.name == md)
+        return tuple(self.bounds[sid] for sid in on_md if sid in self.bounds)
 
     def rld_tpot_s(self, route: Route) -> float:
         """RLD's time per token for the policy: the configured figure, or under a TPOT SLO what
