@@ -65,6 +65,12 @@ class ConfigError(InvalidInput):
     """A configuration value is missing or out of range; the message names the field."""
 
 
+def require(ok: bool, message: str) -> None:
+    """``ConfigError(message)`` unless ``ok``: a value's range check, where the message names it."""
+    if not ok:
+        raise ConfigError(message)
+
+
 class NotFound(LocalError):
     code = ErrorCode.NOT_FOUND
 

@@ -47,7 +47,7 @@ from pddlink.routing import (
     RoutingPolicy,
 )
 from pddlink.routing.books import PrefillBook, StallLedger, TpotBook
-from pddlink.routing.options import OutputBook
+from pddlink.routing.outputs import OutputBook
 from pddlink.serving.grpc_tls import CallerCheck
 from router.admission import Overloaded
 from router.answer import GenerateEvent, RequestEnd, StreamedToken

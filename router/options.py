@@ -34,7 +34,8 @@ from pddlink.routing import (
 )
 from pddlink.routing.books import PrefillBook, TpotBook
 from pddlink.routing.link import WAN_SHARE_OF_DEADLINE
-from pddlink.routing.options import Option, OutputBook
+from pddlink.routing.options import Option
+from pddlink.routing.outputs import OutputBook
 
 FAST_PATH_BYTES_S = 1e9  # the fast path to RLD (RDMA, or TCP inside datacenter A): ~8 Gbit/s
 EXTEND_S = 0.02  # MD's extend step for a handoff's token ids (reference engine, tiny model)

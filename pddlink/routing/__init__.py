@@ -11,9 +11,9 @@ matters.
 """
 
 from pddlink.handoff import HandoffMode  # the one handoff mode; routing decides which
+from pddlink.routing.decode_bound import MdPrefill
 from pddlink.routing.link import BacklogReport, LinkEstimate, LinkModel
 from pddlink.routing.options import (
-    MdPrefill,
     Option,
     OptionDecision,
     OptionEstimate,

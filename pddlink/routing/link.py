@@ -17,17 +17,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pddlink.errors import ConfigError, InvalidInput, NotFound
+from pddlink.errors import InvalidInput, NotFound, require
 
 # The share of a request's deadline that P's shipment to MD may take (the rest: MD's first token and
 # a fallback); P's sidecar and the router's admission use the same figure.
 WAN_SHARE_OF_DEADLINE = 0.6
 SAMPLE_RTTS = 4  # a transfer teaches the line's rate when its bytes take this many RTTs at that rate
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,12 +37,12 @@ class LinkEstimate:
     flow_cap_bytes_per_s: float = float("inf")
 
     def __post_init__(self) -> None:
-        _require(self.line_bytes_per_s > 0, f"line_bytes_per_s must be > 0, got {self.line_bytes_per_s}")
-        _require(self.rtt_s >= 0, f"rtt_s must be >= 0, got {self.rtt_s}")
-        _require(self.flows_in_flight >= 0, f"flows_in_flight must be >= 0, got {self.flows_in_flight}")
-        _require(self.backlog_bytes >= 0, f"backlog_bytes must be >= 0, got {self.backlog_bytes}")
-        _require(self.pool_size >= 1, f"pool_size must be >= 1, got {self.pool_size}")
-        _require(self.flow_cap_bytes_per_s > 0, "flow_cap_bytes_per_s must be > 0")
+        require(self.line_bytes_per_s > 0, f"line_bytes_per_s must be > 0, got {self.line_bytes_per_s}")
+        require(self.rtt_s >= 0, f"rtt_s must be >= 0, got {self.rtt_s}")
+        require(self.flows_in_flight >= 0, f"flows_in_flight must be >= 0, got {self.flows_in_flight}")
+        require(self.backlog_bytes >= 0, f"backlog_bytes must be >= 0, got {self.backlog_bytes}")
+        require(self.pool_size >= 1, f"pool_size must be >= 1, got {self.pool_size}")
+        require(self.flow_cap_bytes_per_s > 0, "flow_cap_bytes_per_s must be > 0")
 
     @property
     def share_bytes_per_s(self) -> float:
@@ -146,8 +141,8 @@ class LinkModel:
             pool_size=self.pool_size,
             flow_cap_bytes_per_s=self.flow_cap_bytes_per_s,
         )  # validates
-        _require(0 < self.ewma_weight <= 1, f"ewma_weight must be in (0, 1], got {self.ewma_weight}")
-        _require(0 < self.min_fraction <= 1, f"min_fraction must be in (0, 1], got {self.min_fraction}")
+        require(0 < self.ewma_weight <= 1, f"ewma_weight must be in (0, 1], got {self.ewma_weight}")
+        require(0 < self.min_fraction <= 1, f"min_fraction must be in (0, 1], got {self.min_fraction}")
         self._goodput = self.line_bytes_per_s
 
     def start_flow(self, flow_id: str, nbytes: int, now: float) -> None:

@@ -31,27 +31,9 @@ queues, RLD's load). It then picks:
 
 A decode-speed bound (``OptionInputs.tpot_bound_s``, the SLO's time per output token) adds a second
 half to "meets": this request's own expected TPOT, and the TPOT of the requests MD decodes while it
-recomputes (those running, ``md_running``, and those that join during the prefill), stay within it.
-Recompute costs them MD's prefill time: a blocking prefill stalls one step for the whole prompt
-(and what is queued before it), adding ``work / n`` to the mean TPOT of a running request of ``n``
-output tokens; chunked prefill (``MdPrefill.chunk_tokens``, a per-step token budget) lengthens
-each step by ``chunk / tokens_per_s`` while it lasts, so at most that. Either way a request is
-pushed over the bound when it is shorter than ``work / slack`` (``MdPrefill.pushed_over_below``;
-``slack``: ``tpot_headroom_s``, the bound less MD's time per token with a reserve; a prefill no longer
-than one decode step pushes nobody over, whatever the slack). The requests MD is
-decoding are length-biased (a request runs as long as its output), so the share of them that
-short is the share of output *tokens* that belong to such requests (``OutputLengths``, from what
-requests produced lately), and one whose output bound is that short counts for certain while a
-relay option keeps every bound (``expected_pushed_over``). Recompute keeps the bound while the
-requests it is expected to push over (that share of ``md_running``; an idle MD pushes nobody
-over: a request that joins during the prefill is judged by its own estimate, which counts MD's
-prefill queue) stay under ``PUSHED_OVER_LIMIT`` (0.02) while a relay option keeps every bound, else under
-``PUSHED_OVER_LIMIT_WITHOUT_RELAY`` (1: serving this request is worth more than what it costs
-the others). Counting one request on an idle MD, as before, refused every low-hit prompt once MD's
-own step neared the bound (slack near 0: the simulator's demo-overload at half the engine's speed
-refused 199 of 200 while recompute without the bound served 38 within the SLO). A mean output
-length instead undercounts the short requests a stall breaks, and a low quantile of outputs (8
-tokens in the demo) refused every low-hit prompt, which RelayDecode then decoded.
+recomputes, stay within it (``pddlink.routing.decode_bound``: what a recompute's stall costs them,
+and how many it may push over, ``PUSHED_OVER_LIMIT`` while a relay option keeps every bound, else
+``PUSHED_OVER_LIMIT_WITHOUT_RELAY``).
 Under a TTFT bound (``ttft_deadline_s``), an option that ships KV meets it only if that KV holds
 the line no longer than the bound (``OptionEstimate.line_s``: its bytes over the line's rate): a
 relay's first token comes from RLD at once, but on a line too thin for its suffix its shipment
@@ -71,15 +53,20 @@ is what it was before the bound existed. Pure: the router and the simulator call
 
 from __future__ import annotations
 
-import bisect
-import itertools
 import math
-from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from enum import IntEnum, StrEnum
 
-from pddlink.errors import ConfigError
+from pddlink.errors import require
+from pddlink.routing.decode_bound import (
+    PUSHED_OVER_LIMIT,
+    PUSHED_OVER_LIMIT_WITHOUT_RELAY,
+    MdPrefill,
+    expected_pushed_over,
+    tpot_headroom_s,
+)
+from pddlink.routing.outputs import OutputLengths
 from pddlink.routing.policy import (
     DecisionReason,
     Pipeline,
@@ -87,52 +74,6 @@ from pddlink.routing.policy import (
     RoutingPolicy,
     rld_finishes_first,
 )
-
-# The share of the bound a running request keeps, in the simulator's measure, for what a single
-# stall's judgement cannot see: the other stalls of its life and the spread of the TPOT around the
-# mean it is judged by (see ``tpot_headroom_s``).
-RESERVED_SHARE_OF_BOUND = 0.1
-# Near the bound: the share of what is left that one stall may take.
-STALL_SHARE_OF_HEADROOM = 0.5
-
-
-def tpot_headroom_s(tpot_bound_s: float, tpot_s: float) -> float:
-    """How much one stall may add to the TPOT of a request MD decodes at ``tpot_s`` per token
-    before it breaks ``tpot_bound_s``.
-
-    A request's TPOT is its decode time over its ``n`` output tokens. With ``r`` left, having
-    decoded at ``tpot_s`` so far and going on so, a stall of ``S`` ends it at ``(n * tpot_s + S) /
-    n``: within the bound while ``S / r <= (n / r) * (bound - tpot_s)`` (the stall spread over the
-    tokens left against the bound's headroom for them, which includes what the tokens already out
-    saved), that is while ``S <= n * (bound - tpot_s)``: a stall pushes over exactly the requests
-    shorter than ``S / headroom`` (``MdPrefill.pushed_over_below``), whatever their progress, with
-    ``headroom = bound - tpot_s`` for a request that sees this stall alone.
-
-    A running request sees more than one: each recompute is judged alone, and a ``tpot_s`` that
-    is a mean leaves a tail above it. Judged against the whole ``bound - tpot_s``, the simulator's
-    wan-load sweep (bound 30 ms) recomputed until MD's TPOT P90 reached the bound (29.7-30.3 ms)
-    and its goodput fell below shipping's (7.17 against 7.68 req/s at 0.5x the line, 5.40 against
-    6.24 with the reserve at 2x). So the rule keeps a reserve: ``RESERVED_SHARE_OF_BOUND`` of the
-    bound while MD is well below it (``0.9 * bound - tpot_s``, the rule before), and at least
-    ``1 - STALL_SHARE_OF_HEADROOM`` of the whole headroom whatever ``tpot_s`` (the rule before
-    gave none from ``tpot_s = 0.9 * bound`` on and counted every running request as pushed over:
-    wan-overload 2026-12-04, MD near 9 ms against a 10 ms bound). Negative (none at all) only
-    once ``tpot_s`` is past the bound."""
-    whole = tpot_bound_s - tpot_s
-    if whole <= 0:
-        return whole
-    return max((1 - RESERVED_SHARE_OF_BOUND) * tpot_bound_s - tpot_s, STALL_SHARE_OF_HEADROOM * whole)
-
-
-# How many of MD's running requests (expected) a recompute may push over the bound: while a relay
-# option keeps every bound, hardly any (RLD serves the request without harming anyone); without
-# one, fewer than the one request it serves (the alternative is refusing it). At 0.1 the
-# simulator's wan-load sweep (SLO TPOT 30 ms) recomputed 458 requests at 1x the line where shipping
-# and relaying served them, and its goodput fell 1.03% under PDD's without recompute (7.83 against
-# 7.91 req/s); at 0.02 it recomputes where the line cannot carry the suffix: 7.92 at 1x, within
-# 0.7% of the best at 0.5x, and 1.1-2.2 req/s above the best other policy from 1.5x to 3x.
-PUSHED_OVER_LIMIT = 0.02
-PUSHED_OVER_LIMIT_WITHOUT_RELAY = 1.0
 
 
 class Option(StrEnum):
@@ -201,69 +142,6 @@ class RejectReason(StrEnum):
     TPOT_UNREACHABLE = "tpot_unreachable"  # options meet the deadlines only by breaking the TPOT bound
 
 
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
-
-
-@dataclass(frozen=True, slots=True)
-class MdPrefill:
-    """MD's ability to recompute: its prefill speed, the prefill work already queued there,
-    ``chunk_tokens``: the per-step prompt-token budget of an engine with chunked prefill (None:
-    the engine prefills a prompt in one step, stalling every sequence it decodes meanwhile), and
-    ``fixed_s``: what a prefill costs whatever its length (``PrefillBook``'s fit): a prefill of
-    ``tokens`` takes ``fixed_s + tokens / tokens_per_s``."""
-
-    tokens_per_s: float
-    queue_s: float = 0.0
-    chunk_tokens: int | None = None
-    fixed_s: float = 0.0
-
-    def __post_init__(self) -> None:
-        _require(self.tokens_per_s > 0, f"tokens_per_s must be > 0, got {self.tokens_per_s}")
-        _require(self.queue_s >= 0, f"queue_s must be >= 0, got {self.queue_s}")
-        _require(self.chunk_tokens is None or self.chunk_tokens >= 1, "chunk_tokens must be >= 1 or None")
-        _require(self.fixed_s >= 0, f"fixed_s must be >= 0, got {self.fixed_s}")
-
-    def work_s(self, tokens: int) -> float:
-        """MD's prefill time for ``tokens`` after its queue (0 tokens: the queue alone)."""
-        own = self.fixed_s + tokens / self.tokens_per_s if tokens > 0 else 0.0
-        return self.queue_s + own
-
-    def ready_s(self, tokens: int, step_s: float = 0.0) -> float:
-        """When MD holds ``tokens`` prefilled: after its queue; chunked, each of the prefill's steps
-        also runs one decode iteration of ``step_s`` (0 when MD decodes nothing)."""
-        ready = self.work_s(tokens)
-        if self.chunk_tokens is not None and tokens > 0:
-            ready += math.ceil(tokens / self.chunk_tokens) * step_s
-        return ready
-
-    def pushed_over_below(self, tokens: int, headroom_s: float, step_s: float = 0.0) -> float:
-        """The output length under which a request MD decodes meanwhile is pushed over the TPOT
-        bound by prefilling ``tokens`` (after MD's queue), given ``headroom_s`` (``tpot_headroom_s``:
-        the bound less its TPOT): ``stall / headroom``, or 0 when chunks are short enough to fit
-        in the headroom at every step, or when the work is no longer than one decode step
-        ``step_s`` (it costs a running request what one more token in the batch does, within the
-        step time's own spread); inf: no headroom at all."""
-        work = self.work_s(tokens)
-        if work <= step_s:
-            return 0.0
-        if headroom_s <= 0:
-            return math.inf
-        if self.chunk_tokens is not None and self.chunk_tokens / self.tokens_per_s <= headroom_s:
-            return 0.0
-        return work / headroom_s
-
-    def tpot_cost_s(self, tokens: int, over_tokens: float) -> float:
-        """What prefilling ``tokens`` adds to the time per output token of a request of
-        ``over_tokens`` output tokens MD decodes meanwhile: the prefill and what is queued before it
-        stall it (blocking: all of it; chunked: one chunk per step while it lasts, so at most one
-        chunk's time per token), spread over its tokens."""
-        work = self.work_s(tokens)
-        spread = work / max(1.0, over_tokens)
-        return spread if self.chunk_tokens is None else min(self.chunk_tokens / self.tokens_per_s, spread)
-
-
 @dataclass(frozen=True, slots=True)
 class OptionInputs:
     """``RoutingInputs`` plus what the option choice needs. Times are seconds from now.
@@ -298,15 +176,15 @@ class OptionInputs:
     rld_token_share: float = 0.0
 
     def __post_init__(self) -> None:
-        _require(self.deadline_s is None or self.deadline_s > 0, "deadline_s must be > 0 or None")
-        _require(self.tpot_bound_s is None or self.tpot_bound_s > 0, "tpot_bound_s must be > 0 or None")
-        _require(self.md_running >= 0, "md_running must be >= 0")
-        _require(all(b >= 1 for b in self.md_running_bounds), "md_running_bounds must be >= 1 each")
-        _require(0 <= self.rld_token_share <= 1, "rld_token_share must be in [0, 1]")
-        _require(self.ttft_deadline_s is None or self.ttft_deadline_s > 0, "ttft_deadline_s must be > 0")
+        require(self.deadline_s is None or self.deadline_s > 0, "deadline_s must be > 0 or None")
+        require(self.tpot_bound_s is None or self.tpot_bound_s > 0, "tpot_bound_s must be > 0 or None")
+        require(self.md_running >= 0, "md_running must be >= 0")
+        require(all(b >= 1 for b in self.md_running_bounds), "md_running_bounds must be >= 1 each")
+        require(0 <= self.rld_token_share <= 1, "rld_token_share must be in [0, 1]")
+        require(self.ttft_deadline_s is None or self.ttft_deadline_s > 0, "ttft_deadline_s must be > 0")
         for name in ("p_prefill_s", "fast_s", "extend_s"):
-            _require(getattr(self, name) >= 0, f"{name} must be >= 0")
-        _require(self.md_tpot_s > 0, "md_tpot_s must be > 0")
+            require(getattr(self, name) >= 0, f"{name} must be >= 0")
+        require(self.md_tpot_s > 0, "md_tpot_s must be > 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -431,25 +309,6 @@ def estimate_options(inputs: OptionInputs, policy: RoutingPolicy) -> tuple[Optio
     return tuple(estimates)
 
 
-def expected_pushed_over(
-    running: int, bounds: tuple[int, ...], below: float, lengths: OutputLengths
-) -> float:
-    """How many of the ``running`` requests MD decodes a stall is expected to push over the TPOT
-    bound, where it pushes over those shorter than ``below`` tokens: each whose output bound
-    (``bounds``, their ``max_tokens``) is under ``below`` for certain (it ends within its bound),
-    the others by the share of recent output tokens in requests that short (``OutputLengths``).
-    The share alone let a recompute stall a request known to be short: the wan-overload
-    conversation trace (2026-12-06) lost 1-3 requests a run of 8-12 output tokens to one or two
-    recomputes of 70-200 ms started while they decoded (TPOT 13-21 ms against 10), in the
-    bounded run and the unbounded one alike, since 8-token requests hold too few of the tokens
-    for the share to see them."""
-    # Only where a relay option keeps every bound (``choose_option``): without one, refusing this
-    # request to spare one that may be pushed over trades a request for a request, and the same
-    # trace refused 2 a run that unbounded recompute served within the SLO (pushed 1.04 and 1.28)
-    certain = min(running, sum(1 for b in bounds if b < below))
-    return certain + (running - certain) * lengths.token_share_below(below)
-
-
 def choose_option(inputs: OptionInputs, policy: RoutingPolicy) -> OptionDecision:
     """Pick one option for one request, or reject it (see the module docstring). Pure and cheap."""
     r = inputs.routing
@@ -544,70 +403,3 @@ def _direct_or(
         first = min(direct, key=lambda e: (e.ttft_s, e.option is Option.RECOMPUTE))
         return take(first.option, reason)
     return take(Option.SINGULAR, DecisionReason.SHORT_OUTPUT)  # RLD busy for relays, singular fits
-
-
-@dataclass(frozen=True, slots=True)
-class OutputLengths:
-    """Output lengths of requests that finished lately, sorted: which share of their output tokens
-    belongs to requests shorter than ``n`` (the share of MD's running requests that short, since a
-    request runs as long as its output). None known: every share is 1 (a stall counts in full)."""
-
-    sorted_tokens: tuple[int, ...] = ()
-    cumulative: tuple[int, ...] = ()  # cumulative[i]: tokens of the i shortest
-
-    @classmethod
-    def of(cls, tokens: Iterable[int]) -> OutputLengths:
-        ordered = tuple(sorted(max(0, n) for n in tokens))
-        return cls(ordered, tuple(itertools.accumulate(ordered, initial=0)))
-
-    def token_share_below(self, n: float) -> float:
-        if n <= 1:  # no request is shorter than one token
-            return 0.0
-        total = self.cumulative[-1] if self.cumulative else 0
-        if not total:
-            return 1.0
-        return self.cumulative[bisect.bisect_left(self.sorted_tokens, n)] / total
-
-    def token_weighted_mean(self) -> float:
-        """sum n^2 / sum n: the output length of the request an output token belongs to (1: none)."""
-        total = self.cumulative[-1] if self.cumulative else 0
-        return max(1.0, sum(n * n for n in self.sorted_tokens) / total) if total else 1.0
-
-
-class OutputBook:
-    """What the requests that finished lately produced, over the last ``window``: their output
-    lengths (``lengths``, what the TPOT bound judges a recompute's stall by; ``tokens``: their
-    token-weighted mean) and RelayDecode's share of their tokens (``rld_share``), which
-    ``RoutingPolicy.rld_token_budget`` caps. Output bounds say little (most are the API's
-    default), so this is what requests produced. The router and the simulator keep one each;
-    sans-I/O."""
-
-    def __init__(self, window: int = 256) -> None:
-        if window < 1:
-            raise ConfigError(f"window must be >= 1, got {window}")
-        self.window = window
-        self._order: deque[tuple[int, int]] = deque()  # (output tokens, of them produced on RLD)
-        self._sum = self._squares = self._rld = 0
-        self._lengths: OutputLengths | None = None  # built on demand, until the next add
-
-    def add(self, output_tokens: int, rld_tokens: int = 0) -> None:
-        n, rld = max(0, output_tokens), min(max(0, rld_tokens), max(0, output_tokens))
-        self._lengths = None
-        self._order.append((n, rld))
-        self._sum, self._squares, self._rld = self._sum + n, self._squares + n * n, self._rld + rld
-        if len(self._order) > self.window:
-            old, old_rld = self._order.popleft()
-            self._sum, self._squares = self._sum - old, self._squares - old * old
-            self._rld -= old_rld
-
-    def tokens(self) -> float:
-        """The token-weighted output length (1 while nothing finished: a stall then counts in full)."""
-        return max(1.0, self._squares / self._sum) if self._sum else 1.0
-
-    def lengths(self) -> OutputLengths:
-        if self._lengths is None:
-            self._lengths = OutputLengths.of(n for n, _ in self._order)
-        return self._lengths
-
-    def rld_share(self) -> float:
-        return self._rld / self._sum if self._sum else 0.0

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from pddlink.errors import ConfigError
+from pddlink.errors import ConfigError, require
 from pddlink.handoff import HandoffMode
 from pddlink.routing.link import LinkEstimate
 
@@ -46,11 +46,6 @@ class DecisionReason(StrEnum):
     FORCED = "forced"  # the client named the pipeline
     RECOMPUTE = "recompute_sooner"  # MD prefills the suffix itself sooner than the WAN ships it
     MD_UNAVAILABLE = "md_unavailable"  # MD stalled or lost recently: RelayDecode runs it alone
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,12 +75,12 @@ class RoutingPolicy:
     rld_token_budget: float = 1.0
 
     def __post_init__(self) -> None:
-        _require(self.relay_min_wan_s >= 0, f"relay_min_wan_s must be >= 0, got {self.relay_min_wan_s}")
-        _require(0 <= self.rld_max_load <= 1, f"rld_max_load must be in [0, 1], got {self.rld_max_load}")
-        _require(self.catch_up_below_load >= 0, "catch_up_below_load must be >= 0")
-        _require(self.catch_up_slice_tokens >= 1, "catch_up_slice_tokens must be >= 1")
-        _require(0 < self.rld_token_budget <= 1, "rld_token_budget must be in (0, 1]")
-        _require(
+        require(self.relay_min_wan_s >= 0, f"relay_min_wan_s must be >= 0, got {self.relay_min_wan_s}")
+        require(0 <= self.rld_max_load <= 1, f"rld_max_load must be in [0, 1], got {self.rld_max_load}")
+        require(self.catch_up_below_load >= 0, "catch_up_below_load must be >= 0")
+        require(self.catch_up_slice_tokens >= 1, "catch_up_slice_tokens must be >= 1")
+        require(0 < self.rld_token_budget <= 1, "rld_token_budget must be in (0, 1]")
+        require(
             self.singular_max_output_tokens is None or self.singular_max_output_tokens >= 1,
             f"singular_max_output_tokens must be >= 1 or None, got {self.singular_max_output_tokens}",
         )
@@ -112,17 +107,17 @@ class RoutingInputs:
     ttft_target_s: float | None = None
 
     def __post_init__(self) -> None:
-        _require(self.prompt_tokens >= 1, f"prompt_tokens must be >= 1, got {self.prompt_tokens}")
-        _require(
+        require(self.prompt_tokens >= 1, f"prompt_tokens must be >= 1, got {self.prompt_tokens}")
+        require(
             0 <= self.matched_tokens <= self.prompt_tokens,
             f"matched_tokens must be in [0, prompt_tokens={self.prompt_tokens}], got {self.matched_tokens}",
         )
-        _require(self.kv_bytes_per_token >= 1, "kv_bytes_per_token must be >= 1")
-        _require(self.max_output_tokens >= 1, "max_output_tokens must be >= 1")
-        _require(self.rld_active >= 0, "rld_active must be >= 0")
-        _require(self.rld_capacity >= 1, "rld_capacity must be >= 1")
-        _require(self.rld_tpot_s > 0, "rld_tpot_s must be > 0")
-        _require(self.ttft_target_s is None or self.ttft_target_s > 0, "ttft_target_s must be > 0")
+        require(self.kv_bytes_per_token >= 1, "kv_bytes_per_token must be >= 1")
+        require(self.max_output_tokens >= 1, "max_output_tokens must be >= 1")
+        require(self.rld_active >= 0, "rld_active must be >= 0")
+        require(self.rld_capacity >= 1, "rld_capacity must be >= 1")
+        require(self.rld_tpot_s > 0, "rld_tpot_s must be > 0")
+        require(self.ttft_target_s is None or self.ttft_target_s > 0, "ttft_target_s must be > 0")
 
     @property
     def missing_tokens(self) -> int:

@@ -60,7 +60,7 @@ from pddlink.routing import (
     choose_rld,
     place,
 )
-from pddlink.routing.options import OutputBook
+from pddlink.routing.outputs import OutputBook
 from pddlink.sim.cache import DecodeCache
 from pddlink.sim.deploy import Deployment, Kind, Link
 from pddlink.sim.md_lane import MdPrefillLane

@@ -21,14 +21,14 @@ from pddlink.routing import (
     choose_option,
     estimate_options,
 )
-from pddlink.routing.options import (
+from pddlink.routing.decode_bound import (
     PUSHED_OVER_LIMIT,
     PUSHED_OVER_LIMIT_WITHOUT_RELAY,
     RESERVED_SHARE_OF_BOUND,
-    OutputLengths,
     expected_pushed_over,
     tpot_headroom_s,
 )
+from pddlink.routing.outputs import OutputLengths
 from tests.routing.test_routing_options import LINE, PDD_RECOMPUTE, option_inputs, policies, routing
 
 BUSY = LinkEstimate(LINE, 0.02, flows_in_flight=10, backlog_bytes=40_000_000)

@@ -9,7 +9,7 @@ import pytest
 
 from pddlink.routing import LinkEstimate, MdPrefill, Option, OptionInputs, RejectReason, choose_option
 from pddlink.routing.books import BATCH_MIN_SAMPLES, StallLedger, TpotBook
-from pddlink.routing.options import OutputLengths
+from pddlink.routing.outputs import OutputLengths
 from tests.routing.test_routing_options import LINE, PDD_RECOMPUTE, routing
 
 BOUND = 0.010

@@ -10,7 +10,7 @@ import pytest
 
 from pddlink.errors import ConfigError
 from pddlink.routing import Pipeline
-from pddlink.routing.options import OutputBook
+from pddlink.routing.outputs import OutputBook
 from pddlink.sim.bathtub import hit_band, valley
 from pddlink.sim.goodput import bounded_lead
 from pddlink.sim.hardware import CHIP_E, AFigures, InstanceModel
