@@ -94,10 +94,7 @@ class Inbox(asyncio.BufferedProtocol):
             self._wake()
             return
         self.pending += self._scratch[:nbytes]
-        if self._heading:
-            full = len(self.pending) >= HEAD_LOOKAHEAD
-        else:
-            full = len(self.pending) > HIGH_WATER
+        full = (len(self.pending) >= HEAD_LOOKAHEAD) if self._heading else (len(self.pending) > HIGH_WATER)
         if full:
             self._pause_reading()
         self._wake()
