@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engines_adapter.base import SamplingParams
-from engines_adapter.torch_ref.sampling import sample_tokens, uniform_draw
+from engines_adapter.torch_ref.sampling import draw_token, draw_tokens, sample_tokens, uniform_draw
 
 
 @given(st.integers(0, 2**63 - 1), st.integers(0, 2**31))
@@ -91,6 +91,46 @@ def test_rounding_between_near_tied_tokens_does_not_move_the_draws() -> None:
     b = sample_tokens(swapped.expand(400, 64), [sp] * 400, list(range(400)))
     assert {7, 40} <= set(a)  # the tied tokens are drawn often: the case is exercised
     assert a == b
+
+
+def _one_row_at_a_time(row: torch.Tensor, temp: float, top_k: int, top_p: float, u: float) -> int:
+    """The rule spelt out for one row: rank stably, cut, softmax, back to vocabulary order, invert."""
+    values, index = torch.sort(row.double() / temp, descending=True, stable=True)
+    if 0 < top_k < values.numel():
+        values, index = values[:top_k], index[:top_k]
+    probs = torch.softmax(values, dim=0)
+    if top_p < 1.0:
+        keep = int(((torch.cumsum(probs, dim=0) - probs) < top_p).sum())
+        probs, index = probs[:keep], index[:keep]
+    back = torch.argsort(index)
+    cdf = torch.cumsum(probs[back], dim=0)
+    pick = int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=torch.float64), right=True))
+    return int(index[back][min(pick, len(cdf) - 1)])
+
+
+def test_a_batch_draws_what_each_row_draws_alone_whatever_its_neighbours() -> None:
+    """The batched rule is the one-row rule: the same token for every row, with the filters mixed
+    across the batch, ties at the k-th value and cut (-inf) logits among the rows."""
+    gen = torch.Generator().manual_seed(7)
+    n, vocab = 300, 512
+    logits = torch.randn(n, vocab, generator=gen, dtype=torch.float64) * 3
+    logits[::5, 40:60] = logits[::5, 40:41]  # twenty equal logits, some of them at the k-th place
+    logits[1::7, 100:400] = float("-inf")  # a processor's cut before the draw (vLLM's min_p, bad words)
+    filters = [(0.8, 64, 1.0), (1.0, 0, 0.9), (0.5, 8, 0.7), (1.3, 0, 1.0), (0.8, 1, 1.0), (2.0, 600, 0.95)]
+    temp, top_k, top_p = zip(*(filters[i % len(filters)] for i in range(n)), strict=True)
+    u = [uniform_draw(99, i) for i in range(n)]
+    batched = draw_tokens(logits, temp, top_k, top_p, u)
+    alone = [draw_tokens(logits[i : i + 1], [temp[i]], [top_k[i]], [top_p[i]], [u[i]])[0] for i in range(n)]
+    assert batched == alone
+    assert batched == [_one_row_at_a_time(logits[i], temp[i], top_k[i], top_p[i], u[i]) for i in range(n)]
+    assert len(set(batched)) > 100  # the rows drew from their distributions, not one token
+
+
+def test_ties_at_the_top_k_boundary_keep_the_first_in_vocabulary_order() -> None:
+    row = torch.full((64,), -5.0, dtype=torch.float64)
+    row[[3, 9, 12, 20]] = 2.0  # four equal best tokens, two kept
+    drawn = {draw_token(row, 1.0, 2, 1.0, 5, pos) for pos in range(400)}
+    assert drawn == {3, 9}
 
 
 def test_seeded_generation_is_reproducible_and_seed_dependent() -> None:
