@@ -24,6 +24,7 @@ requests RLD is streaming.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import logging
@@ -270,6 +271,7 @@ class Router:
     ) -> AsyncGenerator[StreamedToken, None]:
         """The request's runs, their tokens as they come: the first on its route; one that lost its
         P or MD before any token reached the client again on another route (``replacement``)."""
+        await self._hold(r, len(prompt))
         while True:
             run = self._start(r.sid, prompt, sampling, deadline_s, r.decision, r.matched, r.route, arrived)
             r.run = run
@@ -366,6 +368,21 @@ class Router:
             prompt_usage=run.calls.run.prompt_usage,  # P's prefix hit, as vLLM reports it
             prompt_logprobs=run.calls.run.prompt_logprobs,  # and P's prompt logprobs
         )
+
+    async def _hold(self, r: RequestRuns, prompt_tokens: int) -> None:
+        """A recompute the policy holds (``OptionDecision.hold_s``: MD's short runs end first) waits
+        here, counted in MD's prefill queue meanwhile so that the choices made during the hold see
+        it; a request that goes away while held leaves nothing behind."""
+        hold = r.decision.hold_s
+        if hold <= 0:
+            return
+        self.md_book.start(r.sid, prompt_tokens - r.matched)
+        try:
+            await asyncio.sleep(hold)
+        except BaseException:
+            self.md_book.finish(r.sid)
+            raise
+        r.stamps["held"] = time.monotonic()
 
     def _start(
         self,

@@ -80,6 +80,12 @@ def tpot_headroom_s(tpot_bound_s: float, tpot_s: float) -> float:
 PUSHED_OVER_LIMIT = 0.02
 PUSHED_OVER_LIMIT_WITHOUT_RELAY = 1.0
 
+# The longest a recompute waits before MD starts it, so that the short requests its stall would push
+# over end first (``hold_for_short_runs``). A hold moves no work off MD (it decodes meanwhile) and
+# costs this request's first token as much; 0.1 s is a twentieth of the demo's 2 s TTFT SLO and
+# covers a run of up to 25 tokens at 4 ms a token.
+MAX_HOLD_S = 0.1
+
 
 @dataclass(frozen=True, slots=True)
 class MdPrefill:
@@ -156,3 +162,22 @@ def expected_pushed_over(
     # trace refused 2 a run that unbounded recompute served within the SLO (pushed 1.04 and 1.28)
     certain = min(running, sum(1 for b in bounds if b < below))
     return certain + (running - certain) * lengths.token_share_below(below)
+
+
+def hold_for_short_runs(
+    bounds: tuple[int, ...], below: float, tpot_s: float, max_hold_s: float = MAX_HOLD_S
+) -> tuple[float, tuple[int, ...]]:
+    """How long MD should hold a recompute (``Option.RECOMPUTE``) so that the requests it decodes
+    which the stall would push over for certain (output bound under ``below`` tokens) and which end
+    within ``max_hold_s`` at ``tpot_s`` a token end before it starts: the hold (0: none to spare),
+    and the bounds of the runs still decoding when it starts (those ending within the hold gone).
+
+    A run's bound (``max_tokens``) is the most it has left, so the hold is an upper estimate of
+    when the spared ones end. Without it, the wan-overload conversation trace (2026-12-06) lost 3
+    requests a run of 8-9 output tokens (TPOT 11-16 ms against 10) to recomputes of 40-180 ms
+    started while they decoded, where no relay option was open to spare them otherwise."""
+    spared = [b for b in bounds if b < below and b * tpot_s <= max_hold_s]
+    if not spared:
+        return 0.0, bounds
+    hold = max(spared) * tpot_s
+    return hold, tuple(b for b in bounds if b * tpot_s > hold)

@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from enum import IntEnum, StrEnum
 
 from pddlink.errors import require
@@ -64,6 +64,7 @@ from pddlink.routing.decode_bound import (
     PUSHED_OVER_LIMIT_WITHOUT_RELAY,
     MdPrefill,
     expected_pushed_over,
+    hold_for_short_runs,
     tpot_headroom_s,
 )
 from pddlink.routing.outputs import OutputLengths
@@ -200,6 +201,7 @@ class OptionEstimate:
     md_batch_tpot_s: float = 0.0  # what MD's running requests get while it recomputes, on average
     md_pushed_over: float = 0.0  # of them, how many it is expected to push over the TPOT bound
     line_s: float = 0.0  # how long the KV it ships holds the whole line (0: it ships nothing)
+    hold_s: float = 0.0  # recompute: how long MD waits before prefilling (``hold_for_short_runs``)
 
     def meets(
         self,
@@ -238,6 +240,12 @@ class OptionDecision:
     def admitted(self) -> bool:
         return self.option is not None
 
+    @property
+    def hold_s(self) -> float:
+        """How long the router holds the chosen option's start (a recompute's, for MD's short runs)."""
+        chosen = next((e for e in self.estimates if e.option is self.option), None)
+        return chosen.hold_s if chosen is not None else 0.0
+
     def estimate(self, option: Option) -> OptionEstimate | None:
         return next((e for e in self.estimates if e.option is option), None)
 
@@ -260,13 +268,20 @@ def allowed_options(inputs: OptionInputs, policy: RoutingPolicy) -> tuple[Option
     return tuple(out)
 
 
-def estimate_options(inputs: OptionInputs, policy: RoutingPolicy) -> tuple[OptionEstimate, ...]:
+def estimate_options(
+    inputs: OptionInputs, policy: RoutingPolicy, *, certain: bool = True
+) -> tuple[OptionEstimate, ...]:
+    """Every allowed option's estimate. ``certain``: a run on MD bounded shorter than what a
+    recompute's stall pushes over counts as pushed over for certain (``expected_pushed_over``);
+    else the share of recent output decides for every run. Either way ``Option.RECOMPUTE`` holds
+    its start until the short runs it would push over have ended, where that is soon
+    (``hold_for_short_runs``)."""
     r = inputs.routing
     out_tokens = r.max_output_tokens
     wan_s = r.link.transfer_s(r.wan_bytes)
     ship_ready = inputs.p_prefill_s + wan_s
     # token ids cross in half a round trip; MD prefills what its own cache lacks
-    recompute_ready, batch_tpot, pushed = math.inf, 0.0, 0.0
+    recompute_ready, batch_tpot, pushed, hold, held_pushed = math.inf, 0.0, 0.0, 0.0, 0.0
     md = inputs.md_prefill
     if md is not None:
         step = inputs.md_tpot_s if inputs.md_running else 0.0
@@ -277,13 +292,19 @@ def estimate_options(inputs: OptionInputs, policy: RoutingPolicy) -> tuple[Optio
         if inputs.tpot_bound_s is not None:
             headroom = tpot_headroom_s(inputs.tpot_bound_s, inputs.md_tpot_s)
             below = md.pushed_over_below(r.missing_tokens, headroom, inputs.md_tpot_s)
-            pushed = expected_pushed_over(inputs.md_running, inputs.md_running_bounds, below, lengths)
+            bounds = inputs.md_running_bounds
+            pushed = expected_pushed_over(inputs.md_running, bounds if certain else (), below, lengths)
+            hold, left = hold_for_short_runs(bounds, below, inputs.md_tpot_s)
+            running = max(0, inputs.md_running - (len(bounds) - len(left)))
+            held_pushed = expected_pushed_over(running, left if certain else (), below, lengths)
     rld_first = inputs.p_prefill_s + inputs.fast_s + r.rld_tpot_s
     rld_alone = rld_first + (out_tokens - 1) * r.rld_tpot_s
     md_decode = (out_tokens - 1) * inputs.md_tpot_s
     estimates = []
     for option in allowed_options(inputs, policy):
         ready = recompute_ready if option.recomputes else ship_ready
+        held = hold if option is Option.RECOMPUTE else 0.0
+        ready += held
         if option is Option.SINGULAR:
             first, ready, finish, on_rld = rld_first, math.inf, rld_alone, float(out_tokens)
         elif option.relays:
@@ -301,11 +322,11 @@ def estimate_options(inputs: OptionInputs, policy: RoutingPolicy) -> tuple[Optio
         own = (finish - first) / (out_tokens - 1) if out_tokens > 1 else 0.0
         if md is not None and inputs.tpot_bound_s is not None and option is not Option.SINGULAR:
             # MD's prefill work still queued when this request starts decoding there stalls it too
-            left = MdPrefill(md.tokens_per_s, max(0.0, md.queue_s - ready), md.chunk_tokens)
-            own += left.tpot_cost_s(0, out_tokens) if left.queue_s > 0 else 0.0
-        charged, over = (batch_tpot, pushed) if option.recomputes else (0.0, 0.0)
+            left_s = MdPrefill(md.tokens_per_s, max(0.0, md.queue_s - ready), md.chunk_tokens)
+            own += left_s.tpot_cost_s(0, out_tokens) if left_s.queue_s > 0 else 0.0
+        charged, over = (batch_tpot, held_pushed if held else pushed) if option.recomputes else (0.0, 0.0)
         line = r.wan_bytes / r.link.line_bytes_per_s if option.ships_kv else 0.0
-        estimates.append(OptionEstimate(option, first, ready, finish, on_rld, own, charged, over, line))
+        estimates.append(OptionEstimate(option, first, ready, finish, on_rld, own, charged, over, line, held))
     return tuple(estimates)
 
 
@@ -318,8 +339,8 @@ def choose_option(inputs: OptionInputs, policy: RoutingPolicy) -> OptionDecision
     fits = {e.option: e for e in every if e.meets(inputs.deadline_s, inputs.ttft_deadline_s, bound)}
     if not any(o.relays for o in fits):  # no relay keeps the bounds: recompute may cost a little more
         loose = PUSHED_OVER_LIMIT_WITHOUT_RELAY
-        if inputs.md_running_bounds:  # a request known short is spared only where RLD can serve this one
-            every = estimate_options(replace(inputs, md_running_bounds=()), policy)
+        if inputs.md_running_bounds:  # a run known short counts for certain only where RLD can serve this one
+            every = estimate_options(inputs, policy, certain=False)
         fits = {
             e.option: e for e in every if e.meets(inputs.deadline_s, inputs.ttft_deadline_s, bound, loose)
         }

@@ -313,7 +313,7 @@ class Simulation:
         cache = self.caches[i]
         matched = placed.matched_tokens
         p = self._p_by_name[placed.p]
-        option = forced or self._choose(r, matched, now, i, p.backlog_s(now))
+        option, hold_s = (forced, 0.0) if forced else self._choose(r, matched, now, i, p.backlog_s(now))
         rec = Record(r.arrival_s, r.output_tokens, Pipeline.P_MD, measured=r.arrival_s >= warmup_s)
         if self.d.tpot_bound_s is not None:  # the router learns the same from finished requests
             self.outputs.add(r.output_tokens)
@@ -339,8 +339,9 @@ class Simulation:
             req.rid = f"r{self._flows}"
             model.start_flow(req.rid, rec.missing_tokens * self.d.kv_bytes_per_token, now)
             self._pending[k].add(req.rid)
-        if option.recomputes:  # the token ids cross the WAN; MD prefills what its cache lacks
-            self.clock.at(now + req.back_s, self._md_recompute, req)
+        if option.recomputes:  # the token ids cross the WAN; MD prefills what its cache lacks (held
+            # while MD's short runs that its stall would push over end: ``hold_for_short_runs``)
+            self.clock.at(now + hold_s + req.back_s, self._md_recompute, req)
         if option is not Option.RECOMPUTE:
             p_matched = matched
             if self.p_caches:  # P prefills what its own cache lacks; it holds the prompt afterwards
@@ -348,12 +349,15 @@ class Simulation:
                 p_matched = min(r.prompt_tokens - 1, req.p_cache.matched_blocks(hashes) * b)
             p.submit(r.prompt_tokens - p_matched, p_matched, now, self._prefilled, req)
 
-    def _choose(self, r: TraceRequest, matched: int, now: float, i: int, p_backlog_s: float) -> Option | None:
+    def _choose(
+        self, r: TraceRequest, matched: int, now: float, i: int, p_backlog_s: float
+    ) -> tuple[Option | None, float]:
         """The real ``choose_option`` on this instant's state: the line with its backlog, P's queue,
-        MD's prefill lane, RLD's load. Deployments without RLD nor a deadline always ship."""
+        MD's prefill lane, RLD's load; the option and how long its start is held
+        (``OptionDecision.hold_s``). Deployments without RLD nor a deadline always ship."""
         d = self.d
         if not d.crosses_wan or (d.kind is not Kind.PDD and d.deadline_s is None):
-            return Option.SHIP
+            return Option.SHIP, 0.0
         policy = d.policy if d.kind is Kind.PDD else replace(d.policy, relay_enabled=False)
         active, tpot = 0, math.inf
         for x in self.relay:
@@ -375,7 +379,7 @@ class Simulation:
         if d.deadline_s is None and not self.md_lanes and policy.rld_token_budget >= 1:
             # no deadline, no recompute, no RLD budget: ``choose_option`` is exactly ``choose_pipeline``
             # (a property test says so), which is cheaper: the calibrated scenarios run millions of these
-            return _SHIPPING_OPTION[choose_pipeline(routing, policy).pipeline]
+            return _SHIPPING_OPTION[choose_pipeline(routing, policy).pipeline], 0.0
         missing = r.prompt_tokens - matched
         p_model, md = self.prefill[0].model, self.decode[i]
         md_prefill = None
@@ -397,7 +401,8 @@ class Simulation:
             md_running_bounds=self._bounds(md) if d.tpot_bound_s is not None else (),
             rld_token_share=self.finished.rld_share(),
         )
-        return choose_option(inputs, policy).option
+        decision = choose_option(inputs, policy)
+        return decision.option, decision.hold_s
 
     @staticmethod
     def _bounds(md: DecodeInstance) -> tuple[int, ...]:

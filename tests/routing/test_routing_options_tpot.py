@@ -24,8 +24,10 @@ from pddlink.routing import (
 from pddlink.routing.decode_bound import (
     PUSHED_OVER_LIMIT,
     PUSHED_OVER_LIMIT_WITHOUT_RELAY,
+    MAX_HOLD_S,
     RESERVED_SHARE_OF_BOUND,
     expected_pushed_over,
+    hold_for_short_runs,
     tpot_headroom_s,
 )
 from pddlink.routing.outputs import OutputLengths
@@ -136,6 +138,44 @@ def test_a_running_request_bounded_shorter_than_a_stall_breaks_is_pushed_over_fo
     assert expected_pushed_over(0, (8,), 13.7, rare) == 0.0
     with pytest.raises(ConfigError):
         overloaded(md_running_bounds=(0,))
+
+
+def test_a_recompute_holds_until_the_short_runs_it_would_push_over_end() -> None:
+    """MD decodes at 4 ms against a 10 ms bound (5 ms of headroom): 96 ms of prefill breaks requests
+    under 19.2 tokens. A run bounded at 8 tokens ends within 32 ms: the recompute waits that long
+    and pushes nobody over for certain; one bounded at 30 is not pushed over; one at 18 (72 ms)
+    still could be held, one at 19 with a 4 ms step beyond the 0.1 s limit could not."""
+    assert hold_for_short_runs((8, 500), 19.2, 0.004) == (pytest.approx(0.032), (500,))
+    assert hold_for_short_runs((8, 18, 30), 19.2, 0.004) == (pytest.approx(0.072), (30,))
+    assert hold_for_short_runs((30, 500), 19.2, 0.004) == (0.0, (30, 500))  # nobody pushed over
+    assert hold_for_short_runs((19,), 19.2, 0.006) == (0.0, (19,))  # 114 ms: past MAX_HOLD_S
+    assert 19 * 0.006 > MAX_HOLD_S >= 18 * 0.004
+    rare = OutputLengths.of([10] * 9 + [5910])  # 1.5% of recent tokens in requests under 19.2
+    short = replace(
+        overloaded(
+            md_outputs=rare, md_running=2, md_running_bounds=(8, 500), md_tpot_s=0.004, tpot_bound_s=0.01
+        ),
+        routing=routing(link=BUSY, rld_tpot_s=0.005),  # RLD keeps the bound: runs known short count
+    )
+    d = choose_option(short, PDD_RECOMPUTE)
+    rec = d.estimate(Option.RECOMPUTE)
+    assert rec is not None and rec.hold_s == pytest.approx(0.032)
+    assert rec.md_pushed_over == pytest.approx(0.015)  # the run of 500 by the share; the 8 ended
+    assert rec.md_ready_s == pytest.approx(0.01 + 768 / 8000 + 0.032)
+    assert d.option is Option.RECOMPUTE and d.hold_s == pytest.approx(0.032)
+    relay_recompute = d.estimate(Option.RELAY_RECOMPUTE)  # RLD streams at once: nothing is held
+    assert relay_recompute is not None and relay_recompute.hold_s == 0.0
+    assert relay_recompute.md_pushed_over == pytest.approx(1.015)
+    too_long = replace(short, md_running_bounds=(19, 500), md_tpot_s=0.006)  # 114 ms to wait
+    d = choose_option(too_long, PDD_RECOMPUTE)
+    rec = d.estimate(Option.RECOMPUTE)
+    assert rec is not None and rec.hold_s == 0.0 and rec.md_pushed_over >= 1.0
+    assert d.option is not Option.RECOMPUTE and d.hold_s == 0.0
+    no_relay = replace(PDD_RECOMPUTE, relay_enabled=False)  # the loose pass holds too
+    d = choose_option(short, no_relay)
+    assert d.option is Option.RECOMPUTE and d.hold_s == pytest.approx(0.032)
+    unbounded = choose_option(replace(short, tpot_bound_s=None), PDD_RECOMPUTE)
+    assert unbounded.hold_s == 0.0  # no bound, no stall to spare anyone
 
 
 def test_an_idle_md_pushes_nobody_over_and_rides_no_decode_steps() -> None:

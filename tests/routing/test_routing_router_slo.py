@@ -148,6 +148,38 @@ def test_a_run_on_md_bounded_short_counts_as_pushed_over_by_a_recompute() -> Non
     in_router(config(slo_tpot_ms=20.0, relay_enabled=True), body)  # it counts where RLD could serve
 
 
+@pytest.mark.timeout(30)
+def test_a_held_recompute_waits_counted_in_mds_queue_and_leaves_nothing_when_cancelled() -> None:
+    """MD decodes at 4 ms a token against a 10 ms bound: the 0.77 s recompute breaks runs under 153
+    tokens, and the one on MD asked for 8, which ends within 32 ms: the router holds the recompute
+    that long, with its prefill in MD's queue meanwhile, and sends nothing before the hold ends."""
+
+    async def body(router: Router) -> None:
+        for _ in range(10):
+            router.outputs.add(5000)
+        route = router.fleet.place(tuple(PROMPT), time.monotonic())
+        router.fleet.begin(route, relayed=False)
+        router.routes["short"], router.bounds["short"] = route, 8
+        decision, _ = router.decide(tuple(PROMPT), 64, "", 30.0)
+        assert decision.option is Option.RECOMPUTE and decision.hold_s == pytest.approx(0.032)
+        # cancelled while held: MD's queue no longer counts it
+        gen = router.generate(PROMPT, SamplingParams(max_tokens=64), deadline_s=30.0)
+        held = asyncio.ensure_future(anext(gen))
+        await asyncio.sleep(0.01)
+        assert router.md_book.queued_tokens == len(PROMPT) and not router.in_flight
+        held.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await held
+        await gen.aclose()
+        assert router.md_book.queued_tokens == 0
+        # run to its end (the sidecars lead nowhere): sent only after the hold
+        events = [e async for e in router.generate(PROMPT, SamplingParams(max_tokens=64), deadline_s=2.0)]
+        stamps = events[-1].trace["stamps_s"]  # type: ignore[union-attr]
+        assert stamps["held"] - stamps["placed"] >= 0.032 and stamps["sent"] >= stamps["held"]
+
+    in_router(config(slo_tpot_ms=10.0, md_tpot_s=0.004), body)
+
+
 def test_negative_slo_is_refused() -> None:
     from pddlink.errors import InvalidInput
 
