@@ -41,6 +41,7 @@ from pddlink.roles import Role
 from pddlink.routing import (
     DecisionReason,
     LinkModel,
+    MdRun,
     Option,
     OptionDecision,
     Pipeline,
@@ -97,6 +98,7 @@ class Router:
         self.running_at: dict[str, tuple[int, int]] = {}  # label -> in flight on its MD, RLD when admitted
         self.routes: dict[str, Route] = {}  # a run's key -> where it runs (now: moves change it)
         self.bounds: dict[str, int] = {}  # a run's key -> its output bound (max_tokens)
+        self.produced: dict[str, int] = {}  # a run's key -> the tokens it has streamed so far
         self.moves: dict[str, list[dict[str, str]]] = {}  # a run's key -> its moves within a role
         self.caller_check: CallerCheck | None = None  # set by the gRPC server (who calls, with TLS)
 
@@ -176,13 +178,14 @@ class Router:
         if md_out and routing.rld_available and routing.rld_active < self.cfg.rld_capacity:
             return OptionDecision(Option.SINGULAR, DecisionReason.MD_UNAVAILABLE, 0, 0.0, ()), matched, route
         md_running = self.fleet.running[route.md.name]
-        bounds = self.output_bounds(route.md.name) if self.cfg.slo_tpot_ms else ()
-        return decide_option(self, routing, deadline_s, md_running, bounds), matched, route
+        runs = self.md_runs(route.md.name) if self.cfg.slo_tpot_ms else ()
+        return decide_option(self, routing, deadline_s, md_running, runs), matched, route
 
-    def output_bounds(self, md: str) -> tuple[int, ...]:
-        """The output bounds (``max_tokens``) of the runs on ``md`` now."""
+    def md_runs(self, md: str) -> tuple[MdRun, ...]:
+        """The runs on ``md`` now: each one's output bound (``max_tokens``) and tokens so far."""
         on_md = (sid for sid, route in self.routes.items() if route.md.name == md)
-        return tuple(self.bounds[sid] for sid in on_md if sid in self.bounds)
+        known = (sid for sid in on_md if sid in self.bounds)
+        return tuple(MdRun(self.bounds[sid], self.produced.get(sid, 0)) for sid in known)
 
     def rld_tpot_s(self, route: Route) -> float:
         """RLD's time per token for the policy: the configured figure, or under a TPOT SLO what
@@ -286,6 +289,7 @@ class Router:
                         md = self.routes.get(r.sid, r.route).md.name
                         r.stall_mark = (md, self.stalls.total(md))
                     emitted += 1
+                    self.produced[r.sid] = emitted
                     yield streamed(run, tok)
             finally:
                 await tokens.aclose()  # a client that went away: the run ends (cancelled), its legs go
@@ -444,6 +448,7 @@ class Router:
         assert option is not None
         self.routes.pop(sid, None)
         self.bounds.pop(sid, None)
+        self.produced.pop(sid, None)
         self.fleet.end(route, relayed=option.pipeline is not Pipeline.P_MD)
         self.md_book.finish(sid)
         self.p_book.finish(sid)

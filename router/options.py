@@ -9,8 +9,9 @@ request still has time for a fallback.
 
 The SLO (``slo_ttft_ms``, ``slo_tpot_ms``; 0: none) bounds the choice too: the TTFT half as the
 option's first-token deadline, the TPOT half as the decode-speed bound recompute is charged against,
-with the requests MD runs now (``md_running``, and their ``max_tokens``: one bounded shorter than
-what a stall pushes over counts for certain) and the output lengths of those that finished lately
+with the requests MD runs now (``md_running``, their ``max_tokens`` and the tokens each has
+produced: one bounded shorter than what a stall pushes over counts for certain, one that has
+produced that many already not at all) and the output lengths of those that finished lately
 (``OutputBook``), by which a recompute's stall is judged; MD's and RLD's time per
 token are what the requests each finished saw, fitted against how many were in flight there when
 each was admitted and read at the count now (``TpotBook``), and RLD's share of their tokens is
@@ -25,6 +26,7 @@ from typing import Any, Protocol
 
 from pddlink.routing import (
     DecisionReason,
+    MdRun,
     OptionDecision,
     OptionInputs,
     Pipeline,
@@ -57,11 +59,11 @@ def decide_option(
     routing: RoutingInputs,
     deadline_s: float,
     md_running: int = 0,
-    md_bounds: tuple[int, ...] = (),
+    md_runs: tuple[MdRun, ...] = (),
 ) -> OptionDecision:
     """``choose_option`` on what the router knows; ``md_running``: the requests the chosen MD runs,
-    ``md_bounds``: their output bounds (``max_tokens``)."""
-    inputs = option_inputs(router, routing, deadline_s, md_running, md_bounds)
+    ``md_runs``: their output bounds (``max_tokens``) and the tokens each has produced."""
+    inputs = option_inputs(router, routing, deadline_s, md_running, md_runs)
     return choose_option(inputs, router.policy)
 
 
@@ -70,7 +72,7 @@ def option_inputs(
     routing: RoutingInputs,
     deadline_s: float,
     md_running: int = 0,
-    md_bounds: tuple[int, ...] = (),
+    md_runs: tuple[MdRun, ...] = (),
 ) -> OptionInputs:
     cfg = router.cfg
     p = router.p_book
@@ -86,7 +88,7 @@ def option_inputs(
         tpot_bound_s=cfg.slo_tpot_ms / 1e3 if cfg.slo_tpot_ms else None,
         md_running=md_running,
         md_outputs=router.outputs.lengths(),
-        md_running_bounds=md_bounds,
+        md_runs=md_runs,
         rld_token_share=router.outputs.rld_share(),
     )
 

@@ -11,7 +11,7 @@ matters.
 """
 
 from pddlink.handoff import HandoffMode  # the one handoff mode; routing decides which
-from pddlink.routing.decode_bound import MdPrefill
+from pddlink.routing.decode_bound import MdPrefill, MdRun
 from pddlink.routing.link import BacklogReport, LinkEstimate, LinkModel
 from pddlink.routing.options import (
     Option,
@@ -64,6 +64,7 @@ __all__ = [
     "LinkModel",
     "LinkView",
     "MdPrefill",
+    "MdRun",
     "MdSnapshot",
     "Option",
     "OptionDecision",

@@ -145,39 +145,65 @@ class MdPrefill:
         return spread if self.chunk_tokens is None else min(self.chunk_tokens / self.tokens_per_s, spread)
 
 
+@dataclass(frozen=True, slots=True)
+class MdRun:
+    """A request MD decodes now, as the router knows it: its output bound (``max_tokens``) and the
+    tokens it has produced so far. Its output is at least ``produced`` and at most ``bound``
+    tokens, so it has at most ``left`` to go."""
+
+    bound: int
+    produced: int = 0
+
+    def __post_init__(self) -> None:
+        require(self.bound >= 1, f"bound must be >= 1, got {self.bound}")
+        require(self.produced >= 0, f"produced must be >= 0, got {self.produced}")
+
+    @property
+    def left(self) -> int:
+        return max(0, self.bound - self.produced)
+
+
 def expected_pushed_over(
-    running: int, bounds: tuple[int, ...], below: float, lengths: OutputLengths
+    running: int, runs: tuple[MdRun, ...], below: float, lengths: OutputLengths, *, certain: bool = True
 ) -> float:
     """How many of the ``running`` requests MD decodes a stall is expected to push over the TPOT
-    bound, where it pushes over those shorter than ``below`` tokens: each whose output bound
-    (``bounds``, their ``max_tokens``) is under ``below`` for certain (it ends within its bound),
-    the others by the share of recent output tokens in requests that short (``OutputLengths``).
+    bound, where it pushes over those shorter than ``below`` tokens: with ``certain``, each of the
+    ``runs`` bounded under ``below`` for certain (it ends within its bound); the others by the
+    share of recent output tokens in requests that short (``OutputLengths``).
+
     The share alone let a recompute stall a request known to be short: the wan-overload
     conversation trace (2026-12-06) lost 1-3 requests a run of 8-12 output tokens to one or two
     recomputes of 70-200 ms started while they decoded (TPOT 13-21 ms against 10), in the
     bounded run and the unbounded one alike, since 8-token requests hold too few of the tokens
-    for the share to see them."""
-    # Only where a relay option keeps every bound (``choose_option``): without one, refusing this
-    # request to spare one that may be pushed over trades a request for a request, and the same
-    # trace refused 2 a run that unbounded recompute served within the SLO (pushed 1.04 and 1.28)
-    certain = min(running, sum(1 for b in bounds if b < below))
-    return certain + (running - certain) * lengths.token_share_below(below)
+    for the share to see them.
+
+    A run's progress does not lower the count, though one that has produced ``below`` tokens is
+    longer than this stall breaks: each stall is judged alone, and the share is what stands for
+    the others a long request sees over its life. Counting such runs as safe recomputed more and
+    lost goodput in the simulator's wan-load sweep (5.18 against 6.23 req/s at 2x the line)."""
+    # ``certain`` only where a relay option keeps every bound (``choose_option``): without one,
+    # refusing this request to spare one that may be pushed over trades a request for a request,
+    # and the same trace refused 2 a run that unbounded recompute served within the SLO (pushed
+    # 1.04 and 1.28)
+    short = sum(1 for r in runs if r.bound < below) if certain else 0
+    sure = min(running, short)
+    return sure + (running - sure) * lengths.token_share_below(below)
 
 
 def hold_for_short_runs(
-    bounds: tuple[int, ...], below: float, tpot_s: float, max_hold_s: float = MAX_HOLD_S
-) -> tuple[float, tuple[int, ...]]:
+    runs: tuple[MdRun, ...], below: float, tpot_s: float, max_hold_s: float = MAX_HOLD_S
+) -> tuple[float, tuple[MdRun, ...]]:
     """How long MD should hold a recompute (``Option.RECOMPUTE``) so that the requests it decodes
     which the stall would push over for certain (output bound under ``below`` tokens) and which end
     within ``max_hold_s`` at ``tpot_s`` a token end before it starts: the hold (0: none to spare),
-    and the bounds of the runs still decoding when it starts (those ending within the hold gone).
+    and the runs still decoding when it starts (those ending within the hold gone).
 
-    A run's bound (``max_tokens``) is the most it has left, so the hold is an upper estimate of
-    when the spared ones end. Without it, the wan-overload conversation trace (2026-12-06) lost 3
-    requests a run of 8-9 output tokens (TPOT 11-16 ms against 10) to recomputes of 40-180 ms
-    started while they decoded, where no relay option was open to spare them otherwise."""
-    spared = [b for b in bounds if b < below and b * tpot_s <= max_hold_s]
+    A run has at most ``MdRun.left`` tokens to go, so the hold is an upper estimate of when the
+    spared ones end. Without it, the wan-overload conversation trace (2026-12-06) lost 3 requests
+    a run of 8-9 output tokens (TPOT 11-16 ms against 10) to recomputes of 40-180 ms started while
+    they decoded, where no relay option was open to spare them otherwise."""
+    spared = [r.left * tpot_s for r in runs if r.bound < below and r.left * tpot_s <= max_hold_s]
     if not spared:
-        return 0.0, bounds
-    hold = max(spared) * tpot_s
-    return hold, tuple(b for b in bounds if b * tpot_s > hold)
+        return 0.0, runs
+    hold = max(spared)
+    return hold, tuple(r for r in runs if r.left * tpot_s > hold)

@@ -63,6 +63,7 @@ from pddlink.routing.decode_bound import (
     PUSHED_OVER_LIMIT,
     PUSHED_OVER_LIMIT_WITHOUT_RELAY,
     MdPrefill,
+    MdRun,
     expected_pushed_over,
     hold_for_short_runs,
     tpot_headroom_s,
@@ -173,14 +174,13 @@ class OptionInputs:
     tpot_bound_s: float | None = None
     md_running: int = 0
     md_outputs: OutputLengths = field(default_factory=lambda: OutputLengths())
-    md_running_bounds: tuple[int, ...] = ()
+    md_runs: tuple[MdRun, ...] = ()
     rld_token_share: float = 0.0
 
     def __post_init__(self) -> None:
         require(self.deadline_s is None or self.deadline_s > 0, "deadline_s must be > 0 or None")
         require(self.tpot_bound_s is None or self.tpot_bound_s > 0, "tpot_bound_s must be > 0 or None")
         require(self.md_running >= 0, "md_running must be >= 0")
-        require(all(b >= 1 for b in self.md_running_bounds), "md_running_bounds must be >= 1 each")
         require(0 <= self.rld_token_share <= 1, "rld_token_share must be in [0, 1]")
         require(self.ttft_deadline_s is None or self.ttft_deadline_s > 0, "ttft_deadline_s must be > 0")
         for name in ("p_prefill_s", "fast_s", "extend_s"):
@@ -292,11 +292,11 @@ def estimate_options(
         if inputs.tpot_bound_s is not None:
             headroom = tpot_headroom_s(inputs.tpot_bound_s, inputs.md_tpot_s)
             below = md.pushed_over_below(r.missing_tokens, headroom, inputs.md_tpot_s)
-            bounds = inputs.md_running_bounds
-            pushed = expected_pushed_over(inputs.md_running, bounds if certain else (), below, lengths)
-            hold, left = hold_for_short_runs(bounds, below, inputs.md_tpot_s)
-            running = max(0, inputs.md_running - (len(bounds) - len(left)))
-            held_pushed = expected_pushed_over(running, left if certain else (), below, lengths)
+            runs = inputs.md_runs
+            pushed = expected_pushed_over(inputs.md_running, runs, below, lengths, certain=certain)
+            hold, left = hold_for_short_runs(runs, below, inputs.md_tpot_s)
+            running = max(0, inputs.md_running - (len(runs) - len(left)))
+            held_pushed = expected_pushed_over(running, left, below, lengths, certain=certain)
     rld_first = inputs.p_prefill_s + inputs.fast_s + r.rld_tpot_s
     rld_alone = rld_first + (out_tokens - 1) * r.rld_tpot_s
     md_decode = (out_tokens - 1) * inputs.md_tpot_s
@@ -339,7 +339,7 @@ def choose_option(inputs: OptionInputs, policy: RoutingPolicy) -> OptionDecision
     fits = {e.option: e for e in every if e.meets(inputs.deadline_s, inputs.ttft_deadline_s, bound)}
     if not any(o.relays for o in fits):  # no relay keeps the bounds: recompute may cost a little more
         loose = PUSHED_OVER_LIMIT_WITHOUT_RELAY
-        if inputs.md_running_bounds:  # a run known short counts for certain only where RLD can serve this one
+        if inputs.md_runs:  # a run known short counts for certain only where RLD can serve this one
             every = estimate_options(inputs, policy, certain=False)
         fits = {
             e.option: e for e in every if e.meets(inputs.deadline_s, inputs.ttft_deadline_s, bound, loose)

@@ -42,6 +42,7 @@ from pddlink.routing import (
     LinkModel,
     LinkView,
     MdPrefill,
+    MdRun,
     MdSnapshot,
     Option,
     OptionInputs,
@@ -398,16 +399,20 @@ class Simulation:
             tpot_bound_s=d.tpot_bound_s,
             md_running=md.running,
             md_outputs=self.outputs.lengths(),
-            md_running_bounds=self._bounds(md) if d.tpot_bound_s is not None else (),
+            md_runs=self._md_runs(md, now) if d.tpot_bound_s is not None else (),
             rld_token_share=self.finished.rld_share(),
         )
         decision = choose_option(inputs, policy)
         return decision.option, decision.hold_s
 
     @staticmethod
-    def _bounds(md: DecodeInstance) -> tuple[int, ...]:
-        """The output bounds (``max_tokens``) of the requests ``md`` decodes now, as a router knows them."""
-        return tuple(a.trace.max_tokens for a in md.running_args() if isinstance(a, _Req))
+    def _md_runs(md: DecodeInstance, now: float) -> tuple[MdRun, ...]:
+        """The requests ``md`` decodes now as a router knows them: output bound and tokens so far."""
+        return tuple(
+            MdRun(a.trace.max_tokens, min(done, a.trace.max_tokens))
+            for a, done in md.running_progress(now)
+            if isinstance(a, _Req)
+        )
 
     @staticmethod
     def _md_prefill(lane: MdPrefillLane, missing: int, matched: int, now: float) -> MdPrefill:

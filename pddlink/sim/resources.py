@@ -152,6 +152,14 @@ class DecodeInstance:
         """The ``arg`` of each sequence in the batch."""
         return [seq.arg for _, _, seq in self._running if not seq.gone]
 
+    def running_progress(self, now: float) -> list[tuple[Any, int]]:
+        """The ``arg`` of each sequence in the batch and the tokens it has produced by ``now``
+        (read without advancing the instance)."""
+        v = self._v
+        if now > self._t and self._n:
+            v += (now - self._t) / self._step_s(self._n, self._context)
+        return [(seq.arg, int(v - seq.start_v)) for _, _, seq in self._running if not seq.gone]
+
     @property
     def kv_use_fraction(self) -> float:
         return self._kv_used / self._kv_capacity

@@ -14,6 +14,7 @@ from pddlink.errors import ConfigError
 from pddlink.routing import (
     LinkEstimate,
     MdPrefill,
+    MdRun,
     Option,
     OptionInputs,
     RejectReason,
@@ -22,9 +23,9 @@ from pddlink.routing import (
     estimate_options,
 )
 from pddlink.routing.decode_bound import (
+    MAX_HOLD_S,
     PUSHED_OVER_LIMIT,
     PUSHED_OVER_LIMIT_WITHOUT_RELAY,
-    MAX_HOLD_S,
     RESERVED_SHARE_OF_BOUND,
     expected_pushed_over,
     hold_for_short_runs,
@@ -122,22 +123,24 @@ def test_a_running_request_bounded_shorter_than_a_stall_breaks_is_pushed_over_fo
     request whose max_tokens is 8 ends that short whatever the share says."""
     rare = OutputLengths.of([10] * 9 + [5910])
     assert choose_option(overloaded(md_outputs=rare, md_running=1), PDD_RECOMPUTE).option is Option.RECOMPUTE
-    d = choose_option(overloaded(md_outputs=rare, md_running=1, md_running_bounds=(8,)), PDD_RECOMPUTE)
+    d = choose_option(overloaded(md_outputs=rare, md_running=1, md_runs=(MdRun(8),)), PDD_RECOMPUTE)
     rec = d.estimate(Option.RECOMPUTE)
     assert rec is not None and rec.md_pushed_over == pytest.approx(1.0)
     assert d.option is Option.RELAY  # RLD serves it and the short request keeps its TPOT
     no_relay = replace(PDD_RECOMPUTE, relay_enabled=False)  # refusing it would trade one for one
-    kept = choose_option(overloaded(md_outputs=rare, md_running=1, md_running_bounds=(8,)), no_relay)
+    kept = choose_option(overloaded(md_outputs=rare, md_running=1, md_runs=(MdRun(8),)), no_relay)
     assert kept.option is Option.RECOMPUTE
     rec = kept.estimate(Option.RECOMPUTE)
     assert rec is not None and rec.md_pushed_over == pytest.approx(0.015)  # the share's estimate
-    long = overloaded(md_outputs=rare, md_running=1, md_running_bounds=(14,))  # not under 13.7
+    long = overloaded(md_outputs=rare, md_running=1, md_runs=(MdRun(14),))  # not under 13.7
     assert choose_option(long, PDD_RECOMPUTE).option is Option.RECOMPUTE
-    assert expected_pushed_over(3, (8, 9, 500), 13.7, rare) == pytest.approx(2.015)
-    assert expected_pushed_over(1, (8, 9), 13.7, rare) == 1.0  # never more than MD runs
-    assert expected_pushed_over(0, (8,), 13.7, rare) == 0.0
+    assert expected_pushed_over(3, (MdRun(8), MdRun(9), MdRun(500)), 13.7, rare) == pytest.approx(2.015)
+    assert expected_pushed_over(1, (MdRun(8), MdRun(9)), 13.7, rare) == 1.0  # never more than MD runs
+    assert expected_pushed_over(0, (MdRun(8),), 13.7, rare) == 0.0
     with pytest.raises(ConfigError):
-        overloaded(md_running_bounds=(0,))
+        MdRun(0)
+    with pytest.raises(ConfigError):
+        MdRun(8, -1)
 
 
 def test_a_recompute_holds_until_the_short_runs_it_would_push_over_end() -> None:
@@ -145,15 +148,17 @@ def test_a_recompute_holds_until_the_short_runs_it_would_push_over_end() -> None
     under 19.2 tokens. A run bounded at 8 tokens ends within 32 ms: the recompute waits that long
     and pushes nobody over for certain; one bounded at 30 is not pushed over; one at 18 (72 ms)
     still could be held, one at 19 with a 4 ms step beyond the 0.1 s limit could not."""
-    assert hold_for_short_runs((8, 500), 19.2, 0.004) == (pytest.approx(0.032), (500,))
-    assert hold_for_short_runs((8, 18, 30), 19.2, 0.004) == (pytest.approx(0.072), (30,))
-    assert hold_for_short_runs((30, 500), 19.2, 0.004) == (0.0, (30, 500))  # nobody pushed over
-    assert hold_for_short_runs((19,), 19.2, 0.006) == (0.0, (19,))  # 114 ms: past MAX_HOLD_S
+    r8, r18, r30, r500 = MdRun(8), MdRun(18), MdRun(30), MdRun(500)
+    assert hold_for_short_runs((r8, r500), 19.2, 0.004) == (pytest.approx(0.032), (r500,))
+    assert hold_for_short_runs((r8, r18, r30), 19.2, 0.004) == (pytest.approx(0.072), (r30,))
+    assert hold_for_short_runs((r30, r500), 19.2, 0.004) == (0.0, (r30, r500))  # nobody pushed over
+    assert hold_for_short_runs((MdRun(19),), 19.2, 0.006) == (0.0, (MdRun(19),))  # 114 ms: past MAX_HOLD_S
+    assert hold_for_short_runs((MdRun(19, 5),), 19.2, 0.006) == (pytest.approx(0.084), ())  # 14 left
     assert 19 * 0.006 > MAX_HOLD_S >= 18 * 0.004
     rare = OutputLengths.of([10] * 9 + [5910])  # 1.5% of recent tokens in requests under 19.2
     short = replace(
         overloaded(
-            md_outputs=rare, md_running=2, md_running_bounds=(8, 500), md_tpot_s=0.004, tpot_bound_s=0.01
+            md_outputs=rare, md_running=2, md_runs=(MdRun(8), MdRun(500)), md_tpot_s=0.004, tpot_bound_s=0.01
         ),
         routing=routing(link=BUSY, rld_tpot_s=0.005),  # RLD keeps the bound: runs known short count
     )
@@ -166,7 +171,7 @@ def test_a_recompute_holds_until_the_short_runs_it_would_push_over_end() -> None
     relay_recompute = d.estimate(Option.RELAY_RECOMPUTE)  # RLD streams at once: nothing is held
     assert relay_recompute is not None and relay_recompute.hold_s == 0.0
     assert relay_recompute.md_pushed_over == pytest.approx(1.015)
-    too_long = replace(short, md_running_bounds=(19, 500), md_tpot_s=0.006)  # 114 ms to wait
+    too_long = replace(short, md_runs=(MdRun(19), MdRun(500)), md_tpot_s=0.006)  # 114 ms to wait
     d = choose_option(too_long, PDD_RECOMPUTE)
     rec = d.estimate(Option.RECOMPUTE)
     assert rec is not None and rec.hold_s == 0.0 and rec.md_pushed_over >= 1.0

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from engines_adapter import SamplingParams
-from pddlink.routing import Option, RejectReason
+from pddlink.routing import MdRun, Option, RejectReason
 from router import Router, RouterConfig
 from router.admission import Overloaded
 from router.answer import GenerateEvent
@@ -135,7 +135,9 @@ def test_a_run_on_md_bounded_short_counts_as_pushed_over_by_a_recompute() -> Non
         route = router.fleet.place(tuple(PROMPT), time.monotonic())
         router.fleet.begin(route, relayed=False)
         router.routes["short"], router.bounds["short"] = route, 8  # what a run registers on its MD
-        assert router.output_bounds(route.md.name) == (8,) and router.output_bounds("elsewhere") == ()
+        router.produced["short"] = 3  # tokens it streamed so far
+        assert router.md_runs(route.md.name) == (MdRun(8, 3),) and router.md_runs("elsewhere") == ()
+        router.produced["short"] = 0  # 8 tokens to go at 15 ms: 120 ms, too long to hold for
         decision, _ = router.decide(tuple(PROMPT), 64, "", 30.0)
         rec = decision.estimate(Option.RECOMPUTE)
         assert rec is not None and rec.md_pushed_over == pytest.approx(1.0)

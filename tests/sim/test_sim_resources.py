@@ -62,3 +62,20 @@ def test_decode_remove_reports_tokens_so_far() -> None:
     assert d.remove(seq, 1.05) == 10
     clock.run()
     assert "a" not in done and d.load == 0
+
+
+def test_running_progress_reads_each_sequences_tokens_without_advancing() -> None:
+    """Two sequences at 0.03 s a step: by 0.3 s each has produced 10 tokens; a third joins then (a
+    step takes 0.04 s from there); reading the progress twice gives the same and moves nothing."""
+    fig = AFigures(decode_step_s=0.01, decode_seq_s=0.01, decode_kv_token_s=0.0)
+    clock = Clock()
+    d = DecodeInstance(clock, InstanceModel(GPU_A, 1, fig), "d0")
+    _done, cb = _collect()
+    for name in ("a", "b"):
+        d.admit(DecodeSeq(100, 10, cb, name, lambda t, a: None), 0.0)
+    clock.run(until=0.3)
+    assert dict(d.running_progress(0.3)) == {"a": 10, "b": 10}
+    d.admit(DecodeSeq(100, 10, cb, "c", lambda t, a: None), 0.3)
+    assert dict(d.running_progress(0.3))["c"] == 0
+    progress = dict(d.running_progress(0.5))  # 0.2 s at 0.04 s a step: 5 more each
+    assert progress == {"a": 15, "b": 15, "c": 5} and dict(d.running_progress(0.5)) == progress
