@@ -362,7 +362,8 @@ class Router:
         self.rld_tpot.observe(out)
         if run.trace.outcome is RunOutcome.FINISHED:
             tokens = out.get("tokens") or {}
-            self.outputs.add(int(out.get("output_tokens") or 0), int(tokens.get("rld", 0)))
+            n = int(out.get("output_tokens") or 0)
+            self.outputs.add(n, int(tokens.get("rld", 0)), self._missed_tpot(out, n))
         return RequestEnd(
             label,
             r.sid,
@@ -387,6 +388,13 @@ class Router:
             self.md_book.finish(r.sid)
             raise
         r.stamps["held"] = time.monotonic()
+
+    def _missed_tpot(self, out: dict[str, Any], n: int) -> bool:
+        """A finished request's TPOT (after its first token, per further token) past the SLO's."""
+        ttft, e2e = out.get("ttft_s"), out.get("e2e_s")
+        if not self.cfg.slo_tpot_ms or n < 2 or not isinstance(ttft, float) or not isinstance(e2e, float):
+            return False
+        return (e2e - ttft) / (n - 1) * 1e3 > self.cfg.slo_tpot_ms
 
     def _start(
         self,

@@ -90,6 +90,7 @@ def option_inputs(
         md_outputs=router.outputs.lengths(),
         md_runs=md_runs,
         rld_token_share=router.outputs.rld_share(),
+        rld_miss_share=router.outputs.relay_miss_share(),
     )
 
 

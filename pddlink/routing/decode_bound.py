@@ -191,19 +191,27 @@ def expected_pushed_over(
 
 
 def hold_for_short_runs(
-    runs: tuple[MdRun, ...], below: float, tpot_s: float, max_hold_s: float = MAX_HOLD_S
+    runs: tuple[MdRun, ...], below: float, tpot_s: float, queue_s: float = 0.0, max_hold_s: float = MAX_HOLD_S
 ) -> tuple[float, tuple[MdRun, ...]]:
     """How long MD should hold a recompute (``Option.RECOMPUTE``) so that the requests it decodes
-    which the stall would push over for certain (output bound under ``below`` tokens) and which end
-    within ``max_hold_s`` at ``tpot_s`` a token end before it starts: the hold (0: none to spare),
-    and the runs still decoding when it starts (those ending within the hold gone).
+    which the stall would push over for certain (output bound under ``below`` tokens) end before it
+    starts, where that holds it at most ``max_hold_s`` past MD's prefill queue (``queue_s``, which it
+    waits behind anyway): the hold from now (0: none to spare), and the runs still decoding when
+    it starts (those ending within the hold gone).
 
-    A run has at most ``MdRun.left`` tokens to go, so the hold is an upper estimate of when the
-    spared ones end. Without it, the wan-overload conversation trace (2026-12-06) lost 3 requests
-    a run of 8-9 output tokens (TPOT 11-16 ms against 10) to recomputes of 40-180 ms started while
-    they decoded, where no relay option was open to spare them otherwise."""
-    spared = [r.left * tpot_s for r in runs if r.bound < below and r.left * tpot_s <= max_hold_s]
+    A run that has produced tokens decodes now and ends within ``MdRun.left`` tokens at ``tpot_s``;
+    one that has produced none is still in MD's queue (or on RLD) and ends that long after the queue.
+    Both are upper estimates. Without the hold, the wan-overload conversation trace (2026-12-06) lost
+    3 requests a run of 8-9 output tokens (TPOT 11-16 ms against 10) to recomputes of 40-180 ms
+    started while they decoded, where no relay option was open to spare them otherwise; holding
+    only for a run's own tokens left one of them stalled 96 ms, decided while its prefill was still
+    queued."""
+
+    def end_s(r: MdRun) -> float:
+        return r.left * tpot_s + (queue_s if r.produced == 0 else 0.0)
+
+    spared = [end_s(r) for r in runs if r.bound < below and end_s(r) - queue_s <= max_hold_s]
     if not spared:
         return 0.0, runs
     hold = max(spared)
-    return hold, tuple(r for r in runs if r.left * tpot_s > hold)
+    return hold, tuple(r for r in runs if end_s(r) > hold)

@@ -160,7 +160,8 @@ class OptionInputs:
     the output bounds (``max_tokens``) of those MD runs now, where known (see
     ``expected_pushed_over``). ``rld_token_share``:
     RelayDecode's share of the output tokens produced lately (``OutputBook.rld_share``), against
-    ``RoutingPolicy.rld_token_budget``.
+    ``RoutingPolicy.rld_token_budget``. ``rld_miss_share``: of the requests relayed lately, the share
+    that missed the TPOT bound (``OutputBook.relay_miss_share``): what a relay is expected to cost.
     """
 
     routing: RoutingInputs
@@ -176,12 +177,14 @@ class OptionInputs:
     md_outputs: OutputLengths = field(default_factory=lambda: OutputLengths())
     md_runs: tuple[MdRun, ...] = ()
     rld_token_share: float = 0.0
+    rld_miss_share: float = 0.0
 
     def __post_init__(self) -> None:
         require(self.deadline_s is None or self.deadline_s > 0, "deadline_s must be > 0 or None")
         require(self.tpot_bound_s is None or self.tpot_bound_s > 0, "tpot_bound_s must be > 0 or None")
         require(self.md_running >= 0, "md_running must be >= 0")
         require(0 <= self.rld_token_share <= 1, "rld_token_share must be in [0, 1]")
+        require(0 <= self.rld_miss_share <= 1, "rld_miss_share must be in [0, 1]")
         require(self.ttft_deadline_s is None or self.ttft_deadline_s > 0, "ttft_deadline_s must be > 0")
         for name in ("p_prefill_s", "fast_s", "extend_s"):
             require(getattr(self, name) >= 0, f"{name} must be >= 0")
@@ -294,7 +297,7 @@ def estimate_options(
             below = md.pushed_over_below(r.missing_tokens, headroom, inputs.md_tpot_s)
             runs = inputs.md_runs
             pushed = expected_pushed_over(inputs.md_running, runs, below, lengths, certain=certain)
-            hold, left = hold_for_short_runs(runs, below, inputs.md_tpot_s)
+            hold, left = hold_for_short_runs(runs, below, inputs.md_tpot_s, md.queue_s)
             running = max(0, inputs.md_running - (len(runs) - len(left)))
             held_pushed = expected_pushed_over(running, left, below, lengths, certain=certain)
     rld_first = inputs.p_prefill_s + inputs.fast_s + r.rld_tpot_s
@@ -304,7 +307,8 @@ def estimate_options(
     for option in allowed_options(inputs, policy):
         ready = recompute_ready if option.recomputes else ship_ready
         held = hold if option is Option.RECOMPUTE else 0.0
-        ready += held
+        if held and md is not None:  # it waits behind MD's queue anyway: the hold adds what is past it
+            ready += max(0.0, held - md.queue_s)
         if option is Option.SINGULAR:
             first, ready, finish, on_rld = rld_first, math.inf, rld_alone, float(out_tokens)
         elif option.relays:
@@ -336,7 +340,12 @@ def choose_option(inputs: OptionInputs, policy: RoutingPolicy) -> OptionDecision
     wan_s = r.link.transfer_s(r.wan_bytes)
     every = estimate_options(inputs, policy)
     bound = inputs.tpot_bound_s
-    fits = {e.option: e for e in every if e.meets(inputs.deadline_s, inputs.ttft_deadline_s, bound)}
+    # recompute may push over as many of MD's runs as a relay is expected to break itself: RLD shares
+    # its chips with P's prefill and missed the bound on 2 of 21 relays in wan-overload's
+    # conversation trace (2026-12-06, 12-24 ms a token against 10), requests that recomputing,
+    # expected to push 0.02-0.06 runs over, would have served (unbounded recompute did)
+    strict = max(PUSHED_OVER_LIMIT, inputs.rld_miss_share)
+    fits = {e.option: e for e in every if e.meets(inputs.deadline_s, inputs.ttft_deadline_s, bound, strict)}
     if not any(o.relays for o in fits):  # no relay keeps the bounds: recompute may cost a little more
         loose = PUSHED_OVER_LIMIT_WITHOUT_RELAY
         if inputs.md_runs:  # a run known short counts for certain only where RLD can serve this one

@@ -46,9 +46,13 @@ class OutputBook:
     """What the requests that finished lately produced, over the last ``window``: their output
     lengths (``lengths``, what the TPOT bound judges a recompute's stall by; ``tokens``: their
     token-weighted mean) and RelayDecode's share of their tokens (``rld_share``), which
-    ``RoutingPolicy.rld_token_budget`` caps. Output bounds say little (most are the API's
-    default), so this is what requests produced. The router and the simulator keep one each;
-    sans-I/O."""
+    ``RoutingPolicy.rld_token_budget`` caps; and of the relayed ones lately (RLD produced some of
+    their tokens), the share that missed the SLO's TPOT (``relay_miss_share``: what relaying a
+    request is expected to cost, against what recomputing it costs MD's runs). Output bounds say
+    little (most are the API's default), so this is what requests produced. The router and the
+    simulator keep one each; sans-I/O."""
+
+    RELAY_WINDOW = 64  # the relayed requests the miss share is taken over
 
     def __init__(self, window: int = 256) -> None:
         if window < 1:
@@ -57,9 +61,14 @@ class OutputBook:
         self._order: deque[tuple[int, int]] = deque()  # (output tokens, of them produced on RLD)
         self._sum = self._squares = self._rld = 0
         self._lengths: OutputLengths | None = None  # built on demand, until the next add
+        self._relays: deque[bool] = deque(maxlen=self.RELAY_WINDOW)  # each relayed request: missed
 
-    def add(self, output_tokens: int, rld_tokens: int = 0) -> None:
+    def add(self, output_tokens: int, rld_tokens: int = 0, missed_tpot: bool = False) -> None:
+        """A finished request: its output, the tokens RLD produced of it, and whether its TPOT
+        missed the SLO's (counted for relayed requests only)."""
         n, rld = max(0, output_tokens), min(max(0, rld_tokens), max(0, output_tokens))
+        if rld:
+            self._relays.append(missed_tpot)
         self._lengths = None
         self._order.append((n, rld))
         self._sum, self._squares, self._rld = self._sum + n, self._squares + n * n, self._rld + rld
@@ -79,3 +88,7 @@ class OutputBook:
 
     def rld_share(self) -> float:
         return self._rld / self._sum if self._sum else 0.0
+
+    def relay_miss_share(self) -> float:
+        """Of the last ``RELAY_WINDOW`` relayed requests, the share that missed the TPOT SLO."""
+        return sum(self._relays) / len(self._relays) if self._relays else 0.0

@@ -401,6 +401,7 @@ class Simulation:
             md_outputs=self.outputs.lengths(),
             md_runs=self._md_runs(md, now) if d.tpot_bound_s is not None else (),
             rld_token_share=self.finished.rld_share(),
+            rld_miss_share=self.finished.relay_miss_share(),
         )
         decision = choose_option(inputs, policy)
         return decision.option, decision.hold_s
@@ -510,8 +511,15 @@ class Simulation:
         rec.finish_s = now + req.back_s
         self._ended(rec.finish_s, req)
         rec.md_tokens = req.trace.output_tokens - rec.rld_tokens
-        self.finished.add(req.trace.output_tokens, rec.rld_tokens)
+        self.finished.add(req.trace.output_tokens, rec.rld_tokens, self._missed_tpot(rec, req))
         self._release(req)
+
+    def _missed_tpot(self, rec: Record, req: _Req) -> bool:
+        """A finished request's TPOT past the deployment's bound (what the router's book records)."""
+        n, bound = req.trace.output_tokens, self.d.tpot_bound_s
+        if bound is None or n < 2 or rec.first_token_s < 0:
+            return False
+        return (rec.finish_s - rec.first_token_s) / (n - 1) > bound
 
     def _land(self, now: float, req: _Req) -> None:
         """MD holds the prompt's KV: it enters MD's DRC (pinned while the sequence runs)."""
@@ -552,7 +560,7 @@ class Simulation:
         rec.rld_tokens = req.trace.output_tokens
         rec.finish_s = now
         self._ended(now, req)
-        self.finished.add(req.trace.output_tokens, rec.rld_tokens)
+        self.finished.add(req.trace.output_tokens, rec.rld_tokens, self._missed_tpot(rec, req))
         if req.pipeline is Pipeline.SINGULAR:
             return
         if rec.kv_transfer_s >= 0 or req.md_ready:  # catch-up was under way; MD already has the KV

@@ -31,7 +31,7 @@ from pddlink.routing.decode_bound import (
     hold_for_short_runs,
     tpot_headroom_s,
 )
-from pddlink.routing.outputs import OutputLengths
+from pddlink.routing.outputs import OutputBook, OutputLengths
 from tests.routing.test_routing_options import LINE, PDD_RECOMPUTE, option_inputs, policies, routing
 
 BUSY = LinkEstimate(LINE, 0.02, flows_in_flight=10, backlog_bytes=40_000_000)
@@ -181,6 +181,53 @@ def test_a_recompute_holds_until_the_short_runs_it_would_push_over_end() -> None
     assert d.option is Option.RECOMPUTE and d.hold_s == pytest.approx(0.032)
     unbounded = choose_option(replace(short, tpot_bound_s=None), PDD_RECOMPUTE)
     assert unbounded.hold_s == 0.0  # no bound, no stall to spare anyone
+
+
+def test_a_run_still_in_mds_queue_is_held_for_past_the_queue() -> None:
+    """A run that has produced nothing waits in MD's queue (50 ms of prefill) and then decodes its 8
+    tokens: it ends 82 ms from now, so a recompute holds that long, 32 ms past the queue it waits
+    behind anyway; a run already decoding with 4 tokens left ends before the queue does."""
+    queued = MdPrefill(8000.0, queue_s=0.05)
+    assert hold_for_short_runs((MdRun(8),), 30.0, 0.004, queued.queue_s) == (pytest.approx(0.082), ())
+    assert hold_for_short_runs((MdRun(8, 4),), 30.0, 0.004, queued.queue_s) == (pytest.approx(0.016), ())
+    rare = OutputLengths.of([10] * 9 + [5910])
+    base = replace(
+        overloaded(queued, md_outputs=rare, md_running=1, md_tpot_s=0.004, tpot_bound_s=0.01),
+        routing=routing(link=BUSY, rld_tpot_s=0.005),
+    )
+    plain = estimate_options(base, PDD_RECOMPUTE)
+    for runs, extra in (((MdRun(8),), 0.032), ((MdRun(8, 4),), 0.0)):
+        held = estimate_options(replace(base, md_runs=runs), PDD_RECOMPUTE)
+        before = next(e for e in plain if e.option is Option.RECOMPUTE)
+        after = next(e for e in held if e.option is Option.RECOMPUTE)
+        assert after.hold_s > 0 and after.md_ready_s == pytest.approx(before.md_ready_s + extra)
+
+
+def test_recompute_may_push_over_as_many_as_relays_lately_missed() -> None:
+    """Recompute expected to push 0.045 of MD's runs over loses to a relay while relays keep the
+    bound; once 1 relay in 10 lately missed it on RLD, recompute is the smaller harm."""
+    rare = OutputLengths.of([10] * 9 + [5910])  # 1.5% of the tokens in requests that short
+    three = overloaded(md_outputs=rare, md_running=3)
+    assert choose_option(three, PDD_RECOMPUTE).option is Option.RELAY
+    d = choose_option(replace(three, rld_miss_share=0.1), PDD_RECOMPUTE)
+    rec = d.estimate(Option.RECOMPUTE)
+    assert d.option is Option.RECOMPUTE and rec is not None and rec.md_pushed_over == pytest.approx(0.045)
+    assert choose_option(replace(three, rld_miss_share=0.04), PDD_RECOMPUTE).option is Option.RELAY
+    with pytest.raises(ConfigError):
+        replace(three, rld_miss_share=1.5)
+
+
+def test_the_relay_miss_share_counts_relayed_requests_only_over_a_window() -> None:
+    book = OutputBook()
+    assert book.relay_miss_share() == 0.0
+    book.add(100, 0, missed_tpot=True)  # not relayed: MD's own miss is charged by the bound itself
+    assert book.relay_miss_share() == 0.0
+    book.add(40, 40, missed_tpot=True)
+    book.add(50, 10, missed_tpot=False)
+    assert book.relay_miss_share() == pytest.approx(0.5)
+    for _ in range(OutputBook.RELAY_WINDOW):
+        book.add(20, 20)
+    assert book.relay_miss_share() == 0.0  # the old miss has left the window
 
 
 def test_an_idle_md_pushes_nobody_over_and_rides_no_decode_steps() -> None:
