@@ -196,8 +196,9 @@ def hold_for_short_runs(
     """How long MD should hold a recompute (``Option.RECOMPUTE``) so that the requests it decodes
     which the stall would push over for certain (output bound under ``below`` tokens) end before it
     starts, where that holds it at most ``max_hold_s`` past MD's prefill queue (``queue_s``, which it
-    waits behind anyway): the hold from now (0: none to spare), and the runs still decoding when
-    it starts (those ending within the hold gone).
+    waits behind anyway): when the last spared run ends, from now (0: none to spare; the router
+    waits what of it is past the queue, ``OptionEstimate.hold_s``), and the runs still decoding
+    when it starts (those ending by then gone).
 
     A run that has produced tokens decodes now and ends within ``MdRun.left`` tokens at ``tpot_s``;
     one that has produced none is still in MD's queue (or on RLD) and ends that long after the queue.

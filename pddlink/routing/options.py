@@ -204,7 +204,7 @@ class OptionEstimate:
     md_batch_tpot_s: float = 0.0  # what MD's running requests get while it recomputes, on average
     md_pushed_over: float = 0.0  # of them, how many it is expected to push over the TPOT bound
     line_s: float = 0.0  # how long the KV it ships holds the whole line (0: it ships nothing)
-    hold_s: float = 0.0  # recompute: how long MD waits before prefilling (``hold_for_short_runs``)
+    hold_s: float = 0.0  # recompute: how long the router waits before sending it (``hold_for_short_runs``)
 
     def meets(
         self,
@@ -306,9 +306,9 @@ def estimate_options(
     estimates = []
     for option in allowed_options(inputs, policy):
         ready = recompute_ready if option.recomputes else ship_ready
-        held = hold if option is Option.RECOMPUTE else 0.0
-        if held and md is not None:  # it waits behind MD's queue anyway: the hold adds what is past it
-            ready += max(0.0, held - md.queue_s)
+        # it waits behind MD's queue anyway: the router holds it only for what is past the queue
+        held = max(0.0, hold - md.queue_s) if option is Option.RECOMPUTE and md is not None else 0.0
+        ready += held
         if option is Option.SINGULAR:
             first, ready, finish, on_rld = rld_first, math.inf, rld_alone, float(out_tokens)
         elif option.relays:
@@ -328,7 +328,8 @@ def estimate_options(
             # MD's prefill work still queued when this request starts decoding there stalls it too
             left_s = MdPrefill(md.tokens_per_s, max(0.0, md.queue_s - ready), md.chunk_tokens)
             own += left_s.tpot_cost_s(0, out_tokens) if left_s.queue_s > 0 else 0.0
-        charged, over = (batch_tpot, held_pushed if held else pushed) if option.recomputes else (0.0, 0.0)
+        spared = option is Option.RECOMPUTE and hold > 0
+        charged, over = (batch_tpot, held_pushed if spared else pushed) if option.recomputes else (0.0, 0.0)
         line = r.wan_bytes / r.link.line_bytes_per_s if option.ships_kv else 0.0
         estimates.append(OptionEstimate(option, first, ready, finish, on_rld, own, charged, over, line, held))
     return tuple(estimates)

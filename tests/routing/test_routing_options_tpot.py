@@ -185,8 +185,9 @@ def test_a_recompute_holds_until_the_short_runs_it_would_push_over_end() -> None
 
 def test_a_run_still_in_mds_queue_is_held_for_past_the_queue() -> None:
     """A run that has produced nothing waits in MD's queue (50 ms of prefill) and then decodes its 8
-    tokens: it ends 82 ms from now, so a recompute holds that long, 32 ms past the queue it waits
-    behind anyway; a run already decoding with 4 tokens left ends before the queue does."""
+    tokens: it ends 82 ms from now, so the router holds the recompute the 32 ms of that past the
+    queue it waits behind anyway; a run already decoding with 4 tokens left ends before the queue
+    does, and nothing is held for it."""
     queued = MdPrefill(8000.0, queue_s=0.05)
     assert hold_for_short_runs((MdRun(8),), 30.0, 0.004, queued.queue_s) == (pytest.approx(0.082), ())
     assert hold_for_short_runs((MdRun(8, 4),), 30.0, 0.004, queued.queue_s) == (pytest.approx(0.016), ())
@@ -200,7 +201,9 @@ def test_a_run_still_in_mds_queue_is_held_for_past_the_queue() -> None:
         held = estimate_options(replace(base, md_runs=runs), PDD_RECOMPUTE)
         before = next(e for e in plain if e.option is Option.RECOMPUTE)
         after = next(e for e in held if e.option is Option.RECOMPUTE)
-        assert after.hold_s > 0 and after.md_ready_s == pytest.approx(before.md_ready_s + extra)
+        assert after.hold_s == pytest.approx(extra)  # what the router waits: past the queue only
+        assert after.md_ready_s == pytest.approx(before.md_ready_s + extra)
+        assert after.md_pushed_over == pytest.approx(0.0)  # the short run has ended either way
 
 
 def test_recompute_may_push_over_as_many_as_relays_lately_missed() -> None:
