@@ -52,8 +52,13 @@ def sample_tokens(
 
     Greedy rows take the argmax; the sampled rows are drawn together by ``draw_tokens``.
     """
-    out = torch.argmax(logits, dim=-1).tolist()
+    out = [0] * len(params)
+    greedy = [b for b, sp in enumerate(params) if sp.greedy]
     rows = [b for b, sp in enumerate(params) if not sp.greedy]
+    if greedy:  # argmax only where a row is greedy (a sampled batch pays nothing for it)
+        picked = logits if len(greedy) == len(out) else logits[greedy]
+        for b, tok in zip(greedy, torch.argmax(picked, dim=-1).tolist(), strict=True):
+            out[b] = int(tok)
     if rows:
         picked = logits if len(rows) == len(out) else logits[rows]
         drawn = draw_tokens(
@@ -65,7 +70,7 @@ def sample_tokens(
         )
         for b, tok in zip(rows, drawn, strict=True):
             out[b] = tok
-    return [int(t) for t in out]
+    return out
 
 
 def draw_token(
