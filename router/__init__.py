@@ -49,7 +49,7 @@ from pddlink.routing import (
     RoutingPolicy,
 )
 from pddlink.routing.books import PrefillBook, StallLedger, TpotBook
-from pddlink.routing.outputs import OutputBook
+from pddlink.routing.outputs import OutputBook, missed_tpot
 from pddlink.serving.grpc_tls import CallerCheck
 from router.admission import Overloaded
 from router.answer import GenerateEvent, RequestEnd, StreamedToken
@@ -392,9 +392,9 @@ class Router:
     def _missed_tpot(self, out: dict[str, Any], n: int) -> bool:
         """A finished request's TPOT (after its first token, per further token) past the SLO's."""
         ttft, e2e = out.get("ttft_s"), out.get("e2e_s")
-        if not self.cfg.slo_tpot_ms or n < 2 or not isinstance(ttft, float) or not isinstance(e2e, float):
+        if not isinstance(ttft, float) or not isinstance(e2e, float):
             return False
-        return (e2e - ttft) / (n - 1) * 1e3 > self.cfg.slo_tpot_ms
+        return missed_tpot(ttft, e2e, n, self.cfg.slo_tpot_ms / 1e3 if self.cfg.slo_tpot_ms else None)
 
     def _start(
         self,

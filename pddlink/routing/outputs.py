@@ -42,6 +42,15 @@ class OutputLengths:
         return max(1.0, sum(n * n for n in self.sorted_tokens) / total) if total else 1.0
 
 
+def missed_tpot(first_token_s: float, end_s: float, tokens: int, bound_s: float | None) -> bool:
+    """Whether a finished request of ``tokens`` output tokens, its first out at ``first_token_s`` and
+    its last at ``end_s``, took longer than ``bound_s`` per token after the first (no bound, or one
+    token: never)."""
+    if bound_s is None or tokens < 2:
+        return False
+    return (end_s - first_token_s) / (tokens - 1) > bound_s
+
+
 class OutputBook:
     """What the requests that finished lately produced, over the last ``window``: their output
     lengths (``lengths``, what the TPOT bound judges a recompute's stall by; ``tokens``: their

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from pddlink.routing import (
     BacklogReport,
@@ -41,11 +41,8 @@ from pddlink.routing import (
     LinkEstimate,
     LinkModel,
     LinkView,
-    MdPrefill,
-    MdRun,
     MdSnapshot,
     Option,
-    OptionInputs,
     Pipeline,
     Placement,
     PlacementConfig,
@@ -54,15 +51,13 @@ from pddlink.routing import (
     PlacementRequest,
     PSnapshot,
     RldSnapshot,
-    RoutingInputs,
     choose_handoff_mode,
-    choose_option,
-    choose_pipeline,
     choose_rld,
     place,
 )
-from pddlink.routing.outputs import OutputBook
+from pddlink.routing.outputs import OutputBook, missed_tpot
 from pddlink.sim.cache import DecodeCache
+from pddlink.sim.choice import choose
 from pddlink.sim.deploy import Deployment, Kind, Link
 from pddlink.sim.md_lane import MdPrefillLane
 from pddlink.sim.records import Record, RunRecords
@@ -77,11 +72,6 @@ from pddlink.sim.wan import LineStats, WanLine
 # affinity puts all of its sequences over it.
 BALANCE_QUEUE = 16
 BACKLOG_POLL_S = 0.5  # the router reads P's transfer state this often (``pddlink.serving.backlog``)
-_SHIPPING_OPTION = {
-    Pipeline.P_MD: Option.SHIP,
-    Pipeline.P_RLD_MD: Option.RELAY,
-    Pipeline.SINGULAR: Option.SINGULAR,
-}
 
 
 @dataclass(slots=True)
@@ -166,7 +156,7 @@ class Simulation:
         self._p_rate = [1.0 / max(1e-12, p.model.prefill_s(4096, 0) / 4096) for p in self.prefill]
         self._decode_index = {x.name: i for i, x in enumerate(self.decode)}
         self._wan_bytes = [0] * len(sites)  # measured requests' KV bytes put on each site's line
-        # the router's view of each line the router models apart from the line itself (``_line_view``)
+        # the router's view of each line the router models apart from the line itself (``line_view``)
         self.link_models = [
             None
             if x.seen is None
@@ -254,7 +244,7 @@ class Simulation:
         links: tuple[LinkView, ...] = ()
         if d.crosses_wan:
             links = tuple(
-                LinkView(self._p_dc, x.datacenter, self._line_view(k, now)) for k, x in enumerate(self.sites)
+                LinkView(self._p_dc, x.datacenter, self.line_view(k, now)) for k, x in enumerate(self.sites)
             )
         remembered = hashes if self.placement.policy is PlacementPolicy.PREFIX_HASH else ()
         request = PlacementRequest(r.prompt_tokens, self.block_tokens, d.kv_bytes_per_token, remembered)
@@ -262,7 +252,7 @@ class Simulation:
         assert isinstance(got, Placement), got  # every simulated instance is healthy
         return got
 
-    def _line_view(self, k: int, now: float) -> LinkEstimate:
+    def line_view(self, k: int, now: float) -> LinkEstimate:
         """Site ``k``'s line as the router sees it: the line itself, or (``DecodeSite.seen``) the
         router's own ``LinkModel`` of the line it assumes, fed as the router feeds it: a flow per
         admitted request that ships KV (ended with the request, with P's measure of the transfer
@@ -314,7 +304,7 @@ class Simulation:
         cache = self.caches[i]
         matched = placed.matched_tokens
         p = self._p_by_name[placed.p]
-        option, hold_s = (forced, 0.0) if forced else self._choose(r, matched, now, i, p.backlog_s(now))
+        option, hold_s = (forced, 0.0) if forced else choose(self, r, matched, now, i, p.backlog_s(now))
         rec = Record(r.arrival_s, r.output_tokens, Pipeline.P_MD, measured=r.arrival_s >= warmup_s)
         if self.d.tpot_bound_s is not None:  # the router learns the same from finished requests
             self.outputs.add(r.output_tokens)
@@ -349,80 +339,6 @@ class Simulation:
                 req.p_cache = self.p_caches[self._p_index[placed.p]]
                 p_matched = min(r.prompt_tokens - 1, req.p_cache.matched_blocks(hashes) * b)
             p.submit(r.prompt_tokens - p_matched, p_matched, now, self._prefilled, req)
-
-    def _choose(
-        self, r: TraceRequest, matched: int, now: float, i: int, p_backlog_s: float
-    ) -> tuple[Option | None, float]:
-        """The real ``choose_option`` on this instant's state: the line with its backlog, P's queue,
-        MD's prefill lane, RLD's load; the option and how long its start is held
-        (``OptionDecision.hold_s``). Deployments without RLD nor a deadline always ship."""
-        d = self.d
-        if not d.crosses_wan or (d.kind is not Kind.PDD and d.deadline_s is None):
-            return Option.SHIP, 0.0
-        policy = d.policy if d.kind is Kind.PDD else replace(d.policy, relay_enabled=False)
-        active, tpot = 0, math.inf
-        for x in self.relay:
-            active += x.load
-            t = x.tpot_s()
-            if t < tpot:
-                tpot = t
-        routing = RoutingInputs(
-            prompt_tokens=r.prompt_tokens,
-            matched_tokens=matched,
-            kv_bytes_per_token=d.kv_bytes_per_token,
-            max_output_tokens=r.max_tokens,
-            link=self._line_view(self.md_site[i], now),
-            rld_available=bool(self.relay),
-            rld_active=active,
-            rld_capacity=max(1, self.rld_capacity),
-            rld_tpot_s=tpot if math.isfinite(tpot) else 0.03,
-        )
-        if d.deadline_s is None and not self.md_lanes and policy.rld_token_budget >= 1:
-            # no deadline, no recompute, no RLD budget: ``choose_option`` is exactly ``choose_pipeline``
-            # (a property test says so), which is cheaper: the calibrated scenarios run millions of these
-            return _SHIPPING_OPTION[choose_pipeline(routing, policy).pipeline], 0.0
-        missing = r.prompt_tokens - matched
-        p_model, md = self.prefill[0].model, self.decode[i]
-        md_prefill = None
-        if self.md_lanes:
-            md_prefill = self._md_prefill(self.md_lanes[i], missing, matched, now)
-        inputs = OptionInputs(
-            routing,
-            deadline_s=d.deadline_for(r.max_tokens),
-            ttft_deadline_s=d.ttft_deadline_s,
-            p_prefill_s=p_backlog_s + p_model.fig.prefill_batch_s + p_model.prefill_s(missing, matched),
-            fast_s=d.link.fast_s(r.prompt_tokens * d.kv_bytes_per_token),
-            md_prefill=md_prefill,
-            # chunked: MD's decode speed, its prefill queue (``md_prefill``) says what slows it
-            md_tpot_s=md.base_step_s() if d.md_chunk_tokens is not None else md.tpot_s(),
-            extend_s=md.model.extend_s(16),
-            tpot_bound_s=d.tpot_bound_s,
-            md_running=md.running,
-            md_outputs=self.outputs.lengths(),
-            md_runs=self._md_runs(md, now) if d.tpot_bound_s is not None else (),
-            rld_token_share=self.finished.rld_share(),
-            rld_miss_share=self.finished.relay_miss_share(),
-        )
-        decision = choose_option(inputs, policy)
-        return decision.option, decision.hold_s
-
-    @staticmethod
-    def _md_runs(md: DecodeInstance, now: float) -> tuple[MdRun, ...]:
-        """The requests ``md`` decodes now as a router knows them: output bound and tokens so far."""
-        return tuple(
-            MdRun(a.trace.max_tokens, min(done, a.trace.max_tokens))
-            for a, done in md.running_progress(now)
-            if isinstance(a, _Req)
-        )
-
-    @staticmethod
-    def _md_prefill(lane: MdPrefillLane, missing: int, matched: int, now: float) -> MdPrefill:
-        """MD's recompute as the policy sees it: the headroom lane's effective speed, or (chunked)
-        its full speed with the per-step budget, which ``MdPrefill`` spreads over decode steps."""
-        work = lane.work_s(missing, matched)
-        if lane.chunk_tokens is not None:
-            return MdPrefill(missing / max(work, 1e-9), lane.backlog_s(now), lane.chunk_tokens)
-        return MdPrefill(missing / max(work / lane.share(), 1e-9), lane.backlog_s(now))
 
     # -- after prefill ---------------------------------------------------------------------------
 
@@ -516,10 +432,9 @@ class Simulation:
 
     def _missed_tpot(self, rec: Record, req: _Req) -> bool:
         """A finished request's TPOT past the deployment's bound (what the router's book records)."""
-        n, bound = req.trace.output_tokens, self.d.tpot_bound_s
-        if bound is None or n < 2 or rec.first_token_s < 0:
+        if rec.first_token_s < 0:
             return False
-        return (rec.finish_s - rec.first_token_s) / (n - 1) > bound
+        return missed_tpot(rec.first_token_s, rec.finish_s, req.trace.output_tokens, self.d.tpot_bound_s)
 
     def _land(self, now: float, req: _Req) -> None:
         """MD holds the prompt's KV: it enters MD's DRC (pinned while the sequence runs)."""

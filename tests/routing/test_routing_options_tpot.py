@@ -31,7 +31,7 @@ from pddlink.routing.decode_bound import (
     hold_for_short_runs,
     tpot_headroom_s,
 )
-from pddlink.routing.outputs import OutputBook, OutputLengths
+from pddlink.routing.outputs import OutputBook, OutputLengths, missed_tpot
 from tests.routing.test_routing_options import LINE, PDD_RECOMPUTE, option_inputs, policies, routing
 
 BUSY = LinkEstimate(LINE, 0.02, flows_in_flight=10, backlog_bytes=40_000_000)
@@ -479,3 +479,9 @@ def test_a_relay_whose_md_is_ready_before_rld_first_token_hands_over_after_it() 
 def test_no_option_ends_before_its_first_token(inputs: OptionInputs, policy: RoutingPolicy) -> None:
     for e in estimate_options(replace(inputs, tpot_bound_s=BOUND), policy):
         assert e.finish_s >= e.ttft_s - 1e-9 and e.tpot_s >= 0.0, e
+
+
+def test_a_finished_requests_tpot_is_judged_against_the_bound_after_its_first_token() -> None:
+    assert missed_tpot(1.0, 1.8, 9, 0.09)  # 0.8 s over 8 tokens: 100 ms each
+    assert not missed_tpot(1.0, 1.8, 9, 0.1) and not missed_tpot(1.0, 1.8, 9, None)
+    assert not missed_tpot(1.0, 5.0, 1, 0.001)  # one token: no time per further token

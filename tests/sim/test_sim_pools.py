@@ -134,11 +134,11 @@ def test_the_router_sees_its_own_line_and_every_transfer_p_reports() -> None:
     sim = Simulation(
         topology_deployment(load_topology(EXAMPLE), KNOBS, PlacementPolicy.PREFIX_AWARE), KNOBS.block_tokens
     )
-    idle = sim._line_view(0, 0.0)
+    idle = sim.line_view(0, 0.0)
     assert (idle.line_bytes_per_s, idle.pool_size, idle.flows_in_flight, idle.backlog_bytes) == (2e6, 2, 0, 0)
     lingering = SimpleNamespace(rid="gone")
     sim.lines[0].send(4_000_000, 0.0, lambda t, arg: None, lingering)
-    seen = sim._line_view(0, 0.6)  # P's next report
+    seen = sim.line_view(0, 0.6)  # P's next report
     assert seen.flows_in_flight == 1 and 0 < seen.backlog_bytes < 4_000_000
     assert seen.transfer_s(2_000_000) > 2.0  # at the router's rate: the line's 16 Mbit/s
 
